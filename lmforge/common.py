@@ -1,0 +1,172 @@
+"""Small shared helpers: atomic file writes, device/dtype choice, seeding, logging.
+
+Everything here is dependency-light and side-effect free at import time; torch is imported lazily
+inside the functions that need it so that the tokenizer can be used without loading torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+logger = logging.getLogger("lmforge")
+
+
+# --------------------------------------------------------------------------------------------------
+# Files: atomic writes and refusing to clobber
+# --------------------------------------------------------------------------------------------------
+def check_output_path(path: str | os.PathLike, force: bool = False) -> Path:
+    """Return ``path`` as a Path after checking it may be written.
+
+    Raises ``ValueError`` when the file already exists and ``force`` is false, or when the path is
+    an existing directory, so that no user data is overwritten by accident.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"output path {p} is a directory; give a file path")
+    if p.exists() and not force:
+        raise ValueError(f"output file {p} already exists; pass force=True (CLI: --force) to overwrite it")
+    return p
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
+    """Open a temporary file beside ``path`` and rename it over ``path`` only on success.
+
+    A crash, a full disk or an exception while writing leaves the previous file intact and no
+    half-written file under the final name. The data is fsync'ed before the rename.
+    """
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if "b" in mode:
+        encoding = None
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, mode, encoding=encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (see :func:`atomic_open`)."""
+    with atomic_open(path, "w") as f:
+        f.write(text)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (see :func:`atomic_open`)."""
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file, read in chunks (flat memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_input_file(path: str | os.PathLike) -> Path:
+    """Return ``path`` as a Path after checking it is a readable regular file (``ValueError`` if not)."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"input file {p} does not exist; check the path")
+    if p.is_dir():
+        raise ValueError(f"input path {p} is a directory; give a file (or a glob such as '{p}/*.txt')")
+    if not os.access(p, os.R_OK):
+        raise ValueError(f"input file {p} is not readable; check its permissions")
+    return p
+
+
+# --------------------------------------------------------------------------------------------------
+# Devices, dtypes, seeds (torch imported lazily)
+# --------------------------------------------------------------------------------------------------
+def resolve_device(name: str = "auto") -> "Any":
+    """Turn ``"auto" | "cpu" | "cuda" | "cuda:N" | "mps"`` into a ``torch.device``.
+
+    ``auto`` prefers CUDA, then Apple MPS, then the CPU. Asking for a device that is not present
+    raises ``ValueError`` with the devices that are.
+    """
+    import torch
+
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available; use --device cpu or auto")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r} requested but MPS is not available; use --device cpu or auto")
+    return dev
+
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def resolve_dtype(name: str) -> "Any":
+    """Map ``"fp32" | "bf16" | "fp16"`` (or full names) to a ``torch.dtype``; ``ValueError`` otherwise."""
+    import torch
+
+    key = _DTYPES.get(str(name).lower())
+    if key is None:
+        raise ValueError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16")
+    return getattr(torch, key)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators (all devices)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Configure the ``lmforge`` logger once for command-line use (never called on import)."""
+    if not logger.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(h)
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+def num_threads_default() -> int:
+    """Worker threads for CPU-parallel work: the cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def human_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
