@@ -1,0 +1,342 @@
+"""Checkpoints: one safetensors file holding model, optimizer and anything else a resume needs.
+
+File layout (``*.safetensors``, readable by any safetensors loader):
+
+* tensors ``model/<name>`` (the model's ``state_dict``), ``optim/<k>`` and ``extra/<k>`` (tensors and
+  NumPy arrays found inside the optimizer state and the ``extra`` dict);
+* metadata ``format`` = ``lmforge-checkpoint``, ``version``, ``meta`` (JSON: iteration, the optimizer's
+  state with each tensor replaced by a reference, param-group hyperparameters, ``extra``), and ``sha256``:
+  a digest over every tensor's name, dtype, shape and bytes plus the ``meta`` JSON, checked on load, so
+  a flipped bit or a truncated file gives a ``ValueError`` instead of a silently wrong model.
+
+Nothing is pickled: Python containers go to JSON (tuples, int-keyed dicts and NumPy arrays are tagged so
+they come back as they went in, which RNG states need). Writes go to a temporary file renamed into place.
+
+:class:`CheckpointManager` adds the run-directory policy: ``checkpoints/step_{N:08d}.safetensors``, keep the
+last K, keep ``best.safetensors`` by validation loss, and resume from the newest checkpoint that verifies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+from pathlib import Path
+from typing import IO, Any
+
+from lmforge.common import atomic_open, check_input_file
+
+logger = logging.getLogger("lmforge")
+
+FORMAT = "lmforge-checkpoint"
+VERSION = 1
+_WRITE_CHUNK = 64 << 20
+
+__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "read_metadata", "Checkpoint",
+           "CheckpointManager", "unwrap_model"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Encoding Python containers + tensors into (JSON, tensor dict) and back
+# --------------------------------------------------------------------------------------------------
+def _encode(obj: Any, prefix: str, tensors: dict[str, Any]) -> Any:
+    """Replace tensors / arrays inside ``obj`` by references, collecting them in ``tensors``."""
+    import numpy as np
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        key = f"{prefix}{len(tensors)}"
+        tensors[key] = obj.detach().cpu().contiguous()
+        return {"__tensor__": key}
+    if isinstance(obj, np.ndarray):
+        key = f"{prefix}{len(tensors)}"
+        tensors[key] = torch.from_numpy(np.ascontiguousarray(obj).copy())
+        return {"__ndarray__": key}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and not any(k.startswith("__") for k in obj):
+            return {k: _encode(v, prefix, tensors) for k, v in obj.items()}
+        return {"__items__": [[_encode(k, prefix, tensors), _encode(v, prefix, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, prefix, tensors) for v in obj]}
+    if isinstance(obj, list):
+        return [_encode(v, prefix, tensors) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot store {type(obj).__name__} in a checkpoint (use tensors, arrays, numbers, str, "
+                    "lists, tuples, dicts)")
+
+
+def _decode(obj: Any, tensors: dict[str, Any]) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__ndarray__" in obj:
+            return tensors[obj["__ndarray__"]].numpy()
+        if "__tuple__" in obj:
+            return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+        if "__items__" in obj:
+            return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["__items__"]}
+        return {k: _decode(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    return obj
+
+
+def _digest(tensors: dict[str, Any], meta_json: str) -> str:
+    """SHA-256 over (name, dtype, shape, raw bytes) of every tensor in name order, then the meta JSON."""
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # raw bytes, no copy
+    h.update(meta_json.encode())
+    return h.hexdigest()
+
+
+def unwrap_model(model: Any) -> Any:
+    """The plain module inside DDP/FSDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if inner is None:
+            return model
+        model = inner
+
+
+# --------------------------------------------------------------------------------------------------
+# save / load
+# --------------------------------------------------------------------------------------------------
+def _checkpoint_bytes(model: Any, optimizer: Any, iteration: int, extra: dict[str, Any] | None) -> bytes:
+    from safetensors.torch import save
+
+    tensors: dict[str, Any] = {}
+    aliases: dict[str, str] = {}  # tied weights: store the shared tensor once
+    seen: dict[tuple, str] = {}
+    for name, t in unwrap_model(model).state_dict().items():
+        t = t.detach()
+        sig = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None
+        if sig is not None and sig in seen:
+            aliases[name] = seen[sig]
+            continue
+        if sig is not None:
+            seen[sig] = name
+        tensors[f"model/{name}"] = t.cpu().contiguous()
+    meta = {
+        "iteration": int(iteration),
+        "aliases": aliases,
+        "optimizer": _encode(optimizer.state_dict(), "optim/", tensors) if optimizer is not None else None,
+        "extra": _encode(dict(extra or {}), "extra/", tensors),
+    }
+    meta_json = json.dumps(meta, separators=(",", ":"))
+    metadata = {"format": FORMAT, "version": str(VERSION), "meta": meta_json, "sha256": _digest(tensors, meta_json)}
+    return save(tensors, metadata=metadata)
+
+
+def _write_all(f: IO[bytes], data: bytes) -> None:
+    """Write ``data`` in chunks (a full disk surfaces as ``OSError`` part-way; the caller cleans up)."""
+    view = memoryview(data)
+    for i in range(0, len(view), _WRITE_CHUNK):
+        f.write(view[i : i + _WRITE_CHUNK])
+
+
+def save_checkpoint(model: Any, optimizer: Any, iteration: int, out: str | os.PathLike | IO[bytes],
+                    extra: dict[str, Any] | None = None) -> None:
+    """Save model weights, optimizer state (tensors + param-group hyperparameters) and ``iteration``.
+
+    ``out`` is a path (written atomically: a crash or a full disk leaves any previous file intact) or a
+    binary file object. ``extra`` holds whatever else a resume needs (RNG states, data-loader position,
+    config): tensors, NumPy arrays, numbers, strings and nested lists/tuples/dicts of them.
+    """
+    data = _checkpoint_bytes(model, optimizer, iteration, extra)
+    if isinstance(out, (str, os.PathLike)):
+        with atomic_open(out, "wb") as f:
+            _write_all(f, data)
+    else:
+        _write_all(out, data)
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A verified checkpoint in memory: model state dict, optimizer state dict, iteration, extra."""
+
+    model: dict[str, Any]
+    optimizer: dict[str, Any] | None
+    iteration: int
+    extra: dict[str, Any]
+
+
+def _parse_header(data: bytes, name: str) -> dict[str, Any]:
+    if len(data) < 8:
+        raise ValueError(f"checkpoint {name} is truncated ({len(data)} bytes); it cannot be loaded")
+    (n,) = struct.unpack("<Q", data[:8])
+    if 8 + n > len(data):
+        raise ValueError(f"checkpoint {name} is truncated (header needs {n} bytes, file has {len(data) - 8})")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint {name} has a corrupt header ({e}); it is not a valid safetensors file") from e
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{name} is not an lmforge checkpoint (no '{FORMAT}' metadata)")
+    if int(meta.get("version", 0)) > VERSION:
+        raise ValueError(f"checkpoint {name} has format version {meta['version']}, newer than this lmforge "
+                         f"({VERSION}); upgrade lmforge")
+    return meta
+
+
+def read_metadata(src: str | os.PathLike) -> dict[str, Any]:
+    """The JSON ``meta`` of a checkpoint file (iteration, extra without tensors), reading only its header.
+
+    Not verified against the checksum: use it for cheap listings, and :func:`read_checkpoint` to load.
+    """
+    p = check_input_file(src)
+    with open(p, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        head += f.read(n)
+    return json.loads(_parse_header(head, str(p))["meta"])
+
+
+def read_checkpoint(src: str | os.PathLike | IO[bytes]) -> Checkpoint:
+    """Read and verify a checkpoint (``ValueError`` if truncated, corrupt or not a checkpoint)."""
+    from safetensors.torch import load
+
+    if isinstance(src, (str, os.PathLike)):
+        name = str(src)
+        data = check_input_file(src).read_bytes()
+    else:
+        name = getattr(src, "name", "<file object>")
+        data = src.read()
+    meta = _parse_header(data, name)
+    try:
+        tensors = load(data)
+    except Exception as e:  # safetensors raises its own error type for inconsistent offsets / short data
+        raise ValueError(f"checkpoint {name} is truncated or corrupt ({e})") from e
+    if _digest(tensors, meta["meta"]) != meta.get("sha256"):
+        raise ValueError(f"checkpoint {name} is corrupt (sha256 of its contents does not match the stored checksum)")
+    info = json.loads(meta["meta"])
+    model_state = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+    for name_, target in info["aliases"].items():
+        model_state[name_] = model_state[target]
+    optim = _decode(info["optimizer"], tensors) if info["optimizer"] is not None else None
+    return Checkpoint(model=model_state, optimizer=optim, iteration=int(info["iteration"]),
+                      extra=_decode(info["extra"], tensors))
+
+
+def apply_checkpoint(ckpt: Checkpoint, model: Any, optimizer: Any = None) -> int:
+    """Copy a :class:`Checkpoint` into ``model`` (and ``optimizer``); returns the iteration."""
+    try:
+        unwrap_model(model).load_state_dict(ckpt.model, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"checkpoint does not fit this model (different config?): {e}") from e
+    if optimizer is not None:
+        if ckpt.optimizer is None:
+            raise ValueError("checkpoint holds no optimizer state; load it with optimizer=None")
+        try:
+            optimizer.load_state_dict(ckpt.optimizer)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ValueError(f"checkpoint optimizer state does not fit this optimizer: {e}") from e
+    return ckpt.iteration
+
+
+def load_checkpoint(src: str | os.PathLike | IO[bytes], model: Any, optimizer: Any = None) -> int:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``).
+
+    Verifies the checksum first (``ValueError`` for corrupt/truncated files or shape mismatches) and
+    returns the saved iteration.
+    """
+    return apply_checkpoint(read_checkpoint(src), model, optimizer)
+
+
+# --------------------------------------------------------------------------------------------------
+# Run-directory policy
+# --------------------------------------------------------------------------------------------------
+_STEP_RE = re.compile(r"^step_(\d{8,})\.safetensors$")
+
+
+class CheckpointManager:
+    """Checkpoints of one run: ``<run_dir>/checkpoints/step_{N:08d}.safetensors`` plus ``best.safetensors``.
+
+    Keeps the newest ``keep_last`` step checkpoints, a copy of the best by validation loss, and finds
+    the newest checkpoint that verifies (a corrupt newest one is reported and skipped).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, keep_last: int = 3) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (got {keep_last}); the newest checkpoint is needed to resume")
+        self.dir = Path(run_dir) / "checkpoints"
+        self.keep_last = keep_last
+        self.best_path = self.dir / "best.safetensors"
+
+    def path_for(self, step: int) -> Path:
+        return self.dir / f"step_{step:08d}.safetensors"
+
+    def steps(self) -> list[tuple[int, Path]]:
+        """Step checkpoints on disk, oldest first."""
+        if not self.dir.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := _STEP_RE.match(p.name))]
+        return sorted(found)
+
+    def best_val_loss(self) -> float | None:
+        """Validation loss recorded in ``best.safetensors`` (None if there is none or it is unreadable)."""
+        if not self.best_path.exists():
+            return None
+        try:
+            return float(read_metadata(self.best_path)["extra"]["val_loss"])
+        except (ValueError, KeyError, TypeError, OSError):
+            return None
+
+    def save(self, model: Any, optimizer: Any, step: int, extra: dict[str, Any] | None = None) -> Path:
+        """Write ``step_{step}.safetensors`` atomically, then delete step checkpoints beyond the newest K."""
+        path = self.path_for(step)
+        save_checkpoint(model, optimizer, step, path, extra)
+        logger.info("saved checkpoint %s", path)
+        for _, old in self.steps()[: -self.keep_last]:
+            old.unlink(missing_ok=True)
+            logger.debug("removed old checkpoint %s", old)
+        return path
+
+    def save_best(self, model: Any, optimizer: Any, step: int, val_loss: float,
+                  extra: dict[str, Any] | None = None) -> bool:
+        """Replace ``best.safetensors`` if ``val_loss`` beats the recorded best; returns whether it did."""
+        best = self.best_val_loss()
+        if best is not None and not val_loss < best:
+            return False
+        save_checkpoint(model, optimizer, step, self.best_path, {**(extra or {}), "val_loss": float(val_loss)})
+        logger.info("new best val loss %.4f at step %d -> %s", val_loss, step, self.best_path)
+        return True
+
+    def remove_stale_temporaries(self) -> None:
+        """Delete half-written temporary files left by a killed process (never a finished checkpoint)."""
+        if self.dir.is_dir():
+            for p in self.dir.glob(".*.tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+
+    def load_latest(self) -> tuple[Path, Checkpoint] | None:
+        """Newest step checkpoint that verifies, with its contents; None when there is none.
+
+        A corrupt or truncated newer file is skipped with the warning
+        ``checkpoint X is corrupt (...); falling back to Y``; if none verifies, ``ValueError`` (never
+        silently restarting over a run's checkpoints).
+        """
+        candidates = list(reversed(self.steps()))
+        for i, (_, path) in enumerate(candidates):
+            try:
+                return path, read_checkpoint(path)
+            except ValueError as e:
+                if i + 1 == len(candidates):
+                    raise ValueError(f"every checkpoint in {self.dir} is corrupt (newest error: {e}); move them "
+                                     "away to start this run from scratch, or use a new run directory") from e
+                logger.warning("checkpoint %s is corrupt (%s); falling back to %s", path, e, candidates[i + 1][1])
+        return None
