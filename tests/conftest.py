@@ -1,0 +1,64 @@
+"""Shared pytest fixtures: the optional CS336 fixture directory and tiny corpora written into tmp_path.
+
+The main suite is hermetic: it makes its own data. Tests that need the CS336 fixtures (GPT-2
+vocab/merges, corpus.en, ...) take the ``shared_fixtures`` fixture, which skips cleanly when the
+directory beside the repository is absent (a user's clone has no ``../shared``).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+SHARED_FIXTURES = Path(__file__).resolve().parents[1].parent / "shared/fixtures/cs336/fixtures"
+
+_WORDS = ("the a cat dog sat on mat and ran to house little big happy girl boy tree sun day "
+          "said was it he she they we you I lower lowest newer wider don't it's we'll 42 2024 "
+          "3.14 héllo naïve 世界 你好 ok!").split()
+
+
+@pytest.fixture(scope="session")
+def shared_fixtures() -> Path:
+    """The CS336 fixtures directory (``../shared/fixtures/cs336/fixtures``); skips the test when absent."""
+    if not SHARED_FIXTURES.is_dir():
+        pytest.skip(f"CS336 fixtures not found at {SHARED_FIXTURES}")
+    return SHARED_FIXTURES
+
+
+def make_documents(n_docs: int = 40, seed: int = 0, words_per_doc: int = 60) -> list[str]:
+    """Deterministic English-like documents with punctuation, digits, contractions, newlines and non-ASCII."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n_docs):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(words_per_doc // 2, words_per_doc))]
+        text = ""
+        for i, w in enumerate(words):
+            sep = rng.choice([" ", " ", " ", " ", ", ", ". ", "\n", "  ", "\n\n"]) if i else ""
+            text += sep + (w.capitalize() if sep.endswith(("\n", ". ")) else w)
+        docs.append(text + ".")
+    return docs
+
+
+def make_corpus_text(n_docs: int = 40, seed: int = 0, eot: str = "<|endoftext|>") -> str:
+    """:func:`make_documents` joined by ``eot`` (the usual layout of a pretraining text file)."""
+    return eot.join(make_documents(n_docs, seed))
+
+
+@pytest.fixture
+def tiny_corpus(tmp_path: Path) -> Path:
+    """A ~10 KB UTF-8 text file of 40 documents separated by ``<|endoftext|>``."""
+    p = tmp_path / "tiny_corpus.txt"
+    p.write_text(make_corpus_text(), encoding="utf-8")
+    return p
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """A Tokenizer (vocab 400, ``<|endoftext|>``) trained with the reference on :func:`make_corpus_text`."""
+    from lmforge.bpe import train_bpe_reference
+    from lmforge.tokenizer import Tokenizer
+
+    vocab, merges = train_bpe_reference(make_corpus_text().split("<|endoftext|>"), 400, ["<|endoftext|>"])
+    return Tokenizer(vocab, merges, ["<|endoftext|>"])
