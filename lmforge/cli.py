@@ -39,8 +39,33 @@ def _data_commands() -> list[Command]:
 # ==================================================================================================
 # train / generate / speedrun / demo  (top-level commands)
 # ==================================================================================================
+def _train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML run config with model/optimizer/training/data sections (see examples/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value, parsed as YAML (repeatable), e.g. --set training.max_steps=100")
+    p.add_argument("--run-dir", default=None,
+                   help="run directory (default: runs/<config name>); an existing one is resumed from its newest checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+
+
+def _train_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lmforge.train import load_run_config, train
+
+    cfg = load_run_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / Path(args.config).stem
+    m = train(cfg, run_dir, progress=not args.no_progress)
+    val = f", val loss {m['val_loss']:.4f} (bpb {m['val_bpb']:.4f})" if m.get("val_bpb") is not None else ""
+    loss = f", train loss {m['loss']:.4f}" if m.get("loss") is not None else ""
+    print(f"step {m['step']}{loss}{val}; run directory {run_dir}")
+    return 0
+
+
 def _top_level_commands() -> list[Command]:
-    return []
+    return [
+        ("train", "pretrain a model from a YAML config (resumes automatically)", _train_args, _train_run),
+    ]
 
 
 # ==================================================================================================
