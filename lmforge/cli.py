@@ -26,7 +26,161 @@ Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[a
 # tokenizer  (lmforge tokenizer train | encode | decode | stats)
 # ==================================================================================================
 def _tokenizer_commands() -> list[Command]:
-    return []
+    return [
+        ("train", "train a byte-level BPE tokenizer on text files", _tok_train_args, _tok_train),
+        ("encode", "encode text to token ids", _tok_encode_args, _tok_encode),
+        ("decode", "decode token ids back to text", _tok_decode_args, _tok_decode),
+        ("stats", "compression statistics (bytes/token, tokens/word, vocab usage), optionally side by side",
+         _tok_stats_args, _tok_stats),
+    ]
+
+
+_TOKENIZER_HELP = "tokenizer: an lmforge .json file, a HF tokenizer.json, or a directory with vocab.json + merges.txt"
+
+
+def _tok_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="UTF-8 text files (each is one document)")
+    p.add_argument("--vocab-size", type=int, required=True, metavar="N", help="total ids: 256 bytes + specials + merges")
+    p.add_argument("--special-token", action="append", default=[], metavar="S", dest="special_tokens",
+                   help="special token, e.g. '<|endoftext|>' (repeatable; never merged, splits documents)")
+    p.add_argument("--pattern", default="gpt2", help="pre-tokenizer: gpt2, gpt4, cl100k, nanochat or a regex (default gpt2)")
+    p.add_argument("--out", required=True, metavar="PATH", help="where to write the tokenizer (lmforge JSON)")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument("--errors", choices=["strict", "replace"], default="strict",
+                   help="invalid UTF-8: stop with its byte offset (strict) or read it as U+FFFD (replace)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="worker threads (default: all cores)")
+
+
+def _tok_train(args: argparse.Namespace) -> int:
+    from lmforge.common import check_output_path
+    from lmforge.tokenizer import Tokenizer, train_bpe
+
+    check_output_path(args.out, args.force)  # fail before the work, not after
+    vocab, merges = train_bpe(args.input, args.vocab_size, args.special_tokens, pattern=args.pattern,
+                              num_threads=args.threads, errors=args.errors, progress=not args.quiet)
+    tok = Tokenizer(vocab, merges, args.special_tokens, args.pattern)
+    tok.save(args.out, force=args.force)
+    print(f"wrote {args.out}: vocab_size={tok.vocab_size} merges={len(merges)} fingerprint={tok.fingerprint()}",
+          file=sys.stderr)
+    return 0
+
+
+def _tok_io_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", required=True, metavar="T", help=_TOKENIZER_HELP)
+    p.add_argument("file", nargs="?", default="-", metavar="FILE", help="input file, or - for stdin (default)")
+
+
+def _tok_open_text(path: str):  # noqa: ANN202 - a text stream
+    from lmforge.common import check_input_file
+
+    if path == "-":
+        return sys.stdin
+    return open(check_input_file(path), encoding="utf-8", newline="")
+
+
+def _tok_encode_args(p: argparse.ArgumentParser) -> None:
+    _tok_io_args(p)
+    p.add_argument("--format", choices=["ids", "json"], default="ids",
+                   help="ids: space-separated on one line (default); json: a JSON list")
+    p.add_argument("--special", choices=["allowed", "disallowed", "plain"], default="allowed",
+                   help="special tokens in the text: emit their ids, refuse them, or encode as plain text")
+
+
+def _tok_encode(args: argparse.Namespace) -> int:
+    import itertools
+
+    from lmforge.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    f = _tok_open_text(args.file)
+    try:
+        ids = tok.encode_iterable(f, special=args.special)
+        sep = ", " if args.format == "json" else " "
+        out = sys.stdout
+        out.write("[" if args.format == "json" else "")
+        first = True
+        while batch := list(itertools.islice(ids, 8192)):
+            out.write(("" if first else sep) + sep.join(map(str, batch)))
+            first = False
+        out.write("]\n" if args.format == "json" else "\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"input {args.file} is not valid UTF-8 ({e.reason} at byte {e.start} of a read block); "
+                         "fix or re-encode the file") from None
+    finally:
+        if f is not sys.stdin:
+            f.close()
+    return 0
+
+
+def _tok_decode_args(p: argparse.ArgumentParser) -> None:
+    _tok_io_args(p)
+
+
+def _tok_decode(args: argparse.Namespace) -> int:
+    import json
+
+    from lmforge.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    f = _tok_open_text(args.file)
+    try:
+        text = f.read()
+    finally:
+        if f is not sys.stdin:
+            f.close()
+    try:
+        ids = json.loads(text) if text.lstrip().startswith("[") else [int(x) for x in text.split()]
+    except (ValueError, json.JSONDecodeError):
+        raise ValueError(f"input {args.file} must hold integer ids separated by spaces, or a JSON list") from None
+    if not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"input {args.file}: the JSON list must hold integer ids only")
+    sys.stdout.write(tok.decode(ids))
+    return 0
+
+
+def _tok_show(tok: bytes) -> str:
+    """A token for display: its text quoted, or a bytes literal when it is not whole UTF-8 characters."""
+    try:
+        return repr(tok.decode("utf-8"))
+    except UnicodeDecodeError:
+        return repr(tok)
+
+
+def _tok_stats_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", required=True, metavar="A", help=_TOKENIZER_HELP)
+    p.add_argument("--compare", metavar="B", help="a second tokenizer to compare side by side (same forms as --tokenizer)")
+    p.add_argument("files", nargs="+", metavar="FILE", help="UTF-8 text files to measure on")
+
+
+def _tok_stats(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lmforge.common import check_input_file
+    from lmforge.tokenizer import load_tokenizer, text_stats
+
+    names = [args.tokenizer] + ([args.compare] if args.compare else [])
+    toks = [load_tokenizer(n) for n in names]
+    labels = [Path(n).name or n for n in names]
+    for path in args.files:
+        try:
+            text = check_input_file(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not valid UTF-8 (byte offset {e.start}); fix or re-encode the file") from None
+        stats = [text_stats(t, text) for t in toks]
+        print(f"{path}: {stats[0]['bytes']} bytes, {stats[0]['words']} words")
+        rows = [("vocab size", [str(t.vocab_size) for t in toks]),
+                ("tokens", [str(s["tokens"]) for s in stats]),
+                ("bytes / token", [f"{s['bytes_per_token']:.3f}" for s in stats]),
+                ("tokens / word", [f"{s['tokens_per_word']:.3f}" for s in stats]),
+                ("vocab used", [f"{100 * s['vocab_used']:.1f}%" for s in stats]),
+                ("longest tokens", [" ".join(_tok_show(x) for x in s["longest"][:3]) for s in stats])]
+        width = max(24, *(len(c) for _, cells in rows for c in cells[:-1] or [""]))
+        print(f"  {'':<16}" + "".join(f"{lab[:width]:<{width + 2}}" for lab in labels))
+        for name, cells in rows:
+            print(f"  {name:<16}" + "".join(f"{c:<{width + 2}}" for c in cells))
+        if len(stats) == 2 and stats[1]["tokens"]:
+            print(f"  {labels[0]} uses {stats[0]['tokens'] / stats[1]['tokens']:.3f}x the tokens of {labels[1]}")
+    return 0
 
 
 # ==================================================================================================

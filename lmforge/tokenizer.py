@@ -31,7 +31,7 @@ from lmforge.tokenizer_train import train_bpe, train_bpe_from_iterator
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["Tokenizer", "load_tokenizer", "train_bpe", "train_bpe_from_iterator"]
+__all__ = ["Tokenizer", "load_tokenizer", "text_stats", "train_bpe", "train_bpe_from_iterator"]
 
 logger = logging.getLogger("lmforge")
 
@@ -41,7 +41,7 @@ _CORE_PATTERNS = {"gpt2": "PATTERN_GPT2", "gpt4": "PATTERN_GPT4", "cl100k": "PAT
 # A cut point for streaming: a single ASCII space after a printable ASCII char and before a letter.
 # Every built-in pattern ends a pre-token before such a space and starts the next one at it.
 _SAFE_CUT = regex.compile(r"(?<=[!-~]) (?=[A-Za-z])", regex.REVERSE)
-_STREAM_CHUNK = 1 << 16  # characters buffered by encode_iterable before it looks for a cut point
+_STREAM_CHUNK = 1 << 13  # characters buffered by encode_iterable before it looks for a cut point
 
 
 def _core_encoder_class() -> Any:
@@ -386,3 +386,21 @@ def load_tokenizer(path: str | os.PathLike, *, backend: str = "auto") -> Tokeniz
     if b'"model"' in head or b'"added_tokens"' in head or b'"pre_tokenizer"' in head:
         return Tokenizer.from_hf(p, backend=backend)
     return Tokenizer.load(p, backend=backend)  # raises a ValueError that says what the file looks like
+
+
+def text_stats(tokenizer: Tokenizer, text: str, top: int = 5) -> dict[str, Any]:
+    """Compression statistics of ``tokenizer`` on ``text`` (specials in the text encoded as plain text).
+
+    ``bytes_per_token`` (higher = better compression), ``tokens_per_word`` (whitespace-separated
+    words), ``vocab_used`` (fraction of the vocabulary's ids that occur) and the ``longest`` tokens
+    that occur (bytes).
+    """
+    ids = tokenizer.encode(text, special="plain")
+    n_bytes, n_words = len(text.encode("utf-8")), len(text.split())
+    used = set(ids)
+    longest = sorted(used, key=lambda i: (-len(tokenizer.vocab[i]), i))[:top]
+    return {"bytes": n_bytes, "tokens": len(ids), "words": n_words,
+            "bytes_per_token": n_bytes / len(ids) if ids else 0.0,
+            "tokens_per_word": len(ids) / n_words if n_words else 0.0,
+            "vocab_used": len(used) / tokenizer.vocab_size,
+            "longest": [tokenizer.vocab[i] for i in longest]}

@@ -1,0 +1,274 @@
+"""train_bpe (fast path) and Tokenizer, held to the pure-Python reference and to tiktoken's GPT-2."""
+
+from __future__ import annotations
+
+import os
+import tracemalloc
+
+import numpy as np
+import pytest
+from conftest import make_corpus_text, make_documents
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lmforge.tokenizer as tokmod
+from lmforge.bpe import PATTERNS, encode_reference, train_bpe_reference
+from lmforge.tokenizer import Tokenizer, train_bpe, train_bpe_from_iterator
+
+EOT = "<|endoftext|>"
+_TEXT = st.text(alphabet=st.sampled_from("ab cd\n\t'sé世1234!.<|endoftext|>"), max_size=80)
+
+
+# --------------------------------------------------------------------------------------------------
+# train_bpe == reference
+# --------------------------------------------------------------------------------------------------
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(docs=st.lists(_TEXT, min_size=1, max_size=3), vocab_size=st.integers(257, 330),
+       pattern=st.sampled_from(["gpt2", "gpt4", "nanochat"]), chunk=st.sampled_from([7, 64, 1 << 20]))
+def test_train_bpe_equals_reference_on_random_files(tmp_path_factory, docs, vocab_size, pattern, chunk):
+    d = tmp_path_factory.mktemp("c")
+    paths = []
+    for k, doc in enumerate(docs):
+        paths.append(d / f"{k}.txt")
+        paths[-1].write_bytes(doc.encode("utf-8"))
+    got = train_bpe(paths, vocab_size, [EOT], pattern=pattern, progress=False, chunk_bytes=chunk)
+    assert got == train_bpe_reference(docs, vocab_size, [EOT], pattern)
+
+
+@pytest.mark.parametrize("specials", [[EOT], []])
+def test_train_bpe_chunking_does_not_change_result(tmp_path, specials):
+    text = make_corpus_text(60, seed=3)
+    p = tmp_path / "c.txt"
+    p.write_text(text, encoding="utf-8")
+    want = train_bpe_reference([text], 420, specials)
+    for chunk in (50, 997, 1 << 25):
+        assert train_bpe(p, 420, specials, progress=False, chunk_bytes=chunk) == want
+
+
+def test_train_bpe_corpus_en_equals_reference(shared_fixtures):
+    path = shared_fixtures / "corpus.en"
+    vocab, merges = train_bpe(path, 500, [EOT], progress=False)
+    assert (vocab, merges) == train_bpe_reference([path.read_text(encoding="utf-8")], 500, [EOT])
+
+
+def test_train_bpe_from_iterator_and_custom_pattern(tmp_path):
+    docs = make_documents(30, seed=5)
+    assert train_bpe_from_iterator(docs, 350, [EOT], progress=False, batch_bytes=500) == \
+        train_bpe_reference(docs, 350, [EOT])
+    assert train_bpe_from_iterator(docs, 350, progress=False) == train_bpe_reference(docs, 350)
+    custom = r"\S+|\s+"
+    p = tmp_path / "c.txt"
+    p.write_text(EOT.join(docs), encoding="utf-8")
+    assert train_bpe(p, 350, [EOT], pattern=custom, progress=False) == train_bpe_reference(docs, 350, [EOT], custom)
+
+
+def test_train_bpe_bad_inputs(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        train_bpe(tmp_path / "missing.txt", 300, progress=False)
+    with pytest.raises(ValueError, match="is a directory"):
+        train_bpe(tmp_path, 300, progress=False)
+    with pytest.raises(ValueError, match="no input files"):
+        train_bpe([], 300, progress=False)
+    p = tmp_path / "ok.txt"
+    p.write_text("hello world", encoding="utf-8")
+    with pytest.raises(ValueError, match="too small"):
+        train_bpe(p, 256, [EOT], progress=False)
+    with pytest.raises(ValueError, match="given twice"):
+        train_bpe(p, 300, [EOT, EOT], progress=False)
+    with pytest.raises(ValueError, match="non-empty"):
+        train_bpe(p, 300, [""], progress=False)
+    with pytest.raises(ValueError, match="unknown pattern name 'gpt3'"):
+        train_bpe(p, 300, pattern="gpt3", progress=False)
+    with pytest.raises(ValueError, match="errors must be"):
+        train_bpe(p, 300, errors="ignore", progress=False)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can read any file")
+def test_train_bpe_unreadable_file(tmp_path):
+    p = tmp_path / "secret.txt"
+    p.write_text("x", encoding="utf-8")
+    p.chmod(0)
+    with pytest.raises(ValueError, match="not readable"):
+        train_bpe(p, 300, progress=False)
+
+
+def test_train_bpe_invalid_utf8_says_where_and_replace_works(tmp_path):
+    p = tmp_path / "bad.txt"
+    p.write_bytes(b"hello world " * 10 + b"\xff\xfe oops")
+    with pytest.raises(ValueError, match=r"bad.txt is not valid UTF-8 at byte offset 120.*errors='replace'"):
+        train_bpe(p, 300, progress=False)
+    got = train_bpe(p, 300, errors="replace", progress=False)
+    assert got == train_bpe_reference([p.read_bytes().decode("utf-8", errors="replace")], 300)
+
+
+def test_train_bpe_empty_corpus_returns_base_vocab(tmp_path):
+    p = tmp_path / "empty.txt"
+    p.write_bytes(b"")
+    vocab, merges = train_bpe(p, 1000, [EOT], progress=False)
+    assert merges == [] and len(vocab) == 257 and vocab[256] == EOT.encode()
+
+
+def test_train_bpe_each_file_is_a_document(tmp_path):
+    (tmp_path / "a.txt").write_text("xy" * 5 + "x", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("y" + "zz", encoding="utf-8")
+    got = train_bpe([tmp_path / "a.txt", tmp_path / "b.txt"], 300, progress=False)
+    assert got == train_bpe_reference(["xy" * 5 + "x", "yzz"], 300)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------------
+def test_special_modes(tiny_tokenizer):
+    tok = tiny_tokenizer
+    text = f"the cat{EOT}a dog"
+    ids = tok.encode(text)
+    assert ids.count(tok.eot_id) == 1 and tok.decode(ids) == text
+    plain = tok.encode(text, special="plain")
+    assert tok.eot_id not in plain and tok.decode(plain) == text
+    with pytest.raises(ValueError, match=r"special token '<\|endoftext\|>' at character 7"):
+        tok.encode(text, special="disallowed")
+    assert tok.encode("the cat", special="disallowed") == tok.encode("the cat")
+    with pytest.raises(ValueError, match="special must be"):
+        tok.encode("x", special="yes")
+
+
+def test_overlapping_specials_longest_first(tiny_tokenizer):
+    double = EOT + EOT
+    tok = Tokenizer(tiny_tokenizer.vocab, tiny_tokenizer.merges, [EOT, double])
+    ids = tok.encode(f"a{double}b{EOT}")
+    assert tok.special_tokens[double] in ids and ids.count(tok.eot_id) == 1
+    assert tok.decode(ids) == f"a{double}b{EOT}"
+
+
+def test_decode_errors_and_invalid_utf8(tiny_tokenizer):
+    tok = tiny_tokenizer
+    with pytest.raises(ValueError, match="token id 400 is out of range.*vocab_size=400"):
+        tok.decode([1, 400])
+    with pytest.raises(ValueError, match="token id -1 is out of range"):
+        tok.decode([-1])
+    assert tok.decode([0xE4, 0xBD]) == "\ufffd\ufffd"[: len(b"\xe4\xbd".decode("utf-8", "replace"))]
+    assert tok.decode_bytes([0xE4, 0xBD, 0xA0]) == "你".encode()
+
+
+def test_properties_and_lookups(tiny_tokenizer):
+    tok = tiny_tokenizer
+    assert tok.vocab_size == 400 and tok.special_tokens == {EOT: 256} and tok.eot_id == 256
+    assert tok.id_to_token(97) == b"a" and tok.token_to_id("a") == 97 and tok.token_to_id(EOT) == 256
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        tok.token_to_id(b"zzzzzzzz")
+    no_eot = Tokenizer(tok.vocab, tok.merges)
+    assert no_eot.eot_id is None
+
+
+def test_fingerprint_stable_and_sensitive(tiny_tokenizer):
+    tok = tiny_tokenizer
+    same = Tokenizer(dict(tok.vocab), list(tok.merges), [EOT], backend="python")
+    assert tok.fingerprint() == same.fingerprint() and len(tok.fingerprint()) == 16
+    assert Tokenizer(tok.vocab, tok.merges, [EOT], "gpt4").fingerprint() != tok.fingerprint()
+    assert Tokenizer(tok.vocab, tok.merges[:-1], [EOT]).fingerprint() != tok.fingerprint()
+    assert Tokenizer(tok.vocab, tok.merges, [EOT], "gpt4").fingerprint() == \
+        Tokenizer(tok.vocab, tok.merges, [EOT], "cl100k").fingerprint()
+
+
+def test_constructor_validates_vocab(tiny_tokenizer):
+    v, m = dict(tiny_tokenizer.vocab), tiny_tokenizer.merges
+    with pytest.raises(ValueError, match="without gaps; id 5 is missing"):
+        Tokenizer({k: b for k, b in v.items() if k != 5}, [])
+    with pytest.raises(ValueError, match="lacks the single byte"):
+        Tokenizer({i: bytes([i]) for i in range(255)} | {255: b"ab"}, [])
+    with pytest.raises(ValueError, match="merge 0 .* not in the vocab"):
+        Tokenizer(v, [(b"q", b"qqqqqqqqqq")] + m)
+    with pytest.raises(ValueError, match="backend must be"):
+        Tokenizer(v, m, backend="rust")
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|new|>"])
+    assert tok.special_tokens == {"<|new|>": 256}  # missing specials are appended (CS336)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=_TEXT)
+def test_roundtrip_and_fast_equals_reference(tiny_tokenizer, text):
+    tok = tiny_tokenizer
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.decode(tok.encode(text, special="plain")) == text
+    assert ids == encode_reference(text, tok.vocab, tok.merges, [EOT])
+    assert ids == Tokenizer(tok.vocab, tok.merges, [EOT], backend="python").encode(text)
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(max_size=60))
+def test_roundtrip_arbitrary_unicode(tiny_tokenizer, text):
+    assert tiny_tokenizer.decode(tiny_tokenizer.encode(text)) == text
+
+
+@pytest.mark.parametrize("pattern", ["gpt4", "nanochat", r"\S+|\s+"])
+def test_other_patterns_encode_like_reference(pattern):
+    docs = make_documents(20, seed=1)
+    vocab, merges = train_bpe_reference(docs, 360, [EOT], pattern)
+    tok = Tokenizer(vocab, merges, [EOT], pattern)
+    text = EOT.join(make_documents(5, seed=9))
+    assert tok.encode(text) == encode_reference(text, vocab, merges, [EOT], pattern)
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_encode_batch_and_flat(tiny_tokenizer):
+    docs = make_documents(12, seed=2) + ["", EOT]
+    want = [tiny_tokenizer.encode(d) for d in docs]
+    assert tiny_tokenizer.encode_batch(docs, num_threads=2) == want
+    tokens, offsets = tiny_tokenizer.encode_batch_flat(docs, num_threads=2)
+    assert tokens.dtype == np.uint32 and offsets.dtype == np.int64 and len(offsets) == len(docs) + 1
+    assert [tokens[offsets[k]:offsets[k + 1]].tolist() for k in range(len(docs))] == want
+    tokens, offsets = tiny_tokenizer.encode_batch_flat([])
+    assert len(tokens) == 0 and offsets.tolist() == [0]
+
+
+def test_encode_iterable_equals_encode_across_cuts(tiny_tokenizer, monkeypatch):
+    monkeypatch.setattr(tokmod, "_STREAM_CHUNK", 16)  # force a cut attempt after nearly every line
+    text = make_corpus_text(30, seed=4) + "\n  a b" + "Zz" + "\n" + EOT + " the end  \n\n"
+    lines = text.splitlines(keepends=True)
+    assert list(tiny_tokenizer.encode_iterable(lines)) == tiny_tokenizer.encode(text)
+    # A special token containing a cut point ("x y") must not be split across the cut.
+    tok = Tokenizer(tiny_tokenizer.vocab, tiny_tokenizer.merges, [EOT, "the cat"])
+    text2 = "a the cat sat, the dog sat, the cat! " * 20
+    assert list(tok.encode_iterable([text2[i:i + 5] for i in range(0, len(text2), 5)])) == tok.encode(text2)
+
+
+def test_encode_iterable_fixture_files(shared_fixtures):
+    tok = Tokenizer.from_files(shared_fixtures / "gpt2_vocab.json", shared_fixtures / "gpt2_merges.txt", [EOT])
+    for name in ("tinystories_sample.txt", "corpus.en", "special_token_double_newlines_non_whitespace.txt"):
+        with open(shared_fixtures / name, encoding="utf-8") as f:
+            streamed = list(tok.encode_iterable(f))
+        assert streamed == tok.encode((shared_fixtures / name).read_text(encoding="utf-8")), name
+
+
+@pytest.mark.slow
+def test_encode_iterable_memory_is_flat(tiny_tokenizer, tmp_path):
+    p = tmp_path / "big.txt"
+    text = make_corpus_text(200, seed=8)
+    with open(p, "w", encoding="utf-8") as f:
+        for _ in range(2_000_000 // len(text) + 1):
+            f.write(text)
+    size = p.stat().st_size
+    tracemalloc.start()
+    n = 0
+    with open(p, encoding="utf-8") as f:
+        for _ in tiny_tokenizer.encode_iterable(f):
+            n += 1
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert n > size // 4 and peak < size / 10, (peak, size)  # ~20x smaller in practice
+
+
+def test_gpt2_matches_tiktoken_exactly(shared_fixtures):
+    import tiktoken
+
+    tok = Tokenizer.from_files(shared_fixtures / "gpt2_vocab.json", shared_fixtures / "gpt2_merges.txt", [EOT])
+    ranks = {b: i for i, b in tok.vocab.items() if i != 50256}
+    ref = tiktoken.Encoding("gpt2-offline", pat_str=PATTERNS["gpt2"], mergeable_ranks=ranks,
+                            special_tokens={EOT: 50256})
+    texts = [p.read_text(encoding="utf-8") for p in sorted(shared_fixtures.glob("*.txt"))]
+    texts += [(shared_fixtures / "corpus.en").read_text(encoding="utf-8"), "Héllo 世界 🙂 don't  \n\n 12345"]
+    for text in texts:
+        assert tok.encode(text) == ref.encode(text, allowed_special="all")
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.eot_id == 50256 and tok.vocab_size == 50257

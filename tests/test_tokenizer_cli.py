@@ -1,0 +1,127 @@
+"""`lmforge tokenizer train|encode|decode|stats` end to end, through cli.main and one real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import make_corpus_text
+
+from lmforge.cli import main
+from lmforge.tokenizer import Tokenizer
+
+EOT = "<|endoftext|>"
+
+
+@pytest.fixture
+def trained_path(tiny_corpus, tmp_path):
+    out = tmp_path / "tok.json"
+    assert main(["-q", "tokenizer", "train", "--input", str(tiny_corpus), "--vocab-size", "350",
+                 "--special-token", EOT, "--out", str(out), "--threads", "1"]) == 0
+    return out
+
+
+def test_train_writes_loadable_tokenizer(trained_path, tiny_corpus):
+    from lmforge.bpe import train_bpe_reference
+
+    tok = Tokenizer.load(trained_path)
+    vocab, merges = train_bpe_reference([tiny_corpus.read_text(encoding="utf-8")], 350, [EOT])
+    assert tok.vocab == vocab and tok.merges == merges and tok.eot_id == 256
+
+
+def test_train_refuses_to_clobber(trained_path, tiny_corpus, capsys):
+    before = trained_path.read_bytes()
+    args = ["tokenizer", "train", "--input", str(tiny_corpus), "--vocab-size", "300", "--out", str(trained_path)]
+    assert main(args) == 2
+    assert "already exists" in capsys.readouterr().err and trained_path.read_bytes() == before
+    assert main(["-q", *args, "--force"]) == 0
+    assert Tokenizer.load(trained_path).vocab_size == 300
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["--vocab-size", "100"], "too small"),
+    (["--special-token", "<|a|>", "--special-token", "<|a|>"], "given twice"),
+    (["--special-token", ""], "non-empty"),
+    (["--pattern", "gpt3"], "unknown pattern name"),
+])
+def test_train_bad_arguments(tiny_corpus, tmp_path, capsys, extra, msg):
+    args = ["tokenizer", "train", "--input", str(tiny_corpus), "--vocab-size", "300", "--out", str(tmp_path / "o.json")]
+    assert main(args + extra) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1 and not (tmp_path / "o.json").exists()
+
+
+def test_train_bad_inputs(tmp_path, capsys):
+    out = str(tmp_path / "o.json")
+    assert main(["tokenizer", "train", "--input", str(tmp_path / "nope.txt"), "--vocab-size", "300", "--out", out]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["tokenizer", "train", "--input", str(tmp_path), "--vocab-size", "300", "--out", out]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"abc \xff def")
+    assert main(["tokenizer", "train", "--input", str(bad), "--vocab-size", "300", "--out", out]) == 2
+    assert "byte offset 4" in capsys.readouterr().err
+    assert main(["-q", "tokenizer", "train", "--input", str(bad), "--vocab-size", "300", "--out", out,
+                 "--errors", "replace"]) == 0
+
+
+def test_encode_decode_roundtrip(trained_path, tmp_path, capsys):
+    text = make_corpus_text(5, seed=7) + "\n"
+    src = tmp_path / "in.txt"
+    src.write_text(text, encoding="utf-8")
+    assert main(["tokenizer", "encode", "--tokenizer", str(trained_path), str(src)]) == 0
+    ids_text = capsys.readouterr().out
+    assert [int(x) for x in ids_text.split()] == Tokenizer.load(trained_path).encode(text)
+    (tmp_path / "ids.txt").write_text(ids_text, encoding="utf-8")
+    assert main(["tokenizer", "decode", "--tokenizer", str(trained_path), str(tmp_path / "ids.txt")]) == 0
+    assert capsys.readouterr().out == text
+    assert main(["tokenizer", "encode", "--tokenizer", str(trained_path), "--format", "json", str(src)]) == 0
+    as_json = capsys.readouterr().out
+    assert json.loads(as_json) == [int(x) for x in ids_text.split()]
+    (tmp_path / "ids.json").write_text(as_json, encoding="utf-8")
+    assert main(["tokenizer", "decode", "--tokenizer", str(trained_path), str(tmp_path / "ids.json")]) == 0
+    assert capsys.readouterr().out == text
+
+
+def test_encode_decode_errors(trained_path, tmp_path, capsys):
+    (tmp_path / "ids.txt").write_text("1 2 99999", encoding="utf-8")
+    assert main(["tokenizer", "decode", "--tokenizer", str(trained_path), str(tmp_path / "ids.txt")]) == 2
+    assert "token id 99999 is out of range" in capsys.readouterr().err
+    (tmp_path / "ids.txt").write_text("1 two 3", encoding="utf-8")
+    assert main(["tokenizer", "decode", "--tokenizer", str(trained_path), str(tmp_path / "ids.txt")]) == 2
+    assert "integer ids" in capsys.readouterr().err
+    (tmp_path / "e.txt").write_text(f"a{EOT}b", encoding="utf-8")
+    assert main(["tokenizer", "encode", "--tokenizer", str(trained_path), "--special", "disallowed",
+                 str(tmp_path / "e.txt")]) == 2
+    assert "special token" in capsys.readouterr().err
+    (tmp_path / "corrupt.json").write_text("{nope", encoding="utf-8")
+    assert main(["tokenizer", "encode", "--tokenizer", str(tmp_path / "corrupt.json"), str(tmp_path / "e.txt")]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    (tmp_path / "bad.txt").write_bytes(b"ok \xff")
+    assert main(["tokenizer", "encode", "--tokenizer", str(trained_path), str(tmp_path / "bad.txt")]) == 2
+    assert "not valid UTF-8" in capsys.readouterr().err
+
+
+def test_stats_side_by_side(trained_path, tmp_path, capsys):
+    tok = Tokenizer.load(trained_path)
+    tok.save_gpt2(tmp_path / "vocab.json", tmp_path / "merges.txt")
+    en, zh = tmp_path / "en.txt", tmp_path / "zh.txt"
+    en.write_text(make_corpus_text(3, seed=1), encoding="utf-8")
+    zh.write_text("你好，世界。这是一个测试。", encoding="utf-8")
+    assert main(["tokenizer", "stats", "--tokenizer", str(trained_path), "--compare", str(tmp_path), str(en),
+                 str(zh)]) == 0
+    out = capsys.readouterr().out
+    for label in ("bytes / token", "tokens / word", "vocab used", "longest tokens", "1.000x the tokens"):
+        assert label in out
+    assert out.count("bytes / token") == 2
+
+
+def test_real_subprocess(trained_path, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "lmforge.cli", "tokenizer", "encode", "--tokenizer", str(trained_path)],
+                       input="the cat sat", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and [int(x) for x in r.stdout.split()] == Tokenizer.load(trained_path).encode("the cat sat")
+    r = subprocess.run([sys.executable, "-m", "lmforge.cli", "tokenizer", "decode", "--tokenizer",
+                        str(tmp_path / "missing.json")], input="1", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("lmforge: error:") and "Traceback" not in r.stderr
