@@ -1,0 +1,489 @@
+"""A Llama-style decoder-only Transformer LM built from the primitives in :mod:`lmforge.layers`.
+
+``TransformerLM``: token embeddings -> ``n_layers`` pre-norm blocks (causal self-attention with RoPE and
+optional grouped-query attention, SwiGLU feed-forward) -> final RMSNorm -> LM head (logits).
+
+Two numerically equivalent paths, chosen by ``ModelConfig.fast`` (``set_fast`` switches at run time):
+
+* reference (``fast=False``): the CS336 formulas written out with tensor ops; the spec.
+* fast (``fast=True``, default): PyTorch's fused attention kernel (flash on GPU), Q|K|V and W1|W3
+  projections fused into one matmul each, complex-multiply RoPE, and when ``targets`` are given a
+  chunked LM-head + cross-entropy that never materialises the full ``(B·T, V)`` logits.
+
+Parameter names follow the CS336 convention in both paths, so checkpoints are interchangeable:
+``token_embeddings.weight``, ``layers.{i}.attn.{q,k,v,output}_proj.weight``, ``layers.{i}.ln1.weight``,
+``layers.{i}.ffn.{w1,w2,w3}.weight``, ``layers.{i}.ln2.weight``, ``ln_final.weight``, ``lm_head.weight``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmforge.layers import (Embedding, Linear, RMSNorm, RotaryPositionalEmbedding, SwiGLU, default_d_ff, silu,
+                            scaled_dot_product_attention, softmax)
+from lmforge.losses import cross_entropy, linear_cross_entropy
+
+__all__ = ["ModelConfig", "TransformerLM", "TransformerBlock", "CausalSelfAttention", "KVCache", "Linear",
+           "Embedding", "RMSNorm", "SwiGLU", "RotaryPositionalEmbedding", "softmax", "silu",
+           "scaled_dot_product_attention", "cross_entropy", "linear_cross_entropy", "num_params",
+           "flops_per_token", "matmul_params_per_token"]
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of a :class:`TransformerLM`; validated on construction."""
+
+    vocab_size: int
+    """Number of token ids (the tokenizer's ``vocab_size``)."""
+    context_length: int
+    """Longest sequence the model accepts (the RoPE table size)."""
+    d_model: int
+    """Width of the residual stream."""
+    n_layers: int
+    """Number of Transformer blocks."""
+    n_heads: int
+    """Query heads per attention layer; ``d_model`` must be divisible by it (head dim = d_model/n_heads, even)."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); ``None`` = ``n_heads`` (plain multi-head attention)."""
+    d_ff: int | None = None
+    """Hidden width of the SwiGLU feed-forward; ``None`` = 8/3·d_model rounded to a multiple of 64."""
+    rope_theta: float = 10000.0
+    """RoPE base: pair ``i`` turns by ``position · theta^(-2i/head_dim)``."""
+    tie_embeddings: bool = False
+    """Share one matrix between the token embeddings and the LM head."""
+    norm_eps: float = 1e-5
+    """Epsilon inside every RMSNorm."""
+    fast: bool = True
+    """Use the fused fast path (same numbers as the reference path within float tolerance)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"model.{name} must be a positive integer, got {v!r}")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.d_ff is None:
+            self.d_ff = default_d_ff(self.d_model)
+        for name in ("n_kv_heads", "d_ff"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"model.{name} must be a positive integer (or null for the default), got {v!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}; "
+                             f"pick n_heads among the divisors of d_model, e.g. {_divisors_near(self.d_model, self.n_heads)}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"head dimension d_model/n_heads = {self.d_model // self.n_heads} must be even for RoPE; "
+                             "change model.d_model or model.n_heads")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} must be divisible by model.n_kv_heads={self.n_kv_heads}; "
+                             f"pick n_kv_heads among {_divisors(self.n_heads)}")
+        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
+            raise ValueError(f"model.rope_theta must be a positive number, got {self.rope_theta!r}")
+        if not (isinstance(self.norm_eps, (int, float)) and self.norm_eps > 0):
+            raise ValueError(f"model.norm_eps must be a positive number, got {self.norm_eps!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _divisors_near(n: int, k: int) -> list[int]:
+    return sorted(_divisors(n), key=lambda d: abs(d - k))[:3]
+
+
+# --------------------------------------------------------------------------------------------------
+# KV cache
+# --------------------------------------------------------------------------------------------------
+class KVCache:
+    """Keys and values of past tokens, so decoding runs the prompt once and then one token per step.
+
+    Storage is preallocated: ``k, v (n_layers, B, n_kv_heads, max_seq_len, head_dim)``; ``pos`` counts the
+    cached tokens (the same for every row). Prompts of different lengths: left-pad them to one length and
+    pass ``left_pad (B,)`` (pad tokens per row). Pad slots are then never attended to, and each row's
+    positions start at 0 at its first real token, so every row decodes as if it were alone.
+    """
+
+    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_seq_len: int,
+                 device=None, dtype=None, left_pad: Tensor | None = None) -> None:
+        shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype or torch.float32)
+        self.v = torch.zeros_like(self.k)
+        self.max_seq_len, self.batch_size = max_seq_len, batch_size
+        self.pos = 0
+        if left_pad is not None:
+            left_pad = torch.as_tensor(left_pad, dtype=torch.long, device=self.k.device).reshape(-1)
+            if left_pad.shape[0] != batch_size or bool((left_pad < 0).any()) or bool((left_pad >= max_seq_len).any()):
+                raise ValueError(f"left_pad must hold {batch_size} counts in [0, {max_seq_len}), got {left_pad.tolist()}")
+        self.left_pad = left_pad
+        self._masks: dict[tuple[int, int], Tensor] = {}
+
+    @classmethod
+    def for_model(cls, model: "TransformerLM", batch_size: int, max_seq_len: int | None = None, dtype=None,
+                  device=None, left_pad: Tensor | None = None) -> "KVCache":
+        """A cache shaped for ``model`` (defaults: its context length, device and parameter dtype)."""
+        cfg = model.cfg
+        p = model.lm_head.weight
+        max_seq_len = cfg.context_length if max_seq_len is None else max_seq_len
+        if not 0 < max_seq_len <= cfg.context_length:
+            raise ValueError(f"max_seq_len must be in [1, context_length={cfg.context_length}], got {max_seq_len}")
+        return cls(cfg.n_layers, batch_size, cfg.n_kv_heads, cfg.head_dim, max_seq_len,
+                   device=device or p.device, dtype=dtype or p.dtype, left_pad=left_pad)
+
+    def reset(self) -> None:
+        """Forget all cached tokens (storage is kept)."""
+        self.pos = 0
+        self._masks.clear()
+
+    def positions(self, T: int) -> Tensor:
+        """RoPE positions of the next ``T`` tokens: ``(T,)``, or ``(B, T)`` with left padding."""
+        slots = torch.arange(self.pos, self.pos + T, device=self.k.device)  # (T,)
+        if self.left_pad is None:
+            return slots
+        return (slots[None, :] - self.left_pad[:, None]).clamp(min=0)  # (B, T)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store ``k, v (B, KV, T, D)`` of the new tokens of ``layer``; return all keys/values ``(B, KV, pos+T, D)``."""
+        B, _, T, _ = k.shape
+        if B != self.batch_size:
+            raise ValueError(f"batch of {B} rows does not match the KV cache built for {self.batch_size}; "
+                             "build a new cache with KVCache.for_model(model, batch_size)")
+        end = self.pos + T
+        if end > self.max_seq_len:
+            raise ValueError(f"KV cache is full: {self.pos} cached + {T} new tokens > max_seq_len={self.max_seq_len}; "
+                             "build the cache with a larger max_seq_len (at most the model's context_length)")
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        ks, vs = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        if ks.dtype != k.dtype:  # e.g. float32 cache under bf16 autocast
+            ks, vs = ks.to(k.dtype), vs.to(k.dtype)
+        return ks, vs
+
+    def mask(self, T: int, device, allow_none: bool = True) -> Tensor | None:
+        """Boolean attention mask (``True`` = attend) of the next ``T`` queries over all ``pos + T`` keys.
+
+        ``(T, S)``, or ``(B, 1, T, S)`` with left padding. With ``allow_none`` returns ``None`` when plain
+        causal attention (fresh cache) or full attention (a single query) is exact.
+        """
+        if allow_none and self.left_pad is None and (self.pos == 0 or T == 1):
+            return None
+        key = (self.pos, T)
+        m = self._masks.get(key)
+        if m is None:
+            S = self.pos + T
+            q_slot = torch.arange(self.pos, S, device=device)[:, None]  # (T, 1)
+            k_slot = torch.arange(S, device=device)[None, :]  # (1, S)
+            m = k_slot <= q_slot  # (T, S)
+            if self.left_pad is not None:
+                real = k_slot[None] >= self.left_pad[:, None, None]  # (B, 1, S)
+                # A pad query sees only itself, so no row is fully masked (that would give NaN).
+                m = (m[None] & (real | (k_slot == q_slot)[None]))[:, None]  # (B, 1, T, S)
+            self._masks = {key: m}
+        return m
+
+    def advance(self, T: int) -> None:
+        """Mark ``T`` more tokens as cached (the model calls this after all layers stored them)."""
+        self.pos += T
+
+
+# --------------------------------------------------------------------------------------------------
+# Fast-path helpers
+# --------------------------------------------------------------------------------------------------
+def _fused_weight(module: nn.Module, name: str, weights: list[Tensor], cache: bool) -> Tensor:
+    """``torch.cat(weights)`` along the output dim, so several projections run as one matmul.
+
+    Training concatenates every step (autograd splits the gradient back into the separate parameters,
+    which keep their CS336 names). When ``cache`` is set (no-grad decoding) the fused copy is kept and
+    reused until a weight changes (tracked through its data pointer and in-place version counter).
+    """
+    if not cache:
+        module.__dict__.pop(name, None)
+        return torch.cat(weights, dim=0)
+    key = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
+    hit = module.__dict__.get(name)
+    if hit is None or hit[0] != key:
+        hit = (key, torch.cat(weights, dim=0))
+        module.__dict__[name] = hit
+    return hit[1]
+
+
+def _rope_fast(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on adjacent pairs as a complex multiply: ``(x0 + i·x1) · (cos + i·sin)``.
+
+    ``x (B, T, H, D)``; ``cos, sin`` broadcastable to ``(B, T, 1, D/2)``.
+    """
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, T, H, D/2) complex
+    return torch.view_as_real(xc * torch.complex(cos, sin)).flatten(-2).to(x.dtype)  # (B, T, H, D)
+
+
+# --------------------------------------------------------------------------------------------------
+# Blocks
+# --------------------------------------------------------------------------------------------------
+class CausalSelfAttention(nn.Module):
+    """Causal multi-head self-attention with RoPE on queries and keys and optional grouped-query attention.
+
+    ``num_kv_heads < num_heads`` shares each key/value head among ``num_heads / num_kv_heads`` query heads
+    (query head ``h`` reads kv head ``h // group``). Without ``theta`` no RoPE is applied.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None, theta: float | None = None,
+                 num_kv_heads: int | None = None, rope: RotaryPositionalEmbedding | None = None, fast: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if d_model % num_heads or num_heads % num_kv_heads:
+            raise ValueError(f"need d_model ({d_model}) divisible by num_heads ({num_heads}) and num_heads "
+                             f"divisible by num_kv_heads ({num_kv_heads})")
+        self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
+        self.head_dim = d_model // num_heads
+        self.fast = fast
+        self.q_proj = Linear(d_model, num_heads * self.head_dim, device=device, dtype=dtype)
+        self.k_proj = Linear(d_model, num_kv_heads * self.head_dim, device=device, dtype=dtype)
+        self.v_proj = Linear(d_model, num_kv_heads * self.head_dim, device=device, dtype=dtype)
+        self.output_proj = Linear(num_heads * self.head_dim, d_model, device=device, dtype=dtype)
+        if rope is None and theta is not None:
+            if max_seq_len is None:
+                raise ValueError("RoPE needs max_seq_len together with theta")
+            rope = RotaryPositionalEmbedding(theta, self.head_dim, max_seq_len, device=device)
+        self.rope = rope
+
+    def forward(self, x: Tensor, token_positions: Tensor | None = None, kv_cache: KVCache | None = None,
+                layer_idx: int = 0) -> Tensor:
+        """``x (B, T, d_model) -> (B, T, d_model)``; positions default to ``start .. start+T-1`` where
+        ``start`` is the number of tokens already in ``kv_cache`` (0 without a cache)."""
+        if self.fast:
+            return self._forward_fast(x, token_positions, kv_cache, layer_idx)
+        return self._forward_reference(x, token_positions, kv_cache, layer_idx)
+
+    def _positions(self, x: Tensor, token_positions: Tensor | None, kv_cache: KVCache | None) -> Tensor:
+        T = x.shape[-2]
+        if token_positions is not None:
+            return token_positions
+        if kv_cache is not None:
+            return kv_cache.positions(T)  # (B, T) or (T,)
+        return torch.arange(T, device=x.device)
+
+    def _forward_reference(self, x: Tensor, token_positions, kv_cache, layer_idx) -> Tensor:
+        *lead, T, _ = x.shape
+        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).unflatten(-1, (H, D)).transpose(-3, -2)  # (..., H, T, D)
+        k = self.k_proj(x).unflatten(-1, (KV, D)).transpose(-3, -2)  # (..., KV, T, D)
+        v = self.v_proj(x).unflatten(-1, (KV, D)).transpose(-3, -2)  # (..., KV, T, D)
+        if self.rope is not None:
+            pos = self._positions(x, token_positions, kv_cache)
+            pos = pos.unsqueeze(-2) if pos.dim() >= 2 else pos  # (B, 1, T): broadcast over heads
+            q, k = self.rope(q, pos), self.rope(k, pos)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer_idx, k, v)  # (B, KV, S, D) with S = cached + T
+            mask = kv_cache.mask(T, x.device, allow_none=False)  # (B, 1, T, S) or (T, S)
+        else:
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
+        if KV != H:
+            k = k.repeat_interleave(H // KV, dim=-3)  # (..., H, S, D)
+            v = v.repeat_interleave(H // KV, dim=-3)
+        y = scaled_dot_product_attention(q, k, v, mask)  # (..., H, T, D)
+        return self.output_proj(y.transpose(-3, -2).flatten(-2))  # (..., T, H*D) -> (..., T, d_model)
+
+    def _forward_fast(self, x: Tensor, token_positions, kv_cache, layer_idx) -> Tensor:
+        B, T, _ = x.shape
+        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
+        decoding = kv_cache is not None and not torch.is_grad_enabled()
+        w = _fused_weight(self, "_qkv_cache", [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], decoding)
+        qkv = x @ w.T  # (B, T, (H + 2 KV) D)
+        q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+        q, k, v = q.unflatten(-1, (H, D)), k.unflatten(-1, (KV, D)), v.unflatten(-1, (KV, D))  # (B, T, h, D)
+        if self.rope is not None:
+            if token_positions is None and kv_cache is None:
+                cos, sin = self.rope.cos[:T, None, :], self.rope.sin[:T, None, :]  # (T, 1, D/2)
+                if T > self.rope.max_seq_len:
+                    raise ValueError(f"sequence length {T} exceeds the RoPE table size {self.rope.max_seq_len}; "
+                                     "shorten the input or build the model with a larger context_length")
+            else:
+                pos = self._positions(x, token_positions, kv_cache)
+                if token_positions is not None:
+                    self.rope.check_positions(pos)
+                cos, sin = self.rope.cos[pos].unsqueeze(-2), self.rope.sin[pos].unsqueeze(-2)  # (B|1, T, 1, D/2)
+            q, k = _rope_fast(q, cos, sin), _rope_fast(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, h, T, D)
+        if kv_cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KV != H)
+        else:
+            k, v = kv_cache.update(layer_idx, k, v)  # (B, KV, S, D)
+            mask = kv_cache.mask(T, x.device)
+            if mask is None:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=KV != H)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=KV != H)
+        y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
+        return y @ self.output_proj.weight.T  # (B, T, d_model)
+
+
+class FeedForward(SwiGLU):
+    """:class:`SwiGLU` with a fast path that runs ``w1`` and ``w3`` as one matmul."""
+
+    def __init__(self, d_model: int, d_ff: int | None = None, fast: bool = False, device=None, dtype=None) -> None:
+        super().__init__(d_model, d_ff, device=device, dtype=dtype)
+        self.fast = fast
+
+    def forward(self, x: Tensor, decoding: bool = False) -> Tensor:
+        if not self.fast:
+            return super().forward(x)
+        w13 = _fused_weight(self, "_w13_cache", [self.w1.weight, self.w3.weight], decoding)
+        a, b = (x @ w13.T).split(self.d_ff, dim=-1)  # (B, T, d_ff) each
+        return (F.silu(a) * b) @ self.w2.weight.T  # (B, T, d_model)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + attn(ln1(x))`` then ``x + ffn(ln2(x))``."""
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, max_seq_len: int | None = None,
+                 theta: float | None = None, num_kv_heads: int | None = None, eps: float = 1e-5,
+                 rope: RotaryPositionalEmbedding | None = None, fast: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        self.attn = CausalSelfAttention(d_model, num_heads, max_seq_len, theta, num_kv_heads, rope=rope, fast=fast,
+                                        device=device, dtype=dtype)
+        self.ln1 = RMSNorm(d_model, eps, device=device, dtype=dtype)
+        self.ffn = FeedForward(d_model, d_ff, fast=fast, device=device, dtype=dtype)
+        self.ln2 = RMSNorm(d_model, eps, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor, token_positions: Tensor | None = None, kv_cache: KVCache | None = None,
+                layer_idx: int = 0) -> Tensor:
+        x = x + self.attn(self.ln1(x), token_positions, kv_cache, layer_idx)
+        return x + self.ffn(self.ln2(x), decoding=kv_cache is not None and not torch.is_grad_enabled())
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only language model; ``forward(idx) -> logits``.
+
+    Build from a :class:`ModelConfig` (``TransformerLM(cfg)``) or with the CS336 signature
+    ``TransformerLM(vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta)``.
+    """
+
+    def __init__(self, vocab_size: int | ModelConfig, context_length: int | None = None, d_model: int | None = None,
+                 num_layers: int | None = None, num_heads: int | None = None, d_ff: int | None = None,
+                 rope_theta: float = 10000.0, *, device=None, dtype=None, **config_kwargs) -> None:
+        super().__init__()
+        if isinstance(vocab_size, ModelConfig):
+            cfg = vocab_size
+        else:
+            if None in (context_length, d_model, num_layers, num_heads):
+                raise ValueError("TransformerLM needs a ModelConfig or vocab_size, context_length, d_model, "
+                                 "num_layers and num_heads")
+            config_kwargs.setdefault("fast", False)  # the CS336 signature builds the reference model
+            cfg = ModelConfig(vocab_size=vocab_size, context_length=context_length, d_model=d_model,
+                              n_layers=num_layers, n_heads=num_heads, d_ff=d_ff, rope_theta=rope_theta, **config_kwargs)
+        self.cfg = cfg
+        self.token_embeddings = Embedding(cfg.vocab_size, cfg.d_model, device=device, dtype=dtype)
+        rope = RotaryPositionalEmbedding(cfg.rope_theta, cfg.head_dim, cfg.context_length, device=device)
+        self.layers = nn.ModuleList(
+            TransformerBlock(cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.context_length, num_kv_heads=cfg.n_kv_heads,
+                             eps=cfg.norm_eps, rope=rope, fast=cfg.fast, device=device, dtype=dtype)
+            for _ in range(cfg.n_layers))
+        self.ln_final = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, device=device, dtype=dtype)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.token_embeddings.weight
+        self.init_weights()
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, device=None, dtype=None) -> TransformerLM:
+        return cls(cfg, device=device, dtype=dtype)
+
+    def init_weights(self) -> None:
+        """Initialise every parameter (called once by the constructor; call again to re-draw):
+
+        * ``token_embeddings.weight``: truncated normal, std 1, cut at ±3.
+        * every projection (``q/k/v/output_proj``, ``ffn.w1/w2/w3``, ``lm_head``): truncated normal,
+          std ``sqrt(2 / (fan_in + fan_out))``, cut at ±3σ.
+        * every RMSNorm weight (``ln1``, ``ln2``, ``ln_final``): ones.
+        * tied embeddings: the shared matrix gets the ``lm_head`` init (std ``sqrt(2 / (d_model + vocab))``),
+          since std-1 logits would saturate the softmax at the start of training.
+        """
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        if self.cfg.tie_embeddings:
+            self.lm_head.reset_parameters()
+
+    def set_fast(self, fast: bool) -> TransformerLM:
+        """Switch every block between the fast and the reference path (same weights)."""
+        self.cfg.fast = fast
+        for m in self.modules():
+            if hasattr(m, "fast"):
+                m.fast = fast
+        return self
+
+    def forward(self, idx: Tensor, token_positions: Tensor | None = None, kv_cache: KVCache | None = None, *,
+                targets: Tensor | None = None, ignore_index: int | None = None, reduction: str = "mean") -> Tensor:
+        """``idx (B, T)`` int64 -> logits ``(B, T, vocab_size)``.
+
+        With ``kv_cache`` the new tokens attend to the cached ones and are appended to the cache. With
+        ``targets (B, T)`` the cross-entropy loss (``reduction`` ``"mean"``/``"sum"``/``"none"``) is
+        returned instead of the logits; the fast path then never builds the full logits tensor.
+        """
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (batch, seq), got {tuple(idx.shape)}")
+        T = idx.shape[1]
+        start = kv_cache.pos if kv_cache is not None else 0
+        if start + T > self.cfg.context_length:
+            raise ValueError(f"sequence of {start + T} tokens ({start} cached + {T} new) exceeds "
+                             f"context_length={self.cfg.context_length}; crop the input to the last "
+                             f"{self.cfg.context_length} tokens or train a model with a longer context")
+        x = self.token_embeddings(idx)  # (B, T, d_model)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, token_positions, kv_cache, i)
+        if kv_cache is not None:
+            kv_cache.advance(T)
+        x = self.ln_final(x)  # (B, T, d_model)
+        if targets is None:
+            return self.lm_head(x)  # (B, T, V)
+        if self.cfg.fast:
+            return linear_cross_entropy(x, self.lm_head.weight, targets, ignore_index, reduction)
+        return cross_entropy(self.lm_head(x), targets, ignore_index, reduction)
+
+
+# --------------------------------------------------------------------------------------------------
+# Counting
+# --------------------------------------------------------------------------------------------------
+def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Number of distinct parameters; ``exclude_embeddings`` drops the input embedding table unless it
+    is tied to the LM head (then it is also a matmul weight and stays counted)."""
+    seen: set[int] = set()
+    total = 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if exclude_embeddings and name.endswith("token_embeddings.weight"):
+            lm_head = getattr(model, "lm_head", None)
+            if lm_head is None or lm_head.weight is not p:
+                continue
+        total += p.numel()
+    return total
+
+
+def matmul_params_per_token(cfg: ModelConfig) -> int:
+    """Weights each token multiplies through in one forward pass (all projections + the LM head)."""
+    D, H, KV = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    per_layer = cfg.d_model * (H * D + 2 * KV * D) + H * D * cfg.d_model + 3 * cfg.d_model * cfg.d_ff
+    return cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, context_length: int | None = None) -> int:
+    """Training FLOPs per token (forward + backward): ``6·N + 12·n_layers·d_model·T``.
+
+    ``N`` = :func:`matmul_params_per_token`; the second term is attention's ``QKᵀ`` and ``AV`` at
+    sequence length ``T`` (default: ``cfg.context_length``), counted without causal savings as in the
+    PaLM paper's MFU definition, so numbers compare with other projects.
+    """
+    T = cfg.context_length if context_length is None else context_length
+    return 6 * matmul_params_per_token(cfg) + 12 * cfg.n_layers * cfg.d_model * T
