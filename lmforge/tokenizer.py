@@ -107,7 +107,10 @@ class Tokenizer:
             return None
         from lmforge import _core
 
-        pat = getattr(_core, _CORE_PATTERNS.get(self.pattern, "PATTERN_GPT2"))
+        # Custom regexes are pre-tokenized here and passed to encode_words.
+        pat = getattr(_core, _CORE_PATTERNS.get(self.pattern, "PATTERN_CUSTOM"), None)
+        if pat is None:
+            return None
         merges = [(self._to_id[a], self._to_id[b]) for a, b in self.merges]
         return cls([self.vocab[i] for i in range(len(self.vocab))], merges, dict(self._special_ids), pat)
 

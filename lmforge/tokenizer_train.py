@@ -82,7 +82,7 @@ class _Counting:
                                                           [s.encode("utf-8") for s in special_tokens])
             self.custom = False
         elif self.core is not None:  # custom regex: pre-tokenize here, count in C++
-            self.counter = self.core.PretokenCounter(self.core.PATTERN_GPT2, [])
+            self.counter = self.core.PretokenCounter(getattr(self.core, "PATTERN_CUSTOM", self.core.PATTERN_GPT2), [])
             self.custom = True
         else:
             self.counter = _PyCounter(pattern, special_tokens)
@@ -122,16 +122,27 @@ def _bar(total: int | None, desc: str, enabled: bool, unit: str = "B") -> Any:
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", disable=not enabled, leave=False)
 
 
-def _check_utf8(data: bytes, errors: str, where: str, offset: int) -> bytes:
-    """Return valid UTF-8: ``ValueError`` naming the byte offset, or U+FFFD replacements."""
+def _utf8_error_offset(data: bytes) -> int:
+    """Offset of the first byte that is not valid UTF-8, or -1 (C++ scan when built: no copy)."""
+    core = _core()
+    if core is not None and hasattr(core, "utf8_error_offset"):
+        return int(core.utf8_error_offset(data))
     try:
         data.decode("utf-8")
-        return data
+        return -1
     except UnicodeDecodeError as e:
-        if errors == "replace":
-            return data.decode("utf-8", errors="replace").encode("utf-8")
-        raise ValueError(f"{where} is not valid UTF-8 at byte offset {offset + e.start}; fix the file or pass "
-                         "errors='replace' (CLI: --errors replace) to read bad bytes as U+FFFD") from None
+        return e.start
+
+
+def _check_utf8(data: bytes, errors: str, where: str, offset: int) -> bytes:
+    """Return valid UTF-8: ``ValueError`` naming the byte offset, or U+FFFD replacements."""
+    bad = _utf8_error_offset(data)
+    if bad < 0:
+        return data
+    if errors == "replace":
+        return data.decode("utf-8", errors="replace").encode("utf-8")
+    raise ValueError(f"{where} is not valid UTF-8 at byte offset {offset + bad}; fix the file or pass "
+                     "errors='replace' (CLI: --errors replace) to read bad bytes as U+FFFD")
 
 
 def _cut_point(buf: bytes, specials: list[bytes]) -> int:

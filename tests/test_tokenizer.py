@@ -272,3 +272,11 @@ def test_gpt2_matches_tiktoken_exactly(shared_fixtures):
         assert tok.encode(text) == ref.encode(text, allowed_special="all")
         assert tok.decode(tok.encode(text)) == text
     assert tok.eot_id == 50256 and tok.vocab_size == 50257
+
+
+def test_fast_backend_is_used_when_built(tiny_tokenizer):
+    core = pytest.importorskip("lmforge._core")
+    if not hasattr(core, "Encoder"):
+        pytest.skip("lmforge._core.Encoder is not built yet")
+    assert tiny_tokenizer.backend == "cpp"
+    assert Tokenizer(tiny_tokenizer.vocab, tiny_tokenizer.merges, backend="python").backend == "python"
