@@ -1,7 +1,240 @@
-// lmforge._core: the C++ hot paths of the tokenizer (placeholder module entry; filled by the tokenizer work).
+// lmforge._core: Python bindings of the C++ tokenizer hot paths (contract: docs/DESIGN.md).
+// Bytes in, ints out: no file I/O, no configuration, no policy. Heavy work runs with the GIL released.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+
+#include "counter.h"
+#include "encoder.h"
+#include "train.h"
+
 namespace nb = nanobind;
+using namespace lmforge;
+
+namespace {
+
+// UTF-8 view of a Python str (cached inside the str object, so valid while it lives).
+std::pair<const uint8_t*, size_t> utf8_of(nb::handle s) {
+    if (!PyUnicode_Check(s.ptr())) throw nb::type_error("expected str");
+    Py_ssize_t n;
+    const char* p = PyUnicode_AsUTF8AndSize(s.ptr(), &n);
+    if (!p) {
+        PyErr_Clear();
+        throw std::invalid_argument("text cannot be encoded as UTF-8 (it contains lone surrogates); "
+                                    "clean it with .encode('utf-8', 'replace').decode()");
+    }
+    return {(const uint8_t*)p, (size_t)n};
+}
+
+nb::list ids_to_list(const std::vector<uint32_t>& ids) {
+    PyObject* l = PyList_New((Py_ssize_t)ids.size());
+    if (!l) throw nb::python_error();
+    for (size_t i = 0; i < ids.size(); ++i) PyList_SET_ITEM(l, (Py_ssize_t)i, PyLong_FromUnsignedLong(ids[i]));
+    return nb::steal<nb::list>(l);
+}
+
+std::vector<std::string> bytes_list(const nb::list& items, const char* what) {
+    std::vector<std::string> out;
+    out.reserve(nb::len(items));
+    for (nb::handle h : items) {
+        if (!PyBytes_Check(h.ptr())) throw std::invalid_argument(std::string(what) + " must be bytes");
+        out.emplace_back(PyBytes_AS_STRING(h.ptr()), (size_t)PyBytes_GET_SIZE(h.ptr()));
+    }
+    return out;
+}
+
+template <class T>
+nb::ndarray<nb::numpy, T, nb::ndim<1>> to_numpy(std::vector<T>&& v) {
+    auto* heap = new std::vector<T>(std::move(v));
+    nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+    return nb::ndarray<nb::numpy, T, nb::ndim<1>>(heap->data(), {heap->size()}, owner);
+}
+
+constexpr size_t kReleaseGilBytes = 4096;  // below this, releasing the GIL costs more than it frees
+
+}  // namespace
+
 NB_MODULE(_core, m) {
-    m.doc() = "lmforge C++ core: pre-tokenization, BPE training and encoding";
-    m.attr("ABI_VERSION") = 1;
+    m.doc() = "lmforge C++ core: pre-tokenization, pre-token counting, BPE training and encoding";
+    m.attr("ABI_VERSION") = 2;
+    m.attr("PATTERN_GPT2") = (int)kGPT2;
+    m.attr("PATTERN_GPT4") = (int)kGPT4;
+    m.attr("PATTERN_NANOCHAT") = (int)kNanochat;
+    m.attr("PATTERN_CUSTOM") = (int)kCustom;
+
+    m.def(
+        "utf8_error_offset",
+        [](nb::bytes data) { return utf8_error_offset((const uint8_t*)data.c_str(), data.size()); },
+        nb::arg("data"), "Offset of the first invalid UTF-8 byte in data, or -1 if it is valid UTF-8.");
+
+    m.def(
+        "pretokenize",
+        [](nb::bytes text, int pattern) {
+            const uint8_t* s = (const uint8_t*)text.c_str();
+            size_t n = text.size();
+            if (pattern < kGPT2 || pattern > kNanochat)
+                throw std::invalid_argument("unknown pattern id " + std::to_string(pattern) +
+                                            "; use PATTERN_GPT2, PATTERN_GPT4 or PATTERN_NANOCHAT");
+            long long bad = utf8_error_offset(s, n);
+            if (bad >= 0) throw std::invalid_argument("invalid UTF-8 at byte offset " + std::to_string(bad));
+            nb::list out;
+            pretokenize_piece(pattern, s, n, [&](const uint8_t* p, size_t len) {
+                out.append(nb::bytes((const char*)p, len));
+            });
+            return out;
+        },
+        nb::arg("text"), nb::arg("pattern"),
+        "Split UTF-8 text into pre-tokens, exactly like regex.findall(PATTERNS[name], text).");
+
+    nb::class_<PretokenCounter>(m, "PretokenCounter",
+                                "Counts unique pre-tokens of text fed in chunks; memory grows with the number "
+                                "of unique pre-tokens only.")
+        .def(
+            "__init__",
+            [](PretokenCounter* self, int pattern, nb::list special_tokens) {
+                new (self) PretokenCounter(pattern, bytes_list(special_tokens, "special tokens"));
+            },
+            nb::arg("pattern"), nb::arg("special_tokens"))
+        .def(
+            "add",
+            [](PretokenCounter& c, nb::bytes data, int num_threads) {
+                const uint8_t* p = (const uint8_t*)data.c_str();
+                size_t n = data.size();
+                nb::gil_scoped_release release;
+                c.add(p, n, num_threads);
+            },
+            nb::arg("data"), nb::arg("num_threads"),
+            "Split on special tokens (never counted), pre-tokenize on num_threads threads and count.")
+        .def(
+            "add_counts",
+            [](PretokenCounter& c, nb::list words, std::vector<int64_t> counts) {
+                c.add_counts(bytes_list(words, "words"), counts);
+            },
+            nb::arg("words"), nb::arg("counts"), "Add counts of words pre-tokenized elsewhere (custom patterns).")
+        .def("__len__", &PretokenCounter::size)
+        .def("total", &PretokenCounter::total, "Number of pre-tokens counted (with multiplicity).")
+        .def(
+            "items",
+            [](const PretokenCounter& c) {
+                nb::list out;
+                c.for_each([&](const uint8_t* p, uint32_t len, int64_t count) {
+                    out.append(nb::make_tuple(nb::bytes((const char*)p, len), count));
+                });
+                return out;
+            },
+            "All (pre-token bytes, count) pairs.");
+
+    m.def(
+        "train_bpe",
+        [](const PretokenCounter& counter, long long num_merges, nb::object progress) {
+            std::function<void(long long)> cb;
+            if (!progress.is_none())
+                cb = [&progress](long long k) {
+                    nb::gil_scoped_acquire acquire;
+                    progress(k);
+                };
+            std::vector<std::pair<std::string, std::string>> merges;
+            {
+                nb::gil_scoped_release release;
+                merges = train_bpe(counter, num_merges, cb);
+            }
+            nb::list out;
+            for (const auto& [a, b] : merges)
+                out.append(nb::make_tuple(nb::bytes(a.data(), a.size()), nb::bytes(b.data(), b.size())));
+            return out;
+        },
+        nb::arg("counter"), nb::arg("num_merges"), nb::arg("progress") = nb::none(),
+        "Learn up to num_merges BPE merges from the counter's pre-tokens (ties: greatest byte pair).");
+
+    nb::class_<Encoder>(m, "Encoder", "Token ids from text with a byte-level BPE vocabulary and merge ranks.")
+        .def(
+            "__init__",
+            [](Encoder* self, nb::list vocab, std::vector<std::pair<int64_t, int64_t>> merges, nb::dict special_tokens,
+               int pattern) {
+                std::vector<std::pair<std::string, int64_t>> specials;
+                for (auto [k, v] : special_tokens) {
+                    auto [p, n] = utf8_of(k);
+                    specials.emplace_back(std::string((const char*)p, n), nb::cast<int64_t>(v));
+                }
+                new (self) Encoder(bytes_list(vocab, "vocab entries"), merges, specials, pattern);
+            },
+            nb::arg("vocab"), nb::arg("merges"), nb::arg("special_tokens"), nb::arg("pattern"))
+        .def(
+            "encode",
+            [](const Encoder& e, nb::str text, bool allow_special) {
+                auto [p, n] = utf8_of(text);
+                std::vector<uint32_t> ids;
+                if (n >= kReleaseGilBytes) {
+                    nb::gil_scoped_release release;
+                    e.encode(p, n, allow_special, ids);
+                } else {
+                    e.encode(p, n, allow_special, ids);
+                }
+                return ids_to_list(ids);
+            },
+            nb::arg("text"), nb::arg("allow_special"))
+        .def(
+            "encode_words",
+            [](const Encoder& e, nb::list words) {
+                std::vector<std::pair<const uint8_t*, size_t>> ws;
+                for (nb::handle h : words) {
+                    if (!PyBytes_Check(h.ptr())) throw std::invalid_argument("words must be bytes");
+                    ws.emplace_back((const uint8_t*)PyBytes_AS_STRING(h.ptr()), (size_t)PyBytes_GET_SIZE(h.ptr()));
+                }
+                std::vector<uint32_t> ids;
+                e.encode_words(ws, ids);
+                return ids_to_list(ids);
+            },
+            nb::arg("words"), "Apply the merges to words pre-tokenized in Python (custom patterns).")
+        .def(
+            "encode_batch",
+            [](const Encoder& e, nb::list texts, int num_threads, bool allow_special) {
+                std::vector<std::pair<const uint8_t*, size_t>> docs;
+                for (nb::handle h : texts) docs.push_back(utf8_of(h));
+                std::vector<std::vector<uint32_t>> res;
+                {
+                    nb::gil_scoped_release release;
+                    e.encode_batch(docs, num_threads, allow_special, res);
+                }
+                nb::list out;
+                for (const auto& ids : res) out.append(ids_to_list(ids));
+                return out;
+            },
+            nb::arg("texts"), nb::arg("num_threads"), nb::arg("allow_special"))
+        .def(
+            "encode_batch_flat",
+            [](const Encoder& e, nb::list texts, int num_threads, bool allow_special) {
+                std::vector<std::pair<const uint8_t*, size_t>> docs;
+                for (nb::handle h : texts) docs.push_back(utf8_of(h));
+                std::vector<uint32_t> flat;
+                std::vector<int64_t> offsets{0};
+                {
+                    nb::gil_scoped_release release;
+                    std::vector<std::vector<uint32_t>> res;
+                    e.encode_batch(docs, num_threads, allow_special, res);
+                    size_t total = 0;
+                    for (const auto& r : res) total += r.size();
+                    flat.reserve(total);
+                    for (const auto& r : res) {
+                        flat.insert(flat.end(), r.begin(), r.end());
+                        offsets.push_back((int64_t)flat.size());
+                    }
+                }
+                return std::make_pair(to_numpy(std::move(flat)), to_numpy(std::move(offsets)));
+            },
+            nb::arg("texts"), nb::arg("num_threads"), nb::arg("allow_special"),
+            "Encode documents into one uint32 token array plus int64 offsets (len(texts) + 1).")
+        .def(
+            "decode_bytes",
+            [](const Encoder& e, std::vector<int64_t> ids) {
+                std::string s = e.decode_bytes(ids);
+                return nb::bytes(s.data(), s.size());
+            },
+            nb::arg("ids"), "Concatenated token bytes; ValueError names an out-of-range id.")
+        .def_prop_ro("pattern", &Encoder::pattern)
+        .def_prop_ro("vocab_size", &Encoder::vocab_size);
 }

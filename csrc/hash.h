@@ -1,0 +1,195 @@
+// Hashing and the small open-addressing hash maps used by the counter, the trainer and the encoder.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace lmforge {
+
+inline uint64_t load64(const uint8_t* p) { uint64_t v; std::memcpy(&v, p, 8); return v; }
+inline uint64_t load32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+
+// 64x64 -> 128 bit multiply, folded: the mixing step of wyhash-style hashes.
+inline uint64_t mum(uint64_t a, uint64_t b) {
+    __uint128_t r = (__uint128_t)a * b;
+    return (uint64_t)r ^ (uint64_t)(r >> 64);
+}
+
+// Fast hash of a short byte string (pre-tokens are mostly 1-10 bytes); reads no byte outside [p, p+n).
+inline uint64_t hash_bytes(const uint8_t* p, size_t n) {
+    constexpr uint64_t k0 = 0xa0761d6478bd642full, k1 = 0xe7037ed1a0b428dbull;
+    uint64_t a, b, seed = k0;
+    if (n <= 16) {
+        if (n >= 4) {
+            size_t q = (n >> 3) << 2;  // 0 or 4: the two 4-byte reads overlap for n < 8
+            a = (load32(p) << 32) | load32(p + q);
+            b = (load32(p + n - 4) << 32) | load32(p + n - 4 - q);
+        } else if (n > 0) {
+            a = ((uint64_t)p[0] << 16) | ((uint64_t)p[n >> 1] << 8) | p[n - 1];
+            b = 0;
+        } else {
+            a = b = 0;
+        }
+    } else {
+        size_t i = n;
+        while (i > 16) {
+            seed = mum(load64(p) ^ k1, load64(p + 8) ^ seed);
+            p += 16;
+            i -= 16;
+        }
+        a = load64(p + i - 16);
+        b = load64(p + i - 8);
+    }
+    return mum(k1 ^ n, mum(a ^ k1, b ^ seed));
+}
+
+inline uint64_t hash_u64(uint64_t x) { return mum(x ^ 0xa0761d6478bd642full, 0xe7037ed1a0b428dbull); }
+
+// Open-addressing map uint64 -> uint64 (linear probing). Key UINT64_MAX is reserved as "empty".
+class U64Map {
+public:
+    static constexpr uint64_t kEmpty = ~0ull;
+    explicit U64Map(size_t expected = 16) { rehash(capacity_for(expected)); }
+
+    const uint64_t* find(uint64_t key) const {
+        size_t i = hash_u64(key) & mask_;
+        while (true) {
+            const Slot& s = slots_[i];
+            if (s.key == key) return &s.value;
+            if (s.key == kEmpty) return nullptr;
+            i = (i + 1) & mask_;
+        }
+    }
+    // Value slot for `key`, inserting `init` if absent.
+    uint64_t& get_or_insert(uint64_t key, uint64_t init, bool* inserted = nullptr) {
+        if ((size_ + 1) * 2 > slots_.size()) rehash(slots_.size() * 2);
+        size_t i = hash_u64(key) & mask_;
+        while (true) {
+            Slot& s = slots_[i];
+            if (s.key == key) { if (inserted) *inserted = false; return s.value; }
+            if (s.key == kEmpty) {
+                s.key = key;
+                s.value = init;
+                ++size_;
+                if (inserted) *inserted = true;
+                return s.value;
+            }
+            i = (i + 1) & mask_;
+        }
+    }
+    size_t size() const { return size_; }
+
+private:
+    struct Slot { uint64_t key; uint64_t value; };
+    static size_t capacity_for(size_t n) {
+        size_t c = 16;
+        while (c < n * 2) c <<= 1;
+        return c;
+    }
+    void rehash(size_t cap) {
+        std::vector<Slot> old;
+        old.swap(slots_);
+        slots_.assign(cap, Slot{kEmpty, 0});
+        mask_ = cap - 1;
+        size_ = 0;
+        for (const Slot& s : old)
+            if (s.key != kEmpty) get_or_insert(s.key, s.value);
+    }
+    std::vector<Slot> slots_;
+    size_t mask_ = 0, size_ = 0;
+};
+
+// Append-only storage for byte strings whose addresses must stay valid (blocks never move).
+class Arena {
+public:
+    const uint8_t* store(const uint8_t* p, size_t n) {
+        if (n > kBlock / 4) {  // big strings get their own block
+            blocks_.emplace_back(new uint8_t[n]);
+            std::memcpy(blocks_.back().get(), p, n);
+            bytes_ += n;
+            return blocks_.back().get();
+        }
+        if (blocks_.empty() || used_ + n > kBlock) {
+            blocks_.emplace_back(new uint8_t[kBlock]);
+            cur_ = blocks_.back().get();
+            used_ = 0;
+        }
+        uint8_t* dst = cur_ + used_;
+        std::memcpy(dst, p, n);
+        used_ += n;
+        bytes_ += n;
+        return dst;
+    }
+    size_t bytes() const { return bytes_; }
+
+private:
+    static constexpr size_t kBlock = 1 << 20;
+    std::vector<std::unique_ptr<uint8_t[]>> blocks_;
+    uint8_t* cur_ = nullptr;
+    size_t used_ = 0, bytes_ = 0;
+};
+
+// Open-addressing map byte string -> int64 count. Keys are borrowed pointers: the owner decides
+// their lifetime (input buffer for per-thread maps, an Arena for the long-lived table).
+class StrCountMap {
+public:
+    struct Entry {
+        const uint8_t* ptr;  // nullptr = empty slot
+        uint32_t len;
+        uint32_t hash;
+        int64_t count;
+    };
+    explicit StrCountMap(size_t cap = 1 << 12) { reset(cap); }
+
+    // Add `count` to key (p, n) with hash h; returns the entry and whether it was new (then
+    // entry->ptr == p, so the caller may redirect it to owned storage).
+    Entry* add(const uint8_t* p, uint32_t n, uint64_t h, int64_t count, bool* inserted) {
+        if ((size_ + 1) * 2 > slots_.size()) grow();  // load factor <= 1/2
+        uint32_t h32 = (uint32_t)(h >> 32);
+        size_t i = h32 & mask_;
+        while (true) {
+            Entry& e = slots_[i];
+            if (e.ptr == nullptr) {
+                e = Entry{p, n, h32, count};
+                ++size_;
+                *inserted = true;
+                return &e;
+            }
+            if (e.hash == h32 && e.len == n && std::memcmp(e.ptr, p, n) == 0) {
+                e.count += count;
+                *inserted = false;
+                return &e;
+            }
+            i = (i + 1) & mask_;
+        }
+    }
+    size_t size() const { return size_; }
+    const std::vector<Entry>& slots() const { return slots_; }
+    void clear() { reset(1 << 12); }
+
+private:
+    void reset(size_t cap) {
+        slots_.assign(cap, Entry{nullptr, 0, 0, 0});
+        slots_.shrink_to_fit();
+        mask_ = cap - 1;
+        size_ = 0;
+    }
+    void grow() {
+        std::vector<Entry> old;
+        old.swap(slots_);
+        slots_.assign(old.size() * 2, Entry{nullptr, 0, 0, 0});
+        mask_ = slots_.size() - 1;
+        for (const Entry& e : old) {
+            if (!e.ptr) continue;
+            size_t i = e.hash & mask_;
+            while (slots_[i].ptr) i = (i + 1) & mask_;
+            slots_[i] = e;
+        }
+    }
+    std::vector<Entry> slots_;
+    size_t mask_ = 0, size_ = 0;
+};
+
+}  // namespace lmforge
