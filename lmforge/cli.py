@@ -70,12 +70,31 @@ def _tok_io_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", nargs="?", default="-", metavar="FILE", help="input file, or - for stdin (default)")
 
 
-def _tok_open_text(path: str):  # noqa: ANN202 - a text stream
-    from lmforge.common import check_input_file
+class _tok_text_input:  # noqa: N801 - used like a function: `with _tok_text_input(path) as f:`
+    """A UTF-8 text stream for FILE or ``-`` (stdin), newlines untouched whatever the locale says."""
 
-    if path == "-":
-        return sys.stdin
-    return open(check_input_file(path), encoding="utf-8", newline="")
+    def __init__(self, path: str):
+        self.path, self.file, self.wrapper = path, None, None
+
+    def __enter__(self) -> "TextIO":
+        import io
+
+        from lmforge.common import check_input_file
+
+        if self.path != "-":
+            self.file = open(check_input_file(self.path), encoding="utf-8", newline="")
+            return self.file
+        buf = getattr(sys.stdin, "buffer", None)
+        if buf is None:  # stdin replaced by a text-only stream (e.g. in tests)
+            return sys.stdin
+        self.wrapper = io.TextIOWrapper(buf, encoding="utf-8", newline="")
+        return self.wrapper
+
+    def __exit__(self, *exc: object) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.wrapper is not None:
+            self.wrapper.detach()  # leave sys.stdin itself open
 
 
 def _tok_encode_args(p: argparse.ArgumentParser) -> None:
@@ -87,29 +106,29 @@ def _tok_encode_args(p: argparse.ArgumentParser) -> None:
 
 
 def _tok_encode(args: argparse.Namespace) -> int:
-    import itertools
-
     from lmforge.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
-    f = _tok_open_text(args.file)
     try:
-        ids = tok.encode_iterable(f, special=args.special)
-        sep = ", " if args.format == "json" else " "
-        out = sys.stdout
-        out.write("[" if args.format == "json" else "")
-        first = True
-        while batch := list(itertools.islice(ids, 8192)):
-            out.write(("" if first else sep) + sep.join(map(str, batch)))
-            first = False
-        out.write("]\n" if args.format == "json" else "\n")
+        with _tok_text_input(args.file) as f:
+            _tok_write_ids(tok.encode_iterable(f, special=args.special), args.format)
     except UnicodeDecodeError as e:
         raise ValueError(f"input {args.file} is not valid UTF-8 ({e.reason} at byte {e.start} of a read block); "
                          "fix or re-encode the file") from None
-    finally:
-        if f is not sys.stdin:
-            f.close()
     return 0
+
+
+def _tok_write_ids(ids: "Iterator[int]", fmt: str) -> None:
+    """Stream ids to stdout: space-separated on one line, or as one JSON list."""
+    import itertools
+
+    sep = ", " if fmt == "json" else " "
+    sys.stdout.write("[" if fmt == "json" else "")
+    first = True
+    while batch := list(itertools.islice(ids, 8192)):
+        sys.stdout.write(("" if first else sep) + sep.join(map(str, batch)))
+        first = False
+    sys.stdout.write("]\n" if fmt == "json" else "\n")
 
 
 def _tok_decode_args(p: argparse.ArgumentParser) -> None:
@@ -122,12 +141,8 @@ def _tok_decode(args: argparse.Namespace) -> int:
     from lmforge.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
-    f = _tok_open_text(args.file)
-    try:
+    with _tok_text_input(args.file) as f:
         text = f.read()
-    finally:
-        if f is not sys.stdin:
-            f.close()
     try:
         ids = json.loads(text) if text.lstrip().startswith("[") else [int(x) for x in text.split()]
     except (ValueError, json.JSONDecodeError):

@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping, Seq
 import regex
 
 from lmforge import bpe, tokenizer_io
-from lmforge.common import num_threads_default
-from lmforge.tokenizer_train import train_bpe, train_bpe_from_iterator
+from lmforge.tokenizer_train import _threads, train_bpe, train_bpe_from_iterator
 
 if TYPE_CHECKING:
     import numpy as np
@@ -228,7 +227,7 @@ class Tokenizer:
         texts = list(texts)
         allow = all([self._check_special_mode(t, special) for t in texts]) if texts else True
         if self._core is not None and self.pattern in _CORE_PATTERNS:
-            return [list(x) for x in self._core.encode_batch(texts, num_threads or num_threads_default(), allow)]
+            return [list(x) for x in self._core.encode_batch(texts, _threads(num_threads), allow)]
         return [self.encode(t, special) for t in texts]
 
     def encode_batch_flat(self, texts: Sequence[str], num_threads: int | None = None,
@@ -243,7 +242,7 @@ class Tokenizer:
         texts = list(texts)
         allow = all([self._check_special_mode(t, special) for t in texts]) if texts else True
         if self._core is not None and self.pattern in _CORE_PATTERNS and hasattr(self._core, "encode_batch_flat"):
-            tokens, offsets = self._core.encode_batch_flat(texts, num_threads or num_threads_default(), allow)
+            tokens, offsets = self._core.encode_batch_flat(texts, _threads(num_threads), allow)
             return np.asarray(tokens, dtype=np.uint32), np.asarray(offsets, dtype=np.int64)
         docs = [self.encode(t, special) for t in texts]
         offsets = np.zeros(len(docs) + 1, dtype=np.int64)

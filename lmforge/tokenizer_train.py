@@ -205,6 +205,15 @@ def _setup(vocab_size: int, special_tokens: Sequence[str] | None, pattern: str, 
     return specials
 
 
+def _threads(num_threads: int | None) -> int:
+    """``num_threads`` checked (>= 1), or every usable core when None."""
+    if num_threads is None:
+        return num_threads_default()
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"num_threads must be a positive integer (or None for all cores), got {num_threads!r}")
+    return num_threads
+
+
 def train_bpe(input_path: PathLike | Sequence[PathLike], vocab_size: int, special_tokens: list[str] | None = None,
               *, pattern: str = "gpt2", num_threads: int | None = None, errors: str = "strict",
               progress: bool = True, chunk_bytes: int = CHUNK_BYTES) -> tuple[Vocab, Merges]:
@@ -219,7 +228,7 @@ def train_bpe(input_path: PathLike | Sequence[PathLike], vocab_size: int, specia
     if not paths:
         raise ValueError("no input files given; pass at least one text file")
     paths = [check_input_file(p) for p in paths]
-    counting = _Counting(specials, pattern, num_threads or num_threads_default())
+    counting = _Counting(specials, pattern, _threads(num_threads))
     total = sum(p.stat().st_size for p in paths)
     sb = [s.encode("utf-8") for s in specials]
     t0 = time.perf_counter()
@@ -241,7 +250,7 @@ def train_bpe_from_iterator(texts: Iterable[str], vocab_size: int, special_token
     exactly like a document boundary.
     """
     specials = _setup(vocab_size, special_tokens, pattern, errors)
-    counting = _Counting(specials if specials else [], pattern, num_threads or num_threads_default())
+    counting = _Counting(specials if specials else [], pattern, _threads(num_threads))
     t0 = time.perf_counter()
     nbytes = 0
     batch: list[bytes] = []

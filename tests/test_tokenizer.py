@@ -280,3 +280,19 @@ def test_fast_backend_is_used_when_built(tiny_tokenizer):
         pytest.skip("lmforge._core.Encoder is not built yet")
     assert tiny_tokenizer.backend == "cpp"
     assert Tokenizer(tiny_tokenizer.vocab, tiny_tokenizer.merges, backend="python").backend == "python"
+
+
+def test_train_bpe_streams_in_bounded_chunks_and_logs(tmp_path, monkeypatch, caplog):
+    import lmforge.tokenizer_train as tt
+
+    p = tmp_path / "c.txt"
+    p.write_text(make_corpus_text(150, seed=6), encoding="utf-8")
+    sizes: list[int] = []
+    real_add = tt._Counting.add
+    monkeypatch.setattr(tt._Counting, "add", lambda self, data: (sizes.append(len(data)), real_add(self, data)))
+    monkeypatch.setattr(tt.logger, "propagate", True)  # the CLI tests may have configured it for stderr
+    with caplog.at_level("INFO", logger="lmforge"):
+        got = train_bpe(p, 400, [EOT], progress=False, chunk_bytes=2000)
+    assert got == train_bpe_reference([p.read_text(encoding="utf-8")], 400, [EOT])
+    assert len(sizes) > 10 and max(sizes) <= 4000 and sum(sizes) == p.stat().st_size
+    assert any("MB/s" in r.message and "unique pre-tokens" in r.message for r in caplog.records)
