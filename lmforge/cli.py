@@ -202,7 +202,97 @@ def _tok_stats(args: argparse.Namespace) -> int:
 # data  (lmforge data get | prepare | inspect)
 # ==================================================================================================
 def _data_commands() -> list[Command]:
-    return []
+    return [
+        ("get", "download a named corpus (shakespeare, tinystories, fineweb-edu) into the cache", _data_get_args,
+         _data_get),
+        ("prepare", "tokenize corpora into fixed-size token shards + manifest (resumable, appendable)",
+         _data_prepare_args, _data_prepare),
+        ("inspect", "summarise a shard directory and decode a sample of each split", _data_inspect_args, _data_inspect),
+    ]
+
+
+def _data_get_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", choices=["shakespeare", "tinystories", "fineweb-edu"], help="the corpus")
+    p.add_argument("--out", metavar="DIR", help="also copy the files into DIR (they always stay in the cache)")
+    p.add_argument("--cache-dir", metavar="DIR", help="download cache (default: $LMFORGE_CACHE or the user cache dir)")
+    p.add_argument("--shards", type=int, default=1, metavar="N", help="fineweb-edu: how many parquet shards (default 1)")
+    p.add_argument("--endpoint", metavar="URL", help="Hugging Face endpoint / mirror (default: $HF_ENDPOINT or the hub)")
+    p.add_argument("--force", action="store_true", help="download again / overwrite files in --out")
+
+
+def _data_get(args: argparse.Namespace) -> int:
+    from lmforge.corpora import copy_into
+    from lmforge.sources import get_dataset
+
+    kwargs: dict = {}
+    if args.name != "shakespeare":
+        kwargs = {"endpoint": args.endpoint, "progress": not args.quiet}
+        if args.name == "fineweb-edu":
+            kwargs["shards"] = args.shards
+    paths = get_dataset(args.name, cache_dir=args.cache_dir, force=args.force, **kwargs)
+    if args.out:
+        paths = copy_into(paths, args.out, force=args.force)
+    for p in paths:
+        print(p)
+    return 0
+
+
+def _data_prepare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", required=True, metavar="T", help="tokenizer file (lmforge JSON, HF tokenizer.json, ...)")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="files, directories or quoted globs: .txt, .jsonl, .parquet (+ .gz / .zst)")
+    p.add_argument("--out", required=True, metavar="DIR", help="shard directory (manifest.json + {split}_NNNNN.bin)")
+    p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
+                   help="send this fraction of documents (by seeded hash) to the 'val' split (default 0)")
+    p.add_argument("--split", metavar="NAME", help="put all inputs in this split instead (e.g. val for a valid file)")
+    p.add_argument("--split-seed", type=int, default=0, metavar="N", help="seed of the document hash split")
+    p.add_argument("--text-field", metavar="KEY", help="JSON key / Parquet column with the text (default: text)")
+    p.add_argument("--delimiter", default="<|endoftext|>",
+                   help="document separator in text files: a string, 'blankline' or 'line' (default <|endoftext|>)")
+    p.add_argument("--utf8-errors", choices=["error", "skip", "replace"], default="error",
+                   help="documents with invalid UTF-8: stop (default), skip them, or replace bad bytes")
+    p.add_argument("--bos", metavar="TOKEN", help="special token to put before each document (default: none)")
+    p.add_argument("--eos", default="auto", metavar="TOKEN",
+                   help="special token after each document; 'auto' = <|endoftext|> if the tokenizer has it, 'none'")
+    p.add_argument("--dtype", choices=["uint16", "uint32"], help="token dtype (default: uint16 if the vocab fits)")
+    p.add_argument("--shard-tokens", type=int, default=None, metavar="N", help="tokens per shard (default 2**26)")
+    p.add_argument("--threads", type=int, metavar="N", help="tokenizer threads (default: all cores)")
+    p.add_argument("--append", action="store_true", help="add new inputs to an existing shard directory")
+    p.add_argument("--force", action="store_true", help="delete the existing shards in --out and start over")
+
+
+def _data_prepare(args: argparse.Namespace) -> int:
+    from lmforge.data import DEFAULT_SHARD_TOKENS, prepare
+    from lmforge.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    m = prepare(tok, args.input, args.out, split=args.split, val_fraction=args.val_fraction, split_seed=args.split_seed,
+                text_field=args.text_field, delimiter=args.delimiter, utf8_errors=args.utf8_errors, bos=args.bos,
+                eos=None if args.eos == "none" else args.eos, dtype=args.dtype,
+                shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS, num_threads=args.threads, append=args.append,
+                force=args.force, progress=not args.quiet)
+    for split, info in sorted(m["splits"].items()):
+        print(f"{split}: {info['shards']} shards, {info['tokens']:,} tokens, {info['documents']:,} documents")
+    return 0
+
+
+def _data_inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", metavar="DIR", help="a shard directory made by `lmforge data prepare`")
+    p.add_argument("--tokenizer", metavar="T", help="decode with this tokenizer (default: DIR/tokenizer.json)")
+    p.add_argument("--sample-tokens", type=int, default=64, metavar="N", help="tokens to decode per split")
+    p.add_argument("--verify", action="store_true", help="re-hash every shard against the manifest")
+
+
+def _data_inspect(args: argparse.Namespace) -> int:
+    from lmforge.data import inspect
+
+    tok = None
+    if args.tokenizer:
+        from lmforge.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(args.tokenizer)
+    print(inspect(args.dir, tokenizer=tok, sample_tokens=args.sample_tokens, verify=args.verify))
+    return 0
 
 
 # ==================================================================================================

@@ -1,0 +1,451 @@
+"""Turn raw corpora into token shards (``prepare``), summarise them (``inspect``), and load them.
+
+``prepare`` streams documents from the inputs (:mod:`lmforge.sources`), routes each to a split
+(a seeded hash of the document, or one split for all inputs), tokenizes batches of documents in
+parallel with the tokenizer's ``encode_batch_flat``, adds BOS/EOS ids, and fills fixed-size
+shards (:mod:`lmforge.shards`). Memory is flat: one shard buffer per split plus a batch.
+
+Crash safety: shards are written by tmp-file + rename and listed in the manifest, which is
+rewritten (atomically) after every shard together with, for each split, the exact point in the
+input stream -- (source, document, token offset) -- up to which that split is on disk. Running the
+same ``prepare`` again after a crash resumes from there and produces the very same shards as an
+uninterrupted run. Sources are identified by SHA-256: a file already in the manifest (or given
+twice) is reported and skipped. ``append=True`` adds new sources to an existing directory as new
+shards (a training run picks them up on its next restart, see :class:`lmforge.loader.BlockLoader`).
+
+The loading side lives in :mod:`lmforge.loader` and :mod:`lmforge.shards` and is re-exported here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from lmforge.common import human_bytes, num_threads_default, sha256_file
+from lmforge.loader import BlockLoader, get_batch, val_batches  # noqa: F401  (re-exported)
+from lmforge.shards import (  # noqa: F401  (re-exported)
+    MANIFEST, SHARD_NAME, TokenDataset, dtype_for_vocab, load_manifest, new_manifest, save_manifest, shard_name,
+    write_shard,
+)
+from lmforge.sources import ReadStats, check_val_fraction, expand_inputs, file_format, iter_file_documents, split_of
+
+logger = logging.getLogger("lmforge")
+
+Manifest = dict[str, Any]  # the parsed manifest.json (see lmforge.shards)
+DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB per uint16 shard
+BATCH_BYTES = 2 << 20  # text bytes per tokenizer call
+
+
+# --------------------------------------------------------------------------------------------------
+# One split's shard buffer
+# --------------------------------------------------------------------------------------------------
+class _SplitWriter:
+    """Fills one split's shard buffer, writes full shards, and tracks exactly what is on disk."""
+
+    def __init__(self, split: str, out_dir: Path, dtype: str, shard_tokens: int, vocab_size: int,
+                 fingerprint: str, next_index: int, position: list[int], flushed: dict[str, dict[str, int]]):
+        self.split, self.out_dir, self.vocab_size, self.fingerprint = split, out_dir, vocab_size, fingerprint
+        self.buf = np.empty(shard_tokens, dtype=dtype)
+        self.n = 0
+        self.starts: list[np.ndarray] = []
+        self.next_index = next_index
+        self.position = list(position)  # (source, doc, token offset) of the first token not on disk
+        self.flushed = flushed  # source index (str) -> {"tokens", "documents", "text_bytes"} on disk
+        self.buffered: dict[str, dict[str, int]] = {}
+        self.written: list[dict[str, Any]] = []
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, is_start: np.ndarray, text_bytes: np.ndarray,
+            src: int, doc_ids: np.ndarray, first_offset: int, on_flush: Any) -> None:
+        """Append a batch of documents of source ``src``; ``first_offset`` tokens of doc 0 were already written."""
+        bounds = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=bounds[1:])
+        key = str(src)
+        pos = 0
+        while pos < len(tokens):
+            take = min(len(self.buf) - self.n, len(tokens) - pos)
+            self.buf[self.n:self.n + take] = tokens[pos:pos + take]
+            d0, d1 = np.searchsorted(bounds[:-1], [pos, pos + take], side="left")
+            new = np.arange(d0, d1)[is_start[d0:d1]]
+            self.starts.append(bounds[new] - pos + self.n)
+            st = self.buffered.setdefault(key, {"tokens": 0, "documents": 0, "text_bytes": 0})
+            st["tokens"] += take
+            st["documents"] += len(new)
+            st["text_bytes"] += int(text_bytes[new].sum())
+            self.n += take
+            pos += take
+            if self.n == len(self.buf):
+                d = int(np.searchsorted(bounds, pos, side="right")) - 1
+                if d >= len(lengths):
+                    self.position = [src, int(doc_ids[-1]) + 1, 0]
+                else:
+                    off = pos - int(bounds[d]) + (first_offset if d == 0 else 0)
+                    self.position = [src, int(doc_ids[d]), off]
+                self.flush()
+                on_flush()
+
+    def finish(self, src_count: int) -> None:
+        """Write the last, partial shard; the split is then complete up to the end of all sources."""
+        self.position = [src_count, 0, 0]
+        if self.n:
+            self.flush()
+
+    def flush(self) -> None:
+        name = shard_name(self.split, self.next_index)
+        starts = np.concatenate(self.starts) if self.starts else np.zeros(0, np.int64)
+        sha = write_shard(self.out_dir / name, self.buf[:self.n], starts, self.vocab_size, self.fingerprint)
+        self.written.append({"name": name, "split": self.split, "tokens": int(self.n),
+                             "documents": int(len(starts)), "sha256": sha})
+        logger.info("wrote %s (%s tokens, %d documents)", name, f"{self.n:,}", len(starts))
+        for key, st in self.buffered.items():
+            acc = self.flushed.setdefault(key, {"tokens": 0, "documents": 0, "text_bytes": 0})
+            for k, v in st.items():
+                acc[k] += v
+        self.buffered = {}
+        self.next_index += 1
+        self.n = 0
+        self.starts = []
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading (in a background thread, so that Python parsing overlaps tokenization)
+# --------------------------------------------------------------------------------------------------
+def _read_batches(sources: list[dict[str, Any]], opts: dict[str, Any], positions: dict[str, list[int]],
+                  first_src: int) -> Iterator[tuple[Any, ...]]:
+    """Yield ``("batch", split, src, doc_ids, docs, first_offset)`` and ``("end", src, read_stats)``."""
+    val_fraction, seed, fixed = opts["val_fraction"], opts["split_seed"], opts["split"]
+    for si in range(first_src, len(sources)):
+        stats = ReadStats()
+        pending: dict[str, tuple[list[int], list[str], int]] = {}
+        sizes: dict[str, int] = {}
+        docs_iter = iter_file_documents(sources[si]["path"], text_field=opts["text_field"],
+                                        delimiter=opts["delimiter"], errors=opts["utf8_errors"], stats=stats)
+        for di, doc in enumerate(docs_iter):
+            split = fixed or split_of(doc, val_fraction, seed)
+            p_src, p_doc, p_off = positions.get(split, (0, 0, 0))
+            if (si, di) < (p_src, p_doc):
+                continue  # already on disk (resuming)
+            ids, texts, first_off = pending.setdefault(split, ([], [], p_off if (si, di) == (p_src, p_doc) else 0))
+            ids.append(di)
+            texts.append(doc)
+            sizes[split] = sizes.get(split, 0) + len(doc)
+            if sizes[split] >= BATCH_BYTES:
+                yield ("batch", split, si, ids, texts, first_off)
+                del pending[split]
+                sizes[split] = 0
+        for split, (ids, texts, first_off) in pending.items():
+            yield ("batch", split, si, ids, texts, first_off)
+        yield ("end", si, stats)
+
+
+def _prefetch(gen: Iterator[Any], depth: int = 4) -> Iterator[Any]:
+    """Run ``gen`` in a daemon thread, ``depth`` items ahead; exceptions are re-raised here."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def work() -> None:
+        try:
+            for item in gen:
+                if stop.is_set():
+                    return
+                q.put(item)
+            q.put(done)
+        except BaseException as e:  # handed to the consumer
+            q.put(e)
+
+    t = threading.Thread(target=work, daemon=True, name="lmforge-prepare-reader")
+    t.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while t.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+
+
+# --------------------------------------------------------------------------------------------------
+# prepare
+# --------------------------------------------------------------------------------------------------
+def _special_id(tokenizer: Any, value: str | None, what: str) -> int | None:
+    if value is None:
+        return None
+    if value == "auto":
+        return tokenizer.eot_id
+    specials = tokenizer.special_tokens
+    if value not in specials:
+        raise ValueError(f"{what} token {value!r} is not a special token of the tokenizer (it has {sorted(specials)}); "
+                         f"train the tokenizer with it or choose another {what}")
+    return int(specials[value])
+
+
+def _clean_stray_files(out_dir: Path, keep: set[str]) -> None:
+    """Remove shard files (and temp files of interrupted writes) that the manifest does not list."""
+    for p in out_dir.iterdir():
+        stray_tmp = p.name.startswith(".") and p.name.endswith(".tmp") and SHARD_NAME.match(p.name[1:].rsplit(".", 2)[0])
+        if (SHARD_NAME.match(p.name) and p.name not in keep) or stray_tmp:
+            logger.info("removing %s (left over from an interrupted prepare)", p.name)
+            p.unlink()
+
+
+def _open_out_dir(out_dir: Path, tok_info: dict[str, Any], dtype: str, shard_tokens: int, bos_id: int | None,
+                  eos_id: int | None, append: bool, force: bool) -> tuple[Manifest, bool]:
+    """Load or create the manifest of ``out_dir``; return it and whether it is new."""
+    has_manifest = (out_dir / MANIFEST).exists()
+    if out_dir.exists() and not has_manifest and any(out_dir.iterdir()):
+        raise ValueError(f"{out_dir} exists and is not an lmforge shard directory; choose a new or empty directory")
+    if has_manifest and force:
+        logger.warning("force: deleting the shards in %s", out_dir)
+        _clean_stray_files(out_dir, keep=set())
+        (out_dir / MANIFEST).unlink()
+        has_manifest = False
+    if not has_manifest:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return new_manifest(tok_info, dtype, shard_tokens, bos_id, eos_id), True
+    m = load_manifest(out_dir)
+    if m["tokenizer"]["fingerprint"] != tok_info["fingerprint"]:
+        raise ValueError(f"{out_dir} holds shards of a different tokenizer (fingerprint {m['tokenizer']['fingerprint'][:16]}…"
+                         f"); use that tokenizer to add data, or a new directory / --force for this one")
+    for key, have, want in (("dtype", m["dtype"], dtype), ("bos_id", m["bos_id"], bos_id), ("eos_id", m["eos_id"], eos_id)):
+        if have != want:
+            raise ValueError(f"{out_dir} was prepared with {key}={have}, this call asks for {want}; they must match "
+                             "to add data (or use a new directory)")
+    if m.get("pending") is None and not append:
+        raise ValueError(f"{out_dir} already holds shards; pass append=True (CLI: --append) to add new sources, "
+                         "or force=True (--force) to rebuild it from scratch")
+    return m, False
+
+
+def _hash_sources(paths: list[Path], m: Manifest, progress: bool) -> list[dict[str, Any]]:
+    """SHA-256 of every input; duplicates (of the manifest or of each other) are reported and dropped."""
+    from tqdm.auto import tqdm
+
+    known = {s["sha256"]: s["path"] for s in m["sources"]}
+    if m.get("pending"):
+        known.update({s["sha256"]: s["path"] for s in m["pending"]["sources"]})
+    pending_hashes = {s["sha256"] for s in (m.get("pending") or {}).get("sources", [])}
+    out = []
+    seen: dict[str, str] = {}
+    for p in tqdm(paths, desc="hashing inputs", unit="file", disable=not progress or len(paths) < 8):
+        size = p.stat().st_size
+        if size == 0:
+            raise ValueError(f"input file {p} is empty; remove it from the inputs")
+        sha = sha256_file(p)
+        if sha in seen:
+            logger.warning("skipping %s: same content as %s given earlier", p, seen[sha])
+            continue
+        seen[sha] = str(p)
+        if sha in known and sha not in pending_hashes:
+            logger.warning("skipping %s: already in the shards (added as %s)", p, known[sha])
+            continue
+        out.append({"path": str(p.resolve()), "size": size, "sha256": sha, "format": file_format(p)})
+    return out
+
+
+def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLike], out_dir: str | os.PathLike, *,
+            split: str | None = None, val_fraction: float = 0.0, split_seed: int = 0, text_field: str | None = None,
+            delimiter: str = "<|endoftext|>", utf8_errors: str = "error", bos: str | None = None,
+            eos: str | None = "auto", dtype: str | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+            num_threads: int | None = None, append: bool = False, force: bool = False,
+            progress: bool = True) -> Manifest:
+    """Tokenize ``inputs`` into fixed-size shards in ``out_dir`` and return the manifest.
+
+    ``split=None`` routes each document by a seeded hash (``val_fraction`` of them to ``"val"``,
+    the rest to ``"train"``); ``split="val"`` (any name) puts all inputs in that split, for corpora
+    with explicit train/valid files. ``eos="auto"`` appends ``<|endoftext|>`` after each document
+    when the tokenizer has it; ``bos`` / ``eos`` may name any special token, or be ``None``.
+    ``dtype`` defaults to uint16 when the vocabulary fits. ``append`` adds new sources to an existing
+    directory; ``force`` deletes its shards first. Re-running after a crash resumes exactly.
+    """
+    from tqdm.auto import tqdm
+
+    val_fraction = check_val_fraction(val_fraction)
+    if split is not None and not SHARD_NAME.match(f"{split}_00000.bin"):
+        raise ValueError(f"split name {split!r} must be letters, digits or '-'")
+    if not 1 <= shard_tokens < 2**32:
+        raise ValueError(f"shard_tokens must be between 1 and 2**32-1, got {shard_tokens}")
+    out_dir = Path(out_dir)
+    paths = expand_inputs(inputs)
+    vocab_size = int(tokenizer.vocab_size)
+    dtype = dtype or dtype_for_vocab(vocab_size)
+    if dtype not in ("uint16", "uint32") or vocab_size > np.iinfo(dtype).max + 1:
+        raise ValueError(f"the tokenizer has {vocab_size} tokens, which do not fit in {dtype} shards; "
+                         "use dtype='uint32' (or leave dtype unset to choose automatically)")
+    bos_id, eos_id = _special_id(tokenizer, bos, "BOS"), _special_id(tokenizer, eos, "EOS")
+    tok_info = {"fingerprint": tokenizer.fingerprint(), "vocab_size": vocab_size, "eot_id": tokenizer.eot_id,
+                "special_tokens": dict(tokenizer.special_tokens)}
+    m, is_new = _open_out_dir(out_dir, tok_info, dtype, shard_tokens, bos_id, eos_id, append, force)
+    if is_new and hasattr(tokenizer, "save"):
+        tokenizer.save(out_dir / "tokenizer.json", force=True)
+    opts = {"split": split, "val_fraction": val_fraction, "split_seed": split_seed, "text_field": text_field,
+            "delimiter": delimiter, "utf8_errors": utf8_errors}
+    sources = _hash_sources(paths, m, progress)
+    pend = m.get("pending")
+    if pend is not None:
+        if [s["sha256"] for s in sources] != [s["sha256"] for s in pend["sources"]] or pend["options"] != opts:
+            raise ValueError(f"{out_dir} has an interrupted prepare of other inputs or options; re-run it with the "
+                             "same inputs and options to resume, or pass force=True (--force) to rebuild")
+        logger.info("resuming the interrupted prepare in %s", out_dir)
+        sources = pend["sources"]
+    elif not sources:
+        logger.warning("nothing to add: every input is already in %s", out_dir)
+        return m
+    else:
+        pend = {"sources": sources, "options": opts, "positions": {}, "flushed": {}, "shards": [],
+                "read_stats": {}}
+        m["pending"] = pend
+    _clean_stray_files(out_dir, keep={s["name"] for s in m["shards"] + pend["shards"]})
+    save_manifest(out_dir, m)
+
+    writers: dict[str, _SplitWriter] = {}
+
+    def writer(name: str) -> _SplitWriter:
+        if name not in writers:
+            idx = sum(1 for e in m["shards"] + pend["shards"] if e["split"] == name)
+            writers[name] = _SplitWriter(name, out_dir, dtype, shard_tokens, vocab_size, tok_info["fingerprint"], idx,
+                                         pend["positions"].get(name, [0, 0, 0]), pend["flushed"].setdefault(name, {}))
+        return writers[name]
+
+    def checkpoint() -> None:
+        for name, w in writers.items():
+            pend["positions"][name] = w.position
+            pend["shards"].extend(w.written)
+            w.written = []
+        save_manifest(out_dir, m)
+
+    for name in pend["positions"]:
+        writer(name)
+    first_src = min((p[0] for p in pend["positions"].values()), default=0)
+    first_src = min(first_src, len(sources))
+    threads = num_threads or num_threads_default()
+    known_bytes = all(s["format"] != "parquet" and not s["path"].endswith((".gz", ".zst")) for s in sources)
+    bar = tqdm(total=sum(s["size"] for s in sources[first_src:]) if known_bytes else None, unit="B", unit_scale=True,
+               desc=f"prepare {out_dir.name}", disable=not progress)
+    t0, n_tokens = time.perf_counter(), 0
+    try:
+        reader = _read_batches(sources, opts, {k: list(v) for k, v in pend["positions"].items()}, first_src)
+        for item in _prefetch(reader):
+            if item[0] == "end":
+                _, si, stats = item
+                pend["read_stats"][str(si)] = {"documents": stats.documents, "empty_skipped": stats.empty_skipped,
+                                               "invalid_utf8": stats.invalid_utf8, "text_bytes": stats.text_bytes}
+                if stats.invalid_utf8:
+                    logger.warning("%s: %d documents with invalid UTF-8 (%s)", sources[si]["path"], stats.invalid_utf8,
+                                   "skipped" if utf8_errors == "skip" else "replaced")
+                if stats.documents == 0:
+                    logger.warning("%s holds no documents (empty or whitespace only)", sources[si]["path"])
+                continue
+            _, name, si, doc_ids, docs, first_off = item
+            toks, lengths, is_start, text_bytes = _encode(tokenizer, docs, bos_id, eos_id, first_off, threads, dtype)
+            writer(name).add(toks, lengths, is_start, text_bytes, si, np.asarray(doc_ids), first_off, checkpoint)
+            n_tokens += len(toks)
+            bar.update(int(text_bytes.sum()))
+            bar.set_postfix_str(f"{n_tokens / (time.perf_counter() - t0):,.0f} tok/s", refresh=False)
+        for w in writers.values():
+            w.finish(len(sources))
+        checkpoint()
+    finally:
+        bar.close()
+    _commit(m, pend)
+    save_manifest(out_dir, m)
+    dt = time.perf_counter() - t0
+    logger.info("prepared %d sources into %s: %s tokens in %.1fs (%s/s of text)", len(sources), out_dir,
+                f"{sum(s['tokens'].get(k, 0) for s in m['sources'][-len(sources):] for k in s['tokens']):,}", dt,
+                human_bytes(sum(s["size"] for s in sources) / max(dt, 1e-9)))
+    return m
+
+
+def _encode(tokenizer: Any, docs: list[str], bos_id: int | None, eos_id: int | None, first_offset: int,
+            threads: int, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Tokenize a batch, add BOS/EOS; return (tokens, per-doc lengths, per-doc is-start, per-doc text bytes)."""
+    flat, offsets = tokenizer.encode_batch_flat(docs, num_threads=threads)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    n = len(docs)
+    extra = []  # (positions, id) pairs inserted with np.insert, which keeps equal positions in the given order
+    if bos_id is not None or eos_id is not None:
+        pos = np.stack([offsets[:-1], offsets[1:]], axis=1).reshape(-1)  # (2n,): bos_i at start_i, eos_i at end_i
+        vals = np.stack([np.full(n, -1 if bos_id is None else bos_id), np.full(n, -1 if eos_id is None else eos_id)],
+                        axis=1).reshape(-1)
+        keep = vals >= 0
+        extra = [pos[keep], vals[keep]]
+    tokens = np.insert(np.asarray(flat), extra[0], extra[1].astype(np.uint32)) if extra else np.asarray(flat)
+    lengths = np.diff(offsets) + (bos_id is not None) + (eos_id is not None)
+    is_start = np.ones(n, dtype=bool)
+    if first_offset:  # the first document's first tokens are already on disk (resume)
+        tokens = tokens[first_offset:]
+        lengths[0] -= first_offset
+        is_start[0] = False
+    text_bytes = np.fromiter((len(d) if d.isascii() else len(d.encode("utf-8")) for d in docs), np.int64, n)
+    return tokens.astype(dtype, copy=False), lengths, is_start, text_bytes
+
+
+def _commit(m: Manifest, pend: dict[str, Any]) -> None:
+    """Move a finished run's shards and sources from ``pending`` into the manifest proper."""
+    for e in pend["shards"]:
+        m["shards"].append(e)
+        info = m["splits"].setdefault(e["split"], {"tokens": 0, "documents": 0, "shards": 0, "text_bytes": 0})
+        info["tokens"] += e["tokens"]
+        info["documents"] += e["documents"]
+        info["shards"] += 1
+    for si, src in enumerate(pend["sources"]):
+        per = {k: pend["flushed"].get(k, {}).get(str(si), {}) for k in pend["flushed"]}
+        rec = dict(src)
+        for key in ("tokens", "documents", "text_bytes"):
+            rec[key] = {k: v.get(key, 0) for k, v in per.items() if v}
+        rec.update({k: v for k, v in pend["read_stats"].get(str(si), {}).items() if k in ("empty_skipped", "invalid_utf8")})
+        rec["split"] = pend["options"]["split"] or ("hash" if pend["options"]["val_fraction"] else "train")
+        m["sources"].append(rec)
+        for k, b in rec["text_bytes"].items():
+            m["splits"][k]["text_bytes"] = m["splits"][k].get("text_bytes", 0) + b
+    m["pending"] = None
+
+
+# --------------------------------------------------------------------------------------------------
+# inspect
+# --------------------------------------------------------------------------------------------------
+def inspect(directory: str | os.PathLike, tokenizer: Any = None, sample_tokens: int = 64, verify: bool = False) -> str:
+    """A human-readable summary of a shard directory, with a decoded sample of each split.
+
+    ``tokenizer`` defaults to the ``tokenizer.json`` that ``prepare`` stored beside the shards.
+    ``verify`` re-hashes every shard.
+    """
+    d = Path(directory)
+    m = load_manifest(d)
+    tok = m["tokenizer"]
+    lines = [f"{d}: {len(m['shards'])} shards ({m['dtype']}), tokenizer {tok['fingerprint'][:16]}… "
+             f"vocab {tok['vocab_size']:,}, bos_id={m['bos_id']} eos_id={m['eos_id']}"]
+    if m.get("pending"):
+        lines.append(f"  an interrupted prepare is pending ({len(m['pending']['shards'])} shards written); re-run it to resume")
+    if tokenizer is None and (d / "tokenizer.json").exists():
+        from lmforge.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.load(d / "tokenizer.json")
+    for split, info in sorted(m["splits"].items()):
+        bpt = info.get("text_bytes", 0) / max(1, info["tokens"])
+        lines.append(f"  {split}: {info['shards']} shards, {info['tokens']:,} tokens, {info['documents']:,} documents, "
+                     f"{human_bytes(info.get('text_bytes', 0))} text ({bpt:.2f} bytes/token)")
+        ds = TokenDataset(d, split, verify=verify)
+        if tokenizer is not None:
+            ds.check_tokenizer(tokenizer)
+            sample = np.asarray(ds.shards[0][:sample_tokens], dtype=np.int64).tolist()
+            lines.append(f"    sample: {tokenizer.decode(sample)!r}")
+    lines.append(f"  {len(m['sources'])} sources:")
+    for s in m["sources"]:
+        toks = ", ".join(f"{k} {v:,}" for k, v in s["tokens"].items())
+        lines.append(f"    {s['path']} ({human_bytes(s['size'])}, sha256 {s['sha256'][:12]}…): {toks} tokens")
+    return "\n".join(lines)

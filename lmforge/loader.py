@@ -1,0 +1,253 @@
+"""Feeding token shards to training: ``get_batch`` (CS336), ``BlockLoader`` (exact resume), ``val_batches``.
+
+``BlockLoader`` cuts each shard of a split into blocks of ``context_length + 1`` tokens (inputs and
+shifted targets come from the same block, as in TinyLlama / Steel-LLM) and walks a seeded
+permutation of all blocks, epoch after epoch. Its whole position is a few integers and shard
+names, so ``state_dict()`` is small JSON and a restored loader continues with exactly the batches
+an uninterrupted one would have produced.
+
+Appending data mid-run (Steel-LLM's scheme): shards added to the directory between restarts are
+found by ``load_state_dict``; their blocks are merged into the *not yet seen* part of the current
+epoch and that part is reshuffled (seeded), so nothing already seen in this epoch repeats. The
+merge is recorded in the state, so later restarts replay it exactly.
+
+Data parallelism: step ``s`` takes ``batch_size * world_size`` consecutive blocks of the epoch
+order and rank ``r`` gets the ``r``-th slice, so ranks are disjoint and together cover the epoch
+(minus a remainder smaller than one global batch).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+
+from lmforge.shards import TokenDataset
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("lmforge")
+
+STATE_VERSION = 1
+
+
+def get_batch(tokens: np.ndarray, batch_size: int, context_length: int, device: Any = "cpu",
+              generator: "torch.Generator | None" = None) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Random training windows from a 1-D token array (e.g. a ``np.memmap``), CS336 semantics.
+
+    For uniformly drawn starts ``i`` in ``[0, len(tokens) - context_length - 1]``: ``x = tokens[i:i+T]``,
+    ``y = tokens[i+1:i+T+1]``, both int64 ``(B, T)`` on ``device``. Only the selected windows are
+    read. On CUDA the batch is pinned and copied asynchronously.
+    """
+    import torch
+
+    n = len(tokens)
+    if n < context_length + 1:
+        raise ValueError(f"the token array has {n} tokens, fewer than context_length + 1 = {context_length + 1}; "
+                         "use more data or a shorter context")
+    starts = torch.randint(n - context_length, (batch_size,), generator=generator).numpy()
+    idx = starts[:, None] + np.arange(context_length + 1)  # (B, T+1)
+    block = torch.from_numpy(np.asarray(tokens[idx]).astype(np.int64))  # (B, T+1)
+    x, y = block[:, :-1].contiguous(), block[:, 1:].contiguous()  # (B, T), (B, T)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return x.pin_memory().to(dev, non_blocking=True), y.pin_memory().to(dev, non_blocking=True)
+    return x.to(dev), y.to(dev)
+
+
+def _block_starts(dataset: TokenDataset, i: int, block: int, bos_aligned: bool) -> np.ndarray | int:
+    """Start offsets of the blocks of shard ``i``; an int ``n`` stands for ``0, block, ..., (n-1)*block``."""
+    n = len(dataset.shards[i])
+    if not bos_aligned:
+        return n // block
+    docs = dataset.doc_starts(i)
+    docs = docs[docs + block <= n]
+    out = []
+    j = 0
+    while j < len(docs):  # greedy: a block at each document start that follows the previous block's end
+        out.append(docs[j])
+        j = int(np.searchsorted(docs, docs[j] + block, side="left"))
+    return np.asarray(out, dtype=np.int64)
+
+
+class BlockLoader:
+    """Shuffled fixed-length blocks of a :class:`TokenDataset` with exact, JSON-serialisable resume.
+
+    ``bos_aligned=True`` starts every block at a document start (nanochat style; the block may run
+    into the following documents, and the rest of a document longer than a block is dropped).
+    ``positions=True`` makes ``next_batch`` also return position ids that restart at 0 at every
+    document start inside a block, for document-aware RoPE positions.
+    """
+
+    def __init__(self, dataset: TokenDataset, batch_size: int, context_length: int, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, bos_aligned: bool = False, positions: bool = False) -> None:
+        if batch_size < 1 or context_length < 1:
+            raise ValueError(f"batch_size and context_length must be >= 1 (got {batch_size}, {context_length})")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.dataset, self.batch_size, self.context_length = dataset, int(batch_size), int(context_length)
+        self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
+        self.bos_aligned, self.positions = bool(bos_aligned), bool(positions)
+        self._block = self.context_length + 1
+        self._starts = [_block_starts(dataset, i, self._block, self.bos_aligned) for i in range(len(dataset.shards))]
+        counts = [s if isinstance(s, int) else len(s) for s in self._starts]
+        self._cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._docs: dict[int, np.ndarray] = {}
+        self._names = dataset.shard_names
+        self._sha = {e["name"]: e["sha256"] for e in dataset.entries}
+        self.epoch = 0
+        self._start_epoch(0)
+
+    # ---- the epoch order ------------------------------------------------------------------------
+    def _blocks_of(self, names: list[str]) -> np.ndarray:
+        """Global block ids of the given shards."""
+        idx = [self._names.index(n) for n in names]
+        return np.concatenate([np.arange(self._cum[i], self._cum[i + 1]) for i in idx] or [np.zeros(0, np.int64)])
+
+    def _start_epoch(self, epoch: int) -> None:
+        self.epoch, self.consumed = epoch, 0
+        self._epoch_shards = list(self._names)
+        self._merges: list[dict[str, Any]] = []
+        total = int(self._cum[-1])
+        if total < self.batch_size * self.world_size:
+            raise ValueError(
+                f"split {self.dataset.split!r} of {self.dataset.dir} has {self.dataset.num_tokens:,} tokens = {total} "
+                f"blocks of context_length + 1 = {self._block} tokens, fewer than one global batch "
+                f"({self.batch_size} x {self.world_size} ranks); use more data, a shorter context or a smaller batch")
+        self._order = np.random.default_rng([self.seed, epoch]).permutation(total).astype(np.int64)
+
+    def _merge(self, names: list[str]) -> None:
+        """Merge new shards into the unseen rest of this epoch and reshuffle that rest (seeded)."""
+        k = len(self._merges) + 1
+        rest = np.concatenate([self._order[self.consumed:], self._blocks_of(names)])
+        rng = np.random.default_rng([self.seed, self.epoch, k])
+        self._order = np.concatenate([self._order[:self.consumed], rng.permutation(rest)])
+        self._merges.append({"at": self.consumed, "shards": list(names)})
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Full global batches in the current epoch (as known now)."""
+        return len(self._order) // (self.batch_size * self.world_size)
+
+    # ---- batches ----------------------------------------------------------------------------------
+    def _read(self, bid: int, out: np.ndarray) -> tuple[int, int]:
+        """Copy block ``bid`` into ``out`` (only its pages are read); return (shard index, start offset)."""
+        i = int(np.searchsorted(self._cum, bid, side="right")) - 1
+        local = bid - int(self._cum[i])
+        st = self._starts[i]
+        start = local * self._block if isinstance(st, int) else int(st[local])
+        out[:] = self.dataset.shards[i][start:start + self._block]
+        return i, start
+
+    def _positions_for(self, i: int, start: int) -> np.ndarray:
+        if i not in self._docs:
+            self._docs[i] = self.dataset.doc_starts(i)
+        docs = self._docs[i]
+        t = np.arange(start, start + self.context_length)
+        k = np.searchsorted(docs, t, side="right") - 1  # index of the last document start <= t
+        last = np.where(k >= 0, docs[np.maximum(k, 0)], start)
+        return t - np.maximum(last, start)
+
+    def next_batch(self) -> tuple["torch.Tensor", ...]:
+        """This rank's next ``(x, y)`` (int64 CPU tensors ``(B, T)``), plus positions if requested."""
+        import torch
+
+        gb = self.batch_size * self.world_size
+        if self.consumed + gb > len(self._order):
+            self._start_epoch(self.epoch + 1)
+        lo = self.consumed + self.rank * self.batch_size
+        ids = self._order[lo:lo + self.batch_size]
+        buf = np.empty((self.batch_size, self._block), dtype=np.int64)  # (B, T+1)
+        pos = np.empty((self.batch_size, self.context_length), dtype=np.int64) if self.positions else None
+        for b, bid in enumerate(ids):
+            i, start = self._read(int(bid), buf[b])
+            if pos is not None:
+                pos[b] = self._positions_for(i, start)
+        self.consumed += gb
+        block = torch.from_numpy(buf)
+        x, y = block[:, :-1].contiguous(), block[:, 1:].contiguous()  # (B, T), (B, T)
+        if pos is not None:
+            return x, y, torch.from_numpy(pos)
+        return x, y
+
+    def __iter__(self) -> Iterator[tuple["torch.Tensor", ...]]:
+        while True:
+            yield self.next_batch()
+
+    # ---- state --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly (JSON-serialisable)."""
+        return {"version": STATE_VERSION, "seed": self.seed, "epoch": self.epoch, "consumed": self.consumed,
+                "batch_size": self.batch_size, "context_length": self.context_length, "world_size": self.world_size,
+                "bos_aligned": self.bos_aligned, "split": self.dataset.split,
+                "epoch_shards": list(self._epoch_shards), "merges": [dict(m) for m in self._merges],
+                "shards": {n: self._sha[n] for n in self._names if n in self._known()}}
+
+    def _known(self) -> list[str]:
+        return self._epoch_shards + [n for m in self._merges for n in m["shards"]]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; shards added to the dataset since then join the unseen rest of the epoch."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"loader state version {state.get('version')} is not {STATE_VERSION}")
+        for key in ("seed", "batch_size", "context_length", "bos_aligned", "split"):
+            mine = getattr(self, key) if key != "split" else self.dataset.split
+            if state[key] != mine:
+                raise ValueError(f"the loader state was saved with {key}={state[key]!r} but this loader has {mine!r}; "
+                                 "resume with the same data settings")
+        if state["world_size"] != self.world_size:
+            logger.warning("resuming a loader saved with world_size=%d on %d ranks: the global order continues, "
+                           "but per-rank batches differ from the original run", state["world_size"], self.world_size)
+        known = state["epoch_shards"] + [n for m in state["merges"] for n in m["shards"]]
+        if self._names[:len(known)] != known:
+            missing = [n for n in known if n not in self._names]
+            raise ValueError(f"the shards of {self.dataset.dir} changed since the loader state was saved "
+                             f"({'missing: ' + ', '.join(missing) if missing else 'reordered'}); restore them to resume")
+        for n in known:
+            if state["shards"].get(n, self._sha[n]) != self._sha[n]:
+                raise ValueError(f"shard {n} was replaced since the loader state was saved (content hash differs)")
+        new = self._names[len(known):]
+        dup = [n for n in new if self._sha[n] in {state["shards"].get(k) for k in known}]
+        if dup:
+            raise ValueError(f"shards {dup} repeat the content of shards already in the run; remove them")
+        self.epoch = int(state["epoch"])
+        self.consumed = 0
+        self._epoch_shards = list(state["epoch_shards"])
+        self._merges = []
+        total = int(sum(self._cum[self._names.index(n) + 1] - self._cum[self._names.index(n)]
+                        for n in self._epoch_shards))
+        base = np.random.default_rng([self.seed, self.epoch]).permutation(total).astype(np.int64)
+        self._order = self._blocks_of(self._epoch_shards)[base]
+        for m in state["merges"]:  # replay earlier merges exactly
+            self.consumed = int(m["at"])
+            self._merge(m["shards"])
+        self.consumed = int(state["consumed"])
+        if new:
+            logger.info("loader: merging %d new shards (%s) into the rest of epoch %d", len(new), ", ".join(new),
+                        self.epoch)
+            self._merge(new)
+
+
+def val_batches(dataset: TokenDataset, batch_size: int, context_length: int,
+                max_batches: int) -> list[tuple["torch.Tensor", "torch.Tensor"]]:
+    """A fixed, deterministic list of validation batches: the split's first blocks, in order."""
+    import torch
+
+    block = context_length + 1
+    n_blocks = [len(s) // block for s in dataset.shards]
+    total = min(sum(n_blocks), max_batches * batch_size)
+    if total < batch_size:
+        raise ValueError(f"split {dataset.split!r} of {dataset.dir} has {dataset.num_tokens:,} tokens, not enough for one "
+                         f"batch of {batch_size} x {block} tokens; use more validation data or smaller eval batches")
+    buf = np.empty((total - total % batch_size, block), dtype=np.int64)  # (N, T+1)
+    row = 0
+    for s, n in zip(dataset.shards, n_blocks):
+        take = min(n, len(buf) - row)
+        buf[row:row + take] = np.asarray(s[:take * block]).reshape(take, block)
+        row += take
+        if row == len(buf):
+            break
+    t = torch.from_numpy(buf)
+    return [(t[i:i + batch_size, :-1], t[i:i + batch_size, 1:]) for i in range(0, len(buf), batch_size)]
