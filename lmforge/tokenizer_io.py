@@ -31,8 +31,10 @@ naturally and every byte string round-trips exactly.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -67,9 +69,16 @@ def escape_token(tok: bytes) -> str:
     return "".join(out)
 
 
+_WELL_FORMED = re.compile(r"(?:[ -\[\]-~]|\\\\|\\x[0-9a-fA-F]{2})*")
+
+
 def unescape_token(s: str) -> bytes:
     """Inverse of :func:`escape_token` (``ValueError`` on a malformed escape)."""
-    out = bytearray()
+    if "\\" not in s and s.isascii() and s.isprintable():
+        return s.encode("ascii")
+    if _WELL_FORMED.fullmatch(s):
+        return codecs.escape_decode(s.encode("ascii"))[0]  # only \\ and \xNN can occur here
+    out = bytearray()  # slow path: find the malformed part and say what it is
     i = 0
     while i < len(s):
         c = s[i]
@@ -313,11 +322,12 @@ def to_tiktoken(vocab: Mapping[int, bytes], special_tokens: Mapping[str, int], p
                 name: str = "lmforge") -> Any:
     """A ``tiktoken.Encoding`` with ranks = our ids.
 
-    tiktoken does not store merges: it repeatedly merges the adjacent pair whose *concatenation*
-    has the lowest rank. That equals merge-rank BPE whenever every token's rank is below those of
-    tokens built from it and no token can be re-formed from a pair that was never a merge with a
-    lower rank than the one that actually built it -- true for GPT-2's files and, in our tests, for
-    tokenizers trained by lmforge; a hand-made vocabulary can break it (``Tokenizer`` stays exact).
+    tiktoken stores no merges: in each pre-token it repeatedly joins the adjacent pair whose
+    *concatenation* has the lowest rank, while merge-rank BPE joins only pairs that are in the
+    merge list. The two agree when no token can be assembled from a pair that was never a merge --
+    true for GPT-2's files and for the tokenizers lmforge trains on its test corpora (tested). A
+    hand-made merge list can break it: with merges ``(b,c), (a,b), (ab,c)``, BPE encodes ``"abc"``
+    as ``[a, bc]`` but tiktoken joins ``a+bc`` into ``abc``. :class:`Tokenizer` is always exact.
     """
     import tiktoken
 

@@ -188,3 +188,12 @@ def test_load_tokenizer_dispatch(trained, tmp_path):
         load_tokenizer(tmp_path / "empty")
     with pytest.raises(ValueError, match="not an lmforge tokenizer file"):
         load_tokenizer(_bad(tmp_path, '{"hello": "world"}'))
+
+
+def test_tiktoken_divergence_documented_case():
+    # merges (b,c), (a,b), (ab,c): merge-rank BPE never joins (a, bc); tiktoken joins it because
+    # b"abc" has a rank. This is the caveat in to_tiktoken's docstring.
+    vocab = {i: bytes([i]) for i in range(256)} | {256: b"bc", 257: b"ab", 258: b"abc"}
+    tok = Tokenizer(vocab, [(b"b", b"c"), (b"a", b"b"), (b"ab", b"c")])
+    assert tok.encode("abc") == [ord("a"), 256]
+    assert tok.to_tiktoken().encode("abc") == [258]
