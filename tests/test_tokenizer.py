@@ -296,3 +296,32 @@ def test_train_bpe_streams_in_bounded_chunks_and_logs(tmp_path, monkeypatch, cap
     assert got == train_bpe_reference([p.read_text(encoding="utf-8")], 400, [EOT])
     assert len(sizes) > 10 and max(sizes) <= 4000 and sum(sizes) == p.stat().st_size
     assert any("MB/s" in r.message and "unique pre-tokens" in r.message for r in caplog.records)
+
+
+@settings(max_examples=40, deadline=None)
+@given(docs=st.lists(st.text(max_size=40), min_size=1, max_size=3), pattern=st.sampled_from(["gpt2", "gpt4"]))
+def test_full_unicode_training_and_encoding_match_reference(docs, pattern):
+    ref = train_bpe_reference(docs, 300, [EOT], pattern)
+    assert train_bpe_from_iterator(docs, 300, [EOT], pattern=pattern, progress=False) == ref
+    tok = Tokenizer(*ref, [EOT], pattern)
+    for d in docs:
+        assert tok.encode(d) == encode_reference(d, *ref, [EOT], pattern)
+
+
+_STREAM_TEXT = st.lists(st.sampled_from(["a", "b", "Ab", " ", "  ", "\n", "'s", "1", "!", "é", EOT, "x y", "x"]),
+                        max_size=40).map("".join)
+
+
+@settings(max_examples=80, deadline=None)
+@given(text=_STREAM_TEXT, cuts=st.lists(st.integers(0, 120), max_size=12),
+       pattern=st.sampled_from(["gpt2", "gpt4", "nanochat"]))
+def test_encode_iterable_equals_encode_for_any_split(tiny_tokenizer, text, cuts, pattern):
+    tok = Tokenizer(tiny_tokenizer.vocab, tiny_tokenizer.merges, [EOT, "x y"], pattern)
+    bounds = sorted({0, len(text), *(c for c in cuts if c < len(text))})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    old = tokmod._STREAM_CHUNK
+    tokmod._STREAM_CHUNK = 4  # look for a cut after almost every piece
+    try:
+        assert list(tok.encode_iterable(pieces)) == tok.encode(text)
+    finally:
+        tokmod._STREAM_CHUNK = old
