@@ -281,9 +281,13 @@ def _hf_pattern(pre: Any, path: str | os.PathLike) -> str:
     """Recover our pattern from a HF pre-tokenizer (Split regex, or ByteLevel's built-in GPT-2 regex)."""
     items = pre.get("pretokenizers", []) if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
     for item in items:
+        if isinstance(item, dict) and item.get("add_prefix_space"):
+            raise ValueError(f"{path}: pre-tokenizers with add_prefix_space=true (RoBERTa style) are not supported; "
+                             "lmforge would encode differently")
+    for item in items:
         if isinstance(item, dict) and item.get("type") == "Split":
             regex_str = (item.get("pattern") or {}).get("Regex")
-            if regex_str:
+            if regex_str and item.get("behavior", "Isolated") == "Isolated" and not item.get("invert", False):
                 return next((name for name, rx in PATTERNS.items() if rx == regex_str), regex_str)
         if isinstance(item, dict) and item.get("type") == "ByteLevel" and item.get("use_regex", True):
             return "gpt2"
@@ -301,6 +305,9 @@ def load_hf(path: str | os.PathLike) -> Loaded:
         raise ValueError(f"{path} is not a Hugging Face tokenizer.json" + (f"; {hint}" if hint else ""))
     if model.get("type", "BPE") != "BPE":
         raise ValueError(f"{path} holds a {model.get('type')} model; lmforge reads byte-level BPE only")
+    if obj.get("normalizer") is not None or model.get("ignore_merges"):
+        raise ValueError(f"{path} uses a normalizer or ignore_merges=true, which lmforge's BPE does not implement; "
+                         "its ids would differ")
     specials = {t["content"]: t["id"] for t in obj.get("added_tokens", []) if t.get("special", True)}
     vocab: Vocab = {}
     for s, i in model["vocab"].items():

@@ -197,3 +197,30 @@ def test_tiktoken_divergence_documented_case():
     tok = Tokenizer(vocab, [(b"b", b"c"), (b"a", b"b"), (b"ab", b"c")])
     assert tok.encode("abc") == [ord("a"), 256]
     assert tok.to_tiktoken().encode("abc") == [258]
+
+
+@pytest.mark.parametrize("change,msg", [
+    (lambda d: d.update(normalizer={"type": "NFC"}), "normalizer"),
+    (lambda d: d["model"].update(type="WordPiece"), "WordPiece model"),
+    (lambda d: d["pre_tokenizer"]["pretokenizers"][1].update(add_prefix_space=True), "add_prefix_space"),
+    (lambda d: d.update(pre_tokenizer={"type": "Whitespace"}), "unsupported pre_tokenizer"),
+])
+def test_hf_files_we_would_misread_are_refused(trained, tmp_path, change, msg):
+    doc = tokenizer_io.hf_tokenizer_dict(trained.vocab, trained.merges, trained.special_tokens, trained.pattern)
+    change(doc)
+    p = tmp_path / "tokenizer.json"
+    p.write_text(json.dumps(doc), encoding="utf-8")
+    with pytest.raises(ValueError, match=msg):
+        Tokenizer.from_hf(p)
+
+
+def test_reads_hf_written_gpt2_tokenizer_json(shared_fixtures, tmp_path):
+    from tokenizers import ByteLevelBPETokenizer
+
+    hf = ByteLevelBPETokenizer(str(shared_fixtures / "gpt2_vocab.json"), str(shared_fixtures / "gpt2_merges.txt"))
+    hf.add_special_tokens([EOT])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
+    assert tok.pattern == "gpt2" and tok.eot_id == 50256 and tok.vocab_size == 50257
+    text = (shared_fixtures / "tinystories_sample.txt").read_text(encoding="utf-8")
+    assert tok.encode(text) == hf.encode(text).ids
