@@ -125,3 +125,14 @@ def test_real_subprocess(trained_path, tmp_path):
     r = subprocess.run([sys.executable, "-m", "lmforge.cli", "tokenizer", "decode", "--tokenizer",
                         str(tmp_path / "missing.json")], input="1", capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("lmforge: error:") and "Traceback" not in r.stderr
+
+
+def test_tokenizer_flag_accepts_hf_json_and_gpt2_dir(trained_path, tmp_path, capsys):
+    tok = Tokenizer.load(trained_path)
+    tok.save_hf(tmp_path / "tokenizer.json")
+    tok.save_gpt2(tmp_path / "vocab.json", tmp_path / "merges.txt")
+    (tmp_path / "in.txt").write_text("the cat sat on the mat", encoding="utf-8")
+    want = " ".join(map(str, tok.encode("the cat sat on the mat")))
+    for spec in (trained_path, tmp_path / "tokenizer.json", tmp_path):
+        assert main(["tokenizer", "encode", "--tokenizer", str(spec), str(tmp_path / "in.txt")]) == 0
+        assert capsys.readouterr().out.strip() == want
