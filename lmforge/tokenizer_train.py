@@ -4,9 +4,10 @@ Results are identical to :func:`lmforge.bpe.train_bpe_reference` (the spec); onl
 memory differ. Memory is bounded by the table of unique pre-tokens plus one chunk: a file is
 never read whole. Each chunk ends where splitting cannot change pre-tokenization:
 
-* before a special token, when the corpus has special tokens (specials already split the text);
+* before the last special token in the chunk (specials already split the text);
 * otherwise before a single ASCII space that follows printable ASCII and precedes an ASCII
   letter -- every built-in pattern ends a pre-token there and starts the next one at the space.
+  (A file with neither is read whole: memory then grows with it.)
 
 Each file, and each item of :func:`train_bpe_from_iterator`, is a separate document: no pre-token
 and no merge spans two of them. When ``lmforge._core`` is not built, counting and merging fall back
@@ -146,7 +147,11 @@ def _check_utf8(data: bytes, errors: str, where: str, offset: int) -> bytes:
 
 
 def _cut_point(buf: bytes, specials: list[bytes]) -> int:
-    """Where a chunk of ``buf`` may end: before the last special token, else at a safe space (0 = none)."""
+    """Where a chunk of ``buf`` may end: before the last special token, else at a safe space (0 = none).
+
+    The space cut is also used between specials that are far apart, unless a special token itself
+    contains a space (it could then straddle the cut).
+    """
     if specials:
         best = max(buf.rfind(s) for s in specials)
         changed = best > 0
@@ -156,7 +161,8 @@ def _cut_point(buf: bytes, specials: list[bytes]) -> int:
                 j = buf.rfind(s, 0, best + len(s) - 1)
                 if 0 <= j < best < j + len(s):
                     best, changed = j, True
-        return max(best, 0)
+        if best > 0 or any(b" " in s for s in specials):
+            return max(best, 0)
     m = _WS_CUT.search(buf)
     return m.start() if m else 0
 

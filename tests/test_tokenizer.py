@@ -325,3 +325,19 @@ def test_encode_iterable_equals_encode_for_any_split(tiny_tokenizer, text, cuts,
         assert list(tok.encode_iterable(pieces)) == tok.encode(text)
     finally:
         tokmod._STREAM_CHUNK = old
+
+
+def test_train_bpe_long_document_between_specials_is_still_chunked(tmp_path, monkeypatch):
+    import lmforge.tokenizer_train as tt
+
+    text = make_corpus_text(2, seed=2).replace(EOT, " ") * 20 + EOT + "the end"
+    p = tmp_path / "long.txt"
+    p.write_text(text, encoding="utf-8")
+    sizes: list[int] = []
+    real_add = tt._Counting.add
+    monkeypatch.setattr(tt._Counting, "add", lambda self, data: (sizes.append(len(data)), real_add(self, data)))
+    assert train_bpe(p, 350, [EOT], progress=False, chunk_bytes=500) == train_bpe_reference([text], 350, [EOT])
+    assert max(sizes) <= 1000 and len(sizes) > 5
+    sizes.clear()  # a special token holding " <letter>" could straddle a space cut: only cut at specials
+    assert train_bpe(p, 350, ["the end"], progress=False, chunk_bytes=500) == \
+        train_bpe_reference([text], 350, ["the end"])
