@@ -1,0 +1,167 @@
+"""Data-parallel training setup from the ``torchrun`` environment; the model code stays single-device.
+
+``torchrun --nproc_per_node=8 -m lmforge.cli train cfg.yaml`` sets ``RANK``, ``WORLD_SIZE`` and
+``LOCAL_RANK``; :func:`setup_distributed` reads them, joins the process group (NCCL on CUDA, Gloo on CPU)
+and picks this process's device. :func:`wrap_model` applies DDP or FSDP from outside, the data loader is
+sharded by ``rank``/``world_size``, and :func:`all_reduce_mean` averages metrics across ranks. Without
+``torchrun`` everything degrades to a single process with no process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Literal
+
+logger = logging.getLogger("lmforge")
+
+__all__ = ["DistInfo", "setup_distributed", "cleanup_distributed", "is_main_process", "get_rank", "get_world_size",
+           "all_reduce_mean", "all_reduce_sum", "barrier", "wrap_model"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: global rank, rank on this machine, number of processes, its device."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: Any  # torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        """True when a process group is active (more than one rank, or an explicit group of one)."""
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized()
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer (set by torchrun)") from e
+
+
+def setup_distributed(device: str = "auto", backend: str | None = None, init_method: str | None = None) -> DistInfo:
+    """Join the process group described by ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (if set) and pick a device.
+
+    ``backend`` defaults to ``nccl`` on CUDA and ``gloo`` otherwise; ``init_method`` defaults to torchrun's
+    ``env://`` (tests pass ``file://...`` or ``tcp://127.0.0.1:PORT``). On CUDA each rank takes
+    ``cuda:LOCAL_RANK``. With no torchrun variables this is a plain single-process run.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from lmforge.common import resolve_device
+
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    if not (0 <= rank < world_size):
+        raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world_size}); launch with torchrun")
+    dev = resolve_device(device)
+    if dev.type == "cuda" and world_size > 1:
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are visible")
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if (in_torchrun or init_method is not None) and not dist.is_initialized():
+        if not dist.is_available():
+            raise ValueError("torch.distributed is not available in this PyTorch build; run without torchrun")
+        backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+        dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=rank, world_size=world_size)
+        logger.info("joined process group: rank %d/%d (local %d), backend %s, device %s",
+                    rank, world_size, local_rank, backend, dev)
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=dev)
+
+
+def cleanup_distributed() -> None:
+    """Leave the process group if one is active."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _active() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """Global rank of this process (0 without a process group)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if _active() else 0
+
+
+def get_world_size() -> int:
+    """Number of processes (1 without a process group)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if _active() else 1
+
+
+def is_main_process() -> bool:
+    """True on rank 0: the process that writes files, logs and progress bars."""
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in a single process)."""
+    import torch.distributed as dist
+
+    if _active():
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float], device: Any = None) -> list[float]:
+    """Element-wise sum of ``values`` over all ranks (unchanged in a single process)."""
+    import torch
+    import torch.distributed as dist
+
+    if not _active():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_reduce_mean(value: float, device: Any = None) -> float:
+    """Mean of a scalar metric over all ranks (e.g. a loss for logging)."""
+    return all_reduce_sum([value], device)[0] / get_world_size()
+
+
+def wrap_model(model: Any, mode: Literal["none", "ddp", "fsdp"], info: DistInfo) -> Any:
+    """Wrap a single-device model for data parallelism; returns ``model`` unchanged without a process group.
+
+    ``ddp`` replicates the model and averages gradients; ``fsdp`` shards parameters, gradients and
+    optimizer state per Transformer block (FSDP2 ``fully_shard``). Checkpoints always hold the full,
+    unwrapped weights (see :func:`lmforge.checkpoint.unwrap_model`).
+    """
+    if mode not in ("none", "ddp", "fsdp"):
+        raise ValueError(f"training.parallel must be none, ddp or fsdp, got {mode!r}")
+    if mode == "none" or not _active():
+        return model
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [info.device.index] if info.device.type == "cuda" else None
+        return DDP(model, device_ids=ids)
+    from torch.distributed.fsdp import fully_shard
+
+    for block in getattr(model, "layers", []):
+        fully_shard(block)
+    fully_shard(model)
+    return model

@@ -1,0 +1,524 @@
+"""Pretraining: typed run config, the training loop with exact resume, evaluation and reporting.
+
+``train(cfg, run_dir)`` reads top to bottom: set up (device, data, tokenizer, model, optimizer, loader),
+resume from the newest valid checkpoint in ``run_dir``, then loop over steps, each in labelled sections
+-- step, log, evaluate, save. Everything that moves is checkpointed together (model, optimizer, step,
+RNG states of Python/NumPy/torch, data-loader position), so a run killed at any moment and started
+again logs the same losses, bit for bit on CPU, as one that never stopped.
+
+A run directory holds ``config.yaml``, ``tokenizer.json``, ``checkpoints/``, ``metrics.jsonl`` and
+``loss.png``; see ``docs/DESIGN.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from lmforge.checkpoint import CheckpointManager, apply_checkpoint
+from lmforge.common import seed_everything
+from lmforge.config import apply_overrides, diff_dicts, dump_yaml, from_dict, load_yaml, to_dict
+from lmforge.model import ModelConfig
+
+logger = logging.getLogger("lmforge")
+
+__all__ = ["OptimConfig", "DataConfig", "TrainingConfig", "RunConfig", "load_run_config", "train",
+           "NonFiniteLossError"]
+
+
+# ==================================================================================================
+# Config
+# ==================================================================================================
+@dataclasses.dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    """``adamw`` (decoupled weight decay) or plain ``sgd``."""
+    lr: float = 3e-4
+    """Peak learning rate (reached after warmup)."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the cosine decay (and after it)."""
+    warmup_steps: int = 100
+    """Steps of linear warmup from 0 to ``lr``."""
+    decay_steps: int | None = None
+    """Step at which the cosine reaches ``min_lr``; ``null`` = ``training.max_steps``."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """``cosine``: warmup, cosine decay to ``min_lr``; ``constant``: warmup, then ``lr``."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay for matrices (vectors, norms and biases are never decayed)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW moment decay rates."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this value; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}; typical values are 1e-4 .. 3e-3")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optimizer.min_lr must be in [0, optimizer.lr={self.lr}], got {self.min_lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"optimizer.decay_steps={self.decay_steps} must exceed optimizer.warmup_steps="
+                             f"{self.warmup_steps} (or be null for training.max_steps)")
+        if self.weight_decay < 0:
+            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
+            raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {list(self.betas)}; e.g. [0.9, 0.95]")
+        if not self.eps > 0:
+            raise ValueError(f"optimizer.eps must be > 0, got {self.eps}")
+        if self.grad_clip < 0:
+            raise ValueError(f"optimizer.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Where the token shards (from ``lmforge data prepare``) and their tokenizer are."""
+
+    dir: str = ""
+    """Shard directory (``manifest.json`` + ``{split}_*.bin``)."""
+    tokenizer: str | None = None
+    """Tokenizer file the shards were made with; ``null`` = the path recorded in the manifest, else ``<dir>/tokenizer.json``."""
+    train_split: str = "train"
+    """Split to train on."""
+    val_split: str | None = "val"
+    """Split to evaluate on; ``null`` disables validation."""
+    bos_aligned: bool = False
+    """Start every training block at a document start (needs a BOS/EOT token in the shards)."""
+
+    def __post_init__(self) -> None:
+        if not self.dir:
+            raise ValueError("data.dir is empty; set it to a shard directory made by `lmforge data prepare`")
+
+
+@dataclasses.dataclass
+class TrainingConfig:
+    """The loop: length, batch, numerics, devices, how often to log/evaluate/save."""
+
+    max_steps: int = 1000
+    """Optimizer steps in the whole run (a resumed run continues up to this)."""
+    batch_size: int = 16
+    """Sequences per micro-batch on each rank."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step; tokens/step = batch_size x context x grad_accum_steps x ranks."""
+    context_length: int | None = None
+    """Training sequence length; ``null`` = ``model.context_length`` (may not exceed it: the RoPE table size)."""
+    device: str = "auto"
+    """``auto`` (cuda > mps > cpu), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """``bf16`` runs forward/backward under bfloat16 autocast (weights and optimizer stay fp32)."""
+    compile: bool = False
+    """Compile the model with ``torch.compile``."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """Data parallelism under ``torchrun``: ``ddp`` (replicate) or ``fsdp`` (shard); ignored in one process."""
+    seed: int = 1337
+    """Seed for weight init and data order."""
+    num_threads: int | None = None
+    """CPU threads for torch; ``null`` = torch's default."""
+    log_every: int = 10
+    """Write a train-loss event to metrics.jsonl every this many steps."""
+    eval_every: int = 200
+    """Validate every this many steps (and at the end)."""
+    eval_batches: int = 20
+    """Validation batches per evaluation (a fixed, deterministic set)."""
+    checkpoint_every: int = 500
+    """Save a checkpoint every this many steps (and at the end)."""
+    keep_last: int = 3
+    """Step checkpoints to keep (the best by val loss is kept separately)."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device, for MFU; ``null`` = known GPUs' bf16 peak, else MFU is not reported."""
+    wandb: bool = False
+    """Mirror metrics to Weights & Biases (``pip install wandb``)."""
+    wandb_project: str = "lmforge"
+    """wandb project name."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    """``offline`` logs locally without an account (sync later with ``wandb sync``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "batch_size", "grad_accum_steps", "log_every", "eval_every", "eval_batches",
+                     "checkpoint_every", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"training.context_length must be >= 1 (or null), got {self.context_length}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"training.num_threads must be >= 1 (or null), got {self.num_threads}")
+        if self.peak_flops is not None and not self.peak_flops > 0:
+            raise ValueError(f"training.peak_flops must be > 0 (or null), got {self.peak_flops}")
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Everything a run needs; saved as ``config.yaml`` in the run directory."""
+
+    model: ModelConfig
+    data: DataConfig
+    optimizer: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+
+    def __post_init__(self) -> None:
+        T = self.training.context_length
+        if T is not None and T > self.model.context_length:
+            raise ValueError(f"training.context_length={T} is longer than model.context_length="
+                             f"{self.model.context_length} (the RoPE table); lower it or raise model.context_length")
+        if self.optimizer.warmup_steps >= self.training.max_steps and self.optimizer.schedule == "cosine" \
+                and self.optimizer.decay_steps is None:
+            raise ValueError(f"optimizer.warmup_steps={self.optimizer.warmup_steps} must be < training.max_steps="
+                             f"{self.training.max_steps}; shorten the warmup")
+
+    @property
+    def context_length(self) -> int:
+        return self.training.context_length or self.model.context_length
+
+
+def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = (),
+                    base: dict[str, Any] | None = None) -> RunConfig:
+    """Read a YAML run config (or ``base``), apply ``section.key=value`` overrides, validate into a RunConfig."""
+    d = load_yaml(path) if path is not None else dict(base or {})
+    d = apply_overrides(d, overrides)
+    for section in ("model", "data"):
+        if section not in d:
+            raise ValueError(f"the config has no '{section}' section; see examples/tiny.yaml")
+    return from_dict(RunConfig, d)
+
+
+# Changing these between runs in one directory would make the checkpoints meaningless.
+_INCOMPATIBLE = ("model.", "data.", "training.batch_size", "training.grad_accum_steps", "training.context_length",
+                 "training.seed")
+_HARMLESS = ("model.fast",)  # the fast path computes the same function with the same weights
+
+
+class NonFiniteLossError(ValueError):
+    """The loss became NaN or infinite; the run stopped without saving the broken state."""
+
+
+# ==================================================================================================
+# Set-up helpers
+# ==================================================================================================
+def _check_run_dir(cfg: RunConfig, run_dir: Path, write: bool) -> None:
+    """Refuse a run directory made with an incompatible config; log allowed changes; save config.yaml."""
+    path = run_dir / "config.yaml"
+    new = to_dict(cfg)
+    if path.exists():
+        old = load_yaml(path)
+        diffs = diff_dicts(old, new)
+        bad = [d for d in diffs if d[0].startswith(_INCOMPATIBLE) and d[0] not in _HARMLESS]
+        if bad:
+            what = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in bad)
+            raise ValueError(f"run directory {run_dir} was made with an incompatible config ({what}); use a new "
+                             "--run-dir, or put those values back to resume")
+        for k, a, b in diffs:
+            logger.info("config changed since this run directory was made: %s: %r -> %r", k, a, b)
+    if write:
+        dump_yaml(cfg, path)
+
+
+def _resolve_tokenizer(cfg: DataConfig, dataset: Any, run_dir: Path, write: bool) -> Any:
+    """Load the shards' tokenizer, check it matches them, and copy it to ``run_dir/tokenizer.json``."""
+    from lmforge.tokenizer import Tokenizer, load_tokenizer
+
+    path = cfg.tokenizer or dataset.manifest.get("tokenizer", {}).get("path") or str(Path(cfg.dir) / "tokenizer.json")
+    if not Path(path).exists():
+        raise ValueError(f"tokenizer {path} not found; set data.tokenizer to the file the shards in {cfg.dir} were "
+                         "made with")
+    tok = load_tokenizer(path)
+    dataset.check_tokenizer(tok)
+    dest = run_dir / "tokenizer.json"
+    if dest.exists():
+        if Tokenizer.load(dest).fingerprint() != tok.fingerprint():
+            raise ValueError(f"{dest} is a different tokenizer than {path}; this run directory belongs to another "
+                             "tokenizer: use a new --run-dir")
+    elif write:
+        tok.save(dest)
+    return tok
+
+
+def _max_token_id(dataset: Any) -> int:
+    """Largest token id stored in a dataset (scanned in chunks, so memory stays flat)."""
+    from tqdm.auto import tqdm
+
+    chunk = 1 << 26
+    best = -1
+    big = len(dataset) > (1 << 29)
+    for shard in tqdm(dataset.shards, desc="checking token ids", disable=not big, unit="shard"):
+        for i in range(0, len(shard), chunk):
+            best = max(best, int(shard[i : i + chunk].max()))
+    return best
+
+
+def _check_data(cfg: RunConfig, train_ds: Any, val_ds: Any | None, tokenizer: Any) -> None:
+    """Token ids must fit the model's vocabulary; each split must hold at least one training window."""
+    V = cfg.model.vocab_size
+    T = cfg.context_length
+    for ds in (train_ds, val_ds):
+        if ds is None:
+            continue
+        top = _max_token_id(ds)
+        if top >= V:
+            raise ValueError(f"{ds.dir} split {ds.split!r} holds token id {top}, which does not exist in a model with "
+                             f"model.vocab_size={V}; set model.vocab_size >= {top + 1} or re-prepare the data")
+        if len(ds) < T + 1:
+            raise ValueError(f"{ds.dir} split {ds.split!r} has {len(ds)} tokens, fewer than one training window of "
+                             f"context_length + 1 = {T + 1}; add data or lower training.context_length")
+    if tokenizer.vocab_size > V:  # the data fits, but generation could emit ids the model cannot embed
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={V}; set "
+                         f"model.vocab_size >= {tokenizer.vocab_size} (e.g. rounded up to a multiple of 64)")
+
+
+def _lr_at(step: int, oc: OptimConfig, max_steps: int) -> float:
+    """Learning rate for the optimizer step with 0-based index ``step``.
+
+    The schedule is evaluated at ``step + 1`` (steps counted from 1) so the first step does not waste a
+    batch at learning rate 0; the peak is reached at step ``warmup_steps``.
+    """
+    from lmforge.optim import cosine_lr
+
+    t = step + 1
+    if oc.schedule == "constant":
+        return oc.lr * min(1.0, t / oc.warmup_steps) if oc.warmup_steps else oc.lr
+    return cosine_lr(t, oc.lr, oc.min_lr, oc.warmup_steps, oc.decay_steps or max_steps)
+
+
+def _build_optimizer(model: Any, oc: OptimConfig) -> Any:
+    from lmforge.optim import SGD, AdamW, param_groups_for
+
+    groups = param_groups_for(model, oc.weight_decay)
+    if oc.name == "sgd":
+        return SGD(groups, lr=oc.lr)
+    return AdamW(groups, lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
+
+
+def _rng_state(device: Any) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: Any) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+@dataclasses.dataclass
+class _Eval:
+    loss: float
+    ppl: float
+    bpb: float | None
+
+
+def _evaluate(model: Any, batches: list, bytes_per_token: float, dtype: str, device: Any) -> _Eval:
+    """Mean loss over the fixed validation batches (token-weighted, summed over ranks), perplexity, bits/byte."""
+    import torch
+
+    from lmforge.distributed import all_reduce_sum
+
+    was_training = model.training
+    model.eval()
+    loss_sum, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in batches:
+            x, y = x.to(device), y.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                loss_sum += float(model(x, targets=y, reduction="sum"))
+            count += y.numel()
+    model.train(was_training)
+    loss_sum, count = all_reduce_sum([loss_sum, float(count)], device)
+    loss = loss_sum / max(count, 1.0)
+    bpb = loss / math.log(2) / bytes_per_token if bytes_per_token > 0 else None
+    return _Eval(loss=loss, ppl=math.exp(min(loss, 700.0)), bpb=bpb)
+
+
+# ==================================================================================================
+# The loop
+# ==================================================================================================
+def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict[str, Any]:
+    """Train ``cfg`` in ``run_dir``, resuming from its newest valid checkpoint; returns the final metrics.
+
+    The returned dict holds ``step``, ``loss`` (last logged train loss), ``val_loss``, ``val_ppl``,
+    ``val_bpb`` (last evaluation, None without a validation split), ``best_val_loss``, ``tokens``,
+    ``tokens_per_s``, ``mfu``, ``train_seconds`` and ``checkpoint`` (path of the last one saved).
+    Raises ``ValueError`` for bad configs or data and :class:`NonFiniteLossError` if the loss diverges.
+    """
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    from tqdm.auto import tqdm
+
+    from lmforge.checkpoint import unwrap_model
+    from lmforge.data import BlockLoader, TokenDataset, val_batches
+    from lmforge.distributed import all_reduce_mean, barrier, cleanup_distributed, setup_distributed, wrap_model
+    from lmforge.metrics import MetricsLog, peak_flops_for
+    from lmforge.model import TransformerLM, flops_per_token
+    from lmforge.optim import clip_grad_norm
+
+    tc, oc = cfg.training, cfg.optimizer
+    run_dir = Path(run_dir)
+    owns_group = not (dist.is_available() and dist.is_initialized())
+    info = setup_distributed(tc.device)
+    device, main = info.device, info.is_main
+    try:
+        # ---- data, tokenizer, run directory: check everything before writing anything --------------------
+        if tc.num_threads:
+            torch.set_num_threads(tc.num_threads)
+        T, B, A = cfg.context_length, tc.batch_size, tc.grad_accum_steps
+        train_ds = TokenDataset(cfg.data.dir, cfg.data.train_split)
+        val_ds = TokenDataset(cfg.data.dir, cfg.data.val_split) if cfg.data.val_split else None
+        _check_run_dir(cfg, run_dir, write=False)
+        tokenizer = _resolve_tokenizer(cfg.data, train_ds, run_dir, write=False)
+        _check_data(cfg, train_ds, val_ds, tokenizer)
+        if main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            _resolve_tokenizer(cfg.data, train_ds, run_dir, write=True)
+            _check_run_dir(cfg, run_dir, write=True)
+
+        # ---- model, optimizer, data loader ---------------------------------------------------------------
+        seed_everything(tc.seed)
+        model = TransformerLM(cfg.model).to(device)
+        optimizer = _build_optimizer(model, oc)
+        loader = BlockLoader(train_ds, B, T, seed=tc.seed, rank=info.rank, world_size=info.world_size,
+                             bos_aligned=cfg.data.bos_aligned)
+        val_set = val_batches(val_ds, B, T, tc.eval_batches) if val_ds is not None else []
+
+        # ---- resume from the newest checkpoint that verifies -----------------------------------------------
+        ckpts = CheckpointManager(run_dir, tc.keep_last)
+        log = MetricsLog(run_dir, enabled=main)
+        step = 0
+        if main:
+            ckpts.remove_stale_temporaries()
+        latest = ckpts.load_latest()
+        if latest is not None:
+            path, ck = latest
+            state = ck.extra.get("train")
+            if not isinstance(state, dict):
+                raise ValueError(f"{path} holds no training state (not written by `lmforge train`); move it out of "
+                                 f"{ckpts.dir} or use a new --run-dir")
+            step = apply_checkpoint(ck, model, optimizer)
+            loader.load_state_dict(state["loader"])
+            _set_rng_state(state["rng"], device)
+            logger.info("resumed from %s at step %d", path, step)
+        log.rewind(step)  # drop events logged after the checkpoint: the loop logs them again, identically
+        best_val = ckpts.best_val_loss()
+
+        def train_state() -> dict[str, Any]:
+            return {"train": {"loader": loader.state_dict(), "rng": _rng_state(device)},
+                    "config": to_dict(cfg)}
+
+        # ---- wrap from outside: compile, data parallelism (the model code stays single-device) ----------
+        if tc.compile:
+            model = torch.compile(model)
+        model = wrap_model(model, tc.parallel, info)
+        raw_model = unwrap_model(model)
+        autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16")
+        tokens_per_step = B * T * A * info.world_size
+        flops_tok = flops_per_token(cfg.model, T)
+        peak = peak_flops_for(device, tc.peak_flops)
+        if tc.wandb:
+            log.start_wandb(tc.wandb_project, tc.wandb_mode, to_dict(cfg))
+        logger.info("training %s params for %d steps (%d tokens/step) on %s, run dir %s",
+                    f"{sum(p.numel() for p in raw_model.parameters()):,}", tc.max_steps, tokens_per_step, device,
+                    run_dir)
+
+        bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not (progress and main))
+        elapsed, interval_time, interval_tokens = 0.0, 0.0, 0
+        last_ckpt: Path | None = latest[0] if latest else None
+        model.train()
+        while step < tc.max_steps:
+            # ---- step: schedule, micro-batches, forward, backward, clip, update -------------------------
+            t0 = time.perf_counter()
+            lr = _lr_at(step, oc, tc.max_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batches = [loader.next_batch() for _ in range(A)]
+            n_targets = sum(y.numel() for _, y in batches)  # the loss is a mean over *all* targets of the step
+            loss_sum = torch.zeros((), device=device)
+            for i, (x, y) in enumerate(batches):
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                last_micro = i == A - 1
+                no_sync = model.no_sync() if not last_micro and hasattr(model, "no_sync") else contextlib.nullcontext()
+                with no_sync:
+                    with torch.autocast(**autocast):
+                        micro = model(x, targets=y, reduction="sum")
+                    (micro / n_targets).backward()
+                loss_sum += micro.detach()
+            loss = all_reduce_mean(loss_sum.item() / n_targets, device)
+            if not math.isfinite(loss):
+                bar.close()
+                kept = f"the last good checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was saved yet"
+                raise NonFiniteLossError(
+                    f"loss is {loss} at step {step + 1} (lr {lr:.3g}); stopped without saving this state ({kept}). "
+                    "Try a lower optimizer.lr or longer optimizer.warmup_steps, optimizer.grad_clip=1.0, "
+                    "training.dtype=fp32, and check the data for corrupt shards")
+            grad_norm = clip_grad_norm(model.parameters(), oc.grad_clip) if oc.grad_clip > 0 else None
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            dt = time.perf_counter() - t0
+            elapsed += dt
+            interval_time += dt
+            interval_tokens += tokens_per_step
+            bar.update(1)
+
+            # ---- log ------------------------------------------------------------------------------------------
+            if step % tc.log_every == 0 or step == tc.max_steps:
+                tps = interval_tokens / max(interval_time, 1e-9)
+                mfu = tps / info.world_size * flops_tok / peak if peak else None
+                gn = float(grad_norm) if grad_norm is not None else None
+                log.log({"step": step, "loss": loss, "lr": lr, "grad_norm": gn, "tokens_per_s": tps, "mfu": mfu,
+                         "tokens": step * tokens_per_step})
+                postfix = {"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"}
+                if mfu is not None:
+                    postfix["mfu"] = f"{100 * mfu:.1f}%"
+                bar.set_postfix(postfix, refresh=False)
+                interval_time, interval_tokens = 0.0, 0
+
+            # ---- evaluate ------------------------------------------------------------------------------------
+            if val_set and (step % tc.eval_every == 0 or step == tc.max_steps):
+                ev = _evaluate(raw_model, val_set, val_ds.bytes_per_token, tc.dtype, device)
+                log.log({"step": step, "val_loss": ev.loss, "val_ppl": ev.ppl, "val_bpb": ev.bpb})
+                bpb = f", bpb {ev.bpb:.4f}" if ev.bpb is not None else ""
+                logger.info("step %d: val loss %.4f, ppl %.2f%s", step, ev.loss, ev.ppl, bpb)
+                if main and (best_val is None or ev.loss < best_val):
+                    ckpts.save_best(raw_model, optimizer, step, ev.loss, train_state())
+                    best_val = ev.loss
+                log.plot()
+
+            # ---- save -----------------------------------------------------------------------------------------
+            if step % tc.checkpoint_every == 0 or step == tc.max_steps:
+                if main:
+                    last_ckpt = ckpts.save(raw_model, optimizer, step, train_state())
+                barrier()
+        bar.close()
+
+        # ---- report -------------------------------------------------------------------------------------------
+        log.plot()
+        log.close()
+        last_train = next((r for r in reversed(log.records) if "loss" in r), {})
+        last_val = next((r for r in reversed(log.records) if "val_loss" in r), {})
+        return {"step": step, "loss": last_train.get("loss"), "val_loss": last_val.get("val_loss"),
+                "val_ppl": last_val.get("val_ppl"), "val_bpb": last_val.get("val_bpb"), "best_val_loss": best_val,
+                "tokens": step * tokens_per_step, "tokens_per_s": last_train.get("tokens_per_s"),
+                "mfu": last_train.get("mfu"), "train_seconds": elapsed,
+                "checkpoint": str(last_ckpt) if last_ckpt else None, "run_dir": str(run_dir)}
+    finally:
+        if owns_group:
+            cleanup_distributed()

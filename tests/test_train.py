@@ -1,0 +1,281 @@
+"""The training loop: run-dir contents, exact resume (in process and after SIGKILL), bad input, NaN stop, DDP."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import make_documents
+from lmforge import cli
+from lmforge.train import NonFiniteLossError, RunConfig, load_run_config, train
+
+
+# --------------------------------------------------------------------------------------------------
+# Tiny data made here: a BPE tokenizer on a few KB and shards with train + val splits
+# --------------------------------------------------------------------------------------------------
+def _make_shards(d: Path, n_docs: int, vocab_size: int = 300) -> Path:
+    from lmforge.data import prepare
+    from lmforge.tokenizer import Tokenizer, train_bpe
+
+    d.mkdir(parents=True, exist_ok=True)
+    corpus = d / "corpus.txt"
+    corpus.write_text("<|endoftext|>".join(make_documents(n_docs, seed=3)), encoding="utf-8")
+    vocab, merges = train_bpe(corpus, vocab_size, ["<|endoftext|>"], progress=False)
+    tok = Tokenizer(vocab, merges, ["<|endoftext|>"])
+    prepare(tok, corpus, d / "shards", val_fraction=0.1, progress=False)
+    return d / "shards"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    return _make_shards(tmp_path_factory.mktemp("data"), 300)
+
+
+def _cfg_dict(data_dir: Path, **sections) -> dict:
+    d = {
+        "model": {"vocab_size": 320, "context_length": 32, "d_model": 32, "n_layers": 2, "n_heads": 2},
+        "optimizer": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_steps": 40},
+        "training": {"max_steps": 8, "batch_size": 4, "grad_accum_steps": 2, "device": "cpu", "log_every": 1,
+                     "eval_every": 4, "eval_batches": 2, "checkpoint_every": 3, "keep_last": 2, "num_threads": 1},
+        "data": {"dir": str(data_dir)},
+    }
+    for section, values in sections.items():
+        d[section].update(values)
+    return d
+
+
+def _cfg(data_dir: Path, overrides: tuple[str, ...] = (), **sections) -> RunConfig:
+    return load_run_config(base=_cfg_dict(data_dir, **sections), overrides=overrides)
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(e["step"], e["loss"]) for e in _events(run_dir) if "loss" in e]
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("over, msg", [
+    (["optimizer.lr=-1e-3"], r"optimizer\.lr must be > 0"),
+    (["model.n_heads=3"], r"model\.d_model=32 must be divisible by model\.n_heads=3"),
+    (["training.context_length=64"], r"training\.context_length=64 is longer than model\.context_length=32"),
+    (["training.batch_size=0"], r"training\.batch_size must be >= 1"),
+    (["training.max_stesp=3"], r"unknown config key 'training\.max_stesp' \(did you mean 'training\.max_steps'\?\)"),
+    (["traning.max_steps=3"], r"unknown config key 'traning' \(did you mean 'training'\?\)"),
+    (["training.max_steps=many"], r"'training\.max_steps' must be an integer"),
+    (["training.dtype=fp8"], r"'training\.dtype' must be one of 'fp32', 'bf16'"),
+    (["optimizer.betas=[0.9, 1.5]"], r"optimizer\.betas must be two numbers in \[0, 1\)"),
+    (["optimizer.warmup_steps=50", "optimizer.decay_steps=null"], r"warmup_steps=50 must be < training\.max_steps"),
+    (["data.dir="], r"data\.dir is empty"),
+])
+def test_invalid_config_values(tmp_path, over, msg) -> None:
+    with pytest.raises(ValueError, match=msg):
+        _cfg(tmp_path, tuple(over))
+
+
+def test_config_file_and_cli_errors(tmp_path, capsys) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(_cfg_dict(tmp_path)))
+    cfg = load_run_config(path, ["training.max_steps=5", "optimizer.lr=1e-3"])
+    assert (cfg.training.max_steps, cfg.optimizer.lr, cfg.context_length) == (5, 1e-3, 32)
+    rc = cli.main(["train", str(path), "--set", "training.eval_evry=3", "--run-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "did you mean 'training.eval_every'" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
+def test_examples_parse() -> None:
+    for path in sorted((Path(__file__).parents[1] / "examples").glob("*.yaml")):
+        load_run_config(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# A run and its directory
+# --------------------------------------------------------------------------------------------------
+def test_run_dir_contents_and_metrics(shards, tmp_path) -> None:
+    run = tmp_path / "run"
+    m = train(_cfg(shards), run, progress=False)
+    assert m["step"] == 8 and m["tokens"] == 8 * 4 * 32 * 2
+    assert m["val_loss"] < 6.0 and m["val_bpb"] > 0 and m["best_val_loss"] <= m["val_loss"] + 1e-12
+    assert load_run_config(run / "config.yaml") == _cfg(shards)  # resolved config saved, loads back
+    from lmforge.tokenizer import Tokenizer
+    assert Tokenizer.load(run / "tokenizer.json").fingerprint() == Tokenizer.load(shards / "tokenizer.json").fingerprint()
+    ck = run / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir()) == ["best.safetensors", "step_00000006.safetensors",
+                                                   "step_00000008.safetensors"]  # keep_last=2, + best
+    events = _events(run)
+    assert [s for s, _ in _losses(run)] == list(range(1, 9))
+    vals = [e for e in events if "val_loss" in e]
+    assert [e["step"] for e in vals] == [4, 8] and vals[-1]["val_loss"] == m["val_loss"]
+    assert abs(vals[-1]["val_ppl"] - torch.tensor(vals[-1]["val_loss"]).exp().item()) < 1e-3
+    assert _losses(run)[-1][1] < _losses(run)[0][1]  # it learns
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    from lmforge.checkpoint import read_metadata
+    assert read_metadata(ck / "best.safetensors")["extra"]["val_loss"] == min(e["val_loss"] for e in vals)
+
+    # a finished run started again does nothing and reports the same metrics
+    again = train(_cfg(shards), run, progress=False)
+    assert again["step"] == 8 and again["val_loss"] == m["val_loss"] and _events(run) == events
+
+
+def test_resume_in_process_equals_uninterrupted(shards, tmp_path) -> None:
+    full = tmp_path / "full"
+    train(_cfg(shards, training={"max_steps": 10}), full, progress=False)
+    split = tmp_path / "split"
+    train(_cfg(shards, training={"max_steps": 5}), split, progress=False)  # checkpoints at 3 and 5 (the end)
+    train(_cfg(shards, training={"max_steps": 10}), split, progress=False)  # max_steps may change: resumes at 5
+    assert _losses(split) == _losses(full)  # float equality, every step
+    vals = lambda r: [(e["step"], e["val_loss"]) for e in _events(r) if "val_loss" in e and e["step"] != 5]
+    assert vals(split) == vals(full)
+
+
+def test_resume_skips_corrupt_newest_checkpoint(shards, tmp_path, caplog) -> None:
+    full, run = tmp_path / "full", tmp_path / "run"
+    train(_cfg(shards, training={"max_steps": 9}), full, progress=False)
+    train(_cfg(shards, training={"max_steps": 7, "checkpoint_every": 3, "keep_last": 3}), run, progress=False)
+    newest = run / "checkpoints" / "step_00000007.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    with caplog.at_level(logging.INFO, logger="lmforge"):
+        train(_cfg(shards, training={"max_steps": 9, "checkpoint_every": 3, "keep_last": 3}), run, progress=False)
+    assert f"checkpoint {newest} is corrupt" in caplog.text and "falling back to" in caplog.text
+    assert "resumed from" in caplog.text and "step_00000006" in caplog.text
+    assert _losses(run) == _losses(full)
+
+
+# --------------------------------------------------------------------------------------------------
+# Real SIGKILL + restart in a subprocess == uninterrupted
+# --------------------------------------------------------------------------------------------------
+def _start(cfg_path: Path, run_dir: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "lmforge.cli", "-q", "train", str(cfg_path), "--run-dir", str(run_dir), "--no-progress"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+@pytest.mark.slow
+def test_sigkill_and_restart_equals_uninterrupted(shards, tmp_path) -> None:
+    cfg = _cfg_dict(shards, model={"d_model": 64, "n_heads": 4},
+                    training={"max_steps": 40, "batch_size": 8, "checkpoint_every": 5, "eval_every": 10})
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    ref = _start(cfg_path, full)
+
+    proc = _start(cfg_path, killed)
+    metrics = killed / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait until step 13 is logged: between the checkpoints at 10 and 15
+        if metrics.exists() and any(json.loads(ln).get("step", 0) >= 13 for ln in metrics.read_text().splitlines()
+                                    if ln.endswith("}")):
+            break
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run finished before it could be killed; make it longer"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    steps_before = [s for s, _ in _losses(killed)]
+    assert 13 <= steps_before[-1] < 40
+
+    restart = _start(cfg_path, killed)
+    assert restart.wait(timeout=300) == 0, restart.stderr.read().decode()
+    assert ref.wait(timeout=300) == 0, ref.stderr.read().decode()
+    assert [s for s, _ in _losses(killed)] == list(range(1, 41))
+    assert _losses(killed) == _losses(full)  # bit for bit
+    vals = lambda r: [(e["step"], e["val_loss"]) for e in _events(r) if "val_loss" in e]
+    assert vals(killed) == vals(full)
+    assert list((killed / "checkpoints").glob(".*.tmp")) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input and divergence
+# --------------------------------------------------------------------------------------------------
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(shards, tmp_path, monkeypatch) -> None:
+    from lmforge.model import TransformerLM
+
+    run = tmp_path / "run"
+    cfg = _cfg(shards, training={"max_steps": 10})
+    calls = {"n": 0}
+    forward = TransformerLM.forward
+
+    def poisoned(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] > 2 * 4:  # from the 5th step on (2 micro-batches per step)
+                out = out * float("nan")
+        return out
+
+    monkeypatch.setattr(TransformerLM, "forward", poisoned)
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 5 .*step_00000003.*lower optimizer\.lr"):
+        train(cfg, run, progress=False)
+    monkeypatch.undo()
+    assert [p.name for p in sorted((run / "checkpoints").glob("step_*"))] == ["step_00000003.safetensors"]
+    assert max(s for s, _ in _losses(run)) == 4  # steps 1-4 logged, the NaN step not
+    assert train(cfg, run, progress=False)["step"] == 10  # the run continues from the last good checkpoint
+
+
+def test_token_ids_beyond_model_vocab(shards, tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"holds token id \d+, which does not exist .*model\.vocab_size=200"):
+        train(_cfg(shards, model={"vocab_size": 200}), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()  # nothing written for a rejected config
+
+
+def test_data_shorter_than_context(tmp_path) -> None:
+    small = _make_shards(tmp_path / "small", n_docs=12, vocab_size=280)
+    with pytest.raises(ValueError, match=r"fewer than one training window .* lower training\.context_length"):
+        train(_cfg(small, model={"context_length": 4096}, data={"val_split": None}), tmp_path / "run", progress=False)
+
+
+def test_incompatible_run_dir(shards, tmp_path, caplog) -> None:
+    run = tmp_path / "run"
+    train(_cfg(shards, training={"max_steps": 3}), run, progress=False)
+    with pytest.raises(ValueError, match=r"incompatible config \(model\.d_model: 32 -> 64"):
+        train(_cfg(shards, model={"d_model": 64}, training={"max_steps": 3}), run, progress=False)
+    with pytest.raises(ValueError, match=r"incompatible config \(training\.batch_size: 4 -> 8\)"):
+        train(_cfg(shards, training={"max_steps": 3, "batch_size": 8}), run, progress=False)
+    with caplog.at_level(logging.INFO, logger="lmforge"):
+        m = train(_cfg(shards, training={"max_steps": 4, "log_every": 2}), run, progress=False)  # allowed changes
+    assert m["step"] == 4 and "training.max_steps: 3 -> 4" in caplog.text
+
+
+def test_wandb_offline(shards, tmp_path, monkeypatch) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    m = train(_cfg(shards, training={"max_steps": 2, "wandb": True, "wandb_mode": "offline"}), tmp_path / "run",
+              progress=False)
+    assert m["step"] == 2 and (tmp_path / "run" / "wandb").is_dir()
+
+
+def test_ddp_world_size_one_matches_single_process(shards, tmp_path) -> None:
+    import torch.distributed as dist
+
+    from lmforge.distributed import get_world_size, is_main_process, setup_distributed
+
+    single = tmp_path / "single"
+    train(_cfg(shards, training={"max_steps": 3}), single, progress=False)
+    info = setup_distributed("cpu", init_method=f"file://{tmp_path / 'pg'}")
+    try:
+        assert dist.is_initialized() and get_world_size() == 1 and is_main_process() and info.device.type == "cpu"
+        ddp = tmp_path / "ddp"
+        train(_cfg(shards, training={"max_steps": 3, "parallel": "ddp"}), ddp, progress=False)
+        assert dist.is_initialized()  # train() leaves a group it did not create alone
+    finally:
+        dist.destroy_process_group()
+    assert _losses(ddp) == _losses(single)
