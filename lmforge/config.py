@@ -134,6 +134,8 @@ def from_dict(cls: type, d: dict[str, Any] | None, path: str = "") -> Any:
     ``__post_init__`` of ``cls`` then validates the values themselves.
     """
     assert dataclasses.is_dataclass(cls), cls
+    if path and not path.endswith("."):
+        path += "."  # accept "model" as well as "model."
     d = {} if d is None else d
     if not isinstance(d, dict):
         where = f"section '{path[:-1]}'" if path else "the config"

@@ -46,6 +46,8 @@ def test_unknown_key_names_nearest_valid_key() -> None:
     with pytest.raises(ValueError, match=r"'stesp'.*did you mean 'steps'"):
         from_dict(Outer, {"name": "x", "stesp": 1})
     assert nearest_key("zzzz", ["steps", "name"]) is None
+    with pytest.raises(ValueError, match=r"unknown config key 'inner\.lrr' \(did you mean 'inner\.lr'"):
+        from_dict(Inner, {"lrr": 1.0}, path="inner")  # a section prefix with or without the dot
 
 
 @pytest.mark.parametrize("d, msg", [
