@@ -321,9 +321,66 @@ def _train_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", default=None, help="run directory (config.yaml, tokenizer.json, checkpoints/)")
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint file to load (default: the newest valid one in the run directory)")
+    p.add_argument("--prompt", action="append", default=[], help="text to continue (repeatable: one output each)")
+    p.add_argument("--prompt-file", default=None, help="read one prompt from this UTF-8 file")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; higher = more random (default 0.8)")
+    p.add_argument("--top-k", type=int, default=None, help="sample only from the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample only from the smallest set of tokens with total probability >= p, in (0, 1]")
+    p.add_argument("--seed", type=int, default=None, help="random seed (same seed, same output)")
+    p.add_argument("--stop", action="append", default=[], help="stop at this string, not printed (repeatable)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
+    p.add_argument("--no-stream", action="store_true", help="print each result when done (batches several prompts)")
+
+
+def _generate_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lmforge.common import check_input_file
+    from lmforge.generate import Generator
+
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        prompts.append(check_input_file(args.prompt_file).read_text(encoding="utf-8"))
+    if not prompts:
+        raise CLIError("no prompt given; pass --prompt TEXT (repeatable) or --prompt-file FILE")
+    run = args.run
+    if run is None:
+        if args.checkpoint is None:
+            raise CLIError("give --run DIR (a training run directory), or --checkpoint FILE inside one")
+        ckpt_dir = Path(args.checkpoint).resolve().parent
+        run = ckpt_dir.parent if ckpt_dir.name == "checkpoints" else ckpt_dir
+    gen = Generator.from_run(run, args.checkpoint, device=args.device)
+    opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed, stop=args.stop)
+    if args.no_stream:
+        outputs = gen.generate(prompts, **opts)
+        for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+            if len(prompts) > 1:
+                print(f"=== sample {i + 1} ===")
+            print(prompt + out)
+        return 0
+    for i, prompt in enumerate(prompts):
+        if len(prompts) > 1:
+            print(f"=== sample {i + 1} ===")
+        sys.stdout.write(prompt)
+        for piece in gen.generate(prompt, **opts, stream=True):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    return 0
+
+
 def _top_level_commands() -> list[Command]:
     return [
         ("train", "pretrain a model from a YAML config (resumes automatically)", _train_args, _train_run),
+        ("generate", "generate text with a trained model (KV cache, sampling, streaming)", _generate_args,
+         _generate_run),
     ]
 
 

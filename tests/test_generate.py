@@ -1,0 +1,283 @@
+"""Generation: cached decoding == naive recompute, batching, sampling filters, stop handling, streaming, loading."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lmforge.generate import CachedDecoder, Generator, _TextStream, check_sampling, sample_next
+from lmforge.model import ModelConfig, TransformerLM
+
+VOCAB = 400  # the conftest tiny_tokenizer's size
+
+
+def tiny_model(seed: int = 0, **kw) -> TransformerLM:
+    cfg = dict(vocab_size=VOCAB, context_length=48, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+    cfg.update(kw)
+    torch.manual_seed(seed)
+    return TransformerLM(ModelConfig(**cfg)).eval()
+
+
+def byte_tokenizer():
+    """Every byte is one token (so characters split across tokens), plus <|endoftext|> = 256."""
+    from lmforge.tokenizer import Tokenizer
+
+    vocab = {i: bytes([i]) for i in range(256)}
+    vocab[256] = b"<|endoftext|>"
+    return Tokenizer(vocab, [], ["<|endoftext|>"])
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 32))]
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine: cached == naive, batched == alone
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw", [{}, {"n_kv_heads": 2}, {"tie_embeddings": True}, {"fast": False}])
+def test_cached_greedy_equals_naive_recompute(kw):
+    gen = Generator(tiny_model(**kw))
+    cached = gen.generate_ids(PROMPTS, 30, temperature=0)
+    naive = gen.generate_ids(PROMPTS, 30, temperature=0, naive=True)
+    assert cached == naive
+    assert all(len(r) == 30 for r in cached)
+    assert len(set(map(tuple, cached))) == 3  # not a degenerate model emitting one constant token
+
+
+def test_cached_logits_match_full_forward():
+    model = tiny_model(n_kv_heads=2)
+    dec = CachedDecoder(model)
+    seq = torch.randint(0, VOCAB, (2, 20))
+    with torch.inference_mode():
+        full = model(seq)  # (B, T, V)
+        got = [dec.prefill(seq[:, :8].tolist(), 20)]
+        got += [dec.step(seq[:, t]) for t in range(8, 19)]
+    torch.testing.assert_close(torch.stack(got, 1), full[:, 7:19], rtol=1e-4, atol=1e-4)
+
+
+def test_batched_greedy_equals_one_at_a_time():
+    gen = Generator(tiny_model(seed=1))
+    batched = gen.generate_ids(PROMPTS, 25, temperature=0)
+    alone = [gen.generate_ids(p, 25, temperature=0) for p in PROMPTS]
+    assert batched == alone
+
+
+def test_sampling_is_reproducible_with_seed():
+    gen = Generator(tiny_model())
+    a = gen.generate_ids(PROMPTS[0], 40, temperature=1.0, seed=7)
+    b = gen.generate_ids(PROMPTS[0], 40, temperature=1.0, seed=7)
+    c = gen.generate_ids(PROMPTS[0], 40, temperature=1.0, seed=8)
+    assert a == b and a != c
+    assert gen.generate_ids(PROMPTS[0], 40, temperature=1.0, seed=7, naive=True) == a
+
+
+def test_refresh_sees_new_weights():
+    model = tiny_model()
+    gen = Generator(model)
+    before = gen.generate_ids(PROMPTS[0], 10, temperature=0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1)
+    gen.refresh()
+    assert gen.generate_ids(PROMPTS[0], 10, temperature=0) == gen.generate_ids(PROMPTS[0], 10, temperature=0, naive=True)
+    assert gen.generate_ids(PROMPTS[0], 10, temperature=0) != before
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling filters
+# --------------------------------------------------------------------------------------------------
+def _draws(logits, n=400, **kw) -> set[int]:
+    g = torch.Generator().manual_seed(0)
+    batch = logits.expand(n, -1)
+    return set(sample_next(batch, generator=g, **kw).tolist())
+
+
+def test_greedy_and_top_k():
+    logits = torch.tensor([[0.1, 2.0, 1.9, -1.0]])
+    assert sample_next(logits, temperature=0).tolist() == [1]
+    assert _draws(logits, top_k=1) == {1}
+    assert _draws(logits, top_k=2) == {1, 2}
+    assert _draws(logits, top_k=100) == {0, 1, 2, 3}
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    assert _draws(logits, top_p=0.45) == {0}
+    assert _draws(logits, top_p=0.55) == {0, 1}
+    assert _draws(logits, top_p=0.85) == {0, 1, 2}
+    assert _draws(logits, top_p=1e-9) == {0}  # p -> 0 keeps the argmax, never an empty set
+    flat = torch.zeros(1, 50)
+    assert _draws(flat, n=4000, top_p=1.0) == set(range(50))  # p = 1 keeps every token
+
+
+def test_top_p_order_independent_of_token_ids():
+    logits = torch.tensor([[0.2, 0.5, 0.3]]).log()  # the argmax is id 1
+    assert _draws(logits, top_p=0.45) == {1}
+    assert _draws(logits, top_p=0.75) == {1, 2}
+
+
+@pytest.mark.parametrize("kw, msg", [({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                                     ({"top_p": 1.5}, "top_p"), ({"top_k": 0}, "top_k"),
+                                     ({"temperature": float("nan")}, "temperature")])
+def test_bad_sampling_parameters(kw, msg):
+    args = {"temperature": 1.0, "top_k": None, "top_p": None, **kw}
+    with pytest.raises(ValueError, match=msg):
+        check_sampling(**args)
+    with pytest.raises(ValueError, match=msg):
+        Generator(tiny_model()).generate_ids([1, 2], 5, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompts, context length, stop tokens
+# --------------------------------------------------------------------------------------------------
+def test_bad_prompts():
+    gen = Generator(tiny_model())
+    with pytest.raises(ValueError, match="empty"):
+        gen.generate_ids([[1, 2], []], 5)
+    with pytest.raises(ValueError, match="context length"):
+        gen.generate_ids(list(range(49)), 5)
+    with pytest.raises(ValueError, match="outside"):
+        gen.generate_ids([1, VOCAB], 5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        gen.generate_ids([1, 2], 0)
+
+
+def test_context_limit_stops_with_warning(caplog):
+    gen = Generator(tiny_model())
+    prompt = list(range(1, 41))  # 40 of 48 positions used
+    with caplog.at_level(logging.WARNING, logger="lmforge"):
+        out = gen.generate_ids(prompt, 20, temperature=0, stop_ids=[])
+    assert len(out) == 48 - 40 + 1
+    assert "exceeds the context length" in caplog.text
+    assert out == gen.generate_ids(prompt, 20, temperature=0, stop_ids=[], naive=True)
+    assert len(gen.generate_ids(list(range(48)), 3, temperature=0, stop_ids=[])) == 1
+
+
+def test_stop_ids_end_each_row_separately():
+    gen = Generator(tiny_model())
+    full = gen.generate_ids(PROMPTS, 30, temperature=0, stop_ids=[])
+    stop = full[0][10]
+    out = gen.generate_ids(PROMPTS, 30, temperature=0, stop_ids=[stop])
+    for row, got in zip(full, out):
+        want = row[: row.index(stop)] if stop in row else row
+        assert got == want
+    streamed = list(gen.generate_ids(PROMPTS, 30, temperature=0, stop_ids=[stop], stream=True))
+    assert [[t for b, t in streamed if b == i] for i in range(3)] == out
+
+
+# --------------------------------------------------------------------------------------------------
+# Text: UTF-8 streaming and stop strings
+# --------------------------------------------------------------------------------------------------
+def test_text_stream_never_splits_characters():
+    text = "héllo wörld — 日本語 🙂!"
+    data = text.encode()
+    for cut in range(1, 5):  # feed 1, 2, 3, 4 bytes at a time
+        ts = _TextStream([])
+        pieces = [ts.feed(data[i : i + cut]) for i in range(0, len(data), cut)] + [ts.finish()]
+        assert "".join(pieces) == text
+        assert not any("\ufffd" in p for p in pieces)
+
+
+def test_text_stream_stop_string_split_across_feeds():
+    ts = _TextStream(["END", "xyz"])
+    pieces = [ts.feed(b) for b in (b"abc E", b"N", b"xE", b"ND tail")]
+    assert "".join(pieces) == "abc ENx" and ts.done
+    assert "E" not in pieces[0][-1:]  # the possible start of "END" was held back
+    ts = _TextStream(["END"])
+    assert ts.feed(b"the E") == "the " and ts.finish() == "E"  # never completed: flushed at the end
+
+
+def test_generate_text_stop_strings_and_streaming(tiny_tokenizer):
+    gen = Generator(tiny_model(seed=3), tiny_tokenizer)
+    full = gen.generate("the cat", 40, temperature=0)
+    assert isinstance(full, str) and full
+    stop = full[len(full) // 3 : len(full) // 3 + 4]  # a stop string somewhere inside, likely spanning tokens
+    cut = gen.generate("the cat", 40, temperature=0, stop=[stop])
+    assert cut == full[: full.index(stop)]
+    assert "".join(gen.generate("the cat", 40, temperature=0, stream=True)) == full
+    assert "".join(gen.generate("the cat", 40, temperature=0, stop=stop, stream=True)) == cut
+    many = gen.generate(["the cat", "a dog sat"], 40, temperature=0)
+    assert many[0] == full and many[1] == gen.generate("a dog sat", 40, temperature=0)
+
+
+def test_generate_text_utf8_with_byte_tokens():
+    tok = byte_tokenizer()
+    gen = Generator(tiny_model(vocab_size=257, seed=5), tok)
+    pieces = list(gen.generate("日本", 40, temperature=1.0, seed=0, stream=True))
+    ids = gen.generate_ids(tok.encode("日本"), 40, temperature=1.0, seed=0)
+    assert "".join(pieces) == tok.decode(ids)
+    with pytest.raises(ValueError, match="empty"):
+        gen.generate("", 5)
+
+
+def test_tokenizer_larger_than_model_is_rejected(tiny_tokenizer):
+    with pytest.raises(ValueError, match="tokenizer has 400 tokens"):
+        Generator(tiny_model(vocab_size=300), tiny_tokenizer)
+
+
+def test_padded_model_vocab_never_samples_beyond_tokenizer(tiny_tokenizer):
+    gen = Generator(tiny_model(vocab_size=512), tiny_tokenizer)
+    ids = gen.generate_ids([[1, 2, 3]] * 8, 40, temperature=2.0, seed=0, stop_ids=[])
+    assert max(max(r) for r in ids) < tiny_tokenizer.vocab_size
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading a run directory; the CLI
+# --------------------------------------------------------------------------------------------------
+def make_run_dir(path, tokenizer, steps=(3, 5)):
+    """A minimal run directory as `lmforge train` writes it: config.yaml, tokenizer.json, checkpoints."""
+    from lmforge.checkpoint import CheckpointManager
+    from lmforge.config import dump_yaml
+
+    model = tiny_model(seed=11)
+    path.mkdir(parents=True, exist_ok=True)
+    dump_yaml({"model": model.cfg, "training": {"max_steps": 5}}, path / "config.yaml")
+    tokenizer.save(path / "tokenizer.json")
+    mgr = CheckpointManager(path)
+    for s in steps:
+        mgr.save(model, None, s)
+    return model
+
+
+def test_from_run_loads_newest_valid_checkpoint(tmp_path, tiny_tokenizer, caplog):
+    model = make_run_dir(tmp_path / "run", tiny_tokenizer)
+    want = Generator(model, tiny_tokenizer).generate("the dog", 20, temperature=0)
+    assert Generator.from_run(tmp_path / "run", device="cpu").generate("the dog", 20, temperature=0) == want
+    newest = tmp_path / "run/checkpoints/step_00000005.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-100])  # truncated: falls back to step 3 with a warning
+    with caplog.at_level(logging.WARNING, logger="lmforge"):
+        gen = Generator.from_run(tmp_path / "run", device="cpu")
+    assert "falling back" in caplog.text
+    assert gen.generate("the dog", 20, temperature=0) == want
+
+
+def test_from_run_errors(tmp_path, tiny_tokenizer):
+    with pytest.raises(ValueError, match="does not exist; train one first"):
+        Generator.from_run(tmp_path / "nope")
+    make_run_dir(tmp_path / "run", tiny_tokenizer, steps=())
+    with pytest.raises(ValueError, match="no checkpoint"):
+        Generator.from_run(tmp_path / "run")
+    (tmp_path / "run/tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        Generator.from_run(tmp_path / "run")
+
+
+def test_cli_generate(tmp_path, tiny_tokenizer, capsys):
+    from lmforge.cli import main
+
+    model = make_run_dir(tmp_path / "run", tiny_tokenizer)
+    want = Generator(model, tiny_tokenizer).generate(["the cat", "a dog"], 15, temperature=0)
+    run = str(tmp_path / "run")
+    assert main(["generate", "--run", run, "--prompt", "the cat", "--temperature", "0", "--max-new-tokens", "15"]) == 0
+    assert capsys.readouterr().out == "the cat" + want[0] + "\n"
+    ckpt = str(tmp_path / "run/checkpoints/step_00000003.safetensors")
+    assert main(["generate", "--checkpoint", ckpt, "--prompt", "the cat", "--prompt", "a dog", "--no-stream",
+                 "--temperature", "0", "--max-new-tokens", "15", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "the cat" + want[0] in out and "a dog" + want[1] in out
+    for bad in (["--prompt", "x", "--top-p", "0"], ["--prompt", "x", "--temperature", "-1"], [],
+                ["--prompt", ""], ["--prompt", "x " * 100]):
+        assert main(["generate", "--run", run, *bad]) == 2
+    assert main(["generate", "--run", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "top_p must be in (0, 1]" in err and "does not exist" in err and "context length" in err
