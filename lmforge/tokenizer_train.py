@@ -33,7 +33,7 @@ Vocab = dict[int, bytes]
 Merges = list[tuple[bytes, bytes]]
 PathLike = str | os.PathLike
 
-CHUNK_BYTES = 32 << 20  # bytes read per step; each chunk is then cut back to a safe boundary
+CHUNK_BYTES = 16 << 20  # bytes read per step (cut back to a safe boundary); peak memory is ~3 chunks
 _WS_CUT = regex.compile(rb"(?<=[!-~]) (?=[A-Za-z])", regex.REVERSE)
 
 
@@ -176,7 +176,7 @@ def _iter_file_chunks(path: PathLike, specials: list[bytes], chunk_bytes: int) -
             data = f.read(chunk_bytes)
             if not data:
                 break
-            buf = pending + data
+            buf = pending + data if pending else data
             cut = _cut_point(buf, specials)
             if cut <= 0:  # no safe boundary yet: keep reading (only for text without spaces or specials)
                 pending = buf
