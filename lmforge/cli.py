@@ -99,27 +99,35 @@ class _tok_text_input:  # noqa: N801 - used like a function: `with _tok_text_inp
 
 def _tok_encode_args(p: argparse.ArgumentParser) -> None:
     _tok_io_args(p)
-    p.add_argument("--format", choices=["ids", "json"], default="ids",
-                   help="ids: space-separated on one line (default); json: a JSON list")
+    p.add_argument("--format", choices=["ids", "json", "tokens"], default="ids",
+                   help="ids: space-separated on one line (default); json: a JSON list; "
+                        "tokens: a JSON list of the token texts, to see how the text was split")
     p.add_argument("--special", choices=["allowed", "disallowed", "plain"], default="allowed",
                    help="special tokens in the text: emit their ids, refuse them, or encode as plain text")
 
 
 def _tok_encode(args: argparse.Namespace) -> int:
+    import json
+
     from lmforge.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
     try:
         with _tok_text_input(args.file) as f:
-            _tok_write_ids(tok.encode_iterable(f, special=args.special), args.format)
+            ids = tok.encode_iterable(f, special=args.special)
+            if args.format == "tokens":  # bytes that are not whole characters show as \xNN
+                _tok_write_ids((json.dumps(tok.vocab[i].decode("utf-8", "backslashreplace"), ensure_ascii=False)
+                                for i in ids), "json")
+            else:
+                _tok_write_ids(ids, args.format)
     except UnicodeDecodeError as e:
         raise ValueError(f"input {args.file} is not valid UTF-8 ({e.reason} at byte {e.start} of a read block); "
                          "fix or re-encode the file") from None
     return 0
 
 
-def _tok_write_ids(ids: "Iterator[int]", fmt: str) -> None:
-    """Stream ids to stdout: space-separated on one line, or as one JSON list."""
+def _tok_write_ids(ids: "Iterator[int | str]", fmt: str) -> None:
+    """Stream ids (or JSON-quoted tokens) to stdout: space-separated on one line, or as one JSON list."""
     import itertools
 
     sep = ", " if fmt == "json" else " "

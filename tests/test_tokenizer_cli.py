@@ -136,3 +136,13 @@ def test_tokenizer_flag_accepts_hf_json_and_gpt2_dir(trained_path, tmp_path, cap
     for spec in (trained_path, tmp_path / "tokenizer.json", tmp_path):
         assert main(["tokenizer", "encode", "--tokenizer", str(spec), str(tmp_path / "in.txt")]) == 0
         assert capsys.readouterr().out.strip() == want
+
+
+def test_encode_tokens_format_shows_the_split(trained_path, tmp_path, capsys):
+    (tmp_path / "in.txt").write_text("the cat 世", encoding="utf-8")
+    assert main(["tokenizer", "encode", "--tokenizer", str(trained_path), "--format", "tokens",
+                 str(tmp_path / "in.txt")]) == 0
+    pieces = json.loads(capsys.readouterr().out)
+    tok = Tokenizer.load(trained_path)
+    assert pieces == [tok.vocab[i].decode("utf-8", "backslashreplace") for i in tok.encode("the cat 世")]
+    assert "".join(pieces).startswith("the cat")
