@@ -273,7 +273,7 @@ def train_bpe_from_iterator(texts: Iterable[str], vocab_size: int, special_token
         for k, text in enumerate(texts):
             if not isinstance(text, str):
                 raise ValueError(f"document {k} is {type(text).__name__}, not str; decode it first")
-            data = text.encode("utf-8", errors="surrogatepass" if errors == "strict" else "replace")
+            data = text.encode("utf-8", errors="surrogatepass")  # lone surrogates: refused or U+FFFD below
             data = _check_utf8(data, errors, f"document {k}", 0)
             batch.append(data)
             size += len(data)

@@ -342,3 +342,10 @@ def test_train_bpe_long_document_between_specials_is_still_chunked(tmp_path, mon
     sizes.clear()  # a special token holding " <letter>" could straddle a space cut: only cut at specials
     assert train_bpe(p, 350, ["the end"], progress=False, chunk_bytes=500) == \
         train_bpe_reference([text], 350, ["the end"])
+
+
+def test_train_from_iterator_lone_surrogates():
+    with pytest.raises(ValueError, match="document 1 is not valid UTF-8 at byte offset 2"):
+        train_bpe_from_iterator(["ok", "ab\ud800cd"], 300, progress=False)
+    got = train_bpe_from_iterator(["ok", "ab\ud800cd"], 300, progress=False, errors="replace")
+    assert got == train_bpe_reference(["ok", "ab\ufffd\ufffd\ufffdcd"], 300)
