@@ -18,6 +18,7 @@ The loading side lives in :mod:`lmforge.loader` and :mod:`lmforge.shards` and is
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import queue
@@ -34,7 +35,7 @@ from lmforge.shards import (  # noqa: F401  (re-exported)
     MANIFEST, SHARD_NAME, TokenDataset, dtype_for_vocab, load_manifest, new_manifest, save_manifest, shard_name,
     write_shard,
 )
-from lmforge.sources import ReadStats, check_val_fraction, expand_inputs, file_format, iter_file_documents, split_of
+from lmforge.sources import ReadStats, check_val_fraction, expand_inputs, file_format, iter_file_batches, split_of
 
 logger = logging.getLogger("lmforge")
 
@@ -118,29 +119,48 @@ class _SplitWriter:
 # --------------------------------------------------------------------------------------------------
 def _read_batches(sources: list[dict[str, Any]], opts: dict[str, Any], positions: dict[str, list[int]],
                   first_src: int) -> Iterator[tuple[Any, ...]]:
-    """Yield ``("batch", split, src, doc_ids, docs, first_offset)`` and ``("end", src, read_stats)``."""
+    """Yield ``("batch", split, src, doc_ids, docs, first_offset)`` and ``("end", src, read_stats)``.
+
+    Documents already on disk for their split (before ``positions[split]``) are skipped, so a resumed
+    run tokenizes only what is missing.
+    """
     val_fraction, seed, fixed = opts["val_fraction"], opts["split_seed"], opts["split"]
+    single = fixed or ("train" if val_fraction == 0.0 else None)
     for si in range(first_src, len(sources)):
         stats = ReadStats()
         pending: dict[str, tuple[list[int], list[str], int]] = {}
         sizes: dict[str, int] = {}
-        docs_iter = iter_file_documents(sources[si]["path"], text_field=opts["text_field"],
-                                        delimiter=opts["delimiter"], errors=opts["utf8_errors"], stats=stats)
-        for di, doc in enumerate(docs_iter):
-            split = fixed or split_of(doc, val_fraction, seed)
-            p_src, p_doc, p_off = positions.get(split, (0, 0, 0))
-            if (si, di) < (p_src, p_doc):
-                continue  # already on disk (resuming)
-            ids, texts, first_off = pending.setdefault(split, ([], [], p_off if (si, di) == (p_src, p_doc) else 0))
-            ids.append(di)
-            texts.append(doc)
-            sizes[split] = sizes.get(split, 0) + len(doc)
-            if sizes[split] >= BATCH_BYTES:
-                yield ("batch", split, si, ids, texts, first_off)
-                del pending[split]
-                sizes[split] = 0
-        for split, (ids, texts, first_off) in pending.items():
-            yield ("batch", split, si, ids, texts, first_off)
+        di = 0
+        for chunk in iter_file_batches(sources[si]["path"], text_field=opts["text_field"], delimiter=opts["delimiter"],
+                                       errors=opts["utf8_errors"], stats=stats):
+            if single:
+                routed = {single: (list(range(di, di + len(chunk))), chunk)}
+            else:
+                routed = {}
+                for k, doc in enumerate(chunk):
+                    ids, docs = routed.setdefault(split_of(doc, val_fraction, seed), ([], []))
+                    ids.append(di + k)
+                    docs.append(doc)
+            di += len(chunk)
+            for split, (ids, docs) in routed.items():
+                p_src, p_doc, p_off = positions.get(split, (0, 0, 0))
+                if si == p_src and ids[0] < p_doc:  # resuming: drop what is already on disk
+                    cut = bisect.bisect_left(ids, p_doc)
+                    ids, docs = ids[cut:], docs[cut:]
+                elif si < p_src:
+                    continue
+                if not ids:
+                    continue
+                start_off = p_off if (si, ids[0]) == (p_src, p_doc) else 0
+                b_ids, b_docs, _ = pending.setdefault(split, ([], [], start_off))
+                b_ids.extend(ids)
+                b_docs.extend(docs)
+                sizes[split] = sizes.get(split, 0) + sum(map(len, docs))
+                if sizes[split] >= BATCH_BYTES:
+                    yield ("batch", split, si, *pending.pop(split))
+                    sizes[split] = 0
+        for split, (ids, docs, first_off) in pending.items():
+            yield ("batch", split, si, ids, docs, first_off)
         yield ("end", si, stats)
 
 
@@ -390,7 +410,8 @@ def _encode(tokenizer: Any, docs: list[str], bos_id: int | None, eos_id: int | N
         tokens = tokens[first_offset:]
         lengths[0] -= first_offset
         is_start[0] = False
-    text_bytes = np.fromiter((len(d) if d.isascii() else len(d.encode("utf-8")) for d in docs), np.int64, n)
+    sizes = map(len, docs) if all(map(str.isascii, docs)) else map(len, map(str.encode, docs))
+    text_bytes = np.fromiter(sizes, np.int64, n)  # UTF-8 bytes per document
     return tokens.astype(dtype, copy=False), lengths, is_start, text_bytes
 
 

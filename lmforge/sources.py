@@ -131,97 +131,119 @@ def open_binary(path: str | os.PathLike) -> IO[bytes]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Decoding one document
+# Decoding and cleaning lists of documents (list-level, so that per-document Python cost stays tiny)
 # --------------------------------------------------------------------------------------------------
-def _decode(raw: bytes, errors: str, where: str, stats: ReadStats) -> str | None:
-    """Decode one document with the invalid-UTF-8 policy; ``None`` means "skip this document"."""
+def _decode_all(pieces: list[bytes], errors: str, where: str, first: int, stats: ReadStats) -> list[str]:
+    """Decode raw documents with the invalid-UTF-8 policy (documents skipped by the policy are left out)."""
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        if errors == "error":
-            raise ValueError(f"{where}: invalid UTF-8 at byte {e.start} of the document ({raw[e.start:e.start + 4]!r}); "
-                             "fix the file or pass errors='skip' / 'replace' (CLI: --utf8-errors skip|replace)") from None
-        stats.invalid_utf8 += 1
-        if errors == "skip":
-            return None
-        return raw.decode("utf-8", errors="replace")
+        return [p.decode("utf-8") for p in pieces]
+    except UnicodeDecodeError:
+        pass
+    out = []
+    for k, raw in enumerate(pieces):
+        try:
+            out.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            if errors == "error":
+                raise ValueError(f"{where} (document {first + k + 1}): invalid UTF-8 at byte {e.start} of the document "
+                                 f"({raw[e.start:e.start + 4]!r}); fix the file or pass errors='skip' / 'replace' "
+                                 "(CLI: --utf8-errors skip|replace)") from None
+            stats.invalid_utf8 += 1
+            if errors == "replace":
+                out.append(raw.decode("utf-8", errors="replace"))
+    return out
 
 
-def _emit(doc: str | None, stats: ReadStats) -> str | None:
-    """Strip ``doc``; count it (or count it as empty); return it or ``None`` when it is dropped."""
-    if doc is None:
-        return None
-    doc = doc.strip()
-    if not doc:
-        stats.empty_skipped += 1
-        return None
-    stats.documents += 1
-    stats.text_bytes += len(doc.encode("utf-8")) if not doc.isascii() else len(doc)
-    return doc
+def _keep(docs: list[str], stats: ReadStats) -> list[str]:
+    """Strip documents, drop (and count) empty ones, count the rest and their UTF-8 bytes."""
+    stripped = [d.strip() for d in docs]
+    kept = [d for d in stripped if d]
+    stats.empty_skipped += len(stripped) - len(kept)
+    stats.documents += len(kept)
+    stats.text_bytes += utf8_length(kept)
+    return kept
+
+
+def utf8_length(docs: list[str]) -> int:
+    """Total UTF-8 bytes of ``docs`` (without copying them when they are ASCII)."""
+    if all(map(str.isascii, docs)):
+        return sum(map(len, docs))
+    return sum(len(d.encode("utf-8", "surrogatepass")) for d in docs)
 
 
 # --------------------------------------------------------------------------------------------------
-# Readers, one per format
+# Readers, one per format; each yields lists of documents
 # --------------------------------------------------------------------------------------------------
-def _iter_text(path: Path, delimiter: str, errors: str, stats: ReadStats) -> Iterator[str]:
+def _text_batches(path: Path, delimiter: str, errors: str, stats: ReadStats) -> Iterator[list[str]]:
     """Documents of a plain-text file split on ``delimiter`` (read in 4 MiB chunks)."""
-    if delimiter == "line":
-        splitter = re.compile(rb"\n")
-    elif delimiter == "blankline":
-        splitter = _BLANKLINE
+    if delimiter == "blankline":
+        split = _BLANKLINE.split
     else:
         if not delimiter:
             raise ValueError("delimiter must be a non-empty string, 'blankline' or 'line'")
-        splitter = re.compile(re.escape(delimiter.encode("utf-8")))
+        sep = b"\n" if delimiter == "line" else delimiter.encode("utf-8")
+
+        def split(buf: bytes) -> list[bytes]:
+            return buf.split(sep)
     n = 0
     rest = b""
     with open_binary(path) as f:
         while True:
             chunk = f.read(_READ_CHUNK)
             buf = rest + chunk if rest else chunk
+            if not buf:
+                break
+            if chunk:
+                pieces = split(buf)
+                rest = pieces.pop()  # may continue in the next chunk
+            else:
+                pieces, rest = [buf], b""
+            if pieces:
+                yield _keep(_decode_all(pieces, errors, str(path), n, stats), stats)
+                n += len(pieces)
             if not chunk:
                 break
-            pieces = splitter.split(buf)
-            rest = pieces.pop()  # may continue in the next chunk
-            for raw in pieces:
-                n += 1
-                doc = _emit(_decode(raw, errors, f"{path} (document {n})", stats), stats)
-                if doc is not None:
-                    yield doc
-    if rest:
-        n += 1
-        doc = _emit(_decode(rest, errors, f"{path} (document {n})", stats), stats)
-        if doc is not None:
-            yield doc
 
 
-def _iter_jsonl(path: Path, text_field: str, errors: str, stats: ReadStats) -> Iterator[str]:
-    """The ``text_field`` string of every JSON object, one per line."""
+def _jsonl_error(path: Path, lineno: int, raw: bytes, text_field: str, errors: str, stats: ReadStats) -> str | None:
+    """The slow path for one line: the text, ``None`` (skip), or a ``ValueError`` that says what is wrong."""
+    decoded = _decode_all([raw], errors, f"{path}:{lineno}", 0, stats)
+    if not decoded:
+        return None
+    try:
+        obj = json.loads(decoded[0])
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+    if not isinstance(obj, dict) or text_field not in obj:
+        keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise ValueError(f"{path}:{lineno}: no field {text_field!r} (found {keys}); "
+                         "pass the right one with text_field= (CLI: --text-field)")
+    text = obj[text_field]
+    if not isinstance(text, str):
+        raise ValueError(f"{path}:{lineno}: field {text_field!r} is a {type(text).__name__}, not a string; "
+                         "choose a text field with --text-field")
+    return text
+
+
+def _jsonl_batches(path: Path, text_field: str, errors: str, stats: ReadStats) -> Iterator[list[str]]:
+    """The ``text_field`` string of every JSON object, one per line, about 4 MiB of lines at a time."""
+    lineno = 0
     with open_binary(path) as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            line = _decode(raw, errors, f"{path}:{lineno}", stats)
-            if line is None:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-            if not isinstance(obj, dict) or text_field not in obj:
-                keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                raise ValueError(f"{path}:{lineno}: no field {text_field!r} (found {keys}); "
-                                 "pass the right one with text_field= (CLI: --text-field)")
-            text = obj[text_field]
-            if not isinstance(text, str):
-                raise ValueError(f"{path}:{lineno}: field {text_field!r} is a {type(text).__name__}, not a string; "
-                                 "choose a text field with --text-field")
-            doc = _emit(text, stats)
-            if doc is not None:
-                yield doc
+        while lines := f.readlines(_READ_CHUNK):
+            lines = [ln for ln in lines if not ln.isspace()] if any(ln.isspace() for ln in lines) else lines
+            try:  # fast path: every line valid UTF-8 JSON with a string field
+                texts = [json.loads(ln)[text_field] for ln in lines]
+                ok = all(type(t) is str for t in texts)
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if not ok:
+                texts = [_jsonl_error(path, lineno + k + 1, ln, text_field, errors, stats) for k, ln in enumerate(lines)]
+                texts = [t for t in texts if t is not None]
+            lineno += len(lines)
+            yield _keep(texts, stats)
 
 
-def _iter_parquet(path: Path, text_field: str, stats: ReadStats) -> Iterator[str]:
+def _parquet_batches(path: Path, text_field: str, stats: ReadStats) -> Iterator[list[str]]:
     """The ``text_field`` column of a Parquet file, one row group in memory at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -238,11 +260,25 @@ def _iter_parquet(path: Path, text_field: str, stats: ReadStats) -> Iterator[str
     if not (pa.types.is_string(col_type) or pa.types.is_large_string(col_type)):
         raise ValueError(f"{path}: column {text_field!r} has type {col_type}, not string; choose a text column")
     for rg in range(pf.num_row_groups):
-        column = pf.read_row_group(rg, columns=[text_field]).column(0)
-        for text in column.to_pylist():
-            doc = _emit(text, stats) if text is not None else None
-            if doc is not None:
-                yield doc
+        texts = pf.read_row_group(rg, columns=[text_field]).column(0).to_pylist()
+        yield _keep([t for t in texts if t is not None], stats)
+
+
+def iter_file_batches(path: str | os.PathLike, text_field: str | None = None, delimiter: str = "<|endoftext|>",
+                      errors: str = "error", stats: ReadStats | None = None) -> Iterator[list[str]]:
+    """Like :func:`iter_file_documents`, but yields lists of documents (a chunk / row group at a time)."""
+    if errors not in UTF8_POLICIES:
+        raise ValueError(f"unknown UTF-8 error policy {errors!r}; use one of {UTF8_POLICIES}")
+    p = check_input_file(path)
+    st = stats if stats is not None else ReadStats()
+    st.files.append(str(p))
+    fmt = file_format(p)
+    if fmt == "jsonl":
+        yield from _jsonl_batches(p, text_field or "text", errors, st)
+    elif fmt == "parquet":
+        yield from _parquet_batches(p, text_field or "text", st)
+    else:
+        yield from _text_batches(p, delimiter, errors, st)
 
 
 def iter_file_documents(path: str | os.PathLike, text_field: str | None = None,
@@ -255,18 +291,8 @@ def iter_file_documents(path: str | os.PathLike, text_field: str | None = None,
     document, ``"skip"`` drops the document, ``"replace"`` substitutes U+FFFD; both count the document
     in ``stats.invalid_utf8``.
     """
-    if errors not in UTF8_POLICIES:
-        raise ValueError(f"unknown UTF-8 error policy {errors!r}; use one of {UTF8_POLICIES}")
-    p = check_input_file(path)
-    st = stats if stats is not None else ReadStats()
-    st.files.append(str(p))
-    fmt = file_format(p)
-    if fmt == "jsonl":
-        yield from _iter_jsonl(p, text_field or "text", errors, st)
-    elif fmt == "parquet":
-        yield from _iter_parquet(p, text_field or "text", st)
-    else:
-        yield from _iter_text(p, delimiter, errors, st)
+    for batch in iter_file_batches(path, text_field=text_field, delimiter=delimiter, errors=errors, stats=stats):
+        yield from batch
 
 
 def iter_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], text_field: str | None = None,

@@ -47,10 +47,11 @@ def test_text_delimiters_across_chunk_boundaries(tmp_path, monkeypatch, delimite
     assert st.text_bytes == sum(len(d.encode()) for d in docs)
 
 
-def test_line_delimiter(tmp_path):
+def test_line_delimiter(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "_READ_CHUNK", 2)
     p = tmp_path / "c.txt"
-    p.write_text("a\nb\n\nc\n")
-    assert list(iter_file_documents(p, delimiter="line")) == ["a", "b", "c"]
+    p.write_text("a\nbb\n\nc\r\nd")
+    assert list(iter_file_documents(p, delimiter="line")) == ["a", "bb", "c", "d"]
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst"])

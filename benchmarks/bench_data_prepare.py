@@ -1,0 +1,134 @@
+"""``lmforge data prepare`` throughput against the tokenizer alone and against HF ``tokenizers`` + numpy writes.
+
+Three ways to turn the same corpus into a uint16 token file, timed in one run on the same machine:
+
+1. ``tokenizer``  -- the lmforge tokenizer's ``encode_batch`` (lists) and ``encode_batch_flat`` (numpy, what
+                     prepare calls) on documents already in memory, in prepare's batches (the floor);
+2. ``prepare``    -- ``lmforge.data.prepare`` end to end: read + split the file, hash it, tokenize in
+                     parallel, add EOT, write shards and the manifest (target: within 10% of 1.);
+3. ``hf``         -- HF ``tokenizers`` ``encode_batch`` of the same vocabulary (``Tokenizer.save_hf``) on
+                     documents in memory + numpy concatenation + file write (target: slower than 2.).
+
+The corpus is Shakespeare (``lmforge data get shakespeare``; one document per paragraph, like web
+text) repeated to ``--mb`` megabytes, or ``--corpus FILE``. Usage::
+
+    python benchmarks/bench_data_prepare.py [--quick] [--mb 20] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+EOT = "<|endoftext|>"
+
+
+def build_corpus(tmp: Path, mb: float, corpus: str | None) -> Path:
+    from lmforge.sources import get_dataset, iter_documents
+
+    src = Path(corpus) if corpus else get_dataset("shakespeare")[0]
+    paragraphs = list(iter_documents(src, delimiter="blankline" if not corpus else "<|endoftext|>"))
+    text = f"\n{EOT}\n".join(paragraphs)
+    reps = max(1, int(mb * 1e6 / len(text.encode())) + 1)
+    out = tmp / "corpus.txt"
+    with open(out, "w", encoding="utf-8") as f:
+        for _ in range(reps):
+            f.write(text + f"\n{EOT}\n")
+    size = out.stat().st_size
+    with open(out, "r+b") as f:  # trim to the requested size at a document boundary
+        f.seek(min(size, int(mb * 1e6)))
+        rest = f.read()
+        cut = rest.find(EOT.encode())
+        if cut >= 0:
+            f.truncate(min(size, int(mb * 1e6)) + cut)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 MB smoke test")
+    ap.add_argument("--mb", type=float, default=20.0, help="corpus size in MB (default 20)")
+    ap.add_argument("--corpus", help="a text file with <|endoftext|>-separated documents instead of Shakespeare")
+    ap.add_argument("--vocab", type=int, default=4096, help="tokenizer vocabulary size (default 4096)")
+    ap.add_argument("--threads", type=int, default=None, help="threads (default: all cores)")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of 1. and 2., best kept (default 3)")
+    args = ap.parse_args()
+    if args.quick:
+        args.mb, args.repeat = 2.0, 1
+
+    import tokenizers
+
+    from lmforge.common import num_threads_default
+    from lmforge.data import BATCH_BYTES, prepare
+    from lmforge.sources import iter_documents
+    from lmforge.tokenizer import Tokenizer, train_bpe
+
+    threads = args.threads or num_threads_default()
+    with tempfile.TemporaryDirectory(prefix="lmforge-bench-prepare-") as tmp_s:
+        tmp = Path(tmp_s)
+        corpus = build_corpus(tmp, args.mb, args.corpus)
+        mb = corpus.stat().st_size / 1e6
+        vocab, merges = train_bpe(corpus, args.vocab, [EOT], progress=False)
+        tok = Tokenizer(vocab, merges, [EOT])
+        hf_path = tok.save_hf(tmp / "hf.json")
+        hf = tokenizers.Tokenizer.from_file(str(hf_path))
+        docs = list(iter_documents(corpus))
+        batches, cur, size = [], [], 0  # the same document batches prepare uses
+        for d in docs:
+            cur.append(d)
+            size += len(d)
+            if size >= BATCH_BYTES:
+                batches.append(cur)
+                cur, size = [], 0
+        batches.append(cur)
+        print(f"corpus: {mb:.1f} MB, {len(docs):,} documents, {len(batches)} batches; vocab {tok.vocab_size}; "
+              f"{threads} threads; pid {os.getpid()}")
+
+        # 1. the tokenizer alone (documents already in memory) and 2. lmforge prepare, end to end from the
+        # file; interleaved, best of --repeat (the first round also warms the encoder's word cache for both).
+        t_tok = t_flat = t_prep = float("inf")
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            n_tok = sum(len(ids) for b in batches for ids in tok.encode_batch(b, num_threads=threads))
+            t_tok = min(t_tok, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            n_flat = sum(len(tok.encode_batch_flat(b, num_threads=threads)[0]) for b in batches)
+            t_flat = min(t_flat, time.perf_counter() - t0)
+            assert n_flat == n_tok
+            t0 = time.perf_counter()
+            m = prepare(tok, corpus, tmp / "shards", num_threads=threads, progress=False, force=True)
+            t_prep = min(t_prep, time.perf_counter() - t0)
+            assert m["splits"]["train"]["tokens"] == n_tok + len(docs), "prepare and the tokenizer disagree"
+
+        # 3. HF tokenizers encode_batch + numpy + write
+        os.environ["RAYON_NUM_THREADS"] = str(threads)
+        eot = np.array([tok.eot_id], dtype=np.uint16)
+        t0 = time.perf_counter()
+        with open(tmp / "hf.bin", "wb") as f:
+            for b in batches:
+                encs = hf.encode_batch(b, add_special_tokens=False)
+                arr = np.concatenate([x for e in encs for x in (np.asarray(e.ids, dtype=np.uint16), eot)])
+                f.write(arr.tobytes())
+        t_hf = time.perf_counter() - t0
+        hf_tokens = (tmp / "hf.bin").stat().st_size // 2
+
+    rows = [("tokenizer encode_batch (in memory)", t_tok), ("tokenizer encode_batch_flat (in memory)", t_flat),
+            ("lmforge prepare (file -> shards)", t_prep),
+            ("HF tokenizers encode_batch + numpy write", t_hf)]
+    for name, t in rows:
+        print(f"  {name:<42} {t:7.2f} s  {mb / t:7.2f} MB/s  {n_tok / t / 1e6:6.2f} M tok/s")
+    print(f"prepare glue overhead vs the tokenizer alone: {100 * (t_prep / t_tok - 1):+.1f}% vs encode_batch, "
+          f"{100 * (t_prep / t_flat - 1):+.1f}% vs encode_batch_flat  (target <= +10%)")
+    print(f"prepare speed-up over HF tokenizers + numpy: {t_hf / t_prep:.2f}x  (target > 1); "
+          f"HF token count {hf_tokens:,} vs lmforge {n_tok + len(docs):,}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
