@@ -30,12 +30,59 @@ std::pair<const uint8_t*, size_t> utf8_of(nb::handle s) {
     return {(const uint8_t*)p, (size_t)n};
 }
 
-nb::list ids_to_list(const std::vector<uint32_t>& ids) {
-    PyObject* l = PyList_New((Py_ssize_t)ids.size());
-    if (!l) throw nb::python_error();
-    for (size_t i = 0; i < ids.size(); ++i) PyList_SET_ITEM(l, (Py_ssize_t)i, PyLong_FromUnsignedLong(ids[i]));
-    return nb::steal<nb::list>(l);
-}
+// The Python-facing Encoder keeps one Python int per vocabulary id, so building result lists costs an
+// incref per token instead of an allocation (most of the time of list output otherwise).
+class PyEncoder : public Encoder {
+public:
+    using Encoder::Encoder;
+    ~PyEncoder() {
+        for (PyObject* o : ints_) Py_XDECREF(o);
+    }
+    // GIL held.
+    nb::list to_list(const std::vector<uint32_t>& ids) const {
+        if (ints_.empty()) {
+            ints_.resize(vocab_size());
+            for (size_t i = 0; i < ints_.size(); ++i) ints_[i] = PyLong_FromSize_t(i);
+        }
+        PyObject* l = PyList_New((Py_ssize_t)ids.size());
+        if (!l) throw nb::python_error();
+        for (size_t i = 0; i < ids.size(); ++i) {
+            uint32_t id = ids[i];
+            PyObject* o;
+            if (id < ints_.size()) {
+                o = ints_[id];
+                Py_INCREF(o);
+            } else {
+                o = PyLong_FromUnsignedLong(id);
+            }
+            PyList_SET_ITEM(l, (Py_ssize_t)i, o);
+        }
+        return nb::steal<nb::list>(l);
+    }
+
+private:
+    mutable std::vector<PyObject*> ints_;
+};
+
+// A read-only view of any contiguous bytes-like object (bytes, bytearray, memoryview); released in
+// the destructor, which must run with the GIL held (declare it outside any gil_scoped_release).
+class ByteView {
+public:
+    explicit ByteView(nb::handle h) {
+        if (PyObject_GetBuffer(h.ptr(), &view_, PyBUF_SIMPLE) != 0) {
+            PyErr_Clear();
+            throw nb::type_error("expected bytes or a contiguous bytes-like object (bytearray, memoryview)");
+        }
+    }
+    ~ByteView() { PyBuffer_Release(&view_); }
+    ByteView(const ByteView&) = delete;
+    ByteView& operator=(const ByteView&) = delete;
+    const uint8_t* data() const { return (const uint8_t*)view_.buf; }
+    size_t size() const { return (size_t)view_.len; }
+
+private:
+    Py_buffer view_;
+};
 
 std::vector<std::string> bytes_list(const nb::list& items, const char* what) {
     std::vector<std::string> out;
@@ -68,14 +115,20 @@ NB_MODULE(_core, m) {
 
     m.def(
         "utf8_error_offset",
-        [](nb::bytes data) { return utf8_error_offset((const uint8_t*)data.c_str(), data.size()); },
+        [](nb::handle data) {
+            ByteView v(data);
+            if (v.size() < kReleaseGilBytes) return utf8_error_offset(v.data(), v.size());
+            nb::gil_scoped_release release;
+            return utf8_error_offset(v.data(), v.size());
+        },
         nb::arg("data"), "Offset of the first invalid UTF-8 byte in data, or -1 if it is valid UTF-8.");
 
     m.def(
         "pretokenize",
-        [](nb::bytes text, int pattern) {
-            const uint8_t* s = (const uint8_t*)text.c_str();
-            size_t n = text.size();
+        [](nb::handle text, int pattern) {
+            ByteView v(text);
+            const uint8_t* s = v.data();
+            size_t n = v.size();
             if (pattern < kGPT2 || pattern > kNanochat)
                 throw std::invalid_argument("unknown pattern id " + std::to_string(pattern) +
                                             "; use PATTERN_GPT2, PATTERN_GPT4 or PATTERN_NANOCHAT");
@@ -101,11 +154,10 @@ NB_MODULE(_core, m) {
             nb::arg("pattern"), nb::arg("special_tokens"))
         .def(
             "add",
-            [](PretokenCounter& c, nb::bytes data, int num_threads) {
-                const uint8_t* p = (const uint8_t*)data.c_str();
-                size_t n = data.size();
+            [](PretokenCounter& c, nb::handle data, int num_threads) {
+                ByteView v(data);  // bytes-like: a memoryview slice avoids a copy
                 nb::gil_scoped_release release;
-                c.add(p, n, num_threads);
+                c.add(v.data(), v.size(), num_threads);
             },
             nb::arg("data"), nb::arg("num_threads"),
             "Split on special tokens (never counted), pre-tokenize on num_threads threads and count.")
@@ -150,22 +202,22 @@ NB_MODULE(_core, m) {
         nb::arg("counter"), nb::arg("num_merges"), nb::arg("progress") = nb::none(),
         "Learn up to num_merges BPE merges from the counter's pre-tokens (ties: greatest byte pair).");
 
-    nb::class_<Encoder>(m, "Encoder", "Token ids from text with a byte-level BPE vocabulary and merge ranks.")
+    nb::class_<PyEncoder>(m, "Encoder", "Token ids from text with a byte-level BPE vocabulary and merge ranks.")
         .def(
             "__init__",
-            [](Encoder* self, nb::list vocab, std::vector<std::pair<int64_t, int64_t>> merges, nb::dict special_tokens,
+            [](PyEncoder* self, nb::list vocab, std::vector<std::pair<int64_t, int64_t>> merges, nb::dict special_tokens,
                int pattern) {
                 std::vector<std::pair<std::string, int64_t>> specials;
                 for (auto [k, v] : special_tokens) {
                     auto [p, n] = utf8_of(k);
                     specials.emplace_back(std::string((const char*)p, n), nb::cast<int64_t>(v));
                 }
-                new (self) Encoder(bytes_list(vocab, "vocab entries"), merges, specials, pattern);
+                new (self) PyEncoder(bytes_list(vocab, "vocab entries"), merges, specials, pattern);
             },
             nb::arg("vocab"), nb::arg("merges"), nb::arg("special_tokens"), nb::arg("pattern"))
         .def(
             "encode",
-            [](const Encoder& e, nb::str text, bool allow_special) {
+            [](const PyEncoder& e, nb::str text, bool allow_special) {
                 auto [p, n] = utf8_of(text);
                 std::vector<uint32_t> ids;
                 if (n >= kReleaseGilBytes) {
@@ -174,12 +226,12 @@ NB_MODULE(_core, m) {
                 } else {
                     e.encode(p, n, allow_special, ids);
                 }
-                return ids_to_list(ids);
+                return e.to_list(ids);
             },
             nb::arg("text"), nb::arg("allow_special"))
         .def(
             "encode_words",
-            [](const Encoder& e, nb::list words) {
+            [](const PyEncoder& e, nb::list words) {
                 std::vector<std::pair<const uint8_t*, size_t>> ws;
                 for (nb::handle h : words) {
                     if (!PyBytes_Check(h.ptr())) throw std::invalid_argument("words must be bytes");
@@ -187,12 +239,12 @@ NB_MODULE(_core, m) {
                 }
                 std::vector<uint32_t> ids;
                 e.encode_words(ws, ids);
-                return ids_to_list(ids);
+                return e.to_list(ids);
             },
             nb::arg("words"), "Apply the merges to words pre-tokenized in Python (custom patterns).")
         .def(
             "encode_batch",
-            [](const Encoder& e, nb::list texts, int num_threads, bool allow_special) {
+            [](const PyEncoder& e, nb::list texts, int num_threads, bool allow_special) {
                 std::vector<std::pair<const uint8_t*, size_t>> docs;
                 for (nb::handle h : texts) docs.push_back(utf8_of(h));
                 std::vector<std::vector<uint32_t>> res;
@@ -201,13 +253,13 @@ NB_MODULE(_core, m) {
                     e.encode_batch(docs, num_threads, allow_special, res);
                 }
                 nb::list out;
-                for (const auto& ids : res) out.append(ids_to_list(ids));
+                for (const auto& ids : res) out.append(e.to_list(ids));
                 return out;
             },
             nb::arg("texts"), nb::arg("num_threads"), nb::arg("allow_special"))
         .def(
             "encode_batch_flat",
-            [](const Encoder& e, nb::list texts, int num_threads, bool allow_special) {
+            [](const PyEncoder& e, nb::list texts, int num_threads, bool allow_special) {
                 std::vector<std::pair<const uint8_t*, size_t>> docs;
                 for (nb::handle h : texts) docs.push_back(utf8_of(h));
                 std::vector<uint32_t> flat;
@@ -230,11 +282,11 @@ NB_MODULE(_core, m) {
             "Encode documents into one uint32 token array plus int64 offsets (len(texts) + 1).")
         .def(
             "decode_bytes",
-            [](const Encoder& e, std::vector<int64_t> ids) {
+            [](const PyEncoder& e, std::vector<int64_t> ids) {
                 std::string s = e.decode_bytes(ids);
                 return nb::bytes(s.data(), s.size());
             },
             nb::arg("ids"), "Concatenated token bytes; ValueError names an out-of-range id.")
-        .def_prop_ro("pattern", &Encoder::pattern)
-        .def_prop_ro("vocab_size", &Encoder::vocab_size);
+        .def_prop_ro("pattern", [](const PyEncoder& e) { return e.pattern(); })
+        .def_prop_ro("vocab_size", [](const PyEncoder& e) { return e.vocab_size(); });
 }

@@ -204,17 +204,22 @@ void Encoder::encode_piece(const uint8_t* s, size_t n, std::vector<uint32_t>& ou
     });
 }
 
+void Encoder::encode_with(const uint8_t* s, size_t n, bool allow_special, std::vector<uint32_t>& out,
+                          EncodeCache& cache) const {
+    if (allow_special && !specials_.empty()) {
+        split_specials(
+            specials_, s, n, [&](const uint8_t* p, size_t len) { encode_piece(p, len, out, cache); },
+            [&](long k) { out.push_back(specials_.token_id(k)); });
+    } else {
+        encode_piece(s, n, out, cache);
+    }
+}
+
 void Encoder::encode(const uint8_t* s, size_t n, bool allow_special, std::vector<uint32_t>& out) const {
     if (pattern_ == kCustom)
         throw std::invalid_argument("this encoder has a custom pattern: pre-tokenize in Python and call encode_words");
     auto cache = acquire_cache();
-    if (allow_special && !specials_.empty()) {
-        split_specials(
-            specials_, s, n, [&](const uint8_t* p, size_t len) { encode_piece(p, len, out, *cache); },
-            [&](long k) { out.push_back(specials_.token_id(k)); });
-    } else {
-        encode_piece(s, n, out, *cache);
-    }
+    encode_with(s, n, allow_special, out, *cache);
     release_cache(std::move(cache));
 }
 
@@ -245,8 +250,11 @@ void Encoder::encode_batch(const std::vector<std::pair<const uint8_t*, size_t>>&
     results.assign(docs.size(), {});
     std::atomic<size_t> next{0};
     auto work = [&]() {
+        auto cache = acquire_cache();  // one per thread for the whole batch
         size_t i;
-        while ((i = next.fetch_add(1)) < docs.size()) encode(docs[i].first, docs[i].second, allow_special, results[i]);
+        while ((i = next.fetch_add(1)) < docs.size())
+            encode_with(docs[i].first, docs[i].second, allow_special, results[i], *cache);
+        release_cache(std::move(cache));
     };
     size_t T = std::min<size_t>((size_t)num_threads, docs.size());
     if (T <= 1) { work(); return; }

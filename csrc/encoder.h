@@ -50,6 +50,8 @@ public:
     size_t vocab_size() const { return vocab_.size(); }
 
 private:
+    void encode_with(const uint8_t* s, size_t n, bool allow_special, std::vector<uint32_t>& out,
+                     EncodeCache& cache) const;
     void encode_piece(const uint8_t* s, size_t n, std::vector<uint32_t>& out, EncodeCache& cache) const;
     void bpe(const uint8_t* s, size_t n, std::vector<uint32_t>& out) const;
     void bpe_long(const uint8_t* s, size_t n, std::vector<uint32_t>& out) const;

@@ -180,6 +180,19 @@ def test_counter_invalid_utf8_offset_with_threads() -> None:
     assert len(c) == 0  # nothing half-counted
 
 
+def test_counter_accepts_bytes_like_views() -> None:
+    data = b"xx hello world, hello!" * 10
+    ref = _core.PretokenCounter(_core.PATTERN_GPT2, [])
+    ref.add(data[2:], 1)
+    for view in (memoryview(data)[2:], bytearray(data[2:])):
+        c = _core.PretokenCounter(_core.PATTERN_GPT2, [])
+        c.add(view, 2)
+        assert dict(c.items()) == dict(ref.items())
+    assert _core.utf8_error_offset(memoryview(b"ok\xff")[1:]) == 1
+    with pytest.raises(TypeError):
+        ref.add("a str", 1)
+
+
 def test_counter_add_counts_and_errors() -> None:
     c = _core.PretokenCounter(_core.PATTERN_CUSTOM, [])
     c.add_counts([b"ab", b"cd", b"ab"], [2, 3, 1])
@@ -366,6 +379,7 @@ def test_encoder_errors() -> None:
         _core.Encoder(tokens, [], {}, 5)
     enc = _core.Encoder(tokens, [(ord("a"), ord("b"))], {"<|x|>": 1000}, 0)
     assert enc.decode_bytes([256, 1000]) == b"ab<|x|>"
+    assert enc.encode("ab<|x|>b", True) == [256, 1000, ord("b")]
     for bad in (257, -1, 999, 2**40):
         with pytest.raises(ValueError, match=f"token id {bad} is out of range"):
             enc.decode_bytes([1, bad])

