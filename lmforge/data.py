@@ -310,8 +310,6 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
     tok_info = {"fingerprint": tokenizer.fingerprint(), "vocab_size": vocab_size, "eot_id": tokenizer.eot_id,
                 "special_tokens": dict(tokenizer.special_tokens)}
     m, is_new = _open_out_dir(out_dir, tok_info, dtype, shard_tokens, bos_id, eos_id, append, force)
-    if is_new and hasattr(tokenizer, "save"):
-        tokenizer.save(out_dir / "tokenizer.json", force=True)
     opts = {"split": split, "val_fraction": val_fraction, "split_seed": split_seed, "text_field": text_field,
             "delimiter": delimiter, "utf8_errors": utf8_errors}
     sources = _hash_sources(paths, m, progress)
@@ -331,6 +329,8 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
         m["pending"] = pend
     _clean_stray_files(out_dir, keep={s["name"] for s in m["shards"] + pend["shards"]})
     save_manifest(out_dir, m)
+    if is_new and hasattr(tokenizer, "save"):  # a copy beside the shards, for inspect and for training checks
+        tokenizer.save(out_dir / "tokenizer.json", force=True)
 
     writers: dict[str, _SplitWriter] = {}
 
