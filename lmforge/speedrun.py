@@ -1,0 +1,489 @@
+"""The speedrun: corpus -> tokenizer -> shards -> pretraining -> evaluation -> samples -> ``report.md``.
+
+This is what ``make demo`` runs (``lmforge speedrun``): the whole pipeline on one machine in about ten
+minutes on 2 CPU cores, by default on Shakespeare's complete works. Each stage is one library call, so
+the function below doubles as documentation of how the pieces fit together:
+
+====================  ======================================================  ==========================
+stage                 call                                                    artifact in ``--out``
+====================  ======================================================  ==========================
+corpus                ``sources.get_dataset`` / ``sources.expand_inputs``      (the input files)
+tokenizer             ``tokenizer.train_bpe_from_iterator``                   ``tokenizer.json``
+data                  ``data.prepare`` (train/val split by document)          ``data/``
+plan                  a few timed training steps -> ``max_steps``              ``speedrun.json``
+train                 ``train.train`` (resumes from its checkpoints)           ``run/``
+eval                  loss and bits/byte over the validation split           ``speedrun.json``
+samples               ``generate.Generator`` with the KV cache                ``speedrun.json``
+report                                                                        ``report.md``
+====================  ======================================================  ==========================
+
+Re-running the same command reuses every finished stage (recorded with a digest of what it depends on in
+``speedrun.json``) and resumes training from its newest checkpoint; ``force=True`` starts over. The
+training budget is wall-clock minutes (turned into a number of steps once, by timing a few steps, so
+that a resumed run follows the same learning-rate schedule) or an exact number of steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from lmforge.common import atomic_write_text, resolve_device, sha256_file
+
+logger = logging.getLogger("lmforge")
+
+__all__ = ["speedrun", "parse_budget", "PRESETS", "Preset"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Model and batch shape of a ``--model-size``."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    context_length: int
+    batch_size: int
+    lr: float
+
+
+PRESETS: dict[str, Preset] = {
+    # smoke tests: learns little, runs anywhere in seconds
+    "tiny": Preset(d_model=64, n_layers=2, n_heads=4, context_length=64, batch_size=8, lr=3e-3),
+    # the CPU demo: ~4M parameters, about 10k tokens/s on 2 cores -> several passes over Shakespeare in 8 minutes
+    "small": Preset(d_model=256, n_layers=4, n_heads=8, context_length=256, batch_size=16, lr=2e-3),
+    # for a GPU (or a patient CPU)
+    "medium": Preset(d_model=384, n_layers=6, n_heads=6, context_length=256, batch_size=32, lr=1.5e-3),
+}
+
+SAMPLE_PROMPTS = ["ROMEO:\n", "To be, or not to be", "KING HENRY.\n", "The "]
+STATE_FILE = "speedrun.json"
+_STAGES = ("tokenizer", "data", "plan", "train", "eval", "samples")
+
+
+def parse_budget(budget: str | int | float) -> tuple[str, float]:
+    """``"8"``/``"8min"``/``"8m"`` -> ``("minutes", 8.0)``; ``"300steps"`` -> ``("steps", 300)``."""
+    text = str(budget).strip().lower().replace(" ", "")
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(min|m|minutes?|steps?)?", text)
+    if m is None or float(m.group(1)) <= 0:
+        raise ValueError(f"budget {budget!r} is not understood; give minutes ('8', '8min') or steps ('300steps')")
+    unit = m.group(2) or "min"
+    if unit.startswith("step"):
+        if not float(m.group(1)).is_integer():
+            raise ValueError(f"budget {budget!r}: a number of steps must be a whole number")
+        return "steps", float(int(m.group(1)))
+    return "minutes", float(m.group(1))
+
+
+# ==================================================================================================
+# Bookkeeping: which stages are done, and with what inputs
+# ==================================================================================================
+class _State:
+    """``speedrun.json``: the settings of the run and one record per finished stage (written atomically)."""
+
+    def __init__(self, out: Path, settings: dict[str, Any], force: bool) -> None:
+        self.path = out / STATE_FILE
+        if out.exists() and any(out.iterdir()):
+            if not self.path.exists():
+                raise ValueError(f"{out} exists and is not a speedrun directory (no {STATE_FILE}); choose another "
+                                 "--out, or empty it")
+            if force:
+                _remove_artifacts(out)
+        if self.path.exists():
+            self.data = json.loads(self.path.read_text(encoding="utf-8"))
+            old = self.data.get("settings", {})
+            changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+            if changed:
+                what = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+                raise ValueError(f"{out} holds a speedrun with other settings ({what}); pass --force to start over "
+                                 "there, or use another --out")
+        else:
+            self.data = {"settings": settings, "stages": {}}
+        out.mkdir(parents=True, exist_ok=True)
+        self.save()
+
+    def done(self, stage: str, key: str) -> dict[str, Any] | None:
+        """The record of ``stage`` if it finished with the same inputs (``key``), else None."""
+        rec = self.data["stages"].get(stage)
+        return rec if rec is not None and rec.get("key") == key else None
+
+    def finish(self, stage: str, key: str, seconds: float, info: dict[str, Any]) -> dict[str, Any]:
+        rec = {"key": key, "seconds": round(seconds, 2), **info}
+        self.data["stages"][stage] = rec
+        self.save()
+        return rec
+
+    def save(self) -> None:
+        atomic_write_text(self.path, json.dumps(self.data, indent=1) + "\n")
+
+
+def _remove_artifacts(out: Path) -> None:
+    """Delete what a speedrun wrote in ``out`` (only its own artifacts, never other files)."""
+    logger.info("--force: removing the previous speedrun in %s", out)
+    for name in ("tokenizer.json", "report.md", "loss.png", STATE_FILE):
+        (out / name).unlink(missing_ok=True)
+    for name in ("data", "run"):
+        shutil.rmtree(out / name, ignore_errors=True)
+
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ==================================================================================================
+# Stages
+# ==================================================================================================
+def _resolve_corpus(corpus: str) -> list[Path]:
+    from lmforge.sources import expand_inputs, get_dataset
+
+    if corpus == "shakespeare":
+        return get_dataset("shakespeare")
+    if re.fullmatch(r"[a-z][a-z0-9-]*", corpus) and not Path(corpus).exists():
+        raise ValueError(f"corpus {corpus!r} is neither 'shakespeare' nor an existing path/glob; give text files "
+                         "(e.g. --corpus 'data/*.txt') or --corpus shakespeare")
+    return expand_inputs(corpus)
+
+
+def _train_tokenizer(paths: list[Path], vocab_size: int, dest: Path, progress: bool) -> dict[str, Any]:
+    from lmforge.sources import iter_documents
+    from lmforge.tokenizer import Tokenizer, train_bpe_from_iterator
+
+    vocab, merges = train_bpe_from_iterator(iter_documents(paths), vocab_size, ["<|endoftext|>"], progress=progress)
+    tok = Tokenizer(vocab, merges, ["<|endoftext|>"])
+    tok.save(dest, force=True)
+    return {"fingerprint": tok.fingerprint(), "vocab_size": tok.vocab_size}
+
+
+def _data_stats(data_dir: Path) -> dict[str, Any]:
+    from lmforge.data import TokenDataset
+
+    out = {}
+    for split in ("train", "val"):
+        ds = TokenDataset(data_dir, split)
+        out[split] = {"tokens": ds.num_tokens, "documents": ds.num_documents, "text_bytes": ds.text_bytes,
+                      "bytes_per_token": ds.bytes_per_token}
+    return out
+
+
+def _matmul_peak_flops(device: Any, seconds: float = 1.0) -> float:
+    """Measured fp32 matmul FLOP/s of ``device`` (2048² products for about ``seconds``), the MFU denominator on CPU."""
+    import torch
+
+    n = 2048
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a @ b  # warm-up
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def _step_seconds(cfg: Any, device: Any, steps: int = 3) -> float:
+    """Median wall time of one training step (forward, backward, AdamW) at ``cfg``'s shapes, on random tokens."""
+    import statistics
+
+    import torch
+
+    from lmforge.model import TransformerLM
+    from lmforge.optim import AdamW
+
+    tc = cfg.training
+    model = TransformerLM(cfg.model).to(device)
+    opt = AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, cfg.model.vocab_size, (tc.batch_size, cfg.context_length), device=device)
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16"):
+            loss = model(x, targets=x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:  # the first step pays one-time costs
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _run_config(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, device: Any, max_steps: int,
+                peak_flops: float | None) -> Any:
+    from lmforge.train import load_run_config
+
+    model_vocab = 64 * math.ceil(vocab_size / 64)  # a multiple of 64 keeps the LM-head matmul aligned
+    warmup = max(1, min(100, max_steps // 10))
+    return load_run_config(base={
+        "model": {"vocab_size": model_vocab, "context_length": preset.context_length, "d_model": preset.d_model,
+                  "n_layers": preset.n_layers, "n_heads": preset.n_heads, "tie_embeddings": False},
+        "optimizer": {"lr": preset.lr, "min_lr": float(f"{preset.lr / 10:.3g}"), "warmup_steps": warmup, "weight_decay": 0.1,
+                      "betas": [0.9, 0.95], "grad_clip": 1.0},
+        "training": {"max_steps": max_steps, "batch_size": preset.batch_size, "device": str(device),
+                     "dtype": "bf16" if device.type == "cuda" else "fp32", "seed": 1337,
+                     "log_every": max(1, min(10, max_steps // 20)), "eval_every": max(10, max_steps // 5),
+                     "eval_batches": 10, "checkpoint_every": max(10, max_steps // 5), "keep_last": 2,
+                     "peak_flops": peak_flops},
+        "data": {"dir": str(data_dir), "tokenizer": str(tokenizer), "val_split": "val"},
+    })
+
+
+def _plan(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, device: Any,
+          budget: tuple[str, float]) -> dict[str, Any]:
+    """Decide ``max_steps``: the budget in steps, or minutes divided by a measured step time."""
+    peak = None if device.type == "cuda" else float(f"{_matmul_peak_flops(device):.4g}")
+    kind, amount = budget
+    if kind == "steps":
+        logger.info("plan: %d steps as asked", int(amount))
+        return {"max_steps": int(amount), "step_seconds": None, "peak_flops": peak}
+    step_s = _step_seconds(_run_config(preset, vocab_size, data_dir, tokenizer, device, 10, peak), device)
+    max_steps = max(10, int(0.9 * amount * 60 / step_s))  # ~10% of the budget left for evaluations and checkpoints
+    logger.info("plan: %.3f s/step measured -> %d steps (~%.1f min)", step_s, max_steps, max_steps * step_s / 60)
+    return {"max_steps": max_steps, "step_seconds": step_s, "peak_flops": peak}
+
+
+def _evaluate(run_dir: Path, data_dir: Path, cfg: Any, device: Any, max_batches: int = 64) -> dict[str, Any]:
+    """Loss, perplexity and bits per byte of the final model over (up to ``max_batches`` of) the validation split."""
+    import torch
+
+    from lmforge.checkpoint import CheckpointManager, apply_checkpoint
+    from lmforge.data import TokenDataset, val_batches
+    from lmforge.model import TransformerLM
+
+    ds = TokenDataset(data_dir, "val")
+    path, ckpt = CheckpointManager(run_dir).load_latest() or (None, None)
+    if ckpt is None:
+        raise ValueError(f"no checkpoint in {run_dir}; the training stage did not finish")
+    model = TransformerLM(cfg.model).to(device)
+    step = apply_checkpoint(ckpt, model)
+    model.eval()
+    batches = val_batches(ds, cfg.training.batch_size, cfg.context_length, max_batches)
+    loss_sum, count = 0.0, 0
+    with torch.inference_mode():
+        for x, y in batches:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.training.dtype == "bf16"):
+                loss_sum += float(model(x.to(device), targets=y.to(device), reduction="sum"))
+            count += y.numel()
+    loss = loss_sum / count
+    return {"checkpoint": str(path), "step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 700)),
+            "val_bpb": loss / math.log(2) / ds.bytes_per_token, "val_tokens": count}
+
+
+def _samples(run_dir: Path, device: Any, max_new_tokens: int) -> dict[str, Any]:
+    """Continue each of :data:`SAMPLE_PROMPTS` (temperature 0.8, top-k 50, seed 0) and time the generation."""
+    from lmforge.generate import Generator
+
+    gen = Generator.from_run(run_dir, device=str(device))
+    rows = [gen.tokenizer.encode(p) for p in SAMPLE_PROMPTS]
+    max_new_tokens = min(max_new_tokens, gen.cfg.context_length - max(map(len, rows)) + 1)  # what the context allows
+    t0 = time.perf_counter()
+    ids = gen.generate_ids(rows, max_new_tokens, temperature=0.8, top_k=50, seed=0)
+    dt = time.perf_counter() - t0
+    return {"samples": [{"prompt": p, "text": gen.tokenizer.decode(r)} for p, r in zip(SAMPLE_PROMPTS, ids)],
+            "generation_tokens_per_s": sum(map(len, ids)) / dt, "generation_batch": len(rows)}
+
+
+# ==================================================================================================
+# The pipeline
+# ==================================================================================================
+def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = "shakespeare", model_size: str = "small",
+             budget: str | int | float = "8min", device: str = "auto", vocab_size: int = 4096,
+             val_fraction: float = 0.1, sample_tokens: int = 200, force: bool = False,
+             progress: bool = True) -> dict[str, Any]:
+    """Run (or resume) the whole pipeline in ``out`` and write ``out/report.md``; returns the stage records.
+
+    ``corpus``: ``"shakespeare"`` or a path/glob of text/jsonl/parquet files. ``model_size``: a key of
+    :data:`PRESETS`. ``budget``: training minutes (``"8min"``) or steps (``"300steps"``). ``device``:
+    ``auto`` uses CUDA (with bf16) when present.
+    """
+    from lmforge.config import to_dict
+    from lmforge.tokenizer import Tokenizer
+    from lmforge.train import train
+
+    if model_size not in PRESETS:
+        raise ValueError(f"unknown model size {model_size!r}; choose one of {', '.join(PRESETS)}")
+    if not 256 + 1 <= vocab_size <= 65536:
+        raise ValueError(f"vocab_size must be in [257, 65536] (256 bytes + <|endoftext|> at least), got {vocab_size}")
+    if sample_tokens < 1:
+        raise ValueError(f"sample_tokens must be >= 1, got {sample_tokens}")
+    preset, plan_budget = PRESETS[model_size], parse_budget(budget)
+    dev = resolve_device(device)
+    out = Path(out)
+    t_start = time.perf_counter()
+    paths = _resolve_corpus(corpus)
+    inputs = [(str(p), p.stat().st_size, sha256_file(p)) for p in paths]
+    settings = {"corpus": corpus, "inputs": _digest(inputs), "vocab_size": vocab_size, "model_size": model_size,
+                "budget": list(plan_budget), "val_fraction": val_fraction}
+    state = _State(out, settings, force)
+    tok_path, data_dir, run_dir = out / "tokenizer.json", out / "data", out / "run"
+    ran: list[str] = []
+    logger.info("speedrun in %s: %d input file(s), model %s, budget %s, device %s", out, len(paths), model_size,
+                budget, dev)
+
+    def stage(name: str, key: str, fn: Callable[[], dict[str, Any]],
+              valid: Callable[[dict[str, Any]], bool] = lambda rec: True) -> dict[str, Any]:
+        """Reuse ``name``'s record if it finished with the same ``key`` and its artifact is intact; else run it."""
+        rec = state.done(name, key)
+        if rec is not None and valid(rec):
+            logger.info("stage %s: reusing the finished result", name)
+            return rec
+        logger.info("stage %s: running", name)
+        t0 = time.perf_counter()
+        info = fn()
+        ran.append(name)
+        return state.finish(name, key, time.perf_counter() - t0, info)
+
+    # ---- tokenizer: byte-level BPE trained on the corpus ------------------------------------------------
+    tok = stage("tokenizer", _digest(settings["inputs"], vocab_size),
+                lambda: _train_tokenizer(paths, vocab_size, tok_path, progress),
+                lambda rec: tok_path.exists() and Tokenizer.load(tok_path).fingerprint() == rec["fingerprint"])
+    # ---- data: train/val shards ------------------------------------------------------------------------
+    stage("data", _digest(settings["inputs"], tok["fingerprint"], val_fraction),
+          lambda: _prepare(paths, tok_path, data_dir, val_fraction, rebuild="tokenizer" in ran, progress=progress),
+          lambda rec: _shards_fingerprint(data_dir) == tok["fingerprint"])
+    # ---- plan: how many steps fit in the budget --------------------------------------------------------
+    plan = stage("plan", _digest(tok["fingerprint"], dataclasses.asdict(preset), plan_budget),
+                 lambda: _plan(preset, vocab_size, data_dir, tok_path, dev, plan_budget))
+    cfg = _run_config(preset, vocab_size, data_dir, tok_path, dev, plan["max_steps"], plan["peak_flops"])
+    # ---- train (resumes from the newest checkpoint in run/) -------------------------------------------
+    cfg_dict = to_dict(cfg)
+    train_key = _digest({k: v for k, v in cfg_dict.items() if k != "training"},
+                        {k: v for k, v in cfg_dict["training"].items() if k != "device"})
+    tr = stage("train", train_key, lambda: _jsonable(train(cfg, run_dir, progress=progress)),
+               lambda rec: Path(rec.get("checkpoint") or "").exists())
+    # ---- eval: validation loss and bits per byte of the final model ------------------------------------
+    ev = stage("eval", _digest(tr["checkpoint"], tr["step"]), lambda: _evaluate(run_dir, data_dir, cfg, dev))
+    logger.info("final validation loss %.4f (%.4f bits/byte)", ev["val_loss"], ev["val_bpb"])
+    # ---- samples ---------------------------------------------------------------------------------------
+    stage("samples", _digest(tr["checkpoint"], tr["step"], SAMPLE_PROMPTS, sample_tokens),
+          lambda: _samples(run_dir, dev, sample_tokens))
+
+    # ---- report ---------------------------------------------------------------------------------------
+    report = write_report(out, cfg, state.data, ran, time.perf_counter() - t_start, dev)
+    logger.info("wrote %s", report)
+    return state.data["stages"]
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v if isinstance(v, (int, float, str, type(None))) else str(v)) for k, v in d.items()}
+
+
+def _shards_fingerprint(data_dir: Path) -> str | None:
+    """Tokenizer fingerprint of a finished shard directory (None if absent, unfinished or inconsistent)."""
+    from lmforge.shards import load_manifest
+
+    try:
+        m = load_manifest(data_dir)
+    except (ValueError, OSError):
+        return None
+    return None if m.get("pending") else m["tokenizer"]["fingerprint"]
+
+
+def _prepare(paths: list[Path], tok_path: Path, data_dir: Path, val_fraction: float, rebuild: bool,
+             progress: bool) -> dict[str, Any]:
+    from lmforge.data import prepare
+    from lmforge.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(tok_path)
+    stale = data_dir.exists() and _shards_fingerprint(data_dir) not in (None, tok.fingerprint())
+    prepare(tok, paths, data_dir, val_fraction=val_fraction, force=rebuild or stale, progress=progress)
+    stats = _data_stats(data_dir)
+    return {"splits": stats}
+
+
+# ==================================================================================================
+# report.md
+# ==================================================================================================
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def write_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[str], wall: float, device: Any) -> Path:
+    """Write ``out/report.md`` from the stage records in ``data`` (the contents of ``speedrun.json``)."""
+    import torch
+
+    from lmforge.config import dump_yaml
+    from lmforge.model import flops_per_token, matmul_params_per_token
+
+    st, settings = data["stages"], data["settings"]
+    tok, splits, plan, tr, ev, smp = (st["tokenizer"], st["data"]["splits"], st["plan"], st["train"], st["eval"],
+                                      st["samples"])
+    metrics = _read_metrics(out / "run" / "metrics.jsonl")
+    tps_logged = sorted(r["tokens_per_s"] for r in metrics if r.get("tokens_per_s"))
+    tps = tps_logged[len(tps_logged) // 2] if tps_logged else float("nan")
+    peak = plan.get("peak_flops") or cfg.training.peak_flops
+    mfu = tps * flops_per_token(cfg.model, cfg.context_length) / peak if peak else None
+    lines = [
+        "# lmforge speedrun report", "",
+        f"Corpus `{settings['corpus']}`, model size `{settings['model_size']}`, training budget "
+        f"{settings['budget'][1]:g} {settings['budget'][0]}, device `{device}` "
+        f"({torch.get_num_threads()} CPU threads, torch {torch.__version__}, {platform.machine()}).",
+        f"This invocation ran: {', '.join(ran) if ran else 'nothing (every stage was reused)'}; wall time "
+        f"{_fmt_s(wall)}.", "",
+        "## Results", "",
+        "| metric | value |", "|---|---|",
+        f"| final validation loss | {ev['val_loss']:.4f} nats/token (perplexity {ev['val_ppl']:.1f}) |",
+        f"| bits per byte (validation) | {ev['val_bpb']:.4f} |",
+        f"| last training loss | {_num(tr.get('loss'))} |",
+        f"| steps / tokens seen | {tr['step']:,} / {tr['tokens']:,} |",
+        f"| training throughput | {tps:,.0f} tokens/s (median of logged intervals) |",
+        f"| MFU | {f'{100 * mfu:.1f}% of {peak / 1e9:,.0f} GFLOP/s' if mfu else 'n/a'} |",
+        f"| parameters (matmul weights) | {matmul_params_per_token(cfg.model):,} |",
+        f"| generation | {smp['generation_tokens_per_s']:,.0f} tokens/s (batch {smp['generation_batch']}, KV cache) |",
+        "",
+        "Validation loss is measured on the final checkpoint over "
+        f"{ev['val_tokens']:,} validation tokens; bits per byte = loss / ln 2 / (UTF-8 bytes per token).", "",
+        "![loss curves](run/loss.png)", "",
+        "## Time per stage", "", "| stage | time | this run |", "|---|---|---|",
+    ]
+    for name in _STAGES:
+        lines.append(f"| {name} | {_fmt_s(st[name]['seconds'])} | {'ran' if name in ran else 'reused'} |")
+    how = f"from a measured {plan['step_seconds']:.3f} s/step" if plan["step_seconds"] else "as asked"
+    lines += ["", f"Planned {plan['max_steps']} training steps {how}.", "",
+              "## Tokenizer", "",
+              f"Byte-level BPE (GPT-2 pre-tokenizer) with {tok['vocab_size']:,} tokens including `<|endoftext|>`, "
+              f"trained on the corpus: `tokenizer.json` (fingerprint `{tok['fingerprint'][:16]}`).", "",
+              "## Data", "", "| split | documents | tokens | text bytes | bytes/token |", "|---|---|---|---|---|"]
+    for name, s in splits.items():
+        lines.append(f"| {name} | {s['documents']:,} | {s['tokens']:,} | {s['text_bytes']:,} | "
+                     f"{s['bytes_per_token']:.3f} |")
+    lines += ["", "## Samples", "",
+              "Temperature 0.8, top-k 50, seed 0; the prompt is in **bold** on the first line of each block.", ""]
+    for s in smp["samples"]:
+        lines += [f"**{s['prompt'].strip()}**", "", "```text", (s["prompt"] + s["text"]).replace("```", "'''"), "```",
+                  ""]
+    lines += ["## Configuration", "", "Resolved run config (`run/config.yaml`):", "", "```yaml",
+              dump_yaml(cfg).rstrip(), "```", "",
+              f"Reproduce: `lmforge speedrun --out {out} --corpus {settings['corpus']} --model-size "
+              f"{settings['model_size']} --budget {_budget_text(settings['budget'])} --vocab-size "
+              f"{settings['vocab_size']}`; generate more: "
+              f"`lmforge generate --run {out / 'run'} --prompt 'ROMEO:'`.", ""]
+    path = out / "report.md"
+    atomic_write_text(path, "\n".join(lines))
+    return path
+
+
+def _num(x: Any) -> str:
+    return f"{x:.4f}" if isinstance(x, (int, float)) else "n/a"
+
+
+def _budget_text(budget: list) -> str:
+    kind, amount = budget
+    return f"{int(amount)}steps" if kind == "steps" else f"{amount:g}min"
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -1,0 +1,120 @@
+"""The speedrun pipeline end to end on a tiny synthetic corpus: artifacts, report sections, reuse, resume, errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+from conftest import make_corpus_text
+
+from lmforge.speedrun import parse_budget, speedrun
+
+SECTIONS = ["# lmforge speedrun report", "## Results", "final validation loss", "bits per byte", "training throughput",
+            "MFU", "![loss curves](run/loss.png)", "## Time per stage", "## Tokenizer", "## Data", "| train |",
+            "| val |", "## Samples", "**ROMEO:**", "## Configuration", "```yaml"]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    p = tmp_path / "corpus.txt"
+    p.write_text(make_corpus_text(n_docs=80, seed=1), encoding="utf-8")  # ~20 KB, 80 documents
+    return p
+
+
+def run(out, corpus, **kw):
+    args = dict(corpus=str(corpus), model_size="tiny", budget="12steps", vocab_size=300, device="cpu",
+                sample_tokens=16, progress=False)
+    args.update(kw)
+    return speedrun(out, **args)
+
+
+@pytest.mark.slow
+def test_speedrun_end_to_end_then_reuse_and_resume(tmp_path, corpus, caplog):
+    out = tmp_path / "sr"
+    stages = run(out, corpus)
+    for rel in ("tokenizer.json", "data/manifest.json", "run/config.yaml", "run/tokenizer.json", "run/metrics.jsonl",
+                "run/loss.png", "run/checkpoints/step_00000012.safetensors", "speedrun.json", "report.md"):
+        assert (out / rel).is_file(), rel
+    assert (out / "run/loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(stages) == {"tokenizer", "data", "plan", "train", "eval", "samples"}
+    assert stages["tokenizer"]["vocab_size"] == 300
+    assert stages["data"]["splits"]["train"]["documents"] + stages["data"]["splits"]["val"]["documents"] == 80
+    assert stages["train"]["step"] == 12
+    ev = stages["eval"]
+    assert math.isfinite(ev["val_loss"]) and ev["val_loss"] < math.log(300)  # better than uniform: it learned
+    assert ev["val_bpb"] == pytest.approx(ev["val_loss"] / math.log(2) / stages["data"]["splits"]["val"]["bytes_per_token"])
+    assert len(stages["samples"]["samples"]) == 4 and stages["samples"]["generation_tokens_per_s"] > 0
+    report = (out / "report.md").read_text(encoding="utf-8")
+    for section in SECTIONS:
+        assert section in report, section
+    assert f"{ev['val_loss']:.4f}" in report
+
+    # Same command again: every stage is reused and the report says so.
+    report_before = json.loads((out / "speedrun.json").read_text())
+    run(out, corpus)
+    assert "nothing (every stage was reused)" in (out / "report.md").read_text(encoding="utf-8")
+    assert json.loads((out / "speedrun.json").read_text())["stages"] == report_before["stages"]
+
+    # Training interrupted after step 10: the rerun resumes from that checkpoint, not from scratch.
+    (out / "run/checkpoints/step_00000012.safetensors").unlink()
+    state = json.loads((out / "speedrun.json").read_text())
+    for stage in ("train", "eval", "samples"):
+        del state["stages"][stage]
+    (out / "speedrun.json").write_text(json.dumps(state))
+    with caplog.at_level(logging.INFO, logger="lmforge"):
+        stages = run(out, corpus)
+    assert "resumed from" in caplog.text and "step_00000010" in caplog.text
+    assert "stage tokenizer: reusing" in caplog.text and "stage data: reusing" in caplog.text
+    assert stages["train"]["step"] == 12
+    assert "ran: train, eval, samples" in (out / "report.md").read_text(encoding="utf-8")
+
+    # Other settings in the same directory: refused unless --force.
+    with pytest.raises(ValueError, match="other settings.*vocab_size"):
+        run(out, corpus, vocab_size=320)
+    stages = run(out, corpus, vocab_size=320, budget="4steps", force=True)
+    assert stages["tokenizer"]["vocab_size"] == 320 and stages["train"]["step"] == 4
+    assert not (out / "run/checkpoints/step_00000012.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_cli_speedrun(tmp_path, corpus, capsys):
+    from lmforge.cli import main
+
+    out = tmp_path / "sr"
+    args = ["speedrun", "--corpus", str(corpus), "--out", str(out), "--model-size", "tiny", "--budget", "3steps",
+            "--vocab-size", "280", "--device", "cpu", "--no-progress"]
+    assert main(args) == 0
+    assert "validation loss" in capsys.readouterr().out and (out / "report.md").exists()
+    assert main([*args[:-1], "--model-size", "small", "--no-progress"]) == 2  # other settings, no --force
+    assert "--force" in capsys.readouterr().err
+
+
+def test_speedrun_bad_input(tmp_path, corpus):
+    with pytest.raises(ValueError, match="unknown model size"):
+        run(tmp_path / "a", corpus, model_size="huge")
+    with pytest.raises(ValueError, match="neither 'shakespeare'"):
+        run(tmp_path / "a", "tinystorie")
+    with pytest.raises(ValueError, match="matches no files"):
+        run(tmp_path / "a", tmp_path / "nothing*.txt")
+    with pytest.raises(ValueError, match="vocab_size"):
+        run(tmp_path / "a", corpus, vocab_size=100)
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not a speedrun directory"):
+        run(foreign, corpus, force=True)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("text, want", [("8", ("minutes", 8.0)), ("8min", ("minutes", 8.0)), ("2.5m", ("minutes", 2.5)),
+                                        ("300steps", ("steps", 300.0)), ("1 step", ("steps", 1.0))])
+def test_parse_budget(text, want):
+    assert parse_budget(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "0", "-3", "ten", "5h", "2.5steps"])
+def test_parse_budget_rejects(text):
+    with pytest.raises(ValueError, match="budget"):
+        parse_budget(text)
