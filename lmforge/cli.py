@@ -247,11 +247,16 @@ def _data_get(args: argparse.Namespace) -> int:
 
 def _data_prepare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", required=True, metavar="T", help="tokenizer file (lmforge JSON, HF tokenizer.json, ...)")
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="files, directories or quoted globs: .txt, .jsonl, .parquet (+ .gz / .zst)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", nargs="+", metavar="PATH",
+                     help="files, directories or quoted globs: .txt, .jsonl, .parquet (+ .gz / .zst)")
+    src.add_argument("--dataset", choices=["shakespeare", "tinystories", "fineweb-edu"],
+                     help="a named corpus instead: downloaded once, split into train/val (see `data get`)")
+    p.add_argument("--shards", type=int, default=1, metavar="N", help="with --dataset fineweb-edu: parquet shards")
     p.add_argument("--out", required=True, metavar="DIR", help="shard directory (manifest.json + {split}_NNNNN.bin)")
-    p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
-                   help="send this fraction of documents (by seeded hash) to the 'val' split (default 0)")
+    p.add_argument("--val-fraction", type=float, default=None, metavar="F",
+                   help="send this fraction of documents (by seeded hash) to the 'val' split "
+                        "(default 0; 0.1 with --dataset)")
     p.add_argument("--split", metavar="NAME", help="put all inputs in this split instead (e.g. val for a valid file)")
     p.add_argument("--split-seed", type=int, default=0, metavar="N", help="seed of the document hash split")
     p.add_argument("--text-field", metavar="KEY", help="JSON key / Parquet column with the text (default: text)")
@@ -270,15 +275,20 @@ def _data_prepare_args(p: argparse.ArgumentParser) -> None:
 
 
 def _data_prepare(args: argparse.Namespace) -> int:
-    from lmforge.data import DEFAULT_SHARD_TOKENS, prepare
+    from lmforge.data import DEFAULT_SHARD_TOKENS, prepare, prepare_dataset
     from lmforge.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
-    m = prepare(tok, args.input, args.out, split=args.split, val_fraction=args.val_fraction, split_seed=args.split_seed,
-                text_field=args.text_field, delimiter=args.delimiter, utf8_errors=args.utf8_errors, bos=args.bos,
-                eos=None if args.eos == "none" else args.eos, dtype=args.dtype,
-                shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS, num_threads=args.threads, append=args.append,
-                force=args.force, progress=not args.quiet)
+    kw = dict(split_seed=args.split_seed, bos=args.bos, eos=None if args.eos == "none" else args.eos, dtype=args.dtype,
+              shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS, num_threads=args.threads, force=args.force,
+              progress=not args.quiet)
+    if args.dataset:
+        val = 0.1 if args.val_fraction is None else args.val_fraction
+        m = prepare_dataset(tok, args.dataset, args.out, val_fraction=val, shards=args.shards, **kw)
+    else:
+        m = prepare(tok, args.input, args.out, split=args.split, val_fraction=args.val_fraction or 0.0,
+                    text_field=args.text_field, delimiter=args.delimiter, utf8_errors=args.utf8_errors,
+                    append=args.append, **kw)
     for split, info in sorted(m["splits"].items()):
         print(f"{split}: {info['shards']} shards, {info['tokens']:,} tokens, {info['documents']:,} documents")
     return 0

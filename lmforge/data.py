@@ -102,7 +102,7 @@ class _SplitWriter:
         starts = np.concatenate(self.starts) if self.starts else np.zeros(0, np.int64)
         sha = write_shard(self.out_dir / name, self.buf[:self.n], starts, self.vocab_size, self.fingerprint)
         self.written.append({"name": name, "split": self.split, "tokens": int(self.n),
-                             "documents": int(len(starts)), "sha256": sha})
+                             "documents": int(len(starts)), "sha256": sha, "max_id": int(self.buf[:self.n].max())})
         logger.info("wrote %s (%s tokens, %d documents)", name, f"{self.n:,}", len(starts))
         for key, st in self.buffered.items():
             acc = self.flushed.setdefault(key, {"tokens": 0, "documents": 0, "text_bytes": 0})
@@ -388,6 +388,28 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
                 f"{sum(s['tokens'].get(k, 0) for s in m['sources'][-len(sources):] for k in s['tokens']):,}", dt,
                 human_bytes(sum(s["size"] for s in sources) / max(dt, 1e-9)))
     return m
+
+
+def prepare_dataset(tokenizer: Any, name: str, out_dir: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
+                    val_fraction: float = 0.1, shards: int = 1, endpoint: str | None = None, force: bool = False,
+                    **kwargs: Any) -> Manifest:
+    """Download (once) and prepare a named corpus with its natural train/val split.
+
+    ``tinystories`` uses its own train and valid files; ``shakespeare`` and ``fineweb-edu`` (``shards``
+    parquet files) split documents by seeded hash with ``val_fraction``. Re-running is safe: it
+    resumes an interrupted run and skips sources already in ``out_dir``. Other keyword arguments go
+    to :func:`prepare`.
+    """
+    from lmforge.sources import get_dataset
+
+    progress = kwargs.get("progress", True)
+    if name == "tinystories":
+        train, valid = get_dataset(name, cache_dir=cache_dir, endpoint=endpoint, progress=progress)
+        prepare(tokenizer, train, out_dir, split="train", append=not force, force=force, **kwargs)
+        return prepare(tokenizer, valid, out_dir, split="val", append=True, **kwargs)
+    extra: dict[str, Any] = {"shards": shards, "endpoint": endpoint, "progress": progress} if name == "fineweb-edu" else {}
+    paths = get_dataset(name, cache_dir=cache_dir, **extra)
+    return prepare(tokenizer, paths, out_dir, val_fraction=val_fraction, append=not force, force=force, **kwargs)
 
 
 def _encode(tokenizer: Any, docs: list[str], bos_id: int | None, eos_id: int | None, first_offset: int,

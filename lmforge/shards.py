@@ -261,6 +261,12 @@ class TokenDataset:
         """UTF-8 text bytes per token of this split: ``bpb = loss / ln(2) / bytes_per_token``."""
         return self.text_bytes / max(1, self.num_tokens)
 
+    @property
+    def max_token_id(self) -> int:
+        """The largest token id in the split (from the manifest; scanned only for shards without a record)."""
+        return max(int(e["max_id"]) if "max_id" in e else int(s.max(initial=0))
+                   for e, s in zip(self.entries, self.shards))
+
     def doc_starts(self, i: int) -> np.ndarray:
         """Offsets (within shard ``i``) where documents begin."""
         return read_doc_starts(self.dir / self.entries[i]["name"], self._heads[i])

@@ -67,6 +67,7 @@ def test_round_trip_text_to_shards_to_text(tmp_path, tok):
     assert src_rec["sha256"] == shards.sha256_file(src) and src_rec["size"] == src.stat().st_size
     assert src_rec["tokens"] == {"train": len(toks)} and src_rec["documents"] == {"train": 120}
     assert (tmp_path / "sh" / "tokenizer.json").exists()
+    assert ds.max_token_id == int(toks.max())  # recorded per shard at write time
 
 
 def test_hash_split_bos_and_uint32(tmp_path, tok):
@@ -329,6 +330,7 @@ def _arange_shards(d: Path, ranges: list[tuple[int, int]], append_to: dict | Non
 def test_block_loader_epochs_cover_every_block_once(arange_dir):
     ds = TokenDataset(arange_dir)
     T = 9  # blocks of 10 tokens: 33 per shard, 66 in all
+    assert ds.max_token_id == 659  # no record in this hand-made manifest: scanned
     loader = BlockLoader(ds, 4, T, seed=0)
     assert loader.steps_per_epoch == 16
     seen = []

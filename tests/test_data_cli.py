@@ -70,3 +70,28 @@ def test_prepare_reports_bad_input(tmp_path, tok_path, capsys):
     assert main(["-q", "data", "prepare", "--tokenizer", str(tok_path), "--input", str(bad),
                  "--out", str(tmp_path / "o")]) == 2
     assert "bad.jsonl:1: field 'text' is a int, not a string" in capsys.readouterr().err
+
+
+def test_prepare_named_dataset_from_a_local_hub(tmp_path, tok_path, monkeypatch, capsys):
+    from test_sources import _Server
+
+    train = f"\n{EOT}\n".join(f"train story {i}" for i in range(30))
+    valid = f"\n{EOT}\n".join(f"valid story {i}" for i in range(5))
+    srv = _Server({f"/datasets/roneneldan/TinyStories/resolve/main/{name}": text.encode()
+                   for name, text in zip(corpora.TINYSTORIES_FILES, (train, valid))})
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", srv.url)
+        monkeypatch.setenv("LMFORGE_CACHE", str(tmp_path / "cache"))
+        argv = ["-q", "data", "prepare", "--tokenizer", str(tok_path), "--dataset", "tinystories",
+                "--out", str(tmp_path / "ts")]
+        assert main(argv) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert [line[:15] for line in out] == ["train: 1 shards", "val: 1 shards, "]
+        m = json.loads((tmp_path / "ts" / "manifest.json").read_text())
+        assert m["splits"]["train"]["documents"] == 30 and m["splits"]["val"]["documents"] == 5
+        assert main(argv) == 0  # re-running is a no-op: both files are already in the shards
+        assert json.loads((tmp_path / "ts" / "manifest.json").read_text()) == m
+    finally:
+        srv.close()
+    assert main(argv[:-2] + ["--out", str(tmp_path / "ts2")]) == 0  # cached: the server is gone
+    assert json.loads((tmp_path / "ts2" / "manifest.json").read_text())["splits"] == m["splits"]
