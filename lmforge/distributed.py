@@ -17,7 +17,7 @@ from typing import Any, Literal
 logger = logging.getLogger("lmforge")
 
 __all__ = ["DistInfo", "setup_distributed", "cleanup_distributed", "is_main_process", "get_rank", "get_world_size",
-           "all_reduce_mean", "all_reduce_sum", "barrier", "wrap_model"]
+           "all_reduce_mean", "all_reduce_sum", "barrier", "wrap_model", "full_state_dicts", "load_full_optimizer_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,25 +143,64 @@ def all_reduce_mean(value: float, device: Any = None) -> float:
     return all_reduce_sum([value], device)[0] / get_world_size()
 
 
-def wrap_model(model: Any, mode: Literal["none", "ddp", "fsdp"], info: DistInfo) -> Any:
-    """Wrap a single-device model for data parallelism; returns ``model`` unchanged without a process group.
+def wrap_model(model: Any, mode: Literal["none", "ddp", "fsdp"], info: DistInfo, compile: bool = False) -> Any:
+    """Compile and/or wrap a single-device model for data parallelism (no wrapping without a process group).
 
-    ``ddp`` replicates the model and averages gradients; ``fsdp`` shards parameters, gradients and
-    optimizer state per Transformer block (FSDP2 ``fully_shard``). Checkpoints always hold the full,
-    unwrapped weights (see :func:`lmforge.checkpoint.unwrap_model`).
+    ``ddp`` replicates the model and averages gradients (compiled first, then wrapped); ``fsdp`` shards
+    parameters, gradients and optimizer state per Transformer block (FSDP2 ``fully_shard``, then compiled).
+    With ``fsdp`` build the optimizer *after* wrapping, and save/load through :func:`full_state_dicts`
+    and :func:`load_full_optimizer_state`. Checkpoints always hold the full, unwrapped weights.
     """
+    import torch
+
     if mode not in ("none", "ddp", "fsdp"):
         raise ValueError(f"training.parallel must be none, ddp or fsdp, got {mode!r}")
-    if mode == "none" or not _active():
-        return model
-    if mode == "ddp":
+    if mode == "fsdp" and _active():
+        from torch.distributed.fsdp import fully_shard
+
+        for block in getattr(model, "layers", []):
+            fully_shard(block)
+        fully_shard(model)
+        return torch.compile(model) if compile else model
+    if compile:
+        model = torch.compile(model)
+    if mode == "ddp" and _active():
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [info.device.index] if info.device.type == "cuda" else None
         return DDP(model, device_ids=ids)
-    from torch.distributed.fsdp import fully_shard
-
-    for block in getattr(model, "layers", []):
-        fully_shard(block)
-    fully_shard(model)
     return model
+
+
+class _StateView:
+    """Something with a ``state_dict()`` method, for passing gathered state dicts to ``save_checkpoint``."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state
+
+
+def full_state_dicts(model: Any, optimizer: Any) -> tuple[_StateView, _StateView]:
+    """Full (unsharded, CPU) model and optimizer state of an FSDP model, as objects with ``state_dict()``.
+
+    A collective: every rank must call it; the tensors are complete on rank 0, which writes the checkpoint.
+    The optimizer state is keyed by parameter name (what :func:`load_full_optimizer_state` expects).
+    """
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return (_StateView(get_model_state_dict(model, options=opts)),
+            _StateView(get_optimizer_state_dict(model, optimizer, options=opts)))
+
+
+def load_full_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
+    """Load a full optimizer state written by :func:`full_state_dicts` into an FSDP model's optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if any(not isinstance(k, str) for k in state.get("state", {})):
+        raise ValueError("this checkpoint's optimizer state was saved without FSDP; resume with the same "
+                         "training.parallel it was trained with")
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -365,7 +365,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
 
     from lmforge.checkpoint import unwrap_model
     from lmforge.data import BlockLoader, TokenDataset, val_batches
-    from lmforge.distributed import all_reduce_mean, barrier, cleanup_distributed, setup_distributed, wrap_model
+    from lmforge.distributed import (all_reduce_mean, barrier, cleanup_distributed, full_state_dicts,
+                                     load_full_optimizer_state, setup_distributed, wrap_model)
     from lmforge.metrics import MetricsLog, peak_flops_for
     from lmforge.model import TransformerLM, flops_per_token
     from lmforge.optim import clip_grad_norm
@@ -393,7 +394,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
         # ---- model, optimizer, data loader ---------------------------------------------------------------
         seed_everything(tc.seed)
         model = TransformerLM(cfg.model).to(device)
-        optimizer = _build_optimizer(model, oc)
+        fsdp = tc.parallel == "fsdp" and info.enabled  # FSDP: the optimizer is built on the sharded model below
+        optimizer = None if fsdp else _build_optimizer(model, oc)
         loader = BlockLoader(train_ds, B, T, seed=tc.seed, rank=info.rank, world_size=info.world_size,
                              bos_aligned=cfg.data.bos_aligned)
         val_set = val_batches(val_ds, B, T, tc.eval_batches) if val_ds is not None else []
@@ -423,10 +425,16 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
                     "config": to_dict(cfg)}
 
         # ---- wrap from outside: compile, data parallelism (the model code stays single-device) ----------
-        if tc.compile:
-            model = torch.compile(model)
-        model = wrap_model(model, tc.parallel, info)
+        model = wrap_model(model, tc.parallel, info, compile=tc.compile)
         raw_model = unwrap_model(model)
+        if fsdp:
+            optimizer = _build_optimizer(raw_model, oc)
+            if latest is not None:
+                load_full_optimizer_state(raw_model, optimizer, latest[1].optimizer)
+
+        def snapshot() -> tuple[Any, Any]:
+            """What a checkpoint saves (under FSDP gathered from all ranks: every rank must call this)."""
+            return full_state_dicts(raw_model, optimizer) if fsdp else (raw_model, optimizer)
         autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16")
         tokens_per_step = B * T * A * info.world_size
         flops_tok = flops_per_token(cfg.model, T)
@@ -497,15 +505,19 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
                 log.log({"step": step, "val_loss": ev.loss, "val_ppl": ev.ppl, "val_bpb": ev.bpb})
                 bpb = f", bpb {ev.bpb:.4f}" if ev.bpb is not None else ""
                 logger.info("step %d: val loss %.4f, ppl %.2f%s", step, ev.loss, ev.ppl, bpb)
-                if main and (best_val is None or ev.loss < best_val):
-                    ckpts.save_best(raw_model, optimizer, step, ev.loss, train_state())
-                    best_val = ev.loss
+                better = best_val is None or ev.loss < best_val
+                if better or fsdp:
+                    state = snapshot()
+                    if main and better:
+                        ckpts.save_best(*state, step, ev.loss, train_state())
+                best_val = ev.loss if better else best_val
                 log.plot()
 
             # ---- save -----------------------------------------------------------------------------------------
             if step % tc.checkpoint_every == 0 or step == tc.max_steps:
+                state = snapshot()
                 if main:
-                    last_ckpt = ckpts.save(raw_model, optimizer, step, train_state())
+                    last_ckpt = ckpts.save(*state, step, train_state())
                 barrier()
         bar.close()
 
