@@ -226,6 +226,8 @@ def _clean_stray_files(out_dir: Path, keep: set[str]) -> None:
 def _open_out_dir(out_dir: Path, tok_info: dict[str, Any], dtype: str, shard_tokens: int, bos_id: int | None,
                   eos_id: int | None, append: bool, force: bool) -> tuple[Manifest, bool]:
     """Load or create the manifest of ``out_dir``; return it and whether it is new."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"output path {out_dir} is a file; give a directory for the shards")
     has_manifest = (out_dir / MANIFEST).exists()
     if out_dir.exists() and not has_manifest and any(out_dir.iterdir()):
         raise ValueError(f"{out_dir} exists and is not an lmforge shard directory; choose a new or empty directory")

@@ -123,6 +123,33 @@ def test_interrupted_prepare_resumes_to_identical_shards(tmp_path, tok, monkeypa
         assert (a.num_tokens, a.num_documents, a.text_bytes) == (b.num_tokens, b.num_documents, b.text_bytes)
 
 
+def test_interrupted_append_resumes(tmp_path, tok, monkeypatch):
+    a = write_corpus(tmp_path / "a.txt", make_docs(50, seed=1))
+    b = write_corpus(tmp_path / "b.txt", make_docs(50, seed=2))
+    prepare(tok, a, tmp_path / "ref", shard_tokens=500, progress=False)
+    prepare(tok, b, tmp_path / "ref", shard_tokens=500, append=True, progress=False)
+    prepare(tok, a, tmp_path / "sh", shard_tokens=500, progress=False)
+    n_a = len(TokenDataset(tmp_path / "sh").shards)
+    real, calls = data.write_shard, {"n": 0}
+
+    def crashing(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(data, "write_shard", crashing)
+    with pytest.raises(OSError):
+        prepare(tok, b, tmp_path / "sh", shard_tokens=500, append=True, progress=False)
+    assert len(TokenDataset(tmp_path / "sh").shards) == n_a  # the unfinished run's shard stays invisible
+    monkeypatch.setattr(data, "write_shard", real)
+    prepare(tok, b, tmp_path / "sh", shard_tokens=500, append=True, progress=False)
+    assert shard_hashes(tmp_path / "sh") == shard_hashes(tmp_path / "ref")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        prepare(tok, a, tmp_path / "file", progress=False)
+
+
 def test_crash_between_shard_and_manifest_leaves_no_valid_looking_orphan(tmp_path, tok, monkeypatch):
     src = write_corpus(tmp_path / "c.txt", make_docs(80))
     prepare(tok, src, tmp_path / "ref", shard_tokens=600, progress=False)
