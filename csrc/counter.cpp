@@ -20,12 +20,11 @@ namespace {
 // Count the pre-tokens of s[a, b) (cut at safe points) into `local`; returns the first invalid
 // UTF-8 offset relative to s, or -1.
 long long count_range(const uint8_t* s, size_t a, size_t b, int pattern, const SpecialSplitter& sp,
-                      StrCountMap& local, int64_t& total) {
+                      ChunkCountMap& local, int64_t& total) {
     long long bad = utf8_error_offset(s + a, b - a);
     if (bad >= 0) return (long long)a + bad;
     auto emit = [&](const uint8_t* p, size_t len) {
-        bool inserted;
-        local.add(p, (uint32_t)len, hash_bytes(p, len), 1, &inserted);
+        local.add(p, (uint32_t)len);
         ++total;
     };
     split_specials(
@@ -36,14 +35,12 @@ long long count_range(const uint8_t* s, size_t a, size_t b, int pattern, const S
 
 }  // namespace
 
-void PretokenCounter::merge_into_table(const StrCountMap& local) {
-    for (const auto& e : local.slots()) {
-        if (!e.ptr) continue;
+void PretokenCounter::merge_into_table(const ChunkCountMap& local) {
+    local.for_each([&](const uint8_t* p, uint32_t len, uint32_t count) {
         bool inserted;
-        // Recompute the full hash: the local map keeps only 32 bits.
-        auto* dst = map_.add(e.ptr, e.len, hash_bytes(e.ptr, e.len), e.count, &inserted);
-        if (inserted) dst->ptr = arena_.store(e.ptr, e.len);  // own the key; the input goes away
-    }
+        auto* dst = map_.add(p, len, hash_bytes(p, len), count, &inserted);
+        if (inserted) dst->ptr = arena_.store(p, len);  // own the key: the input goes away
+    });
 }
 
 void PretokenCounter::add(const uint8_t* data, size_t n, int num_threads) {
@@ -65,7 +62,7 @@ void PretokenCounter::add(const uint8_t* data, size_t n, int num_threads) {
     cuts.push_back(n);
     T = cuts.size() - 1;
 
-    std::vector<StrCountMap> locals(T);
+    std::vector<ChunkCountMap> locals(T, ChunkCountMap(data));
     std::vector<int64_t> totals(T, 0);
     std::vector<long long> bad(T, -1);
     auto work = [&](size_t t) {
@@ -87,7 +84,7 @@ void PretokenCounter::add(const uint8_t* data, size_t n, int num_threads) {
     for (size_t t = 0; t < T; ++t) {
         merge_into_table(locals[t]);
         total_ += totals[t];
-        locals[t].clear();
+        locals[t] = ChunkCountMap(data);  // free it now
     }
 }
 

@@ -32,7 +32,7 @@ public:
     }
 
 private:
-    void merge_into_table(const StrCountMap& local);
+    void merge_into_table(const ChunkCountMap& local);
     int pattern_;
     SpecialSplitter specials_;
     StrCountMap map_;  // keys live in arena_

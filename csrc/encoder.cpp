@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <queue>
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
@@ -150,8 +149,8 @@ void Encoder::bpe(const uint8_t* s, size_t n, std::vector<uint32_t>& out) const 
     out.insert(out.end(), sym, sym + m);
 }
 
-// O(n log n) version for long pre-tokens: a linked list of symbols and a min-heap of
-// (rank, position) candidates, validated when popped.
+// O(n log n) version for long pre-tokens: a linked list of symbols and a min-heap of candidate
+// merges keyed (rank << 32 | position of the left symbol), validated when popped.
 void Encoder::bpe_long(const uint8_t* s, size_t n, std::vector<uint32_t>& out) const {
     constexpr uint32_t kEnd = ~0u, kDead = ~0u;
     std::vector<uint32_t> sym(n), nxt(n), prv(n);
@@ -160,30 +159,36 @@ void Encoder::bpe_long(const uint8_t* s, size_t n, std::vector<uint32_t>& out) c
         nxt[i] = i + 1 < n ? (uint32_t)(i + 1) : kEnd;
         prv[i] = i > 0 ? (uint32_t)(i - 1) : kEnd;
     }
-    using Cand = std::pair<uint64_t, uint32_t>;  // (rank << 32 | id, position of the left symbol)
-    std::vector<Cand> init;
+    std::vector<uint64_t> heap;
     for (size_t i = 0; i + 1 < n; ++i) {
         uint64_t r = lookup(sym[i], sym[i + 1]);
-        if (r != kNone) init.emplace_back(r, (uint32_t)i);
+        if (r != kNone) heap.push_back((r & ~0xFFFFFFFFull) | i);
     }
-    std::priority_queue<Cand, std::vector<Cand>, std::greater<Cand>> heap(std::greater<Cand>(), std::move(init));
+    auto gt = std::greater<uint64_t>();
+    std::make_heap(heap.begin(), heap.end(), gt);
+    auto push = [&](uint32_t pos) {  // candidate for the pair starting at pos, if it is a merge
+        uint32_t q = nxt[pos];
+        if (q == kEnd) return;
+        uint64_t r = lookup(sym[pos], sym[q]);
+        if (r == kNone) return;
+        heap.push_back((r & ~0xFFFFFFFFull) | pos);
+        std::push_heap(heap.begin(), heap.end(), gt);
+    };
     while (!heap.empty()) {
-        auto [r, pos] = heap.top();
-        heap.pop();
-        if (sym[pos] == kDead || nxt[pos] == kEnd || lookup(sym[pos], sym[nxt[pos]]) != r) continue;  // stale
+        std::pop_heap(heap.begin(), heap.end(), gt);
+        uint64_t key = heap.back();
+        heap.pop_back();
+        uint32_t pos = (uint32_t)key;
+        if (sym[pos] == kDead || nxt[pos] == kEnd) continue;
+        uint64_t r = lookup(sym[pos], sym[nxt[pos]]);
+        if (r == kNone || (r >> 32) != (key >> 32)) continue;  // stale: the pair at pos changed
         uint32_t q = nxt[pos];
         sym[pos] = (uint32_t)r;
         sym[q] = kDead;
         nxt[pos] = nxt[q];
         if (nxt[q] != kEnd) prv[nxt[q]] = pos;
-        if (prv[pos] != kEnd) {
-            uint64_t rl = lookup(sym[prv[pos]], sym[pos]);
-            if (rl != kNone) heap.emplace(rl, prv[pos]);
-        }
-        if (nxt[pos] != kEnd) {
-            uint64_t rr = lookup(sym[pos], sym[nxt[pos]]);
-            if (rr != kNone) heap.emplace(rr, pos);
-        }
+        if (prv[pos] != kEnd) push(prv[pos]);
+        push(pos);
     }
     for (uint32_t i = 0; i != kEnd; i = nxt[i]) out.push_back(sym[i]);
 }

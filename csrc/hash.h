@@ -146,7 +146,7 @@ public:
     // Add `count` to key (p, n) with hash h; returns the entry and whether it was new (then
     // entry->ptr == p, so the caller may redirect it to owned storage).
     Entry* add(const uint8_t* p, uint32_t n, uint64_t h, int64_t count, bool* inserted) {
-        if ((size_ + 1) * 2 > slots_.size()) grow();  // load factor <= 1/2
+        if ((size_ + 1) * 4 > slots_.size() * 3) grow();  // load factor <= 3/4 (memory matters here)
         uint32_t h32 = (uint32_t)(h >> 32);
         size_t i = h32 & mask_;
         while (true) {
@@ -167,7 +167,6 @@ public:
     }
     size_t size() const { return size_; }
     const std::vector<Entry>& slots() const { return slots_; }
-    void clear() { reset(1 << 12); }
 
 private:
     void reset(size_t cap) {
@@ -189,6 +188,60 @@ private:
         }
     }
     std::vector<Entry> slots_;
+    size_t mask_ = 0, size_ = 0;
+};
+
+// Per-thread counts of the pre-tokens of one input buffer: 16-byte slots holding offsets into that
+// buffer (so counting allocates nothing per pre-token and takes little memory).
+class ChunkCountMap {
+public:
+    struct Slot {
+        uint32_t off, len;  // len == 0: empty (pre-tokens are never empty)
+        uint32_t hash, count;
+    };
+    explicit ChunkCountMap(const uint8_t* base) : base_(base) {
+        slots_.assign(1 << 12, Slot{0, 0, 0, 0});
+        mask_ = slots_.size() - 1;
+    }
+    void add(const uint8_t* p, uint32_t n) {
+        if ((size_ + 1) * 4 > slots_.size() * 3) grow();
+        uint32_t h = (uint32_t)(hash_bytes(p, n) >> 32);
+        size_t i = h & mask_;
+        while (true) {
+            Slot& s = slots_[i];
+            if (s.len == 0) {
+                s = Slot{(uint32_t)(p - base_), n, h, 1};
+                ++size_;
+                return;
+            }
+            if (s.hash == h && s.len == n && std::memcmp(base_ + s.off, p, n) == 0) {
+                ++s.count;
+                return;
+            }
+            i = (i + 1) & mask_;
+        }
+    }
+    template <class F>
+    void for_each(F&& f) const {
+        for (const Slot& s : slots_)
+            if (s.len) f(base_ + s.off, s.len, s.count);
+    }
+
+private:
+    void grow() {
+        std::vector<Slot> old;
+        old.swap(slots_);
+        slots_.assign(old.size() * 2, Slot{0, 0, 0, 0});
+        mask_ = slots_.size() - 1;
+        for (const Slot& s : old) {
+            if (!s.len) continue;
+            size_t i = s.hash & mask_;
+            while (slots_[i].len) i = (i + 1) & mask_;
+            slots_[i] = s;
+        }
+    }
+    const uint8_t* base_;
+    std::vector<Slot> slots_;
     size_t mask_ = 0, size_ = 0;
 };
 
