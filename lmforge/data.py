@@ -322,12 +322,13 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
                              "same inputs and options to resume, or pass force=True (--force) to rebuild")
         logger.info("resuming the interrupted prepare in %s", out_dir)
         sources = pend["sources"]
+        shard_tokens = pend.get("shard_tokens", shard_tokens)  # the shard size of the run being resumed
     elif not sources:
         logger.warning("nothing to add: every input is already in %s", out_dir)
         return m
     else:
-        pend = {"sources": sources, "options": opts, "positions": {}, "flushed": {}, "shards": [],
-                "read_stats": {}}
+        pend = {"sources": sources, "options": opts, "shard_tokens": shard_tokens, "positions": {}, "flushed": {},
+                "shards": [], "read_stats": {}}
         m["pending"] = pend
     _clean_stray_files(out_dir, keep={s["name"] for s in m["shards"] + pend["shards"]})
     save_manifest(out_dir, m)
@@ -381,6 +382,8 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
         for w in writers.values():
             w.finish(len(sources))
         checkpoint()
+        if bar.total:
+            bar.update(bar.total - bar.n)  # the bar counted document bytes; the files also hold separators
     finally:
         bar.close()
     _commit(m, pend)

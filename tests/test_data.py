@@ -116,7 +116,7 @@ def test_interrupted_prepare_resumes_to_identical_shards(tmp_path, tok, monkeypa
     assert not list((tmp_path / "sh").glob(".*.tmp"))  # no half shard left behind
     with pytest.raises(ValueError, match="interrupted prepare"):
         prepare(tok, srcs[:2], tmp_path / "sh", **kw)  # different inputs: refuse, don't mix
-    prepare(tok, srcs, tmp_path / "sh", **kw)
+    prepare(tok, srcs, tmp_path / "sh", **{**kw, "shard_tokens": 999})  # the resumed run keeps its shard size
     assert shard_hashes(tmp_path / "sh") == shard_hashes(tmp_path / "ref")
     for split in ("train", "val"):
         a, b = TokenDataset(tmp_path / "sh", split), TokenDataset(tmp_path / "ref", split)
