@@ -83,6 +83,25 @@ def test_hash_split_bos_and_uint32(tmp_path, tok):
     assert train.num_documents + val.num_documents == 200
 
 
+def test_prepare_mixed_formats_in_a_directory(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    docs = make_docs(40, seed=7)
+    d = tmp_path / "in"
+    d.mkdir()
+    pq.write_table(pa.table({"text": docs[:20]}), d / "a.parquet", row_group_size=6)
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in docs[20:])
+    (d / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    m = prepare(tok, d, tmp_path / "sh", val_fraction=0.3, progress=False)
+    assert [Path(s["path"]).name for s in m["sources"]] == ["a.parquet", "b.jsonl.zst"]
+    got = "".join(tok.decode(all_tokens(TokenDataset(tmp_path / "sh", s)).tolist()) for s in ("train", "val"))
+    want = "".join(t + EOT for t in docs if split_of(t, 0.3) == "train")
+    want += "".join(t + EOT for t in docs if split_of(t, 0.3) == "val")
+    assert got == want
+
+
 def test_explicit_split_and_bad_split_names(tmp_path, tok):
     src = write_corpus(tmp_path / "c.txt", make_docs(10))
     prepare(tok, src, tmp_path / "sh", split="val", progress=False)
