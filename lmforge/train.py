@@ -369,7 +369,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
                                      load_full_optimizer_state, setup_distributed, wrap_model)
     from lmforge.metrics import MetricsLog, peak_flops_for
     from lmforge.model import TransformerLM, flops_per_token
-    from lmforge.optim import clip_grad_norm
+    from lmforge.optim import clip_grad_norm, global_grad_norm
 
     tc, oc = cfg.training, cfg.optimizer
     run_dir = Path(run_dir)
@@ -469,14 +469,17 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
                     (micro / n_targets).backward()
                 loss_sum += micro.detach()
             loss = all_reduce_mean(loss_sum.item() / n_targets, device)
-            if not math.isfinite(loss):
+            # the norm is taken before any update, so a NaN/inf loss or gradient never reaches the weights
+            grad_norm = float(clip_grad_norm(model.parameters(), oc.grad_clip) if oc.grad_clip > 0
+                              else global_grad_norm(model.parameters()))
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 bar.close()
+                what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
                 kept = f"the last good checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was saved yet"
                 raise NonFiniteLossError(
-                    f"loss is {loss} at step {step + 1} (lr {lr:.3g}); stopped without saving this state ({kept}). "
+                    f"{what} at step {step + 1} (lr {lr:.3g}); stopped without saving this state ({kept}). "
                     "Try a lower optimizer.lr or longer optimizer.warmup_steps, optimizer.grad_clip=1.0, "
                     "training.dtype=fp32, and check the data for corrupt shards")
-            grad_norm = clip_grad_norm(model.parameters(), oc.grad_clip) if oc.grad_clip > 0 else None
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
@@ -490,8 +493,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
             if step % tc.log_every == 0 or step == tc.max_steps:
                 tps = interval_tokens / max(interval_time, 1e-9)
                 mfu = tps / info.world_size * flops_tok / peak if peak else None
-                gn = float(grad_norm) if grad_norm is not None else None
-                log.log({"step": step, "loss": loss, "lr": lr, "grad_norm": gn, "tokens_per_s": tps, "mfu": mfu,
+                log.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "mfu": mfu,
                          "tokens": step * tokens_per_step})
                 postfix = {"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"}
                 if mfu is not None:

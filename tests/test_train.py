@@ -158,6 +158,25 @@ def test_resume_skips_corrupt_newest_checkpoint(shards, tmp_path, caplog) -> Non
     assert _losses(run) == _losses(full)
 
 
+def test_grad_accumulation_matches_one_big_batch(shards, tmp_path) -> None:
+    # SGD without clipping is sensitive to the gradient's scale, so a wrong normalisation shows at step 2.
+    # Both runs see the same blocks in the same order: B=4 x 1 micro-batch == B=2 x 2 micro-batches.
+    sgd = {"name": "sgd", "lr": 0.5, "min_lr": 0.0, "warmup_steps": 0, "grad_clip": 0.0}
+    big, accum = tmp_path / "big", tmp_path / "accum"
+    train(_cfg(shards, optimizer=sgd, training={"max_steps": 4, "batch_size": 4, "grad_accum_steps": 1}), big,
+          progress=False)
+    train(_cfg(shards, optimizer=sgd, training={"max_steps": 4, "batch_size": 2, "grad_accum_steps": 2}), accum,
+          progress=False)
+    a, b = [v for _, v in _losses(big)], [v for _, v in _losses(accum)]
+    assert a == pytest.approx(b, rel=1e-5) and a[0] != a[-1]
+
+
+def test_bf16_autocast_on_cpu(shards, tmp_path) -> None:
+    m = train(_cfg(shards, training={"max_steps": 2, "dtype": "bf16", "eval_every": 2}), tmp_path / "run",
+              progress=False)
+    assert m["step"] == 2 and 0 < m["val_loss"] < 10
+
+
 # --------------------------------------------------------------------------------------------------
 # Real SIGKILL + restart in a subprocess == uninterrupted
 # --------------------------------------------------------------------------------------------------
