@@ -280,19 +280,19 @@ inline void split_specials(const SpecialSplitter& sp, const uint8_t* s, size_t n
 }
 
 // A position p >= from where the text may be cut without changing pre-tokenization or special-token
-// splitting (for all three patterns): s[p] is ' ', s[p-1] is a non-space ASCII character and s[p+1]
+// splitting (for all three patterns): s[p] is ' ', s[p-1] is printable ASCII (! to ~) and s[p+1]
 // an ASCII letter, so p is a pre-token boundary that no rule looks across (the token before p ends
 // at p-1 whatever follows, and ' '+letter starts a new token); and no special token occurrence
 // straddles p. Returns n when there is none.
 inline size_t safe_split_point(const uint8_t* s, size_t n, size_t from, const SpecialSplitter& sp) {
-    const uint8_t* af = ascii_flags().f;
     size_t p = std::max<size_t>(from, 1);
     while (p + 1 < n) {
         const void* q = std::memchr(s + p, ' ', n - 1 - p);
         if (!q) break;
         p = (const uint8_t*)q - s;
         uint8_t a = s[p - 1], b = s[p + 1];
-        if (a < 0x80 && !(af[a] & kFlagS) && b < 0x80 && (af[b] & kFlagL) && !sp.straddles(s, n, p)) return p;
+        bool letter = (b | 0x20) >= 'a' && (b | 0x20) <= 'z';
+        if (a >= 0x21 && a <= 0x7e && letter && !sp.straddles(s, n, p)) return p;
         ++p;
     }
     return n;

@@ -136,6 +136,20 @@ def random_corpus(n_words: int, seed: int, specials: tuple[str, ...] = (EOT,)) -
     return "".join(rng.choice(words) + rng.choice(seps) for _ in range(n_words))
 
 
+SAFE_CUT = regex.compile(r"(?<=[\x21-\x7e]) (?=[A-Za-z])")  # the counter's thread split rule
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.lists(st.sampled_from(ALPHABET + ["a b", "x Y", "'s t", "1 a", ". z"]), max_size=30).map("".join))
+def test_thread_split_points_never_change_pretokenization(text: str) -> None:
+    """With the regex module as the oracle: cutting before a ' ' that follows printable ASCII and
+    precedes an ASCII letter gives the same pre-tokens for every pattern."""
+    for m in SAFE_CUT.finditer(text):
+        p = m.start()
+        for name in PATTERNS:
+            assert COMPILED[name].findall(text[:p]) + COMPILED[name].findall(text[p:]) == COMPILED[name].findall(text)
+
+
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 def test_counter_matches_reference_and_is_thread_independent(name: str) -> None:
     specials = [EOT, EOT + EOT, "a b"]  # overlapping specials; one with a space (cut points must avoid it)
@@ -355,6 +369,17 @@ def test_encoder_specials_and_batches() -> None:
     assert enc.encode_batch([], 2, True) == []
     big = "".join(docs) * 3  # > 4 KiB: encoded with the GIL released
     assert enc.decode_bytes(enc.encode(big, True)) == big.encode()
+
+
+def test_encoder_is_thread_safe_across_python_threads() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    enc, *_ = build_tokenizer(random_corpus(1000, seed=4), 200, "gpt2", 1, (EOT,))
+    texts = [random_corpus(3000, seed=s) for s in range(8)]  # > 4 KiB each: GIL released while encoding
+    expected = [enc.encode(t, True) for t in texts]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda t: enc.encode(t, True), texts * 3))
+    assert got == expected * 3
 
 
 def test_encoder_long_run_is_not_quadratic() -> None:
