@@ -339,6 +339,24 @@ def _train_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="run directory written by lmforge train")
+    p.add_argument("--checkpoint", default=None, help="checkpoint file, or 'best' (default: the newest valid one)")
+    p.add_argument("--split", default=None, help="data split to evaluate on (default: the run's validation split)")
+    p.add_argument("--batches", type=int, default=None, help="number of batches (default: training.eval_batches)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
+
+
+def _eval_run(args: argparse.Namespace) -> int:
+    from lmforge.train import evaluate_run
+
+    m = evaluate_run(args.run_dir, args.checkpoint, args.split, args.batches, args.device)
+    bpb = f", bits/byte {m['bpb']:.4f}" if m["bpb"] is not None else ""
+    print(f"{m['checkpoint']} (step {m['step']}) on {m['split']} ({m['tokens']:,} tokens): loss {m['loss']:.4f}, "
+          f"perplexity {m['ppl']:.2f}{bpb}")
+    return 0
+
+
 def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", default=None, help="run directory (config.yaml, tokenizer.json, checkpoints/)")
     p.add_argument("--checkpoint", default=None,
@@ -423,6 +441,7 @@ def _speedrun_run(args: argparse.Namespace) -> int:
 def _top_level_commands() -> list[Command]:
     return [
         ("train", "pretrain a model from a YAML config (resumes automatically)", _train_args, _train_run),
+        ("eval", "loss, perplexity and bits/byte of a run's checkpoint on its validation data", _eval_args, _eval_run),
         ("generate", "generate text with a trained model (KV cache, sampling, streaming)", _generate_args,
          _generate_run),
         ("speedrun", "the whole pipeline on one corpus: tokenizer, shards, training, eval, samples, report.md",

@@ -27,7 +27,7 @@ from lmforge.model import ModelConfig
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["OptimConfig", "DataConfig", "TrainingConfig", "RunConfig", "load_run_config", "train",
+__all__ = ["OptimConfig", "DataConfig", "TrainingConfig", "RunConfig", "load_run_config", "train", "evaluate_run",
            "NonFiniteLossError"]
 
 
@@ -536,3 +536,46 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
     finally:
         if owns_group:
             cleanup_distributed()
+
+
+# ==================================================================================================
+# Evaluating a finished (or running) run
+# ==================================================================================================
+def evaluate_run(run_dir: str | Path, checkpoint: str | Path | None = None, split: str | None = None,
+                 max_batches: int | None = None, device: str = "auto") -> dict[str, Any]:
+    """Loss, perplexity and bits per byte of a run's checkpoint on a split of its data.
+
+    ``checkpoint``: a file, ``"best"`` (``checkpoints/best.safetensors``) or None for the newest valid
+    one; ``split`` defaults to the run's ``data.val_split``; ``max_batches`` to ``training.eval_batches``.
+    """
+    import torch
+
+    from lmforge.checkpoint import read_checkpoint
+    from lmforge.common import resolve_device
+    from lmforge.data import TokenDataset, val_batches
+    from lmforge.model import TransformerLM
+
+    run = Path(run_dir)
+    if not (run / "config.yaml").exists():
+        raise ValueError(f"{run} has no config.yaml; give a run directory written by `lmforge train`")
+    cfg = load_run_config(run / "config.yaml")
+    split = split or cfg.data.val_split or cfg.data.train_split
+    ckpts = CheckpointManager(run, cfg.training.keep_last)
+    if checkpoint is None:
+        latest = ckpts.load_latest()
+        if latest is None:
+            raise ValueError(f"no checkpoint in {ckpts.dir}; train first")
+        path, ck = latest
+    else:
+        path = ckpts.best_path if str(checkpoint) == "best" else Path(checkpoint)
+        ck = read_checkpoint(path)
+    dev = resolve_device(device)
+    model = TransformerLM(cfg.model).to(dev)
+    step = apply_checkpoint(ck, model)
+    ds = TokenDataset(cfg.data.dir, split)
+    batches = val_batches(ds, cfg.training.batch_size, cfg.context_length, max_batches or cfg.training.eval_batches)
+    with torch.inference_mode():
+        ev = _evaluate(model, batches, ds.bytes_per_token, cfg.training.dtype, dev)
+    logger.info("%s (step %d) on %s/%s: loss %.4f", path, step, cfg.data.dir, split, ev.loss)
+    return {"checkpoint": str(path), "step": step, "split": split, "loss": ev.loss, "ppl": ev.ppl, "bpb": ev.bpb,
+            "tokens": sum(y.numel() for _, y in batches)}

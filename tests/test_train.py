@@ -337,3 +337,16 @@ def test_fsdp_world_size_one_resumes_exactly(shards, tmp_path) -> None:
     from lmforge.checkpoint import read_checkpoint
     ck = read_checkpoint(full / "checkpoints" / "step_00000005.safetensors")
     assert all(isinstance(t, torch.Tensor) and type(t) is torch.Tensor for t in ck.model.values())
+
+
+def test_eval_command_matches_training_eval(shards, tmp_path, capsys) -> None:
+    from lmforge.train import evaluate_run
+
+    run = tmp_path / "run"
+    m = train(_cfg(shards, training={"max_steps": 4}), run, progress=False)
+    ev = evaluate_run(run, device="cpu")
+    assert ev["step"] == 4 and ev["split"] == "val" and ev["loss"] == pytest.approx(m["val_loss"], rel=1e-6)
+    assert evaluate_run(run, checkpoint="best", device="cpu")["loss"] == pytest.approx(m["best_val_loss"], rel=1e-6)
+    assert cli.main(["eval", str(run), "--split", "train", "--batches", "1"]) == 0
+    assert "(step 4) on train" in capsys.readouterr().out
+    assert cli.main(["eval", str(tmp_path / "nope")]) == 2
