@@ -403,12 +403,13 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
         # ---- resume from the newest checkpoint that verifies -----------------------------------------------
         ckpts = CheckpointManager(run_dir, tc.keep_last)
         log = MetricsLog(run_dir, enabled=main)
-        step = 0
+        step, last_ckpt, fsdp_optim_state = 0, None, None
         if main:
             ckpts.remove_stale_temporaries()
         latest = ckpts.load_latest()
         if latest is not None:
             path, ck = latest
+            del latest  # the tensors are copied into the model/optimizer below; do not keep a second copy
             state = ck.extra.get("train")
             if not isinstance(state, dict):
                 raise ValueError(f"{path} holds no training state (not written by `lmforge train`); move it out of "
@@ -416,6 +417,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
             step = apply_checkpoint(ck, model, optimizer)
             loader.load_state_dict(state["loader"])
             _set_rng_state(state["rng"], device)
+            last_ckpt, fsdp_optim_state = path, ck.optimizer if fsdp else None
+            del ck
             logger.info("resumed from %s at step %d", path, step)
         log.rewind(step)  # drop events logged after the checkpoint: the loop logs them again, identically
         best_val = ckpts.best_val_loss()
@@ -429,12 +432,14 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
         raw_model = unwrap_model(model)
         if fsdp:
             optimizer = _build_optimizer(raw_model, oc)
-            if latest is not None:
-                load_full_optimizer_state(raw_model, optimizer, latest[1].optimizer)
+            if fsdp_optim_state is not None:
+                load_full_optimizer_state(raw_model, optimizer, fsdp_optim_state)
+                fsdp_optim_state = None
 
         def snapshot() -> tuple[Any, Any]:
             """What a checkpoint saves (under FSDP gathered from all ranks: every rank must call this)."""
             return full_state_dicts(raw_model, optimizer) if fsdp else (raw_model, optimizer)
+
         autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16")
         tokens_per_step = B * T * A * info.world_size
         flops_tok = flops_per_token(cfg.model, T)
@@ -448,7 +453,6 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
         bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (progress and main))
         elapsed, interval_time, interval_tokens = 0.0, 0.0, 0
-        last_ckpt: Path | None = latest[0] if latest else None
         model.train()
         while step < tc.max_steps:
             # ---- step: schedule, micro-batches, forward, backward, clip, update -------------------------
