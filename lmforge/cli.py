@@ -454,7 +454,11 @@ def _top_level_commands() -> list[Command]:
 # ==================================================================================================
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (also used by the tests that run ``--help`` on every command)."""
-    parser = argparse.ArgumentParser(prog="lmforge", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="lmforge",
+        description="Build a language model from scratch: tokenizer -> token shards -> pretraining -> generation.",
+        epilog="Run `lmforge COMMAND --help` for the options of each command.",
+    )
     parser.add_argument("--version", action="version", version=f"lmforge {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
