@@ -360,9 +360,18 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
     bar = tqdm(total=sum(s["size"] for s in sources[first_src:]) if known_bytes else None, unit="B", unit_scale=True,
                desc=f"prepare {out_dir.name}", disable=not progress)
     t0, n_tokens = time.perf_counter(), 0
-    try:
+    def encoded() -> Iterator[tuple[Any, ...]]:
+        """Tokenize the reader's batches (in its own thread, so that encoding overlaps shard writing)."""
         reader = _read_batches(sources, opts, {k: list(v) for k, v in pend["positions"].items()}, first_src)
         for item in _prefetch(reader):
+            if item[0] == "batch":
+                _, name, si, doc_ids, docs, first_off = item
+                item = ("batch", name, si, doc_ids, first_off,
+                        _encode(tokenizer, docs, bos_id, eos_id, first_off, threads, dtype))
+            yield item
+
+    try:
+        for item in _prefetch(encoded(), depth=2):
             if item[0] == "end":
                 _, si, stats = item
                 pend["read_stats"][str(si)] = {"documents": stats.documents, "empty_skipped": stats.empty_skipped,
@@ -373,8 +382,7 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
                 if stats.documents == 0:
                     logger.warning("%s holds no documents (empty or whitespace only)", sources[si]["path"])
                 continue
-            _, name, si, doc_ids, docs, first_off = item
-            toks, lengths, is_start, text_bytes = _encode(tokenizer, docs, bos_id, eos_id, first_off, threads, dtype)
+            _, name, si, doc_ids, first_off, (toks, lengths, is_start, text_bytes) = item
             writer(name).add(toks, lengths, is_start, text_bytes, si, np.asarray(doc_ids), first_off, checkpoint)
             n_tokens += len(toks)
             bar.update(int(text_bytes.sum()))

@@ -175,16 +175,16 @@ def utf8_length(docs: list[str]) -> int:
 # Readers, one per format; each yields lists of documents
 # --------------------------------------------------------------------------------------------------
 def _text_batches(path: Path, delimiter: str, errors: str, stats: ReadStats) -> Iterator[list[str]]:
-    """Documents of a plain-text file split on ``delimiter`` (read in 4 MiB chunks)."""
-    if delimiter == "blankline":
-        split = _BLANKLINE.split
-    else:
-        if not delimiter:
-            raise ValueError("delimiter must be a non-empty string, 'blankline' or 'line'")
-        sep = b"\n" if delimiter == "line" else delimiter.encode("utf-8")
+    """Documents of a plain-text file split on ``delimiter`` (read in 4 MiB chunks).
 
-        def split(buf: bytes) -> list[bytes]:
-            return buf.split(sep)
+    Fast path for string delimiters: each chunk, up to its last delimiter, is decoded in one call and
+    split as ``str`` (splitting UTF-8 bytes and text on a delimiter agree: UTF-8 is self-synchronising);
+    only a chunk with invalid UTF-8 is split and decoded document by document.
+    """
+    if not delimiter:
+        raise ValueError("delimiter must be a non-empty string, 'blankline' or 'line'")
+    text_sep = "\n" if delimiter == "line" else delimiter
+    sep = text_sep.encode("utf-8")
     n = 0
     rest = b""
     with open_binary(path) as f:
@@ -193,14 +193,28 @@ def _text_batches(path: Path, delimiter: str, errors: str, stats: ReadStats) -> 
             buf = rest + chunk if rest else chunk
             if not buf:
                 break
-            if chunk:
-                pieces = split(buf)
-                rest = pieces.pop()  # may continue in the next chunk
+            if not chunk:  # end of file: the rest is the last document
+                head, rest = buf, b""
+            elif delimiter == "blankline":
+                *pieces, rest = _BLANKLINE.split(buf)
+                head = None
             else:
-                pieces, rest = [buf], b""
-            if pieces:
-                yield _keep(_decode_all(pieces, errors, str(path), n, stats), stats)
-                n += len(pieces)
+                cut = buf.rfind(sep, max(0, len(buf) - len(chunk) - len(sep)))
+                if cut < 0:
+                    rest = buf  # no delimiter yet: the document continues in the next chunk
+                    continue
+                head, rest = buf[:cut], buf[cut + len(sep):]
+            if head is not None:
+                try:
+                    docs = head.decode("utf-8").split(text_sep) if delimiter != "blankline" else [head.decode("utf-8")]
+                    count = len(docs)
+                except UnicodeDecodeError:
+                    pieces = head.split(sep) if delimiter != "blankline" else [head]
+                    docs, count = _decode_all(pieces, errors, str(path), n, stats), len(pieces)
+            else:
+                docs, count = _decode_all(pieces, errors, str(path), n, stats), len(pieces)
+            yield _keep(docs, stats)
+            n += count
             if not chunk:
                 break
 
