@@ -100,7 +100,9 @@ def test_parquet_row_groups(tmp_path, monkeypatch):
         list(iter_file_documents(p, text_field="n"))
 
 
-def test_invalid_utf8_policies(tmp_path):
+@pytest.mark.parametrize("chunk", [3, 1 << 20])
+def test_invalid_utf8_policies(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(sources, "_READ_CHUNK", chunk)
     p = tmp_path / "c.txt"
     p.write_bytes(b"good one<|endoftext|>bad \xff\xfe bytes<|endoftext|>good two")
     with pytest.raises(ValueError, match=r"c.txt \(document 2\): invalid UTF-8 at byte 4.*--utf8-errors"):
