@@ -80,7 +80,7 @@ def encode_once(tool: str, spec: str, corpus: str, workload: str, reps: int) -> 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smoke test: 1 MB synthetic text, small trained vocab, 1 run")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 0.5 MB synthetic text, small trained vocab, 1 run")
     ap.add_argument("--mb", type=float, default=10.0, help="corpus size in MB (default 10)")
     ap.add_argument("--reps", type=int, default=5, help="timed runs per tool and workload (median)")
     ap.add_argument("--vocab-json", type=Path, default=FIXTURES / "gpt2_vocab.json")
@@ -98,7 +98,7 @@ def main() -> int:
     if args.quick:
         from lmforge.tokenizer import train_bpe, Tokenizer
 
-        path = corpus_file(1.0, "synthetic", cache)
+        path = corpus_file(0.5, "synthetic", cache)
         tok_path = Path(cache) / "quick_tokenizer.json"
         if not tok_path.exists():
             vocab, merges = train_bpe(path, 1000, [EOT], progress=False)

@@ -31,7 +31,7 @@ const uint32_t* EncodeCache::find(const uint8_t* p, uint32_t n, uint64_t h, uint
     while (true) {
         const Slot& s = slots_[i];
         if (s.klen == 0) return nullptr;
-        if (s.hash == h && s.klen == n && std::memcmp(keys_.data() + s.koff, p, n) == 0) {
+        if (s.hash == h && s.klen == n && bytes_equal(keys_.data() + s.koff, p, n)) {
             *count = s.icount;
             return ids_.data() + s.ioff;
         }
