@@ -85,6 +85,8 @@ class BlockLoader:
                  world_size: int = 1, bos_aligned: bool = False, positions: bool = False) -> None:
         if batch_size < 1 or context_length < 1:
             raise ValueError(f"batch_size and context_length must be >= 1 (got {batch_size}, {context_length})")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.dataset, self.batch_size, self.context_length = dataset, int(batch_size), int(context_length)

@@ -161,6 +161,15 @@ def new_manifest(tokenizer_info: dict[str, Any], dtype: str, shard_tokens: int, 
 
 def check_manifest(m: dict[str, Any], d: Path) -> None:
     """Internal consistency of a manifest: keys, dtype, shard names, per-split totals, sources."""
+    try:
+        _check_manifest(m, d)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise _inconsistent(d, f"a field is missing or has the wrong type ({type(e).__name__}: {e})") from None
+
+
+def _check_manifest(m: dict[str, Any], d: Path) -> None:
+    if not isinstance(m, dict):
+        raise _inconsistent(d, "the top level is not a JSON object")
     for key in ("format", "version", "tokenizer", "dtype", "splits", "shards", "sources"):
         if key not in m:
             raise _inconsistent(d, f"missing key {key!r}")

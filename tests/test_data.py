@@ -295,6 +295,8 @@ def test_truncated_and_corrupt_shards(shard_dir):
     (lambda m: m.__setitem__("dtype", "int8"), "dtype 'int8'"),
     (lambda m: m["sources"][0]["tokens"].__setitem__("train", 1), "sources add up to 1 train tokens"),
     (lambda m: m["shards"][0].__setitem__("tokens", 1), "add up to"),
+    (lambda m: m["shards"][0].pop("tokens"), "a field is missing or has the wrong type"),
+    (lambda m: m.__setitem__("splits", []), "a field is missing or has the wrong type"),
 ])
 def test_hand_edited_manifest_is_rejected(shard_dir, edit, msg):
     path = shard_dir / "manifest.json"
