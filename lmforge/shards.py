@@ -284,10 +284,12 @@ class TokenDataset:
         """``ValueError`` unless ``tokenizer`` is the one these shards were made with."""
         fp = tokenizer.fingerprint()
         if fp != self.fingerprint:
-            made_by = self.manifest["tokenizer"].get("path") or "another tokenizer"
+            copy = self.dir / "tokenizer.json"
+            made_by = f"the one saved as {copy}" if copy.exists() else "another tokenizer"
             raise ValueError(f"the shards in {self.dir} were made with a different tokenizer ({made_by}, fingerprint "
-                             f"{self.fingerprint[:16]}…) than the one given (fingerprint {fp[:16]}…); use that "
-                             "tokenizer or re-run `lmforge data prepare` with this one")
+                             f"{self.fingerprint[:16]}, vocab {self.vocab_size}) than the one given (fingerprint "
+                             f"{fp[:16]}, vocab {tokenizer.vocab_size}); use that tokenizer or re-run "
+                             "`lmforge data prepare` with this one")
 
     def __len__(self) -> int:
         return self.num_tokens
