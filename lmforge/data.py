@@ -217,7 +217,9 @@ def _special_id(tokenizer: Any, value: str | None, what: str) -> int | None:
 def _clean_stray_files(out_dir: Path, keep: set[str]) -> None:
     """Remove shard files (and temp files of interrupted writes) that the manifest does not list."""
     for p in out_dir.iterdir():
-        stray_tmp = p.name.startswith(".") and p.name.endswith(".tmp") and SHARD_NAME.match(p.name[1:].rsplit(".", 2)[0])
+        base = p.name[1:].rsplit(".", 2)[0]  # atomic_open's temp files are named .{name}.{random}.tmp
+        stray_tmp = p.name.startswith(".") and p.name.endswith(".tmp") and (
+            SHARD_NAME.match(base) or base in (MANIFEST, "tokenizer.json"))
         if (SHARD_NAME.match(p.name) and p.name not in keep) or stray_tmp:
             logger.info("removing %s (left over from an interrupted prepare)", p.name)
             p.unlink()

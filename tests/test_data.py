@@ -169,6 +169,45 @@ def test_interrupted_append_resumes(tmp_path, tok, monkeypatch):
         prepare(tok, a, tmp_path / "file", progress=False)
 
 
+KILL_SCRIPT = """
+import os, signal, sys
+from lmforge import data, shards
+from lmforge.common import atomic_open
+from lmforge.tokenizer import Tokenizer
+calls = []
+
+def dying_write(path, tokens, *args):
+    calls.append(path)
+    if len(calls) < 3:
+        return shards.write_shard(path, tokens, *args)
+    with atomic_open(path, "wb") as f:  # half a shard reaches the disk, then the process is killed
+        f.write(tokens[: len(tokens) // 2].tobytes())
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+data.write_shard = dying_write
+data.prepare(Tokenizer.load(sys.argv[1]), sys.argv[2], sys.argv[3], shard_tokens=400, progress=False)
+"""
+
+
+def test_prepare_killed_mid_shard_resumes_cleanly(tmp_path, tok):
+    import subprocess
+    import sys
+
+    src = write_corpus(tmp_path / "c.txt", make_docs(80))
+    tok.save(tmp_path / "tok.json")
+    prepare(tok, src, tmp_path / "ref", shard_tokens=400, progress=False)
+    res = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "tok.json"), str(src), str(tmp_path / "sh")],
+                         capture_output=True, text=True)
+    assert res.returncode == -9, res.stderr
+    assert list((tmp_path / "sh").glob(".train_00002.bin.*.tmp"))  # the half shard, under a temporary name
+    (tmp_path / "sh" / ".manifest.json.x1y2.tmp").write_text("{half")  # as if killed while saving the manifest
+    prepare(tok, src, tmp_path / "sh", shard_tokens=400, progress=False)
+    assert not list((tmp_path / "sh").glob(".*.tmp"))
+    assert shard_hashes(tmp_path / "sh") == shard_hashes(tmp_path / "ref")
+    TokenDataset(tmp_path / "sh", verify=True)
+
+
 def test_crash_between_shard_and_manifest_leaves_no_valid_looking_orphan(tmp_path, tok, monkeypatch):
     src = write_corpus(tmp_path / "c.txt", make_docs(80))
     prepare(tok, src, tmp_path / "ref", shard_tokens=600, progress=False)
