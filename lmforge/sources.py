@@ -93,7 +93,9 @@ def expand_inputs(inputs: str | os.PathLike | Sequence[str | os.PathLike]) -> li
     """
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
-    known = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+    # A directory contributes .json files only when named explicitly: a stray config or tokenizer.json
+    # in a corpus directory is not JSON Lines.
+    known = TEXT_SUFFIXES + tuple(s for s in JSONL_SUFFIXES if s != ".json") + PARQUET_SUFFIXES
     out: list[Path] = []
     for item in inputs:
         p = Path(item)

@@ -119,7 +119,7 @@ def test_invalid_utf8_policies(tmp_path, monkeypatch, chunk):
 
 def test_expand_inputs(tmp_path):
     (tmp_path / "d" / "sub").mkdir(parents=True)
-    for name in ("d/b.txt", "d/a.jsonl", "d/sub/c.txt.gz", "d/notes.csv", "d/.hidden.txt"):
+    for name in ("d/b.txt", "d/a.jsonl", "d/sub/c.txt.gz", "d/notes.csv", "d/.hidden.txt", "d/tokenizer.json"):
         (tmp_path / name).write_bytes(b"x")
     assert [p.name for p in expand_inputs(tmp_path / "d")] == ["a.jsonl", "b.txt", "c.txt.gz"]
     assert [p.name for p in expand_inputs(str(tmp_path / "d" / "*.txt"))] == ["b.txt"]
