@@ -376,6 +376,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = setup_distributed(tc.device)
     device, main = info.device, info.is_main
+    cleanup = contextlib.ExitStack()
     try:
         # ---- data, tokenizer, run directory: check everything before writing anything --------------------
         if tc.num_threads:
@@ -452,6 +453,10 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
 
         bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (progress and main))
+        if not bar.disable and any(isinstance(h, logging.StreamHandler) for h in logger.handlers):
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            cleanup.enter_context(logging_redirect_tqdm([logger]))  # log lines above the bar, not through it
         elapsed, interval_time, interval_tokens = 0.0, 0.0, 0
         model.train()
         while step < tc.max_steps:
@@ -538,6 +543,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
                 "mfu": last_train.get("mfu"), "train_seconds": elapsed,
                 "checkpoint": str(last_ckpt) if last_ckpt else None, "run_dir": str(run_dir)}
     finally:
+        cleanup.close()
         if owns_group:
             cleanup_distributed()
 

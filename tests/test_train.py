@@ -107,10 +107,12 @@ def test_examples_parse() -> None:
 # --------------------------------------------------------------------------------------------------
 def test_run_dir_contents_and_metrics(shards, tmp_path) -> None:
     run = tmp_path / "run"
-    m = train(_cfg(shards), run, progress=False)
+    cfg = _cfg(shards, training={"peak_flops": 1e12})
+    m = train(cfg, run, progress=True)
     assert m["step"] == 8 and m["tokens"] == 8 * 4 * 32 * 2
     assert m["val_loss"] < 6.0 and m["val_bpb"] > 0 and m["best_val_loss"] <= m["val_loss"] + 1e-12
-    assert load_run_config(run / "config.yaml") == _cfg(shards)  # resolved config saved, loads back
+    assert 0 < m["mfu"] < 1 and m["tokens_per_s"] > 0
+    assert load_run_config(run / "config.yaml") == cfg  # resolved config saved, loads back
     from lmforge.tokenizer import Tokenizer
     assert Tokenizer.load(run / "tokenizer.json").fingerprint() == Tokenizer.load(shards / "tokenizer.json").fingerprint()
     ck = run / "checkpoints"
@@ -128,7 +130,7 @@ def test_run_dir_contents_and_metrics(shards, tmp_path) -> None:
     assert read_metadata(ck / "best.safetensors")["extra"]["val_loss"] == min(e["val_loss"] for e in vals)
 
     # a finished run started again does nothing and reports the same metrics
-    again = train(_cfg(shards), run, progress=False)
+    again = train(cfg, run, progress=False)
     assert again["step"] == 8 and again["val_loss"] == m["val_loss"] and _events(run) == events
 
 
