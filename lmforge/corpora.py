@@ -26,6 +26,7 @@ import sys
 import tarfile
 import tempfile
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Callable
@@ -64,6 +65,17 @@ def _offline_error(url: str, reason: object) -> ValueError:
         "is kept and resumed on the next try")
 
 
+class _DropAuthOnRedirect(urllib.request.HTTPRedirectHandler):
+    """Follow redirects (the hub sends files from a CDN) without leaking the token to another host."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urllib.parse.urlsplit(newurl).netloc != urllib.parse.urlsplit(req.full_url).netloc:
+            new.headers.pop("Authorization", None)
+            new.unredirected_hdrs.pop("Authorization", None)
+        return new
+
+
 def download_file(url: str, dest: str | os.PathLike, headers: dict[str, str] | None = None, force: bool = False,
                   progress: bool = True, timeout: float = 30.0, chunk_size: int = 1 << 20) -> Path:
     """Download ``url`` to ``dest``, resuming a previous partial download.
@@ -89,7 +101,7 @@ def download_file(url: str, dest: str | os.PathLike, headers: dict[str, str] | N
         req_headers["Range"] = f"bytes={have}-"
     req = urllib.request.Request(url, headers=req_headers)
     try:
-        resp = urllib.request.urlopen(req, timeout=timeout)
+        resp = urllib.request.build_opener(_DropAuthOnRedirect).open(req, timeout=timeout)
     except urllib.error.HTTPError as e:
         if e.code == 416 and have:  # the part file already holds everything
             part.replace(dest)

@@ -223,13 +223,20 @@ class _Server:
     """A tiny HTTP server on 127.0.0.1 serving ``files`` (path -> bytes), honouring Range unless told not to."""
 
     def __init__(self, files: dict[str, bytes], ranges: bool = True):
-        self.files, self.ranges, self.requests = files, ranges, []
+        self.files, self.ranges, self.requests, self.auth = files, ranges, [], []
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
                 outer.requests.append((self.path, self.headers.get("Range")))
+                outer.auth.append(self.headers.get("Authorization"))
                 data = outer.files.get(self.path)
+                if isinstance(data, str):  # a redirect target
+                    self.send_response(302)
+                    self.send_header("Location", data)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if data is None:
                     self.send_error(404)
                     return
@@ -275,6 +282,19 @@ def test_download_resumes_a_partial_file(tmp_path, server):
     assert not (tmp_path / "f.bin.part").exists()
     corpora.download_file(srv.url + "/f.bin", dest, progress=False)  # exists: no request
     assert len(srv.requests) == 1
+
+
+def test_download_follows_redirects_without_leaking_the_token(tmp_path, server):
+    data = b"0123456789" * 50
+    srv = server({"/f.bin": data})
+    other_host = srv.url.replace("127.0.0.1", "localhost")
+    srv.files["/same"] = srv.url + "/f.bin"
+    srv.files["/cdn"] = other_host + "/f.bin"
+    (tmp_path / "a.part").write_bytes(data[:7])
+    got = corpora.download_file(srv.url + "/same", tmp_path / "a", headers={"Authorization": "Bearer t"}, progress=False)
+    assert got.read_bytes() == data and srv.requests[-1] == ("/f.bin", "bytes=7-") and srv.auth == ["Bearer t"] * 2
+    corpora.download_file(srv.url + "/cdn", tmp_path / "b", headers={"Authorization": "Bearer t"}, progress=False)
+    assert srv.auth[2:] == ["Bearer t", None]  # the other host never sees the token
 
 
 def test_download_restarts_when_range_ignored(tmp_path, server):
