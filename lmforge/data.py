@@ -15,10 +15,12 @@ shards (a training run picks them up on its next restart, see :class:`lmforge.lo
 
 The loading side lives in :mod:`lmforge.loader` and :mod:`lmforge.shards` and is re-exported here.
 
->>> tok = Tokenizer.load("tokenizer.json")                                   # doctest: +SKIP
->>> m = prepare(tok, "corpus/*.jsonl.zst", "data/web", val_fraction=0.01)    # crash? run it again
->>> m["splits"]["train"]["tokens"], m["splits"]["val"]["documents"]
->>> prepare(tok, "more/*.parquet", "data/web", append=True)                  # new shards, same manifest
+Example::
+
+    tok = Tokenizer.load("tokenizer.json")
+    m = prepare(tok, "corpus/*.jsonl.zst", "data/web", val_fraction=0.01)    # crash? run it again
+    print(m["splits"]["train"]["tokens"], m["splits"]["val"]["documents"])
+    prepare(tok, "more/*.parquet", "data/web", append=True)                  # new shards, same manifest
 """
 
 from __future__ import annotations

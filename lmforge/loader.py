@@ -15,12 +15,14 @@ Data parallelism: step ``s`` takes ``batch_size * world_size`` consecutive block
 order and rank ``r`` gets the ``r``-th slice, so ranks are disjoint and together cover the epoch
 (minus a remainder smaller than one global batch). The state is the same on every rank.
 
->>> ds = TokenDataset("data/shakespeare", "train")            # doctest: +SKIP
->>> loader = BlockLoader(ds, batch_size=16, context_length=256, seed=0)
->>> x, y = loader.next_batch()                               # (16, 256) int64 each, y = x shifted by one
->>> state = loader.state_dict()                              # small JSON: save it with the checkpoint
->>> again = BlockLoader(TokenDataset("data/shakespeare", "train"), 16, 256, seed=0)
->>> again.load_state_dict(state)                             # the next batches are the same, bit for bit
+Example::
+
+    ds = TokenDataset("data/shakespeare", "train")
+    loader = BlockLoader(ds, batch_size=16, context_length=256, seed=0)
+    x, y = loader.next_batch()                               # (16, 256) int64 each, y = x shifted by one
+    state = loader.state_dict()                              # small JSON: save it with the checkpoint
+    again = BlockLoader(TokenDataset("data/shakespeare", "train"), 16, 256, seed=0)
+    again.load_state_dict(state)                             # the next batches are the same, bit for bit
 """
 
 from __future__ import annotations
