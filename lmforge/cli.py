@@ -326,6 +326,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 
 def _train_run(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
     from lmforge.train import load_run_config, train
@@ -333,6 +334,8 @@ def _train_run(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.config, args.overrides)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / Path(args.config).stem
     m = train(cfg, run_dir, progress=not args.no_progress)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
+        return 0
     val = f", val loss {m['val_loss']:.4f} (bpb {m['val_bpb']:.4f})" if m.get("val_bpb") is not None else ""
     loss = f", train loss {m['loss']:.4f}" if m.get("loss") is not None else ""
     print(f"step {m['step']}{loss}{val}; run directory {run_dir}")

@@ -352,3 +352,21 @@ def test_eval_command_matches_training_eval(shards, tmp_path, capsys) -> None:
     assert cli.main(["eval", str(run), "--split", "train", "--batches", "1"]) == 0
     assert "(step 4) on train" in capsys.readouterr().out
     assert cli.main(["eval", str(tmp_path / "nope")]) == 2
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_cpu_matches_one_process_with_double_batch(shards, tmp_path) -> None:
+    # 2 ranks x batch 4 see the same 8 blocks per step as 1 process x batch 8; DDP averages gradients
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(_cfg_dict(shards, training={"max_steps": 4, "num_threads": 1})))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lmforge.cli",
+           "-q", "train", str(cfg_path), "--run-dir", str(tmp_path / "ddp"), "--no-progress"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("run directory") == 1  # only rank 0 reports
+    train(_cfg(shards, training={"max_steps": 4, "batch_size": 8}), tmp_path / "single", progress=False)
+    ddp, single = _losses(tmp_path / "ddp"), _losses(tmp_path / "single")
+    assert [s for s, _ in ddp] == [1, 2, 3, 4]
+    assert [v for _, v in ddp] == pytest.approx([v for _, v in single], rel=1e-5)
+    assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints").glob("step_*")) == [
+        "step_00000003.safetensors", "step_00000004.safetensors"]
