@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import os
 import queue
@@ -47,6 +48,7 @@ from lmforge.sources import ReadStats, check_val_fraction, expand_inputs, file_f
 logger = logging.getLogger("lmforge")
 
 Manifest = dict[str, Any]  # the parsed manifest.json (see lmforge.shards)
+LOCK = ".prepare.lock"
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB per uint16 shard
 BATCH_BYTES = 2 << 20  # text bytes per tokenizer call
 
@@ -235,11 +237,7 @@ def _clean_stray_files(out_dir: Path, keep: set[str]) -> None:
 def _open_out_dir(out_dir: Path, tok_info: dict[str, Any], dtype: str, shard_tokens: int, bos_id: int | None,
                   eos_id: int | None, append: bool, force: bool) -> tuple[Manifest, bool]:
     """Load or create the manifest of ``out_dir``; return it and whether it is new."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"output path {out_dir} is a file; give a directory for the shards")
     has_manifest = (out_dir / MANIFEST).exists()
-    if out_dir.exists() and not has_manifest and any(out_dir.iterdir()):
-        raise ValueError(f"{out_dir} exists and is not an lmforge shard directory; choose a new or empty directory")
     if has_manifest and force:
         logger.warning("force: deleting the shards in %s", out_dir)
         _clean_stray_files(out_dir, keep=set())
@@ -303,6 +301,42 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
     ``dtype`` defaults to uint16 when the vocabulary fits. ``append`` adds new sources to an existing
     directory; ``force`` deletes its shards first. Re-running after a crash resumes exactly.
     """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"output path {out_dir} is a file; give a directory for the shards")
+    if out_dir.exists() and not (out_dir / MANIFEST).exists() and any(p.name != LOCK for p in out_dir.iterdir()):
+        raise ValueError(f"{out_dir} exists and is not an lmforge shard directory; choose a new or empty directory")
+    with _exclusive(out_dir):
+        return _prepare(tokenizer, inputs, out_dir, split=split, val_fraction=val_fraction, split_seed=split_seed,
+                        text_field=text_field, delimiter=delimiter, utf8_errors=utf8_errors, bos=bos, eos=eos,
+                        dtype=dtype, shard_tokens=shard_tokens, num_threads=num_threads, append=append, force=force,
+                        progress=progress)
+
+
+@contextlib.contextmanager
+def _exclusive(out_dir: Path) -> Iterator[None]:
+    """Hold an advisory lock on ``out_dir`` so that two ``prepare`` runs never write it at once."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / LOCK, "w") as f:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: no advisory locks, run one prepare at a time
+            yield
+            return
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"another `prepare` is writing {out_dir} right now; wait for it to finish") from None
+        yield  # the lock is released when the file is closed, also if the process dies
+
+
+def _prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLike], out_dir: str | os.PathLike, *,
+            split: str | None = None, val_fraction: float = 0.0, split_seed: int = 0, text_field: str | None = None,
+            delimiter: str = "<|endoftext|>", utf8_errors: str = "error", bos: str | None = None,
+            eos: str | None = "auto", dtype: str | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+            num_threads: int | None = None, append: bool = False, force: bool = False,
+            progress: bool = True) -> Manifest:
+    """The body of :func:`prepare`, run while holding the directory lock."""
     from tqdm.auto import tqdm
 
     val_fraction = check_val_fraction(val_fraction)

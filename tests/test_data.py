@@ -259,6 +259,9 @@ def test_bad_inputs_and_settings(tmp_path, tok):
     empty.write_bytes(b"")
     with pytest.raises(ValueError, match="empty.txt is empty"):
         prepare(tok, [src, empty], tmp_path / "a", progress=False)
+    prepare(tok, src, tmp_path / "a", progress=False)  # the failed attempt left nothing in the way
+    with data._exclusive(tmp_path / "a"), pytest.raises(ValueError, match="another `prepare` is writing"):
+        prepare(tok, src, tmp_path / "a", append=True, progress=False)
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("mine")
