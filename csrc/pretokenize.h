@@ -280,22 +280,29 @@ inline void split_specials(const SpecialSplitter& sp, const uint8_t* s, size_t n
 }
 
 // A position p >= from where the text may be cut without changing pre-tokenization or special-token
-// splitting (for all three patterns): s[p] is ' ', s[p-1] is printable ASCII (! to ~) and s[p+1]
-// an ASCII letter, so p is a pre-token boundary that no rule looks across (the token before p ends
-// at p-1 whatever follows, and ' '+letter starts a new token); and no special token occurrence
-// straddles p. Returns n when there is none.
+// splitting (for all three patterns), or n when there is none. Either
+//  * s[p] is ' ', s[p-1] is printable ASCII (! to ~) and s[p+1] an ASCII letter: p is a pre-token
+//    boundary that no rule looks across (the token before p ends at p-1 whatever follows, and
+//    ' '+letter starts a new token); or
+//  * a special token starts at p (text without spaces, e.g. Chinese documents, still splits);
+// and no special-token occurrence straddles p (so the left-to-right special scan reaches p).
 inline size_t safe_split_point(const uint8_t* s, size_t n, size_t from, const SpecialSplitter& sp) {
-    size_t p = std::max<size_t>(from, 1);
-    while (p + 1 < n) {
+    size_t space_cut = n;
+    for (size_t p = std::max<size_t>(from, 1); p + 1 < n; ++p) {
         const void* q = std::memchr(s + p, ' ', n - 1 - p);
         if (!q) break;
         p = (const uint8_t*)q - s;
         uint8_t a = s[p - 1], b = s[p + 1];
         bool letter = (b | 0x20) >= 'a' && (b | 0x20) <= 'z';
-        if (a >= 0x21 && a <= 0x7e && letter && !sp.straddles(s, n, p)) return p;
-        ++p;
+        if (a >= 0x21 && a <= 0x7e && letter && !sp.straddles(s, n, p)) { space_cut = p; break; }
     }
-    return n;
+    for (size_t pos = std::max<size_t>(from, 1); pos < space_cut;) {  // an earlier special-token start?
+        size_t m;
+        if (sp.find(s, pos, space_cut, &m) < 0) break;
+        if (!sp.straddles(s, n, m)) return m;
+        pos = m + 1;
+    }
+    return space_cut;
 }
 
 }  // namespace lmforge

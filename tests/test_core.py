@@ -166,6 +166,19 @@ def test_counter_matches_reference_and_is_thread_independent(name: str) -> None:
     assert results[0] == reference_counts(text, specials, name)
 
 
+def test_counter_splits_text_without_spaces_at_special_tokens() -> None:
+    """Chinese-like documents have no ' '+letter cut points; threads split at special tokens instead."""
+    rng = random.Random(8)
+    docs = ["".join(rng.choice("日本語中文字的是了。，！1２") for _ in range(rng.randint(1, 4000))) for _ in range(300)]
+    text = EOT.join(docs)
+    results = []
+    for threads in (1, 2, 3):
+        c = _core.PretokenCounter(_core.PATTERN_GPT4, [EOT.encode()])
+        c.add(text.encode(), threads)
+        results.append(dict(c.items()))
+    assert results[0] == results[1] == results[2] == reference_counts(text, [EOT], "gpt4")
+
+
 def test_counter_special_tokens_longest_first_and_never_counted() -> None:
     c = _core.PretokenCounter(_core.PATTERN_GPT2, [EOT.encode(), (EOT + EOT).encode()])
     c.add(f"a{EOT}{EOT}b{EOT}{EOT}{EOT}c <|end".encode(), 1)
