@@ -191,9 +191,10 @@ def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = (
 
 
 # Changing these between runs in one directory would make the checkpoints meaningless.
-_INCOMPATIBLE = ("model.", "data.", "training.batch_size", "training.grad_accum_steps", "training.context_length",
-                 "training.seed")
+_INCOMPATIBLE = ("model.", "data.dir", "data.train_split", "data.bos_aligned", "training.batch_size",
+                 "training.grad_accum_steps", "training.context_length", "training.seed")
 _HARMLESS = ("model.fast",)  # the fast path computes the same function with the same weights
+# data.tokenizer may move (its fingerprint must still match the shards); data.val_split only changes evaluation.
 
 
 class NonFiniteLossError(ValueError):

@@ -153,6 +153,8 @@ def test_resume_skips_corrupt_newest_checkpoint(shards, tmp_path, caplog) -> Non
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"incompatible config \(data\.train_split: 'train' -> 'val'"):
+        train(_cfg(shards, data={"train_split": "val"}, training={"max_steps": 3}), run, progress=False)
     with caplog.at_level(logging.INFO, logger="lmforge"):
         train(_cfg(shards, training={"max_steps": 9, "checkpoint_every": 3, "keep_last": 3}), run, progress=False)
     assert f"checkpoint {newest} is corrupt" in caplog.text and "falling back to" in caplog.text
