@@ -41,18 +41,8 @@ const uint32_t* EncodeCache::find(const uint8_t* p, uint32_t n, uint64_t h, uint
 
 void EncodeCache::insert(const uint8_t* p, uint32_t n, uint64_t h, const uint32_t* ids, uint32_t count) {
     if (size_ >= kMaxEntries) reset();  // bounded memory: start over (rare)
-    if ((size_ + 1) * 2 > slots_.size()) {
-        std::vector<Slot> old;
-        old.swap(slots_);
-        slots_.assign(old.size() * 2, Slot{0, 0, 0, 0, 0});
-        mask_ = slots_.size() - 1;
-        for (const Slot& s : old) {
-            if (s.klen == 0) continue;
-            size_t i = s.hash & mask_;
-            while (slots_[i].klen) i = (i + 1) & mask_;
-            slots_[i] = s;
-        }
-    }
+    if ((size_ + 1) * 2 > slots_.size())
+        grow_table(slots_, mask_, Slot{0, 0, 0, 0, 0}, [](const Slot& s) { return s.klen != 0; });
     size_t i = h & mask_;
     while (slots_[i].klen) i = (i + 1) & mask_;
     slots_[i] = Slot{h, (uint32_t)keys_.size(), n, (uint32_t)ids_.size(), count};

@@ -60,6 +60,22 @@ inline bool bytes_equal(const uint8_t* a, const uint8_t* b, size_t n) {
 
 inline uint64_t hash_u64(uint64_t x) { return mum(x ^ 0xa0761d6478bd642full, 0xe7037ed1a0b428dbull); }
 
+// Doubles an open-addressing table (linear probing, power-of-two size): every used slot is
+// re-placed by its stored hash. used(slot) tells occupied slots; empty is the blank slot.
+template <class Slot, class Used>
+inline void grow_table(std::vector<Slot>& slots, size_t& mask, const Slot& empty, Used used) {
+    std::vector<Slot> old;
+    old.swap(slots);
+    slots.assign(old.size() * 2, empty);
+    mask = slots.size() - 1;
+    for (const Slot& s : old) {
+        if (!used(s)) continue;
+        size_t i = s.hash & mask;
+        while (used(slots[i])) i = (i + 1) & mask;
+        slots[i] = s;
+    }
+}
+
 // Open-addressing map uint64 -> uint64 (linear probing). Key UINT64_MAX is reserved as "empty".
 class U64Map {
 public:
@@ -188,18 +204,7 @@ private:
         mask_ = cap - 1;
         size_ = 0;
     }
-    void grow() {
-        std::vector<Entry> old;
-        old.swap(slots_);
-        slots_.assign(old.size() * 2, Entry{nullptr, 0, 0, 0});
-        mask_ = slots_.size() - 1;
-        for (const Entry& e : old) {
-            if (!e.ptr) continue;
-            size_t i = e.hash & mask_;
-            while (slots_[i].ptr) i = (i + 1) & mask_;
-            slots_[i] = e;
-        }
-    }
+    void grow() { grow_table(slots_, mask_, Entry{nullptr, 0, 0, 0}, [](const Entry& e) { return e.ptr != nullptr; }); }
     std::vector<Entry> slots_;
     size_t mask_ = 0, size_ = 0;
 };
@@ -252,18 +257,7 @@ public:
     }
 
 private:
-    void grow() {
-        std::vector<Slot> old;
-        old.swap(slots_);
-        slots_.assign(old.size() * 2, Slot{0, 0, 0, 0, 0});
-        mask_ = slots_.size() - 1;
-        for (const Slot& s : old) {
-            if (!s.len) continue;
-            size_t i = s.hash & mask_;
-            while (slots_[i].len) i = (i + 1) & mask_;
-            slots_[i] = s;
-        }
-    }
+    void grow() { grow_table(slots_, mask_, Slot{0, 0, 0, 0, 0}, [](const Slot& s) { return s.len != 0; }); }
     const uint8_t* base_;
     std::vector<Slot> slots_;
     size_t mask_ = 0, size_ = 0;
