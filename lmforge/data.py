@@ -248,9 +248,11 @@ def _open_out_dir(out_dir: Path, tok_info: dict[str, Any], dtype: str, shard_tok
         return new_manifest(tok_info, dtype, shard_tokens, bos_id, eos_id), True
     m = load_manifest(out_dir)
     if m["tokenizer"]["fingerprint"] != tok_info["fingerprint"]:
-        raise ValueError(f"{out_dir} holds shards of a different tokenizer (fingerprint {m['tokenizer']['fingerprint'][:16]}…"
-                         f"); use that tokenizer to add data, or a new directory / --force for this one")
-    for key, have, want in (("dtype", m["dtype"], dtype), ("bos_id", m["bos_id"], bos_id), ("eos_id", m["eos_id"], eos_id)):
+        raise ValueError(f"{out_dir} holds shards of a different tokenizer (fingerprint "
+                         f"{m['tokenizer']['fingerprint'][:16]}…); use that tokenizer to add data, or a new "
+                         "directory / --force for this one")
+    for key, want in (("dtype", dtype), ("bos_id", bos_id), ("eos_id", eos_id)):
+        have = m[key]
         if have != want:
             raise ValueError(f"{out_dir} was prepared with {key}={have}, this call asks for {want}; they must match "
                              "to add data (or use a new directory)")
@@ -306,11 +308,139 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
         raise ValueError(f"output path {out_dir} is a file; give a directory for the shards")
     if out_dir.exists() and not (out_dir / MANIFEST).exists() and any(p.name != LOCK for p in out_dir.iterdir()):
         raise ValueError(f"{out_dir} exists and is not an lmforge shard directory; choose a new or empty directory")
+    val_fraction = check_val_fraction(val_fraction)
+    if split is not None and not SHARD_NAME.match(f"{split}_00000.bin"):
+        raise ValueError(f"split name {split!r} must be letters, digits or '-'")
+    if not 1 <= shard_tokens < 2**32:
+        raise ValueError(f"shard_tokens must be between 1 and 2**32-1, got {shard_tokens}")
+    paths = expand_inputs(inputs)
+    vocab_size = int(tokenizer.vocab_size)
+    dtype = dtype or dtype_for_vocab(vocab_size)
+    if dtype not in ("uint16", "uint32") or vocab_size > np.iinfo(dtype).max + 1:
+        raise ValueError(f"the tokenizer has {vocab_size} tokens, which do not fit in {dtype} shards; "
+                         "use dtype='uint32' (or leave dtype unset to choose automatically)")
+    bos_id, eos_id = _special_id(tokenizer, bos, "BOS"), _special_id(tokenizer, eos, "EOS")
+    tok_info = {"fingerprint": tokenizer.fingerprint(), "vocab_size": vocab_size, "eot_id": tokenizer.eot_id,
+                "special_tokens": dict(tokenizer.special_tokens)}
+    opts = {"split": split, "val_fraction": val_fraction, "split_seed": split_seed, "text_field": text_field,
+            "delimiter": delimiter, "utf8_errors": utf8_errors}
+    t0 = time.perf_counter()
     with _exclusive(out_dir):
-        return _prepare(tokenizer, inputs, out_dir, split=split, val_fraction=val_fraction, split_seed=split_seed,
-                        text_field=text_field, delimiter=delimiter, utf8_errors=utf8_errors, bos=bos, eos=eos,
-                        dtype=dtype, shard_tokens=shard_tokens, num_threads=num_threads, append=append, force=force,
-                        progress=progress)
+        m, is_new = _open_out_dir(out_dir, tok_info, dtype, shard_tokens, bos_id, eos_id, append, force)
+        pend = _start_or_resume(m, out_dir, _hash_sources(paths, m, progress), opts, shard_tokens)
+        if pend is None:
+            logger.warning("nothing to add: every input is already in %s", out_dir)
+            return m
+        _clean_stray_files(out_dir, keep={s["name"] for s in m["shards"] + pend["shards"]})
+        save_manifest(out_dir, m)
+        if is_new and hasattr(tokenizer, "save"):  # a copy beside the shards, for inspect and for training checks
+            tokenizer.save(out_dir / "tokenizer.json", force=True)
+        n_tokens = _Run(tokenizer, out_dir, m, pend, dtype, bos_id, eos_id, num_threads).run(progress)
+        _commit(m, pend)
+        save_manifest(out_dir, m)
+    dt = time.perf_counter() - t0
+    logger.info("prepared %d sources into %s: %s tokens in %.1fs (%s/s of input)", len(pend["sources"]), out_dir,
+                f"{n_tokens:,}", dt, human_bytes(sum(s["size"] for s in pend["sources"]) / max(dt, 1e-9)))
+    return m
+
+
+def _start_or_resume(m: Manifest, out_dir: Path, sources: list[dict[str, Any]], opts: dict[str, Any],
+                     shard_tokens: int) -> dict[str, Any] | None:
+    """The run to do: the interrupted one (same inputs and options only), a new one, or ``None``."""
+    pend = m.get("pending")
+    if pend is not None:
+        if [s["sha256"] for s in sources] != [s["sha256"] for s in pend["sources"]] or pend["options"] != opts:
+            raise ValueError(f"{out_dir} has an interrupted prepare of other inputs or options; re-run it with the "
+                             "same inputs and options to resume, or pass force=True (--force) to rebuild")
+        logger.info("resuming the interrupted prepare in %s", out_dir)
+        return pend
+    if not sources:
+        return None
+    m["pending"] = {"sources": sources, "options": opts, "shard_tokens": shard_tokens, "positions": {}, "flushed": {},
+                    "shards": [], "read_stats": {}}
+    return m["pending"]
+
+
+class _Run:
+    """One prepare run: read, tokenize and write the pending sources, checkpointing after every shard."""
+
+    def __init__(self, tokenizer: Any, out_dir: Path, m: Manifest, pend: dict[str, Any], dtype: str,
+                 bos_id: int | None, eos_id: int | None, num_threads: int | None) -> None:
+        self.tokenizer, self.out_dir, self.m, self.pend, self.dtype = tokenizer, out_dir, m, pend, dtype
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.threads = num_threads or num_threads_default()
+        self.sources = pend["sources"]
+        self.writers: dict[str, _SplitWriter] = {}
+        for name in pend["positions"]:  # resuming: every split that had started
+            self.writer(name)
+
+    def writer(self, name: str) -> _SplitWriter:
+        if name not in self.writers:
+            m, pend = self.m, self.pend
+            index = sum(1 for e in m["shards"] + pend["shards"] if e["split"] == name)
+            self.writers[name] = _SplitWriter(
+                name, self.out_dir, self.dtype, pend["shard_tokens"], m["tokenizer"]["vocab_size"],
+                m["tokenizer"]["fingerprint"], index, pend["positions"].get(name, [0, 0, 0]),
+                pend["flushed"].setdefault(name, {}))
+        return self.writers[name]
+
+    def checkpoint(self) -> None:
+        """Record what is on disk (shards, per-split stream positions) in the manifest."""
+        for name, w in self.writers.items():
+            self.pend["positions"][name] = w.position
+            self.pend["shards"].extend(w.written)
+            w.written = []
+        save_manifest(self.out_dir, self.m)
+
+    def _encoded(self, first_src: int) -> Iterator[tuple[Any, ...]]:
+        """The reader's batches, tokenized (this runs in its own thread: encoding overlaps shard writes)."""
+        positions = {k: list(v) for k, v in self.pend["positions"].items()}
+        for item in _prefetch(_read_batches(self.sources, self.pend["options"], positions, first_src)):
+            if item[0] == "batch":
+                _, name, si, doc_ids, docs, first_off = item
+                item = ("batch", name, si, doc_ids, first_off,
+                        _encode(self.tokenizer, docs, self.bos_id, self.eos_id, first_off, self.threads, self.dtype))
+            yield item
+
+    def _source_done(self, si: int, stats: ReadStats) -> None:
+        self.pend["read_stats"][str(si)] = {"documents": stats.documents, "empty_skipped": stats.empty_skipped,
+                                            "invalid_utf8": stats.invalid_utf8, "text_bytes": stats.text_bytes}
+        path = self.sources[si]["path"]
+        if stats.invalid_utf8:
+            policy = "skipped" if self.pend["options"]["utf8_errors"] == "skip" else "replaced"
+            logger.warning("%s: %d documents with invalid UTF-8 (%s)", path, stats.invalid_utf8, policy)
+        if stats.documents == 0:
+            logger.warning("%s holds no documents (empty or whitespace only)", path)
+
+    def run(self, progress: bool) -> int:
+        """Tokenize everything not yet on disk; return the number of tokens written."""
+        from tqdm.auto import tqdm
+
+        first_src = min([p[0] for p in self.pend["positions"].values()] + [len(self.sources)]) \
+            if self.pend["positions"] else 0
+        plain = all(s["format"] != "parquet" and not s["path"].endswith((".gz", ".zst")) for s in self.sources)
+        total = sum(s["size"] for s in self.sources[first_src:]) if plain else None
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"prepare {self.out_dir.name}", disable=not progress)
+        t0, n_tokens = time.perf_counter(), 0
+        try:
+            for item in _prefetch(self._encoded(first_src), depth=2):
+                if item[0] == "end":
+                    self._source_done(item[1], item[2])
+                    continue
+                _, name, si, doc_ids, first_off, (toks, lengths, is_start, text_bytes) = item
+                self.writer(name).add(toks, lengths, is_start, text_bytes, si, np.asarray(doc_ids), first_off,
+                                      self.checkpoint)
+                n_tokens += len(toks)
+                bar.update(int(text_bytes.sum()))
+                bar.set_postfix_str(f"{n_tokens / (time.perf_counter() - t0):,.0f} tok/s", refresh=False)
+            for w in self.writers.values():
+                w.finish(len(self.sources))
+            self.checkpoint()
+            if bar.total:
+                bar.update(bar.total - bar.n)  # the bar counted document bytes; the files also hold separators
+        finally:
+            bar.close()
+        return n_tokens
 
 
 @contextlib.contextmanager
@@ -330,125 +460,9 @@ def _exclusive(out_dir: Path) -> Iterator[None]:
         yield  # the lock is released when the file is closed, also if the process dies
 
 
-def _prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLike], out_dir: str | os.PathLike, *,
-            split: str | None = None, val_fraction: float = 0.0, split_seed: int = 0, text_field: str | None = None,
-            delimiter: str = "<|endoftext|>", utf8_errors: str = "error", bos: str | None = None,
-            eos: str | None = "auto", dtype: str | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-            num_threads: int | None = None, append: bool = False, force: bool = False,
-            progress: bool = True) -> Manifest:
-    """The body of :func:`prepare`, run while holding the directory lock."""
-    from tqdm.auto import tqdm
-
-    val_fraction = check_val_fraction(val_fraction)
-    if split is not None and not SHARD_NAME.match(f"{split}_00000.bin"):
-        raise ValueError(f"split name {split!r} must be letters, digits or '-'")
-    if not 1 <= shard_tokens < 2**32:
-        raise ValueError(f"shard_tokens must be between 1 and 2**32-1, got {shard_tokens}")
-    out_dir = Path(out_dir)
-    paths = expand_inputs(inputs)
-    vocab_size = int(tokenizer.vocab_size)
-    dtype = dtype or dtype_for_vocab(vocab_size)
-    if dtype not in ("uint16", "uint32") or vocab_size > np.iinfo(dtype).max + 1:
-        raise ValueError(f"the tokenizer has {vocab_size} tokens, which do not fit in {dtype} shards; "
-                         "use dtype='uint32' (or leave dtype unset to choose automatically)")
-    bos_id, eos_id = _special_id(tokenizer, bos, "BOS"), _special_id(tokenizer, eos, "EOS")
-    tok_info = {"fingerprint": tokenizer.fingerprint(), "vocab_size": vocab_size, "eot_id": tokenizer.eot_id,
-                "special_tokens": dict(tokenizer.special_tokens)}
-    m, is_new = _open_out_dir(out_dir, tok_info, dtype, shard_tokens, bos_id, eos_id, append, force)
-    opts = {"split": split, "val_fraction": val_fraction, "split_seed": split_seed, "text_field": text_field,
-            "delimiter": delimiter, "utf8_errors": utf8_errors}
-    sources = _hash_sources(paths, m, progress)
-    pend = m.get("pending")
-    if pend is not None:
-        if [s["sha256"] for s in sources] != [s["sha256"] for s in pend["sources"]] or pend["options"] != opts:
-            raise ValueError(f"{out_dir} has an interrupted prepare of other inputs or options; re-run it with the "
-                             "same inputs and options to resume, or pass force=True (--force) to rebuild")
-        logger.info("resuming the interrupted prepare in %s", out_dir)
-        sources = pend["sources"]
-        shard_tokens = pend.get("shard_tokens", shard_tokens)  # the shard size of the run being resumed
-    elif not sources:
-        logger.warning("nothing to add: every input is already in %s", out_dir)
-        return m
-    else:
-        pend = {"sources": sources, "options": opts, "shard_tokens": shard_tokens, "positions": {}, "flushed": {},
-                "shards": [], "read_stats": {}}
-        m["pending"] = pend
-    _clean_stray_files(out_dir, keep={s["name"] for s in m["shards"] + pend["shards"]})
-    save_manifest(out_dir, m)
-    if is_new and hasattr(tokenizer, "save"):  # a copy beside the shards, for inspect and for training checks
-        tokenizer.save(out_dir / "tokenizer.json", force=True)
-
-    writers: dict[str, _SplitWriter] = {}
-
-    def writer(name: str) -> _SplitWriter:
-        if name not in writers:
-            idx = sum(1 for e in m["shards"] + pend["shards"] if e["split"] == name)
-            writers[name] = _SplitWriter(name, out_dir, dtype, shard_tokens, vocab_size, tok_info["fingerprint"], idx,
-                                         pend["positions"].get(name, [0, 0, 0]), pend["flushed"].setdefault(name, {}))
-        return writers[name]
-
-    def checkpoint() -> None:
-        for name, w in writers.items():
-            pend["positions"][name] = w.position
-            pend["shards"].extend(w.written)
-            w.written = []
-        save_manifest(out_dir, m)
-
-    for name in pend["positions"]:
-        writer(name)
-    first_src = min((p[0] for p in pend["positions"].values()), default=0)
-    first_src = min(first_src, len(sources))
-    threads = num_threads or num_threads_default()
-    known_bytes = all(s["format"] != "parquet" and not s["path"].endswith((".gz", ".zst")) for s in sources)
-    bar = tqdm(total=sum(s["size"] for s in sources[first_src:]) if known_bytes else None, unit="B", unit_scale=True,
-               desc=f"prepare {out_dir.name}", disable=not progress)
-    t0, n_tokens = time.perf_counter(), 0
-    def encoded() -> Iterator[tuple[Any, ...]]:
-        """Tokenize the reader's batches (in its own thread, so that encoding overlaps shard writing)."""
-        reader = _read_batches(sources, opts, {k: list(v) for k, v in pend["positions"].items()}, first_src)
-        for item in _prefetch(reader):
-            if item[0] == "batch":
-                _, name, si, doc_ids, docs, first_off = item
-                item = ("batch", name, si, doc_ids, first_off,
-                        _encode(tokenizer, docs, bos_id, eos_id, first_off, threads, dtype))
-            yield item
-
-    try:
-        for item in _prefetch(encoded(), depth=2):
-            if item[0] == "end":
-                _, si, stats = item
-                pend["read_stats"][str(si)] = {"documents": stats.documents, "empty_skipped": stats.empty_skipped,
-                                               "invalid_utf8": stats.invalid_utf8, "text_bytes": stats.text_bytes}
-                if stats.invalid_utf8:
-                    logger.warning("%s: %d documents with invalid UTF-8 (%s)", sources[si]["path"], stats.invalid_utf8,
-                                   "skipped" if utf8_errors == "skip" else "replaced")
-                if stats.documents == 0:
-                    logger.warning("%s holds no documents (empty or whitespace only)", sources[si]["path"])
-                continue
-            _, name, si, doc_ids, first_off, (toks, lengths, is_start, text_bytes) = item
-            writer(name).add(toks, lengths, is_start, text_bytes, si, np.asarray(doc_ids), first_off, checkpoint)
-            n_tokens += len(toks)
-            bar.update(int(text_bytes.sum()))
-            bar.set_postfix_str(f"{n_tokens / (time.perf_counter() - t0):,.0f} tok/s", refresh=False)
-        for w in writers.values():
-            w.finish(len(sources))
-        checkpoint()
-        if bar.total:
-            bar.update(bar.total - bar.n)  # the bar counted document bytes; the files also hold separators
-    finally:
-        bar.close()
-    _commit(m, pend)
-    save_manifest(out_dir, m)
-    dt = time.perf_counter() - t0
-    logger.info("prepared %d sources into %s: %s tokens in %.1fs (%s/s of text)", len(sources), out_dir,
-                f"{sum(s['tokens'].get(k, 0) for s in m['sources'][-len(sources):] for k in s['tokens']):,}", dt,
-                human_bytes(sum(s["size"] for s in sources) / max(dt, 1e-9)))
-    return m
-
-
-def prepare_dataset(tokenizer: Any, name: str, out_dir: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
-                    val_fraction: float = 0.1, shards: int = 1, endpoint: str | None = None, force: bool = False,
-                    **kwargs: Any) -> Manifest:
+def prepare_dataset(tokenizer: Any, name: str, out_dir: str | os.PathLike, *,
+                    cache_dir: str | os.PathLike | None = None, val_fraction: float = 0.1, shards: int = 1,
+                    endpoint: str | None = None, force: bool = False, **kwargs: Any) -> Manifest:
     """Download (once) and prepare a named corpus with its natural train/val split.
 
     ``tinystories`` uses its own train and valid files; ``shakespeare`` and ``fineweb-edu`` (``shards``
@@ -463,7 +477,9 @@ def prepare_dataset(tokenizer: Any, name: str, out_dir: str | os.PathLike, *, ca
         train, valid = get_dataset(name, cache_dir=cache_dir, endpoint=endpoint, progress=progress)
         prepare(tokenizer, train, out_dir, split="train", append=not force, force=force, **kwargs)
         return prepare(tokenizer, valid, out_dir, split="val", append=True, **kwargs)
-    extra: dict[str, Any] = {"shards": shards, "endpoint": endpoint, "progress": progress} if name == "fineweb-edu" else {}
+    extra: dict[str, Any] = {}
+    if name == "fineweb-edu":
+        extra = {"shards": shards, "endpoint": endpoint, "progress": progress}
     paths = get_dataset(name, cache_dir=cache_dir, **extra)
     return prepare(tokenizer, paths, out_dir, val_fraction=val_fraction, append=not force, force=force, **kwargs)
 
@@ -506,7 +522,8 @@ def _commit(m: Manifest, pend: dict[str, Any]) -> None:
         rec = dict(src)
         for key in ("tokens", "documents", "text_bytes"):
             rec[key] = {k: v.get(key, 0) for k, v in per.items() if v}
-        rec.update({k: v for k, v in pend["read_stats"].get(str(si), {}).items() if k in ("empty_skipped", "invalid_utf8")})
+        read = pend["read_stats"].get(str(si), {})
+        rec.update({k: read[k] for k in ("empty_skipped", "invalid_utf8") if k in read})
         rec["split"] = pend["options"]["split"] or ("hash" if pend["options"]["val_fraction"] else "train")
         m["sources"].append(rec)
         for k, b in rec["text_bytes"].items():
@@ -529,7 +546,8 @@ def inspect(directory: str | os.PathLike, tokenizer: Any = None, sample_tokens: 
     lines = [f"{d}: {len(m['shards'])} shards ({m['dtype']}), tokenizer {tok['fingerprint'][:16]}… "
              f"vocab {tok['vocab_size']:,}, bos_id={m['bos_id']} eos_id={m['eos_id']}"]
     if m.get("pending"):
-        lines.append(f"  an interrupted prepare is pending ({len(m['pending']['shards'])} shards written); re-run it to resume")
+        n = len(m["pending"]["shards"])
+        lines.append(f"  an interrupted prepare is pending ({n} shards written); re-run the same command to resume")
     if tokenizer is None and (d / "tokenizer.json").exists():
         from lmforge.tokenizer import Tokenizer
 
