@@ -335,7 +335,12 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
         save_manifest(out_dir, m)
         if is_new and hasattr(tokenizer, "save"):  # a copy beside the shards, for inspect and for training checks
             tokenizer.save(out_dir / "tokenizer.json", force=True)
-        n_tokens = _Run(tokenizer, out_dir, m, pend, dtype, bos_id, eos_id, num_threads).run(progress)
+        try:
+            n_tokens = _Run(tokenizer, out_dir, m, pend, dtype, bos_id, eos_id, num_threads).run(progress)
+        except BaseException:
+            logger.warning("prepare stopped; the %d shards written so far are safe in %s: run the same command "
+                           "again to resume", len(pend["shards"]), out_dir)
+            raise
         _commit(m, pend)
         save_manifest(out_dir, m)
     dt = time.perf_counter() - t0

@@ -113,7 +113,7 @@ def test_explicit_split_and_bad_split_names(tmp_path, tok):
 
 
 @pytest.mark.parametrize("fail_at", [1, 3, 6])
-def test_interrupted_prepare_resumes_to_identical_shards(tmp_path, tok, monkeypatch, fail_at):
+def test_interrupted_prepare_resumes_to_identical_shards(tmp_path, tok, monkeypatch, caplog, fail_at):
     srcs = [write_corpus(tmp_path / f"c{i}.txt", make_docs(60, seed=i)) for i in range(3)]
     kw = dict(val_fraction=0.25, shard_tokens=700, progress=False)
     prepare(tok, srcs, tmp_path / "ref", **kw)
@@ -130,6 +130,7 @@ def test_interrupted_prepare_resumes_to_identical_shards(tmp_path, tok, monkeypa
     monkeypatch.setattr(data, "write_shard", crashing)
     with pytest.raises(KeyboardInterrupt):
         prepare(tok, srcs, tmp_path / "sh", **kw)
+    assert f"the {fail_at - 1} shards written so far are safe" in caplog.text
     m = json.loads((tmp_path / "sh" / "manifest.json").read_text())
     assert m["pending"] is not None and len(m["pending"]["shards"]) == fail_at - 1
     assert not list((tmp_path / "sh").glob(".*.tmp"))  # no half shard left behind
