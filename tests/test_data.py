@@ -540,3 +540,53 @@ def test_val_batches_are_fixed_and_sequential(arange_dir):
     assert batches[0][0][:, 0].tolist() == [0, 10, 20, 30] and torch.equal(batches[0][1], batches[0][0] + 1)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, val_batches(ds, 4, 9, 3)))
     assert len(val_batches(ds, 4, 9, 100)) == 16  # all 66 blocks -> 16 full batches
+
+
+def test_resume_and_epoch_invariants_property(tmp_path_factory):
+    """For random shard sizes, batch shapes, ranks and save points: resume is exact, epochs never repeat a block."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=25, deadline=None)
+    @hypothesis.given(sizes=st.lists(st.integers(40, 300), min_size=1, max_size=4), B=st.integers(1, 4),
+                      T=st.integers(1, 12), W=st.integers(1, 3), seed=st.integers(0, 2**31), n=st.integers(0, 30),
+                      extra=st.lists(st.integers(40, 300), max_size=2))
+    def check(sizes, B, T, W, seed, n, extra):
+        edges = np.cumsum([0] + sizes + extra)
+        d = tmp_path_factory.mktemp("prop")
+        _arange_shards(d, [(int(a), int(b)) for a, b in zip(edges[:len(sizes)], edges[1:len(sizes) + 1])])
+        ds = TokenDataset(d)
+        total = sum(s // (T + 1) for s in sizes)
+        hypothesis.assume(total >= B * W)
+        ranks = [BlockLoader(ds, B, T, seed=seed, rank=r, world_size=W) for r in range(W)]
+        seen: dict[int, set] = {}
+        for _ in range(n):
+            for loader in ranks:
+                x = loader.next_batch()[0]
+                ep = seen.setdefault(loader.epoch, set())
+                firsts = set(x[:, 0].tolist())
+                assert not ep & firsts and len(firsts) == B  # no block twice in an epoch, across ranks
+                ep |= firsts
+        state = json.loads(json.dumps(ranks[0].state_dict()))
+        assert all(r.state_dict() == ranks[0].state_dict() for r in ranks)  # one state for all ranks
+        if extra:  # data arrives between restarts
+            m = shards.load_manifest(d)
+            tail = edges[len(sizes):]
+            _arange_shards(d, [(int(a), int(b)) for a, b in zip(tail[:-1], tail[1:])], append_to=m)
+        restored = [BlockLoader(TokenDataset(d), B, T, seed=seed, rank=r, world_size=W) for r in range(W)]
+        for r, loader in enumerate(restored):
+            loader.load_state_dict(state)
+        again = BlockLoader(TokenDataset(d), B, T, seed=seed, rank=0, world_size=W)
+        again.load_state_dict(state)
+        epoch = restored[0].epoch
+        for _ in range(8):
+            rows = [loader.next_batch()[0] for loader in restored]
+            assert torch.equal(again.next_batch()[0], rows[0])  # restoring twice gives the same run
+            if not extra:
+                assert all(torch.equal(row, ref.next_batch()[0]) for row, ref in zip(rows, ranks))  # == no restart
+            if restored[0].epoch == epoch:
+                firsts = set(torch.cat(rows)[:, 0].tolist())
+                assert not seen.get(epoch, set()) & firsts
+                seen.setdefault(epoch, set()).update(firsts)
+
+    check()
