@@ -311,6 +311,8 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
     val_fraction = check_val_fraction(val_fraction)
     if split is not None and not SHARD_NAME.match(f"{split}_00000.bin"):
         raise ValueError(f"split name {split!r} must be letters, digits or '-'")
+    if split is not None and val_fraction:
+        raise ValueError("give either split= (all inputs to one split) or val_fraction= (a hash split), not both")
     if not 1 <= shard_tokens < 2**32:
         raise ValueError(f"shard_tokens must be between 1 and 2**32-1, got {shard_tokens}")
     paths = expand_inputs(inputs)

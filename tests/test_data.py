@@ -110,6 +110,9 @@ def test_explicit_split_and_bad_split_names(tmp_path, tok):
         TokenDataset(tmp_path / "sh", "train")
     with pytest.raises(ValueError, match="split name"):
         prepare(tok, src, tmp_path / "x", split="a/b", progress=False)
+    with pytest.raises(ValueError, match="not both"):
+        prepare(tok, src, tmp_path / "x", split="val", val_fraction=0.1, progress=False)
+    assert not (tmp_path / "x").exists()  # bad arguments are caught before anything is created
 
 
 @pytest.mark.parametrize("fail_at", [1, 3, 6])
