@@ -253,31 +253,13 @@ def _plan(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, devi
     return {"max_steps": max_steps, "step_seconds": step_s, "peak_flops": peak}
 
 
-def _evaluate(run_dir: Path, data_dir: Path, cfg: Any, device: Any, max_batches: int = 64) -> dict[str, Any]:
-    """Loss, perplexity and bits per byte of the final model over (up to ``max_batches`` of) the validation split."""
-    import torch
+def _evaluate(run_dir: Path, device: Any, max_batches: int = 64) -> dict[str, Any]:
+    """Loss, perplexity and bits per byte of the final checkpoint over (up to ``max_batches`` of) the validation split."""
+    from lmforge.train import evaluate_run
 
-    from lmforge.checkpoint import CheckpointManager, apply_checkpoint
-    from lmforge.data import TokenDataset, val_batches
-    from lmforge.model import TransformerLM
-
-    ds = TokenDataset(data_dir, "val")
-    path, ckpt = CheckpointManager(run_dir).load_latest() or (None, None)
-    if ckpt is None:
-        raise ValueError(f"no checkpoint in {run_dir}; the training stage did not finish")
-    model = TransformerLM(cfg.model).to(device)
-    step = apply_checkpoint(ckpt, model)
-    model.eval()
-    batches = val_batches(ds, cfg.training.batch_size, cfg.context_length, max_batches)
-    loss_sum, count = 0.0, 0
-    with torch.inference_mode():
-        for x, y in batches:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.training.dtype == "bf16"):
-                loss_sum += float(model(x.to(device), targets=y.to(device), reduction="sum"))
-            count += y.numel()
-    loss = loss_sum / count
-    return {"checkpoint": str(path), "step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 700)),
-            "val_bpb": loss / math.log(2) / ds.bytes_per_token, "val_tokens": count}
+    ev = evaluate_run(run_dir, split="val", max_batches=max_batches, device=str(device))
+    return {"checkpoint": ev["checkpoint"], "step": ev["step"], "val_loss": ev["loss"], "val_ppl": ev["ppl"],
+            "val_bpb": ev["bpb"], "val_tokens": ev["tokens"]}
 
 
 def _samples(run_dir: Path, device: Any, max_new_tokens: int) -> dict[str, Any]:
@@ -363,7 +345,7 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = "shakespear
     tr = stage("train", train_key, lambda: _jsonable(train(cfg, run_dir, progress=progress)),
                lambda rec: Path(rec.get("checkpoint") or "").exists())
     # ---- eval: validation loss and bits per byte of the final model ------------------------------------
-    ev = stage("eval", _digest(tr["checkpoint"], tr["step"]), lambda: _evaluate(run_dir, data_dir, cfg, dev))
+    ev = stage("eval", _digest(tr["checkpoint"], tr["step"]), lambda: _evaluate(run_dir, dev))
     logger.info("final validation loss %.4f (%.4f bits/byte)", ev["val_loss"], ev["val_bpb"])
     # ---- samples ---------------------------------------------------------------------------------------
     stage("samples", _digest(tr["checkpoint"], tr["step"], SAMPLE_PROMPTS, sample_tokens),
