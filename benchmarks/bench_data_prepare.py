@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +49,16 @@ def build_corpus(tmp: Path, mb: float, corpus: str | None) -> Path:
         if cut >= 0:
             f.truncate(min(size, int(mb * 1e6)) + cut)
     return out
+
+
+def peak_rss_mb(tok_path: Path, inputs: list[Path], out: Path, threads: int) -> float:
+    """Peak resident memory (MiB) of ``prepare`` run in a child process."""
+    code = ("import resource, sys; from lmforge.data import prepare; from lmforge.tokenizer import Tokenizer; "
+            "prepare(Tokenizer.load(sys.argv[1]), sys.argv[4:], sys.argv[2], num_threads=int(sys.argv[3]), "
+            "progress=False); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    res = subprocess.run([sys.executable, "-c", code, str(tok_path), str(out), str(threads), *map(str, inputs)],
+                         capture_output=True, text=True, check=True)
+    return int(res.stdout.split()[-1]) / 1024  # ru_maxrss is in KiB on Linux
 
 
 def main() -> int:
@@ -118,6 +129,16 @@ def main() -> int:
         t_hf = time.perf_counter() - t0
         hf_tokens = (tmp / "hf.bin").stat().st_size // 2
 
+        # 4. peak memory of prepare in a fresh process, for the corpus and for 4 copies of it
+        peaks = {}
+        if not args.quick:
+            tok.save(tmp / "tok.json")
+            for copies in (1, 4):
+                inputs = [corpus] + [tmp / f"copy{i}.txt" for i in range(1, copies)]
+                for p in inputs[1:]:
+                    p.write_bytes(corpus.read_bytes() + f"{p.name}{EOT}".encode())  # distinct content
+                peaks[copies] = peak_rss_mb(tmp / "tok.json", inputs, tmp / f"mem{copies}", threads)
+
     rows = [("tokenizer encode_batch (in memory)", t_tok), ("tokenizer encode_batch_flat (in memory)", t_flat),
             ("lmforge prepare (file -> shards)", t_prep),
             ("HF tokenizers encode_batch + numpy write", t_hf)]
@@ -127,6 +148,9 @@ def main() -> int:
           f"{100 * (t_prep / t_flat - 1):+.1f}% vs encode_batch_flat  (target <= +10%)")
     print(f"CPU time (all threads; robust to a busy machine): encode_batch_flat {c_flat:.2f} s, prepare {c_prep:.2f} s "
           f"-> glue {100 * (c_prep / c_flat - 1):+.1f}% CPU")
+    if peaks:
+        print(f"prepare peak RSS (fresh process): {peaks[1]:.0f} MiB for {mb:.0f} MB of text, {peaks[4]:.0f} MiB for "
+              f"{4 * mb:.0f} MB (flat: one shard buffer per split + a few batches)")
     print(f"prepare speed-up over HF tokenizers + numpy: {t_hf / t_prep:.2f}x  (target > 1); "
           f"HF token count {hf_tokens:,} vs lmforge {n_tok + len(docs):,}")
     return 0
