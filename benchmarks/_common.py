@@ -87,8 +87,18 @@ def iter_file_documents(path: Path, chunk: int = 1 << 20) -> Iterator[str]:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process in MB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident set size of this process in MB.
+
+    Linux: ``VmHWM`` of /proc/self/status. Not ``ru_maxrss``, which survives ``execve`` and so would
+    report the parent's peak when the parent was bigger at fork time.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20 if sys.platform == "darwin" else 1024)
 
 
 def child_report(**fields: Any) -> None:

@@ -30,6 +30,17 @@ std::pair<const uint8_t*, size_t> utf8_of(nb::handle s) {
     return {(const uint8_t*)p, (size_t)n};
 }
 
+std::vector<std::pair<const uint8_t*, size_t>> utf8_all(const nb::list& texts, std::vector<nb::object>& keep) {
+    std::vector<std::pair<const uint8_t*, size_t>> docs;
+    docs.reserve(nb::len(texts));
+    keep.reserve(nb::len(texts));
+    for (nb::handle h : texts) {
+        docs.push_back(utf8_of(h));
+        keep.push_back(nb::borrow(h));
+    }
+    return docs;
+}
+
 // The Python-facing Encoder keeps one Python int per vocabulary id, so building result lists costs an
 // incref per token instead of an allocation (most of the time of list output otherwise).
 class PyEncoder : public Encoder {
@@ -245,8 +256,8 @@ NB_MODULE(_core, m) {
         .def(
             "encode_batch",
             [](const PyEncoder& e, nb::list texts, int num_threads, bool allow_special) {
-                std::vector<std::pair<const uint8_t*, size_t>> docs;
-                for (nb::handle h : texts) docs.push_back(utf8_of(h));
+                std::vector<nb::object> keep;  // own the strs: the list may change while the GIL is released
+                std::vector<std::pair<const uint8_t*, size_t>> docs = utf8_all(texts, keep);
                 std::vector<std::vector<uint32_t>> res;
                 {
                     nb::gil_scoped_release release;
@@ -260,8 +271,8 @@ NB_MODULE(_core, m) {
         .def(
             "encode_batch_flat",
             [](const PyEncoder& e, nb::list texts, int num_threads, bool allow_special) {
-                std::vector<std::pair<const uint8_t*, size_t>> docs;
-                for (nb::handle h : texts) docs.push_back(utf8_of(h));
+                std::vector<nb::object> keep;  // own the strs: the list may change while the GIL is released
+                std::vector<std::pair<const uint8_t*, size_t>> docs = utf8_all(texts, keep);
                 std::vector<uint32_t> flat;
                 std::vector<int64_t> offsets{0};
                 {
