@@ -50,13 +50,6 @@ class ReadStats:
     invalid_utf8: int = 0  # documents that contained invalid UTF-8 (skipped or replaced, per policy)
     files: list[str] = field(default_factory=list)
 
-    def add(self, other: "ReadStats") -> None:
-        self.documents += other.documents
-        self.text_bytes += other.text_bytes
-        self.empty_skipped += other.empty_skipped
-        self.invalid_utf8 += other.invalid_utf8
-        self.files.extend(other.files)
-
 
 # --------------------------------------------------------------------------------------------------
 # Finding input files
