@@ -37,7 +37,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from lmforge.common import human_bytes, num_threads_default, sha256_file
+from lmforge.common import human_bytes, num_threads_default
 from lmforge.loader import BlockLoader, get_batch, val_batches  # noqa: F401  (re-exported)
 from lmforge.shards import (  # noqa: F401  (re-exported)
     MANIFEST, SHARD_NAME, TokenDataset, dtype_for_vocab, load_manifest, new_manifest, save_manifest, shard_name,
@@ -263,28 +263,35 @@ def _open_out_dir(out_dir: Path, tok_info: dict[str, Any], dtype: str, shard_tok
 
 
 def _hash_sources(paths: list[Path], m: Manifest, progress: bool) -> list[dict[str, Any]]:
-    """SHA-256 of every input; duplicates (of the manifest or of each other) are reported and dropped."""
+    """SHA-256 of every input; duplicates (of committed sources or of each other) are reported and dropped."""
+    import hashlib
+
     from tqdm.auto import tqdm
 
-    known = {s["sha256"]: s["path"] for s in m["sources"]}
-    if m.get("pending"):
-        known.update({s["sha256"]: s["path"] for s in m["pending"]["sources"]})
-    pending_hashes = {s["sha256"] for s in (m.get("pending") or {}).get("sources", [])}
-    out = []
-    seen: dict[str, str] = {}
-    for p in tqdm(paths, desc="hashing inputs", unit="file", disable=not progress or len(paths) < 8):
-        size = p.stat().st_size
+    sizes = [p.stat().st_size for p in paths]
+    for p, size in zip(paths, sizes):
         if size == 0:
             raise ValueError(f"input file {p} is empty; remove it from the inputs")
-        sha = sha256_file(p)
-        if sha in seen:
-            logger.warning("skipping %s: same content as %s given earlier", p, seen[sha])
-            continue
-        seen[sha] = str(p)
-        if sha in known and sha not in pending_hashes:
-            logger.warning("skipping %s: already in the shards (added as %s)", p, known[sha])
-            continue
-        out.append({"path": str(p.resolve()), "size": size, "sha256": sha, "format": file_format(p)})
+    known = {s["sha256"]: s["path"] for s in m["sources"]}
+    out = []
+    seen: dict[str, str] = {}
+    with tqdm(total=sum(sizes), desc="hashing inputs", unit="B", unit_scale=True,
+              disable=not progress or sum(sizes) < 1 << 28) as bar:
+        for p, size in zip(paths, sizes):
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                while chunk := f.read(8 << 20):
+                    h.update(chunk)
+                    bar.update(len(chunk))
+            sha = h.hexdigest()
+            if sha in seen:
+                logger.warning("skipping %s: same content as %s given earlier", p, seen[sha])
+                continue
+            seen[sha] = str(p)
+            if sha in known:
+                logger.warning("skipping %s: already in the shards (added as %s)", p, known[sha])
+                continue
+            out.append({"path": str(p.resolve()), "size": size, "sha256": sha, "format": file_format(p)})
     return out
 
 
