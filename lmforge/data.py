@@ -578,5 +578,7 @@ def inspect(directory: str | os.PathLike, tokenizer: Any = None, sample_tokens: 
     lines.append(f"  {len(m['sources'])} sources:")
     for s in m["sources"]:
         toks = ", ".join(f"{k} {v:,}" for k, v in s["tokens"].items())
-        lines.append(f"    {s['path']} ({human_bytes(s['size'])}, sha256 {s['sha256'][:12]}…): {toks} tokens")
+        dropped = ", ".join(f"{s[k]} {k.replace('_', ' ')}" for k in ("empty_skipped", "invalid_utf8") if s.get(k))
+        lines.append(f"    {s['path']} ({human_bytes(s['size'])}, sha256 {s['sha256'][:12]}…): {toks} tokens"
+                     + (f"; documents dropped/fixed: {dropped}" if dropped else ""))
     return "\n".join(lines)

@@ -289,6 +289,7 @@ def test_bad_inputs_and_settings(tmp_path, tok):
         prepare(tok, bad, tmp_path / "d", progress=False)
     m = prepare(tok, bad, tmp_path / "d", utf8_errors="skip", force=True, progress=False)
     assert m["sources"][0]["invalid_utf8"] == 1 and m["splits"]["train"]["documents"] == 2
+    assert "documents dropped/fixed: 1 invalid utf8" in data.inspect(tmp_path / "d")
     prepare(tok, src, tmp_path / "e", progress=False)
     other = type(tok)(dict(enumerate(bytes([i]) for i in range(256))), [], [EOT])
     with pytest.raises(ValueError, match="different tokenizer"):
