@@ -52,7 +52,7 @@ void PretokenCounter::add(const uint8_t* data, size_t n, int num_threads) {
         throw std::invalid_argument("add() takes at most 4 GiB at a time; feed the data in smaller chunks");
     std::lock_guard<std::mutex> lock(mu_);
     // Fewer threads for small inputs: below ~256 KiB per thread the thread start-up dominates.
-    size_t max_threads = std::max<size_t>(1, n / (256 * 1024));
+    size_t max_threads = std::min<size_t>(256, std::max<size_t>(1, n / (256 * 1024)));
     size_t T = std::min<size_t>((size_t)num_threads, max_threads);
     std::vector<size_t> cuts{0};
     for (size_t t = 1; t < T; ++t) {

@@ -13,6 +13,7 @@ namespace {
 constexpr uint64_t kNone = ~0ull;
 constexpr size_t kShortWord = 96;       // simple O(n^2) scan below this many bytes, heap above
 constexpr uint32_t kMaxCachedLen = 128;  // longer pre-tokens are rare and not cached
+constexpr size_t kMaxThreads = 256;      // a typo like num_threads=10**6 must not spawn a million threads
 }  // namespace
 
 // ----------------------------------------------------------------------------------------------
@@ -251,7 +252,7 @@ void Encoder::encode_batch(const std::vector<std::pair<const uint8_t*, size_t>>&
             encode_with(docs[i].first, docs[i].second, allow_special, results[i], *cache);
         release_cache(std::move(cache));
     };
-    size_t T = std::min<size_t>((size_t)num_threads, docs.size());
+    size_t T = std::min<size_t>({(size_t)num_threads, docs.size(), kMaxThreads});
     if (T <= 1) { work(); return; }
     std::vector<std::thread> threads;
     for (size_t t = 1; t < T; ++t) threads.emplace_back(work);
