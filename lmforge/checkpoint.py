@@ -122,6 +122,9 @@ def _checkpoint_bytes(model: Any, optimizer: Any, iteration: int, extra: dict[st
     aliases: dict[str, str] = {}  # tied weights: store the shared tensor once
     seen: dict[tuple, str] = {}
     for name, t in unwrap_model(model).state_dict().items():
+        if type(t).__name__ == "DTensor":
+            raise ValueError("the model's parameters are sharded (FSDP); gather them first with "
+                             "lmforge.distributed.full_state_dicts(model, optimizer) and save those")
         t = t.detach()
         sig = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None
         if sig is not None and sig in seen:
@@ -323,12 +326,13 @@ class CheckpointManager:
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
 
-    def load_latest(self) -> tuple[Path, Checkpoint] | None:
+    def load_latest(self, quarantine: bool = False) -> tuple[Path, Checkpoint] | None:
         """Newest step checkpoint that verifies, with its contents; None when there is none.
 
         A corrupt or truncated newer file is skipped with the warning
         ``checkpoint X is corrupt (...); falling back to Y``; if none verifies, ``ValueError`` (never
-        silently restarting over a run's checkpoints).
+        silently restarting over a run's checkpoints). ``quarantine=True`` (the training loop) renames each
+        skipped file to ``*.corrupt`` so it is kept for inspection but no longer counts as a checkpoint.
         """
         candidates = list(reversed(self.steps()))
         for i, (_, path) in enumerate(candidates):
@@ -339,4 +343,6 @@ class CheckpointManager:
                     raise ValueError(f"every checkpoint in {self.dir} is corrupt (newest error: {e}); move them "
                                      "away to start this run from scratch, or use a new run directory") from e
                 logger.warning("checkpoint %s is corrupt (%s); falling back to %s", path, e, candidates[i + 1][1])
+                if quarantine:
+                    os.replace(path, path.with_name(path.name + ".corrupt"))
         return None

@@ -408,7 +408,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
         step, last_ckpt, fsdp_optim_state = 0, None, None
         if main:
             ckpts.remove_stale_temporaries()
-        latest = ckpts.load_latest()
+        latest = ckpts.load_latest(quarantine=main)
         if latest is not None:
             path, ck = latest
             del latest  # the tensors are copied into the model/optimizer below; do not keep a second copy

@@ -174,6 +174,10 @@ def test_fallback_to_previous_valid(tmp_path, caplog) -> None:
     assert path == mgr.path_for(2) and c.iteration == 2
     assert f"checkpoint {newest} is corrupt" in caplog.text and f"falling back to {mgr.path_for(2)}" in caplog.text
 
+    assert newest.exists()  # reading never moves files by default
+    mgr.load_latest(quarantine=True)
+    assert not newest.exists() and newest.with_name(newest.name + ".corrupt").exists()  # kept, no longer counted
+    assert [s for s, _ in mgr.steps()] == [1, 2]
     for step in (1, 2):
         mgr.path_for(step).write_bytes(b"garbage")
     with pytest.raises(ValueError, match="every checkpoint .* is corrupt"):
