@@ -47,6 +47,8 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
         encoding = None
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
+        # mkstemp creates the file with mode 0600; give the final file the usual umask-based mode.
+        os.fchmod(fd, 0o666 & ~_current_umask())
         with os.fdopen(fd, mode, encoding=encoding) as f:
             yield f
             f.flush()
@@ -56,6 +58,12 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -1,0 +1,94 @@
+"""common.py: atomic writes never leave half files, output paths are not clobbered, devices/dtypes validate."""
+
+import os
+import stat
+
+import pytest
+
+from lmforge import common
+
+
+def test_atomic_write_replaces_and_keeps_umask_mode(tmp_path):
+    p = tmp_path / "a.txt"
+    common.atomic_write_text(p, "one")
+    common.atomic_write_text(p, "two")
+    assert p.read_text() == "two"
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~mask
+    assert [q.name for q in tmp_path.iterdir()] == ["a.txt"]  # no temporary file left behind
+
+
+def test_atomic_open_failure_keeps_previous_file(tmp_path):
+    p = tmp_path / "a.bin"
+    common.atomic_write_bytes(p, b"old")
+    with pytest.raises(OSError):
+        with common.atomic_open(p, "wb") as f:
+            f.write(b"partial")
+            raise OSError(28, "No space left on device")
+    assert p.read_bytes() == b"old"
+    assert [q.name for q in tmp_path.iterdir()] == ["a.bin"]
+
+
+def test_check_output_path(tmp_path):
+    p = tmp_path / "out.json"
+    assert common.check_output_path(p) == p
+    p.write_text("x")
+    with pytest.raises(ValueError, match="already exists.*--force"):
+        common.check_output_path(p)
+    assert common.check_output_path(p, force=True) == p
+    with pytest.raises(ValueError, match="is a directory"):
+        common.check_output_path(tmp_path, force=True)
+
+
+def test_check_input_file(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        common.check_input_file(tmp_path / "missing.txt")
+    with pytest.raises(ValueError, match="is a directory"):
+        common.check_input_file(tmp_path)
+    f = tmp_path / "f.txt"
+    f.write_text("x")
+    assert common.check_input_file(f) == f
+
+
+def test_sha256_file(tmp_path):
+    import hashlib
+
+    f = tmp_path / "f.bin"
+    data = os.urandom(3 << 20)
+    f.write_bytes(data)
+    assert common.sha256_file(f, chunk_size=1 << 16) == hashlib.sha256(data).hexdigest()
+
+
+def test_devices_and_dtypes():
+    import torch
+
+    assert common.resolve_device("cpu") == torch.device("cpu")
+    assert common.resolve_device("auto").type in {"cpu", "cuda", "mps"}
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            common.resolve_device("cuda")
+    with pytest.raises(ValueError, match="unknown device"):
+        common.resolve_device("tpu-9000")
+    assert common.resolve_dtype("bf16") is torch.bfloat16
+    assert common.resolve_dtype("float32") is torch.float32
+    with pytest.raises(ValueError, match="unknown dtype"):
+        common.resolve_dtype("int3")
+
+
+def test_human_bytes():
+    assert common.human_bytes(512) == "512 B"
+    assert common.human_bytes(1536) == "1.5 KiB"
+    assert common.human_bytes(3 * 1024**3) == "3.0 GiB"
+
+
+def test_import_has_no_side_effects():
+    import subprocess
+    import sys
+
+    code = ("import logging, sys, lmforge, lmforge.common, lmforge.tokenizer, lmforge.data, lmforge.model, "
+            "lmforge.train, lmforge.generate, lmforge.cli\n"
+            "assert not logging.getLogger().handlers and not logging.getLogger('lmforge').handlers\n"
+            "import torch\nassert not torch.cuda.is_initialized()\n"
+            "assert 'wandb' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
