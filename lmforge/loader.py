@@ -143,14 +143,20 @@ class BlockLoader:
         return len(self._order) // (self.batch_size * self.world_size)
 
     # ---- batches ----------------------------------------------------------------------------------
-    def _read(self, bid: int, out: np.ndarray) -> tuple[int, int]:
-        """Copy block ``bid`` into ``out`` (only its pages are read); return (shard index, start offset)."""
-        i = int(np.searchsorted(self._cum, bid, side="right")) - 1
-        local = bid - int(self._cum[i])
-        st = self._starts[i]
-        start = local * self._block if isinstance(st, int) else int(st[local])
-        out[:] = self.dataset.shards[i][start:start + self._block]
-        return i, start
+    def _read(self, ids: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Copy blocks ``ids`` into ``out`` (B, T+1), one gather per shard that only touches those pages.
+
+        Returns each row's shard index and start offset.
+        """
+        shard = np.searchsorted(self._cum, ids, side="right") - 1  # (B,)
+        local = ids - self._cum[shard]
+        starts = np.empty(len(ids), dtype=np.int64)
+        for i in np.unique(shard):
+            rows = np.flatnonzero(shard == i)
+            st = self._starts[i]
+            starts[rows] = local[rows] * self._block if isinstance(st, int) else st[local[rows]]
+            out[rows] = self.dataset.shards[i][starts[rows, None] + np.arange(self._block)]  # (rows, T+1) gather
+        return shard, starts
 
     def _positions_for(self, i: int, start: int) -> np.ndarray:
         if i not in self._docs:
@@ -172,10 +178,10 @@ class BlockLoader:
         ids = self._order[lo:lo + self.batch_size]
         buf = np.empty((self.batch_size, self._block), dtype=np.int64)  # (B, T+1)
         pos = np.empty((self.batch_size, self.context_length), dtype=np.int64) if self.positions else None
-        for b, bid in enumerate(ids):
-            i, start = self._read(int(bid), buf[b])
-            if pos is not None:
-                pos[b] = self._positions_for(i, start)
+        shard, starts = self._read(ids, buf)
+        if pos is not None:
+            for b in range(self.batch_size):
+                pos[b] = self._positions_for(int(shard[b]), int(starts[b]))
         self.consumed += gb
         block = torch.from_numpy(buf)
         x, y = block[:, :-1].contiguous(), block[:, 1:].contiguous()  # (B, T), (B, T)
