@@ -61,6 +61,16 @@ def plot_losses(records: list[dict[str, Any]], path: str | Path) -> None:
     plt.close(fig)
 
 
+def require_wandb() -> Any:
+    """The ``wandb`` module, imported on demand (``ValueError`` saying how to fix it when missing)."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ValueError("training.wandb is true but the wandb package is not installed; "
+                         "`pip install wandb` or set training.wandb=false") from e
+    return wandb
+
+
 class MetricsLog:
     """Appends one JSON object per event to ``metrics.jsonl``, keeps them in memory for the plot, mirrors to wandb."""
 
@@ -110,11 +120,7 @@ class MetricsLog:
         """Start (or resume) a wandb run for this run directory; ``mode="offline"`` needs no account."""
         if not self.enabled:
             return
-        try:
-            import wandb
-        except ImportError as e:
-            raise ValueError("training.wandb is true but the wandb package is not installed; "
-                             "`pip install wandb` or set training.wandb=false") from e
+        wandb = require_wandb()
         run_id = hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:16]  # same dir -> same run
         self._wandb = wandb.init(project=project, name=self.run_dir.name, id=run_id, resume="allow",
                                  dir=str(self.run_dir), mode=mode, config=config)

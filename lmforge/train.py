@@ -368,7 +368,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
     from lmforge.data import BlockLoader, TokenDataset, val_batches
     from lmforge.distributed import (all_reduce_mean, barrier, cleanup_distributed, full_state_dicts,
                                      load_full_optimizer_state, setup_distributed, wrap_model)
-    from lmforge.metrics import MetricsLog, peak_flops_for
+    from lmforge.metrics import MetricsLog, peak_flops_for, require_wandb
     from lmforge.model import TransformerLM, flops_per_token
     from lmforge.optim import clip_grad_norm, global_grad_norm
 
@@ -388,6 +388,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
         _check_run_dir(cfg, run_dir, write=False)
         tokenizer = _resolve_tokenizer(cfg.data, train_ds, run_dir, write=False)
         _check_data(cfg, train_ds, val_ds, tokenizer)
+        if tc.wandb and main:
+            require_wandb()
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
             _resolve_tokenizer(cfg.data, train_ds, run_dir, write=True)

@@ -291,6 +291,37 @@ def test_incompatible_run_dir(shards, tmp_path, caplog) -> None:
     assert m["step"] == 4 and "training.max_steps: 3 -> 4" in caplog.text
 
 
+def test_wandb_calls_with_a_stand_in_module(shards, tmp_path, monkeypatch) -> None:
+    """What lmforge asks of wandb (init once per run dir, offline mode, one log per event), without wandb."""
+    import types
+
+    calls: dict[str, list] = {"init": [], "log": [], "finish": []}
+
+    class Run:
+        def log(self, data, step):
+            calls["log"].append((step, data))
+
+        def finish(self):
+            calls["finish"].append(True)
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls["init"].append(kw) or Run()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run = tmp_path / "run"
+    train(_cfg(shards, training={"max_steps": 4, "wandb": True, "wandb_mode": "offline"}), run, progress=False)
+    (init,) = calls["init"]
+    assert init["mode"] == "offline" and init["dir"] == str(run) and init["config"]["training"]["max_steps"] == 4
+    assert [s for s, d in calls["log"] if "loss" in d] == [1, 2, 3, 4]
+    assert [s for s, d in calls["log"] if "val_loss" in d] == [4] and calls["finish"] == [True]
+
+
+def test_wandb_missing_is_a_clear_error(shards, tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import fails as if not installed
+    with pytest.raises(ValueError, match=r"wandb package is not installed.*training\.wandb=false"):
+        train(_cfg(shards, training={"max_steps": 2, "wandb": True}), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_wandb_offline(shards, tmp_path, monkeypatch) -> None:
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
