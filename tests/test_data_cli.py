@@ -38,6 +38,10 @@ def test_get_prepare_inspect(tmp_path, tok_path, monkeypatch, capsys):
                  "--out", str(tmp_path / "corpus")]) == 0
     corpus = tmp_path / "corpus" / "shakespeare.txt"
     assert capsys.readouterr().out.strip() == str(corpus) and corpus.exists()
+    get_again = ["-q", "data", "get", "shakespeare", "--cache-dir", str(tmp_path / "cache"), "--out", str(corpus.parent)]
+    assert main(get_again) == 2 and "already exists; pass force=True (CLI: --force)" in capsys.readouterr().err
+    assert main(get_again + ["--force"]) == 0
+    capsys.readouterr()
     jsonl = tmp_path / "more.jsonl"
     jsonl.write_text("".join(json.dumps({"body": f"extra document {i}"}) + "\n" for i in range(20)))
 
