@@ -403,3 +403,25 @@ def test_torchrun_two_ranks_cpu_matches_one_process_with_double_batch(shards, tm
     assert [v for _, v in ddp] == pytest.approx([v for _, v in single], rel=1e-5)
     assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints").glob("step_*")) == [
         "step_00000003.safetensors", "step_00000004.safetensors"]
+
+
+def test_distributed_helpers_without_a_process_group(monkeypatch) -> None:
+    from lmforge import distributed as D
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    info = D.setup_distributed("cpu")
+    assert (info.rank, info.world_size, info.is_main, info.enabled) == (0, 1, True, False)
+    assert D.get_rank() == 0 and D.get_world_size() == 1 and D.is_main_process()
+    assert D.all_reduce_sum([1.0, 2.0]) == [1.0, 2.0] and D.all_reduce_mean(3.0) == 3.0
+    model = torch.nn.Linear(2, 2)
+    assert D.wrap_model(model, "ddp", info) is model  # nothing to wrap in one process
+    with pytest.raises(ValueError, match="training.parallel must be none, ddp or fsdp"):
+        D.wrap_model(model, "zero3", info)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"RANK=2 must be in \[0, WORLD_SIZE=2\)"):
+        D.setup_distributed("cpu")
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE='two' must be an integer"):
+        D.setup_distributed("cpu")
