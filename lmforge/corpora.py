@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
-from lmforge.common import atomic_write_text
+from lmforge.common import atomic_write_text, sha256_file
 
 logger = logging.getLogger("lmforge")
 
@@ -103,9 +103,12 @@ def download_file(url: str, dest: str | os.PathLike, headers: dict[str, str] | N
     try:
         resp = urllib.request.build_opener(_DropAuthOnRedirect).open(req, timeout=timeout)
     except urllib.error.HTTPError as e:
-        if e.code == 416 and have:  # the part file already holds everything
-            part.replace(dest)
-            return dest
+        if e.code == 416 and have:  # nothing left to send: complete if the sizes agree, else start over
+            if e.headers.get("Content-Range", "") == f"bytes */{have}":
+                part.replace(dest)
+                return dest
+            part.unlink()
+            return download_file(url, dest, headers, force, progress, timeout, chunk_size)
         if e.code in (401, 403):
             raise ValueError(f"access to {url} denied (HTTP {e.code}); log in with `huggingface-cli login` "
                              "or set HF_TOKEN") from None
@@ -117,6 +120,8 @@ def download_file(url: str, dest: str | os.PathLike, headers: dict[str, str] | N
     with resp:
         status = resp.status
         length = resp.headers.get("Content-Length")
+        # The hub's ETag of an LFS file is its SHA-256 (X-Linked-Etag before the CDN redirect).
+        etag = (resp.headers.get("X-Linked-Etag") or resp.headers.get("ETag") or "").strip('W/"').lower()
         if status == 206:
             total = have + int(length) if length is not None else None
             mode = "ab"
@@ -137,6 +142,10 @@ def download_file(url: str, dest: str | os.PathLike, headers: dict[str, str] | N
     size = part.stat().st_size
     if total is not None and size != total:
         raise _offline_error(url, f"incomplete download: {size} of {total} bytes")
+    if re.fullmatch(r"[0-9a-f]{64}", etag) and sha256_file(part) != etag:
+        part.unlink()
+        raise ValueError(f"the download of {url} is corrupt (SHA-256 differs from the server's ETag); it was deleted, "
+                         "run the command again")
     part.replace(dest)
     logger.info("downloaded %s (%d bytes)", dest, size)
     return dest

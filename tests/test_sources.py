@@ -224,6 +224,7 @@ class _Server:
 
     def __init__(self, files: dict[str, bytes], ranges: bool = True):
         self.files, self.ranges, self.requests, self.auth = files, ranges, [], []
+        self.etag = None  # a function of the served bytes, e.g. their SHA-256 like the hub's LFS ETags
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -242,8 +243,16 @@ class _Server:
                     return
                 rng = self.headers.get("Range")
                 start = int(rng.split("=")[1].rstrip("-")) if rng and outer.ranges else 0
+                if start >= len(data) and start:
+                    self.send_response(416)
+                    self.send_header("Content-Range", f"bytes */{len(data)}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 self.send_response(206 if start else 200)
                 self.send_header("Content-Length", str(len(data) - start))
+                if outer.etag:
+                    self.send_header("ETag", f'"{outer.etag(data)}"')
                 self.end_headers()
                 self.wfile.write(data[start:])
 
@@ -295,6 +304,25 @@ def test_download_follows_redirects_without_leaking_the_token(tmp_path, server):
     assert got.read_bytes() == data and srv.requests[-1] == ("/f.bin", "bytes=7-") and srv.auth == ["Bearer t"] * 2
     corpora.download_file(srv.url + "/cdn", tmp_path / "b", headers={"Authorization": "Bearer t"}, progress=False)
     assert srv.auth[2:] == ["Bearer t", None]  # the other host never sees the token
+
+
+def test_download_checks_sha256_etag_and_complete_part_files(tmp_path, server):
+    import hashlib
+
+    data = b"payload " * 300
+    srv = server({"/f.bin": data})
+    srv.etag = lambda d: hashlib.sha256(d).hexdigest()
+    assert corpora.download_file(srv.url + "/f.bin", tmp_path / "ok", progress=False).read_bytes() == data
+    (tmp_path / "bad.part").write_bytes(b"XXXXXXXX")  # a wrong prefix: resuming gives a corrupt file
+    with pytest.raises(ValueError, match="corrupt .*SHA-256 differs.*run the command again"):
+        corpora.download_file(srv.url + "/f.bin", tmp_path / "bad", progress=False)
+    assert not (tmp_path / "bad.part").exists() and not (tmp_path / "bad").exists()
+    assert corpora.download_file(srv.url + "/f.bin", tmp_path / "bad", progress=False).read_bytes() == data
+    srv.etag = None
+    (tmp_path / "full.part").write_bytes(data)  # killed after the last byte, before the rename
+    assert corpora.download_file(srv.url + "/f.bin", tmp_path / "full", progress=False).read_bytes() == data
+    (tmp_path / "long.part").write_bytes(data + b"junk")  # longer than the file: start over
+    assert corpora.download_file(srv.url + "/f.bin", tmp_path / "long", progress=False).read_bytes() == data
 
 
 def test_download_restarts_when_range_ignored(tmp_path, server):
