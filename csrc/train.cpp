@@ -17,9 +17,8 @@ namespace {
 inline uint64_t pair_key(uint32_t a, uint32_t b) { return ((uint64_t)a << 32) | b; }
 
 struct PairInfo {
-    int64_t count = 0;
     uint32_t a = 0, b = 0;
-    long long touched = -1;      // last merge step that increased the count (dedupes heap pushes)
+    long long touched = -1;       // last merge step that increased the count (dedupes heap pushes)
     std::vector<uint32_t> words;  // words that contain (or once contained) the pair
 };
 
@@ -45,12 +44,13 @@ public:
         for (uint32_t w = 0; w < wlen_.size(); ++w) {
             const uint32_t* s = &syms_[woff_[w]];
             for (uint32_t k = 0; k + 1 < wlen_[w]; ++k) {
-                PairInfo& pi = pair(s[k], s[k + 1]);
-                pi.count += wcount_[w];
-                if (pi.words.empty() || pi.words.back() != w) pi.words.push_back(w);
+                uint32_t id = pair_id(s[k], s[k + 1]);
+                count_[id] += wcount_[w];
+                std::vector<uint32_t>& ws = pairs_[id].words;
+                if (ws.empty() || ws.back() != w) ws.push_back(w);
             }
         }
-        for (uint32_t i = 0; i < pairs_.size(); ++i) heap_.push_back({pairs_[i].count, i});
+        for (uint32_t i = 0; i < pairs_.size(); ++i) heap_.push_back({count_[i], i});
         std::make_heap(heap_.begin(), heap_.end(), cmp());
     }
 
@@ -62,16 +62,16 @@ public:
             std::pop_heap(heap_.begin(), heap_.end(), c);
             HeapEntry top = heap_.back();
             heap_.pop_back();
-            PairInfo& pi = pairs_[top.pair];
-            if (pi.count != top.count) {
+            const int64_t cur = count_[top.pair];
+            if (cur != top.count) {
                 // Stale. A lower current count has no entry yet (decreases are lazy): add it.
-                if (pi.count > 0 && pi.count < top.count) {
-                    heap_.push_back({pi.count, top.pair});
+                if (cur > 0 && cur < top.count) {
+                    heap_.push_back({cur, top.pair});
                     std::push_heap(heap_.begin(), heap_.end(), c);
                 }
                 continue;
             }
-            if (pi.count <= 0) continue;
+            if (cur <= 0) continue;
             merge(top.pair, (long long)merges.size());
             merges.emplace_back(tok_[pairs_[top.pair].a], tok_[pairs_[top.pair].b]);
             if (progress && (merges.size() % 256 == 0)) progress((long long)merges.size());
@@ -95,15 +95,17 @@ private:
     };
     Cmp cmp() const { return Cmp{this}; }
 
-    PairInfo& pair(uint32_t a, uint32_t b) {
+    // Index of the pair (a, b) in pairs_ / count_, created with count 0 if new.
+    uint32_t pair_id(uint32_t a, uint32_t b) {
         bool inserted;
-        uint64_t& idx = pair_index_.get_or_insert(pair_key(a, b), pairs_.size(), &inserted);
+        uint64_t idx = pair_index_.get_or_insert(pair_key(a, b), pairs_.size(), &inserted);
         if (inserted) {
             pairs_.emplace_back();
             pairs_.back().a = a;
             pairs_.back().b = b;
+            count_.push_back(0);
         }
-        return pairs_[idx];
+        return (uint32_t)idx;
     }
 
     uint32_t token_for(const std::string& bytes) {
@@ -139,7 +141,7 @@ private:
             }
             if (!any) continue;  // stale index entry
             for (uint32_t j = 0; j + 1 < L; ++j)
-                if (covered_[j] || covered_[j + 1]) pairs_[pair_index_.find(pair_key(s[j], s[j + 1]))[0]].count -= cnt;
+                if (covered_[j] || covered_[j + 1]) count_[*pair_index_.find(pair_key(s[j], s[j + 1]))] -= cnt;
             // Rewrite in place; produced_[k] marks new symbols made by this merge.
             produced_.assign(L, 0);
             uint32_t k = 0;
@@ -155,22 +157,22 @@ private:
             wlen_[w] = k;
             for (uint32_t j = 0; j + 1 < k; ++j) {
                 if (!produced_[j] && !produced_[j + 1]) continue;
-                PairInfo& pi = pair(s[j], s[j + 1]);  // may reallocate pairs_: no references kept
-                pi.count += cnt;
+                const uint32_t id = pair_id(s[j], s[j + 1]);  // may grow pairs_: no references kept
+                count_[id] += cnt;
+                PairInfo& pi = pairs_[id];
                 if (pi.words.empty() || pi.words.back() != w) pi.words.push_back(w);
                 if (pi.touched != step) {
                     pi.touched = step;
-                    increased.push_back((uint32_t)pair_index_.find(pair_key(s[j], s[j + 1]))[0]);
+                    increased.push_back(id);
                 }
             }
         }
-        PairInfo& done = pairs_[pidx];
-        done.count = 0;
-        done.words.shrink_to_fit();
+        count_[pidx] = 0;
+        pairs_[pidx].words.shrink_to_fit();
         auto c = cmp();
         for (uint32_t p : increased) {
-            if (pairs_[p].count <= 0) continue;
-            heap_.push_back({pairs_[p].count, p});
+            if (count_[p] <= 0) continue;
+            heap_.push_back({count_[p], p});
             std::push_heap(heap_.begin(), heap_.end(), c);
         }
     }
@@ -183,6 +185,7 @@ private:
     std::vector<int64_t> wcount_;
     U64Map pair_index_;
     std::vector<PairInfo> pairs_;
+    std::vector<int64_t> count_;  // count_[i]: current count of pairs_[i] (dense: the hot field)
     std::vector<HeapEntry> heap_;
     std::vector<uint8_t> covered_, produced_;
 };
