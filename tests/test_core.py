@@ -300,6 +300,19 @@ def test_train_bpe_on_corpus_matches_brute_force_and_reports_progress() -> None:
     assert seen and seen[-1] == len(merges)
 
 
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_train_bpe_matches_the_python_spec(name: str) -> None:
+    """Counts and merges equal lmforge.bpe (the pure-Python reference) end to end."""
+    from lmforge import bpe
+
+    text = random_corpus(4000, seed=6) + "".join(ALPHABET) * 3
+    counts = bpe.count_pretokens([text], [EOT], name)
+    c = _core.PretokenCounter(PATTERN_IDS[name], [EOT.encode()])
+    c.add(text.encode(), 2)
+    assert dict(c.items()) == counts
+    assert _core.train_bpe(c, 150) == bpe.learn_merges(counts, 150)
+
+
 def test_train_bpe_progress_exception_propagates() -> None:
     def boom(k: int) -> None:
         raise KeyError("stop")
