@@ -54,7 +54,7 @@ def findall_bytes(name: str, text: str) -> list[bytes]:
 # Pre-tokenization
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(PATTERNS))
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400, deadline=None, database=None)
 @given(text=text_strategy)
 def test_pretokenize_matches_regex_fuzz(name: str, text: str) -> None:
     assert _core.pretokenize(text.encode("utf-8"), PATTERN_IDS[name]) == findall_bytes(name, text)
@@ -103,7 +103,7 @@ def test_pretokenize_rejects_invalid_utf8_and_bad_pattern() -> None:
         _core.pretokenize(b"ab", 7)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, database=None)
 @given(data=st.binary(max_size=40) | text_strategy.map(lambda s: s.encode("utf-8") + b"\xed\xa0\x80"))
 def test_utf8_error_offset_matches_python(data: bytes) -> None:
     try:
@@ -139,7 +139,7 @@ def random_corpus(n_words: int, seed: int, specials: tuple[str, ...] = (EOT,)) -
 SAFE_CUT = regex.compile(r"(?<=[\x21-\x7e]) (?=[A-Za-z])")  # the counter's thread split rule
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, database=None)
 @given(text=st.lists(st.sampled_from(ALPHABET + ["a b", "x Y", "'s t", "1 a", ". z"]), max_size=30).map("".join))
 def test_thread_split_points_never_change_pretokenization(text: str) -> None:
     """With the regex module as the oracle: cutting before a ' ' that follows printable ASCII and
@@ -273,7 +273,7 @@ def counter_of(counts: dict[bytes, int]) -> "_core.PretokenCounter":
     return c
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, database=None)
 @given(counts=st.dictionaries(st.binary(min_size=1, max_size=12).map(lambda b: bytes(x % 4 + 97 for x in b))
                               | st.binary(min_size=1, max_size=6), st.integers(1, 5), max_size=25),
        num_merges=st.integers(0, 40))
@@ -363,7 +363,7 @@ def test_encoder_matches_naive_rank_merge(name: str) -> None:
     assert enc.encode_words(words) == [ids[p] for w in words for p in naive_encode_word(w, ranks)]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, database=None)
 @given(text=text_strategy)
 def test_encoder_fuzz_roundtrip_and_reference(text: str) -> None:
     enc, tokens, ids, ranks = fuzz_tokenizer()
