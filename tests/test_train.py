@@ -290,6 +290,18 @@ def test_incompatible_run_dir(shards, tmp_path, caplog) -> None:
         m = train(_cfg(shards, training={"max_steps": 4, "log_every": 2}), run, progress=False)  # allowed changes
     assert m["step"] == 4 and "training.max_steps: 3 -> 4" in caplog.text
 
+    from lmforge.bpe import train_bpe_reference
+    from lmforge.tokenizer import Tokenizer
+
+    saved = (run / "tokenizer.json").read_bytes()
+    (run / "tokenizer.json").unlink()
+    Tokenizer(*train_bpe_reference(["other text"] * 3, 260, ["<|endoftext|>"]), ["<|endoftext|>"]).save(
+        run / "tokenizer.json")
+    with pytest.raises(ValueError, match=r"tokenizer\.json is a different tokenizer .* use a new --run-dir"):
+        train(_cfg(shards, training={"max_steps": 5}), run, progress=False)
+    (run / "tokenizer.json").write_bytes(saved)
+    assert train(_cfg(shards, training={"max_steps": 5}), run, progress=False)["step"] == 5
+
 
 def test_wandb_calls_with_a_stand_in_module(shards, tmp_path, monkeypatch) -> None:
     """What lmforge asks of wandb (init once per run dir, offline mode, one log per event), without wandb."""
