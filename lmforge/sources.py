@@ -37,6 +37,7 @@ PARQUET_SUFFIXES = (".parquet",)
 COMPRESSION_SUFFIXES = (".gz", ".zst")
 UTF8_POLICIES = ("error", "skip", "replace")
 _READ_CHUNK = 4 << 20  # bytes read from a text file at a time
+MAX_DOCUMENT_BYTES = 256 << 20  # a longer "document" almost always means a wrong delimiter
 _BLANKLINE = re.compile(rb"\n[ \t\r\f\v]*\n")
 
 
@@ -169,12 +170,22 @@ def utf8_length(docs: list[str]) -> int:
 # --------------------------------------------------------------------------------------------------
 # Readers, one per format; each yields lists of documents
 # --------------------------------------------------------------------------------------------------
+def _utf8_cut(buf: bytes) -> int:
+    """The start of the last (possibly incomplete) UTF-8 character of ``buf``: decoding ``buf[:cut]`` never
+    splits a character."""
+    k = len(buf) - 1
+    while k > 0 and len(buf) - k < 4 and 0x80 <= buf[k] < 0xC0:  # continuation bytes
+        k -= 1
+    return max(k, 0)
+
+
 def _text_batches(path: Path, delimiter: str, errors: str, stats: ReadStats) -> Iterator[list[str]]:
     """Documents of a plain-text file split on ``delimiter`` (read in 4 MiB chunks).
 
-    Fast path for string delimiters: each chunk, up to its last delimiter, is decoded in one call and
-    split as ``str`` (splitting UTF-8 bytes and text on a delimiter agree: UTF-8 is self-synchronising);
-    only a chunk with invalid UTF-8 is split and decoded document by document.
+    Each chunk is scanned left to right, exactly like splitting the whole file at once; the piece
+    after the last delimiter is carried into the next chunk. Fast path for string delimiters: the
+    chunk is decoded in one call and split as ``str`` (UTF-8 is self-synchronising, so splitting text
+    and bytes agree); only a chunk with invalid UTF-8 is split and decoded document by document.
     """
     if not delimiter:
         raise ValueError("delimiter must be a non-empty string, 'blankline' or 'line'")
@@ -188,28 +199,27 @@ def _text_batches(path: Path, delimiter: str, errors: str, stats: ReadStats) -> 
             buf = rest + chunk if rest else chunk
             if not buf:
                 break
-            if not chunk:  # end of file: the rest is the last document
-                head, rest = buf, b""
-            elif delimiter == "blankline":
-                *pieces, rest = _BLANKLINE.split(buf)
-                head = None
-            else:
-                cut = buf.rfind(sep, max(0, len(buf) - len(chunk) - len(sep)))
-                if cut < 0:
-                    rest = buf  # no delimiter yet: the document continues in the next chunk
-                    continue
-                head, rest = buf[:cut], buf[cut + len(sep):]
-            if head is not None:
+            docs = None
+            if delimiter != "blankline":
+                cut = _utf8_cut(buf) if chunk else len(buf)
                 try:
-                    docs = head.decode("utf-8").split(text_sep) if delimiter != "blankline" else [head.decode("utf-8")]
-                    count = len(docs)
+                    docs = buf[:cut].decode("utf-8").split(text_sep)
                 except UnicodeDecodeError:
-                    pieces = head.split(sep) if delimiter != "blankline" else [head]
-                    docs, count = _decode_all(pieces, errors, str(path), n, stats), len(pieces)
-            else:
+                    docs = None  # the slow path below reports or repairs it
+                else:  # the piece after the last delimiter may continue in the next chunk
+                    rest = docs.pop().encode("utf-8") + buf[cut:] if chunk else b""
+                    count = len(docs)
+            if docs is None:
+                pieces = _BLANKLINE.split(buf) if delimiter == "blankline" else buf.split(sep)
+                rest = pieces.pop() if chunk else b""
                 docs, count = _decode_all(pieces, errors, str(path), n, stats), len(pieces)
-            yield _keep(docs, stats)
-            n += count
+            if len(rest) > MAX_DOCUMENT_BYTES:
+                raise ValueError(f"{path}: document {n + count + 1} is longer than {MAX_DOCUMENT_BYTES >> 20} MiB "
+                                 f"without a {delimiter!r} delimiter; is the delimiter right? (CLI: --delimiter "
+                                 "'<|endoftext|>' | blankline | line | any string)")
+            if count:
+                yield _keep(docs, stats)
+                n += count
             if not chunk:
                 break
 

@@ -6,6 +6,7 @@ import gzip
 import http.server
 import io
 import json
+import re
 import tarfile
 import threading
 from pathlib import Path
@@ -45,6 +46,32 @@ def test_text_delimiters_across_chunk_boundaries(tmp_path, monkeypatch, delimite
     assert list(iter_file_documents(p, delimiter=delimiter, stats=st)) == docs
     assert st.documents == 3 and st.empty_skipped >= 1
     assert st.text_bytes == sum(len(d.encode()) for d in docs)
+
+
+def test_chunked_reading_equals_splitting_the_whole_file(tmp_path, monkeypatch):
+    import random
+
+    rng = random.Random(0)
+    p = tmp_path / "c.txt"
+    for trial in range(60):
+        text = "".join(rng.choice(["a", "b", "é", "✓", "\n", " ", "aa"]) for _ in range(rng.randint(0, 80)))
+        delimiter = rng.choice(["aa", "\n\n", "é", "line", "a✓", "blankline"])
+        p.write_text(text, encoding="utf-8")
+        sep = "\n" if delimiter == "line" else delimiter
+        pieces = re.split(r"\n[ \t\r\f\v]*\n", text) if delimiter == "blankline" else text.split(sep)
+        want = [d.strip() for d in pieces if d.strip()]
+        monkeypatch.setattr(sources, "_READ_CHUNK", rng.randint(1, 9))
+        assert list(iter_file_documents(p, delimiter=delimiter)) == want, (trial, text, delimiter)
+
+
+def test_runaway_document_means_a_wrong_delimiter(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "_READ_CHUNK", 16)
+    monkeypatch.setattr(sources, "MAX_DOCUMENT_BYTES", 100)
+    p = tmp_path / "c.txt"
+    p.write_text("short<|endoftext|>" + "x" * 500)
+    with pytest.raises(ValueError, match=r"document 2 is longer than 0 MiB without a '<\|endoftext\|>' delimiter"):
+        list(iter_file_documents(p))
+    assert list(iter_file_documents(p, delimiter="x" * 50)) == ["short<|endoftext|>"]
 
 
 def test_line_delimiter(tmp_path, monkeypatch):
