@@ -34,11 +34,10 @@ inline bool is_fold(uint32_t cp, const uint32_t* set, size_t n) {
 // "other" (no flag set), or kFlagS.
 template <uint8_t cls>
 inline size_t run_end(const uint8_t* s, size_t i, size_t n) {
-    const uint8_t* af = ascii_flags().f;
     while (i < n) {
         uint8_t c = s[i];
         if (c < 0x80) {
-            uint8_t f = af[c];
+            uint8_t f = latin1_flags(c);
             if (cls == 0 ? f != 0 : !(f & cls)) break;
             ++i;
         } else {
@@ -58,7 +57,7 @@ inline size_t ws_run(const uint8_t* s, size_t i, size_t n, size_t* last, size_t*
     while (i < n) {
         uint8_t c = s[i];
         if (c < 0x80) {
-            if (!(ascii_flags().f[c] & kFlagS)) break;
+            if (!(latin1_flags(c) & kFlagS)) break;
             if (c == '\r' || c == '\n') *crlf = i + 1;
             *last = i;
             ++i;

@@ -5,7 +5,7 @@
 namespace lmforge {
 constexpr uint8_t kFlagL = 1, kFlagN = 2, kFlagS = 4;
 // 135 distinct 256-code-point blocks
-static const uint16_t kStage1[4352] = {
+constexpr uint16_t kStage1[4352] = {
     0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,1,17,18,19,1,20,21,
     22,23,24,25,26,27,1,28,29,30,31,31,32,31,31,33,31,31,31,31,34,35,36,31,
     37,38,39,31,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,
@@ -189,7 +189,7 @@ static const uint16_t kStage1[4352] = {
     31,31,31,31,31,31,31,31,31,31,31,31,31,31,31,31,31,31,31,31,31,31,31,31,
     31,31,31,31,31,31,31,31,
 };
-static const uint8_t kStage2[34560] = {
+constexpr uint8_t kStage2[34560] = {
     0,0,0,0,0,0,0,0,0,4,4,4,4,4,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,4,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,2,2,2,2,2,2,2,2,2,2,0,0,0,0,0,0,
     0,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,0,0,0,0,0,0,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,0,0,0,0,0,
     0,0,0,0,0,4,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,4,0,0,0,0,0,0,0,0,0,1,0,0,0,0,0,0,0,2,2,0,1,0,0,0,2,1,0,2,2,2,0,
@@ -732,15 +732,19 @@ static const uint8_t kStage2[34560] = {
     0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,
 };
 // Code points matched by (?i:x) for the contraction letters, ASCII forms first.
-static const uint32_t kFold_s[3] = {0x53, 0x73, 0x17f};
-static const uint32_t kFold_d[2] = {0x44, 0x64};
-static const uint32_t kFold_m[2] = {0x4d, 0x6d};
-static const uint32_t kFold_t[2] = {0x54, 0x74};
-static const uint32_t kFold_l[2] = {0x4c, 0x6c};
-static const uint32_t kFold_v[2] = {0x56, 0x76};
-static const uint32_t kFold_e[2] = {0x45, 0x65};
-static const uint32_t kFold_r[2] = {0x52, 0x72};
+constexpr uint32_t kFold_s[3] = {0x53, 0x73, 0x17f};
+constexpr uint32_t kFold_d[2] = {0x44, 0x64};
+constexpr uint32_t kFold_m[2] = {0x4d, 0x6d};
+constexpr uint32_t kFold_t[2] = {0x54, 0x74};
+constexpr uint32_t kFold_l[2] = {0x4c, 0x6c};
+constexpr uint32_t kFold_v[2] = {0x56, 0x76};
+constexpr uint32_t kFold_e[2] = {0x45, 0x65};
+constexpr uint32_t kFold_r[2] = {0x52, 0x72};
 
+// Block 0 (U+0000..U+00FF) is enumerated first, so kStage2[c] are the flags of c < 256: the
+// ASCII fast path reads them without the two-level lookup.
+static_assert(kStage1[0] == 0, "block 0 must come first");
+inline uint8_t latin1_flags(uint8_t c) { return kStage2[c]; }
 inline uint8_t unicode_flags(uint32_t cp) {
     return cp < 0x110000 ? kStage2[(uint32_t)kStage1[cp >> 8] * 256 + (cp & 0xFF)] : 0;
 }

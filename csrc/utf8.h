@@ -50,22 +50,10 @@ struct Char {
     uint8_t flags;
 };
 
-// Flags of ASCII bytes, the hot path (built from the generated table, so it cannot disagree).
-struct AsciiFlags {
-    uint8_t f[128];
-    AsciiFlags() {
-        for (uint32_t c = 0; c < 128; ++c) f[c] = unicode_flags(c);
-    }
-};
-inline const AsciiFlags& ascii_flags() {
-    static const AsciiFlags t;
-    return t;
-}
-
 // Decode the character at s[0] (valid UTF-8 assumed; n >= 1 bytes available).
 inline Char decode_char(const uint8_t* s) {
     uint8_t c = s[0];
-    if (c < 0x80) return {c, 1, ascii_flags().f[c]};
+    if (c < 0x80) return {c, 1, latin1_flags(c)};
     uint32_t cp, len;
     if (c < 0xE0) { cp = ((c & 0x1Fu) << 6) | (s[1] & 0x3Fu); len = 2; }
     else if (c < 0xF0) { cp = ((c & 0x0Fu) << 12) | ((s[1] & 0x3Fu) << 6) | (s[2] & 0x3Fu); len = 3; }
@@ -75,7 +63,7 @@ inline Char decode_char(const uint8_t* s) {
 
 // Flags of the character starting at s[0] without returning its length (for run scanning).
 inline uint8_t char_flags(const uint8_t* s, uint32_t* len) {
-    if (s[0] < 0x80) { *len = 1; return ascii_flags().f[s[0]]; }
+    if (s[0] < 0x80) { *len = 1; return latin1_flags(s[0]); }
     Char c = decode_char(s);
     *len = c.len;
     return c.flags;

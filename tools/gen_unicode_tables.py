@@ -73,12 +73,12 @@ def render(flags: bytearray, variants: dict[str, list[int]]) -> str:
         "namespace lmforge {",
         f"constexpr uint8_t kFlagL = {FLAG_L}, kFlagN = {FLAG_N}, kFlagS = {FLAG_S};",
         f"// {len(blocks)} distinct 256-code-point blocks",
-        f"static const uint16_t kStage1[{len(stage1)}] = {{",
+        f"constexpr uint16_t kStage1[{len(stage1)}] = {{",
     ]
     for i in range(0, len(stage1), 24):
         lines.append("    " + ",".join(str(v) for v in stage1[i:i + 24]) + ",")
     lines.append("};")
-    lines.append(f"static const uint8_t kStage2[{len(blocks) * 256}] = {{")
+    lines.append(f"constexpr uint8_t kStage2[{len(blocks) * 256}] = {{")
     for b in blocks:
         for i in range(0, 256, 64):
             lines.append("    " + ",".join(str(v) for v in b[i:i + 64]) + ",")
@@ -86,8 +86,12 @@ def render(flags: bytearray, variants: dict[str, list[int]]) -> str:
     lines.append("// Code points matched by (?i:x) for the contraction letters, ASCII forms first.")
     for c in CONTRACTION_LETTERS:
         cps = variants[c]
-        lines.append(f"static const uint32_t kFold_{c}[{len(cps)}] = {{{', '.join(hex(v) for v in cps)}}};")
+        lines.append(f"constexpr uint32_t kFold_{c}[{len(cps)}] = {{{', '.join(hex(v) for v in cps)}}};")
     lines.append("")
+    lines.append("// Block 0 (U+0000..U+00FF) is enumerated first, so kStage2[c] are the flags of c < 256: the")
+    lines.append("// ASCII fast path reads them without the two-level lookup.")
+    lines.append("static_assert(kStage1[0] == 0, \"block 0 must come first\");")
+    lines.append("inline uint8_t latin1_flags(uint8_t c) { return kStage2[c]; }")
     lines.append("inline uint8_t unicode_flags(uint32_t cp) {")
     lines.append("    return cp < 0x110000 ? kStage2[(uint32_t)kStage1[cp >> 8] * 256 + (cp & 0xFF)] : 0;")
     lines.append("}")
