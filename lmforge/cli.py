@@ -363,7 +363,7 @@ def _eval_run(args: argparse.Namespace) -> int:
 def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", default=None, help="run directory (config.yaml, tokenizer.json, checkpoints/)")
     p.add_argument("--checkpoint", default=None,
-                   help="checkpoint file to load (default: the newest valid one in the run directory)")
+                   help="checkpoint file to load, or 'best' (default: the newest valid one in the run directory)")
     p.add_argument("--prompt", action="append", default=[], help="text to continue (repeatable: one output each)")
     p.add_argument("--prompt-file", default=None, help="read one prompt from this UTF-8 file")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt (default 200)")

@@ -301,8 +301,8 @@ class Generator:
                  device: str = "auto") -> "Generator":
         """Load model + tokenizer from a run directory (``config.yaml``, ``tokenizer.json``, checkpoints).
 
-        Uses ``checkpoint`` if given, else the newest step checkpoint that verifies (a corrupt newest one
-        is skipped with a warning).
+        Uses ``checkpoint`` if given (a file, or ``"best"`` for ``checkpoints/best.safetensors``), else the
+        newest step checkpoint that verifies (a corrupt newest one is skipped with a warning).
         """
         from lmforge.checkpoint import CheckpointManager, apply_checkpoint, read_checkpoint
         from lmforge.common import resolve_device
@@ -320,7 +320,8 @@ class Generator:
         model_cfg = from_dict(ModelConfig, load_yaml(run / "config.yaml").get("model"), path="model")
         dev = resolve_device(device)
         if checkpoint is not None:
-            ckpt_path, ckpt = Path(checkpoint), read_checkpoint(checkpoint)
+            ckpt_path = CheckpointManager(run).best_path if str(checkpoint) == "best" else Path(checkpoint)
+            ckpt = read_checkpoint(ckpt_path)
         else:
             found = CheckpointManager(run).load_latest()
             if found is None:
@@ -407,6 +408,8 @@ class Generator:
         returns an iterator instead: of ids for one prompt, of ``(row, id)`` pairs for several.
         ``naive=True`` recomputes the model's full forward at every step (slow; the test oracle).
         """
+        if hasattr(prompt_ids, "tolist"):  # a tensor or an array
+            prompt_ids = prompt_ids.tolist()
         single = len(prompt_ids) > 0 and not isinstance(prompt_ids[0], (list, tuple))
         rows = [list(prompt_ids)] if single else [list(r) for r in prompt_ids]
         check_sampling(temperature, top_k, top_p)

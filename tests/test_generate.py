@@ -61,6 +61,9 @@ def test_batched_greedy_equals_one_at_a_time():
     batched = gen.generate_ids(PROMPTS, 25, temperature=0)
     alone = [gen.generate_ids(p, 25, temperature=0) for p in PROMPTS]
     assert batched == alone
+    same_length = torch.tensor([PROMPTS[2], PROMPTS[2][::-1]])  # a (B, T) tensor works as well as lists
+    assert gen.generate_ids(same_length, 25, temperature=0) == [alone[2], gen.generate_ids(PROMPTS[2][::-1], 25,
+                                                                                          temperature=0)]
 
 
 def test_sampling_is_reproducible_with_seed():
@@ -249,6 +252,8 @@ def test_from_run_loads_newest_valid_checkpoint(tmp_path, tiny_tokenizer, caplog
         gen = Generator.from_run(tmp_path / "run", device="cpu")
     assert "falling back" in caplog.text
     assert gen.generate("the dog", 20, temperature=0) == want
+    with pytest.raises(ValueError, match="does not exist"):  # this run kept no best.safetensors
+        Generator.from_run(tmp_path / "run", checkpoint="best")
 
 
 def test_from_run_errors(tmp_path, tiny_tokenizer):
