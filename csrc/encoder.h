@@ -31,6 +31,9 @@ private:
     size_t mask_ = 0, size_ = 0;
 };
 
+// Merging rule: repeatedly merge the adjacent pair of lowest rank, leftmost first (tiktoken's rule).
+// For merge lists where every merge's parts are created by earlier merges (GPT-2, tiktoken, anything
+// trained by BPE) this equals lmforge.bpe's "merge every occurrence of the best pair" rule.
 class Encoder {
 public:
     Encoder(std::vector<std::string> vocab, const std::vector<std::pair<int64_t, int64_t>>& merges,
