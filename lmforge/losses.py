@@ -54,33 +54,41 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(cdtype), w.to(cdtype)  # no copy when already cdtype
             grad_h = torch.empty_like(hc)  # (N, d)
-            grad_w = None  # (V, d) float32
+            grad_w = torch.empty(w.shape, dtype=torch.float32, device=w.device)  # (V, d)
             losses = []
             for s in range(0, N, chunk):
                 e = min(N, s + chunk)
-                logits = (hc[s:e] @ wc.T).float()  # (n, V)
                 t = targets[s:e, None]  # (n, 1)
-                lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (n, 1)
-                nll = (lse - logits.gather(1, t)).squeeze(1)  # (n,)
-                p = logits.sub_(lse).exp_()  # softmax, in place
-                p.scatter_add_(1, t, torch.full_like(lse, -1.0))  # d(sum nll)/d logits = softmax - onehot
+                logp = torch.log_softmax((hc[s:e] @ wc.T).float(), dim=-1)  # (n, V); one fused pass per row
+                nll = -logp.gather(1, t).squeeze(1)  # (n,)
+                p = logp.exp_()  # softmax, in place
+                p.scatter_add_(1, t, torch.full_like(t, -1.0, dtype=p.dtype))  # d(sum nll)/d logits = p - onehot
                 if valid is not None:
                     nll = nll * valid[s:e]
                     p.mul_(valid[s:e, None])
                 losses.append(nll.sum())
                 p = p.to(cdtype)
                 torch.mm(p, wc, out=grad_h[s:e])  # (n, d)
-                gw = p.T @ hc[s:e]  # (V, d)
-                grad_w = gw.float() if grad_w is None else grad_w.add_(gw)
+                if cdtype == torch.float32:  # accumulate inside the GEMM: no (V, d) temporary
+                    grad_w.addmm_(p.T, hc[s:e], beta=0.0 if s == 0 else 1.0)
+                elif s == 0:
+                    grad_w.copy_(p.T @ hc[s:e])
+                else:
+                    grad_w.add_(p.T @ hc[s:e])
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, w.dtype)
+        ctx.used = False
         return torch.stack(losses).sum()
 
     @staticmethod
     def backward(ctx, g: Tensor):
+        if ctx.used:  # the saved gradients are scaled in place below, so a second pass would be wrong
+            raise RuntimeError("linear_cross_entropy: backward through the same loss twice is not supported; "
+                               "recompute the loss instead of retain_graph=True")
+        ctx.used = True
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        return (grad_h * g).to(h_dtype), (grad_w * g).to(w_dtype), None, None, None, None
+        return grad_h.mul_(g).to(h_dtype), grad_w.mul_(g).to(w_dtype), None, None, None, None
 
 
 def _valid_rows(targets: Tensor, ignore_index: int | None) -> tuple[Tensor, Tensor | None, Tensor | int]:

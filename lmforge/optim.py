@@ -71,20 +71,34 @@ class SGD(torch.optim.Optimizer):
 class AdamW(torch.optim.Optimizer):
     """Adam with decoupled weight decay (Loshchilov & Hutter), as ``torch.optim.AdamW``.
 
+    ``impl="foreach"`` runs the update below as a few ``torch._foreach_*`` calls per group; ``"auto"``
+    (default) uses PyTorch's fused one-pass AdamW kernel on CPU/CUDA (same formula) and foreach elsewhere.
+
     Per parameter, at step ``t`` (from 1): ``p ← p·(1 − lr·wd)``; ``m ← β1·m + (1−β1)·g``;
     ``v ← β2·v + (1−β2)·g²``; ``p ← p − lr/(1−β1ᵗ) · m / (sqrt(v/(1−β2ᵗ)) + eps)``.
     State per parameter: ``step`` (int), ``exp_avg`` and ``exp_avg_sq`` (tensors like the parameter).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.01, impl: str = "auto") -> None:
         if lr < 0:
             raise ValueError(f"AdamW lr must be >= 0, got {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"AdamW betas must lie in [0, 1), got {betas}")
         if eps < 0 or weight_decay < 0:
             raise ValueError(f"AdamW eps and weight_decay must be >= 0, got eps={eps}, weight_decay={weight_decay}")
+        if impl not in ("auto", "fused", "foreach"):
+            raise ValueError(f"AdamW impl must be 'auto', 'fused' or 'foreach', got {impl!r}")
+        self.impl = impl
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    def _use_fused(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """PyTorch's one-pass AdamW kernel where it exists (CPU/CUDA floats): 4x less memory traffic
+        than the foreach sequence. ``impl="foreach"`` forces the readable path below."""
+        ok = device.type in ("cpu", "cuda") and dtype in (torch.float32, torch.bfloat16, torch.float16)
+        if self.impl == "fused" and not ok:
+            raise ValueError(f"AdamW impl='fused' is not available for {dtype} on {device.type}; use impl='auto'")
+        return ok and self.impl != "foreach" and hasattr(torch, "_fused_adamw_")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -107,6 +121,11 @@ class AdamW(torch.optim.Optimizer):
             # Tensors at the same step share the bias corrections, so one foreach call updates them all.
             for (_, _, step), bucket in _buckets(rows, key=lambda r: r[4]).items():
                 ps, gs, ms, vs = ([r[i] for r in bucket] for i in range(4))
+                if self._use_fused(ps[0].device, ps[0].dtype):
+                    steps = [torch.full((), float(step), dtype=torch.float32, device=ps[0].device)] * len(ps)
+                    torch._fused_adamw_(ps, gs, ms, vs, [], steps, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
+                                        weight_decay=wd, eps=eps, maximize=False, grad_scale=None, found_inf=None)
+                    continue
                 bc1 = 1.0 - beta1**step
                 bc2_sqrt = math.sqrt(1.0 - beta2**step)
                 if wd != 0:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.layers import cross_entropy as cross_entropy_reference
-from lmforge.model import (CausalSelfAttention, Embedding, KVCache, Linear, ModelConfig, RMSNorm,
+from lmforge.model import (CausalSelfAttention, Embedding, KVCache, Linear, ModelConfig, Norm, RMSNorm,
                            RotaryPositionalEmbedding, SwiGLU, TransformerBlock, TransformerLM, cross_entropy,
                            flops_per_token, linear_cross_entropy, matmul_params_per_token, num_params,
                            scaled_dot_product_attention, silu, softmax)
@@ -66,6 +66,26 @@ def test_rmsnorm_formula_and_dtype():
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), (xb.float() / torch.sqrt((xb.float() ** 2).mean(-1, keepdim=True) + 1e-5)
                                              * norm.weight).bfloat16().float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_rmsnorm_matches_reference_with_gradients(dtype):
+    torch.manual_seed(0)
+    ref = RMSNorm(16)
+    fast = Norm(16, fast=True)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        fast.weight.copy_(ref.weight)
+    x = (torch.randn(3, 5, 16) * 3).to(dtype).requires_grad_()
+    g = torch.randn(3, 5, 16).to(dtype)
+    outs = []
+    for m in (ref, fast):
+        y = m(x)
+        assert y.dtype == dtype
+        outs.append((y, *torch.autograd.grad(y, (x, m.weight), g)))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, **tol)
 
 
 def test_swiglu_formula_and_default_width():

@@ -32,10 +32,11 @@ def _groups(ps):
     return [{"params": ps[:1], "weight_decay": 0.1}, {"params": ps[1:], "weight_decay": 0.0, "lr": 3e-3}]
 
 
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
 @pytest.mark.parametrize("skip", [None, (2, 1)])
-def test_adamw_matches_torch(skip):
+def test_adamw_matches_torch(skip, impl):
     kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
-    ours, _ = _run(AdamW, kw, _groups, skip_grad_at=skip)
+    ours, _ = _run(AdamW, dict(kw, impl=impl), _groups, skip_grad_at=skip)
     theirs, _ = _run(torch.optim.AdamW, kw, _groups, skip_grad_at=skip)
     start = _params()
     for a, b, s in zip(ours, theirs, start):
@@ -64,12 +65,15 @@ def test_optimizer_validation():
         AdamW(_params(), lr=-1)
     with pytest.raises(ValueError, match="betas"):
         AdamW(_params(), betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="impl"):
+        AdamW(_params(), impl="magic")
     with pytest.raises(ValueError, match="momentum"):
         SGD(_params(), momentum=1.5)
 
 
-def test_adamw_state_dict_round_trip_is_exact():
-    kw = dict(lr=1e-2, weight_decay=0.1)
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_adamw_state_dict_round_trip_is_exact(impl):
+    kw = dict(lr=1e-2, weight_decay=0.1, impl=impl)
     ps, opt = _run(AdamW, kw, _groups, steps=3)
     sd = opt.state_dict()
     for st in sd["state"].values():  # only tensors and plain numbers: storable as safetensors + JSON

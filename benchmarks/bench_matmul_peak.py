@@ -1,0 +1,49 @@
+"""The machine's practical matmul peak: GFLOP/s of a large square matmul, the denominator of CPU MFU.
+
+    python benchmarks/bench_matmul_peak.py              # 4096² fp32 and bf16
+    python benchmarks/bench_matmul_peak.py --n 2048     # quicker
+
+Reported as the best of a few repeats (the machine is shared: the best run is the least disturbed one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def matmul_peak_gflops(n: int = 4096, dtype: torch.dtype = torch.float32, repeats: int = 5, device: str = "cpu") -> float:
+    """Best GFLOP/s of ``(n, n) @ (n, n)`` over ``repeats`` timed runs (after one warm-up)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    c = a @ b  # warm-up: thread pool, kernels
+    best = float("inf")
+    for _ in range(repeats):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.matmul(a, b, out=c)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=4096, help="matrix size")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"threads: {torch.get_num_threads()}")
+    for dtype in (torch.float32, torch.bfloat16):
+        print(f"{args.n}² matmul {str(dtype).removeprefix('torch.'):>8}: "
+              f"{matmul_peak_gflops(args.n, dtype, args.repeats):7.1f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
