@@ -355,7 +355,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
 
     The returned dict holds ``step``, ``loss`` (last logged train loss), ``val_loss``, ``val_ppl``,
     ``val_bpb`` (last evaluation, None without a validation split), ``best_val_loss``, ``tokens``,
-    ``tokens_per_s``, ``mfu``, ``train_seconds`` (step time of this session, excluding eval and saves) and ``checkpoint`` (path of the last one saved).
+    ``tokens_per_s``, ``mfu``, ``train_seconds`` (step time of this session, excluding eval and saves) and
+    ``checkpoint`` (path of the last one saved).
     Raises ``ValueError`` for bad configs or data and :class:`NonFiniteLossError` if the loss diverges.
     """
     import contextlib
