@@ -196,32 +196,43 @@ def _parse_header(data: bytes, name: str) -> dict[str, Any]:
     return meta
 
 
+def _read_header(path: Path) -> dict[str, Any]:
+    """The safetensors metadata of a file, reading only its header (a lying length cannot over-allocate)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        head += f.read(min(n, size))
+    return _parse_header(head, str(path))
+
+
 def read_metadata(src: str | os.PathLike) -> dict[str, Any]:
     """The JSON ``meta`` of a checkpoint file (iteration, extra without tensors), reading only its header.
 
     Not verified against the checksum: use it for cheap listings, and :func:`read_checkpoint` to load.
     """
-    p = check_input_file(src)
-    with open(p, "rb") as f:
-        head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-        head += f.read(n)
-    return json.loads(_parse_header(head, str(p))["meta"])
+    return json.loads(_read_header(check_input_file(src))["meta"])
 
 
 def read_checkpoint(src: str | os.PathLike | IO[bytes]) -> Checkpoint:
-    """Read and verify a checkpoint (``ValueError`` if truncated, corrupt or not a checkpoint)."""
-    from safetensors.torch import load
+    """Read and verify a checkpoint (``ValueError`` if truncated, corrupt or not a checkpoint).
 
-    if isinstance(src, (str, os.PathLike)):
-        name = str(src)
-        data = check_input_file(src).read_bytes()
-    else:
-        name = getattr(src, "name", "<file object>")
-        data = src.read()
-    meta = _parse_header(data, name)
+    A path is memory-mapped (peak memory ~ one copy of the tensors); a file object is read whole.
+    """
+    from safetensors.torch import load, load_file
+
     try:
-        tensors = load(data)
+        if isinstance(src, (str, os.PathLike)):
+            name = str(src)
+            meta = _read_header(check_input_file(src))
+            tensors = load_file(src)
+        else:
+            name = getattr(src, "name", "<file object>")
+            data = src.read()
+            meta = _parse_header(data, name)
+            tensors = load(data)
+    except ValueError:
+        raise
     except Exception as e:  # safetensors raises its own error type for inconsistent offsets / short data
         raise ValueError(f"checkpoint {name} is truncated or corrupt ({e})") from e
     if _digest(tensors, meta["meta"]) != meta.get("sha256"):
