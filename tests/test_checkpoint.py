@@ -128,6 +128,12 @@ def test_corruption_and_truncation_detected(tmp_path) -> None:
         with pytest.raises(ValueError, match="truncated|corrupt"):
             read_checkpoint(path)
 
+    path.write_bytes(struct.pack("<Q", 1 << 60) + b"{}")  # a header length that would need an exabyte
+    with pytest.raises(ValueError, match="truncated"):
+        read_metadata(path)
+    with pytest.raises(ValueError, match="truncated"):
+        read_checkpoint(path)
+
     path.write_bytes(b"not a checkpoint at all, just some text")
     with pytest.raises(ValueError):
         read_checkpoint(path)
