@@ -409,8 +409,10 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
         ckpts = CheckpointManager(run_dir, tc.keep_last)
         log = MetricsLog(run_dir, enabled=main)
         step, last_ckpt, fsdp_optim_state = 0, None, None
-        if main:
+        if main:  # half-written temporaries of a killed run (checkpoints, loss.png, metrics rewrite)
             ckpts.remove_stale_temporaries()
+            for tmp in run_dir.glob(".*.tmp"):
+                tmp.unlink(missing_ok=True)
         latest = ckpts.load_latest(quarantine=main)
         if latest is not None:
             path, ck = latest

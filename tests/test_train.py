@@ -139,8 +139,11 @@ def test_resume_in_process_equals_uninterrupted(shards, tmp_path) -> None:
     train(_cfg(shards, training={"max_steps": 10}), full, progress=False)
     split = tmp_path / "split"
     train(_cfg(shards, training={"max_steps": 5}), split, progress=False)  # checkpoints at 3 and 5 (the end)
+    for leftover in (split / ".loss.png.x1.tmp", split / "checkpoints" / ".step_00000006.safetensors.x2.tmp"):
+        leftover.write_bytes(b"half-written by a killed process")
     train(_cfg(shards, training={"max_steps": 10}), split, progress=False)  # max_steps may change: resumes at 5
     assert _losses(split) == _losses(full)  # float equality, every step
+    assert list(split.rglob(".*.tmp")) == []
     vals = lambda r: [(e["step"], e["val_loss"]) for e in _events(r) if "val_loss" in e and e["step"] != 5]
     assert vals(split) == vals(full)
 
@@ -236,7 +239,7 @@ def test_sigkill_and_restart_equals_uninterrupted(shards, tmp_path) -> None:
     assert _losses(killed) == _losses(full)  # bit for bit
     vals = lambda r: [(e["step"], e["val_loss"]) for e in _events(r) if "val_loss" in e]
     assert vals(killed) == vals(full)
-    assert list((killed / "checkpoints").glob(".*.tmp")) == []
+    assert list(killed.rglob(".*.tmp")) == []
 
 
 # --------------------------------------------------------------------------------------------------
