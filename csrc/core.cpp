@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
 #include <stdexcept>
 
 #include "counter.h"
@@ -49,15 +50,16 @@ public:
     ~PyEncoder() {
         for (PyObject* o : ints_) Py_XDECREF(o);
     }
+    nb::list to_list(const std::vector<uint32_t>& ids) const { return to_list(ids.data(), ids.size()); }
     // GIL held.
-    nb::list to_list(const std::vector<uint32_t>& ids) const {
+    nb::list to_list(const uint32_t* ids, size_t n) const {
         if (ints_.empty()) {
             ints_.resize(vocab_size());
             for (size_t i = 0; i < ints_.size(); ++i) ints_[i] = PyLong_FromSize_t(i);
         }
-        PyObject* l = PyList_New((Py_ssize_t)ids.size());
+        PyObject* l = PyList_New((Py_ssize_t)n);
         if (!l) throw nb::python_error();
-        for (size_t i = 0; i < ids.size(); ++i) {
+        for (size_t i = 0; i < n; ++i) {
             uint32_t id = ids[i];
             PyObject* o;
             if (id < ints_.size()) {
@@ -258,33 +260,46 @@ NB_MODULE(_core, m) {
             [](const PyEncoder& e, nb::list texts, int num_threads, bool allow_special) {
                 std::vector<nb::object> keep;  // own the strs: the list may change while the GIL is released
                 std::vector<std::pair<const uint8_t*, size_t>> docs = utf8_all(texts, keep);
-                std::vector<std::vector<uint32_t>> res;
+                Encoder::Batch res;
                 {
                     nb::gil_scoped_release release;
                     e.encode_batch(docs, num_threads, allow_special, res);
                 }
-                nb::list out;
-                for (const auto& ids : res) out.append(e.to_list(ids));
-                return out;
+                // Thousands of fresh lists would trigger the cyclic GC over and over (they hold only
+                // ints: no cycles), so it is paused while they are built.
+                struct GcPause {
+                    int was = PyGC_Disable();
+                    ~GcPause() { if (was) PyGC_Enable(); }
+                } pause;
+                PyObject* out = PyList_New((Py_ssize_t)docs.size());
+                if (!out) throw nb::python_error();
+                nb::list result = nb::steal<nb::list>(out);
+                for (size_t i = 0; i < docs.size(); ++i) {
+                    auto [p, n] = res.ids(i);
+                    PyList_SET_ITEM(out, (Py_ssize_t)i, e.to_list(p, n).release().ptr());
+                }
+                return result;
             },
             nb::arg("texts"), nb::arg("num_threads"), nb::arg("allow_special"))
         .def(
             "encode_batch_flat",
             [](const PyEncoder& e, nb::list texts, int num_threads, bool allow_special) {
-                std::vector<nb::object> keep;  // own the strs: the list may change while the GIL is released
+                std::vector<nb::object> keep;
                 std::vector<std::pair<const uint8_t*, size_t>> docs = utf8_all(texts, keep);
                 std::vector<uint32_t> flat;
                 std::vector<int64_t> offsets{0};
                 {
                     nb::gil_scoped_release release;
-                    std::vector<std::vector<uint32_t>> res;
+                    Encoder::Batch res;
                     e.encode_batch(docs, num_threads, allow_special, res);
-                    size_t total = 0;
-                    for (const auto& r : res) total += r.size();
-                    flat.reserve(total);
-                    for (const auto& r : res) {
-                        flat.insert(flat.end(), r.begin(), r.end());
-                        offsets.push_back((int64_t)flat.size());
+                    flat.resize(res.total());
+                    offsets.reserve(docs.size() + 1);
+                    size_t at = 0;
+                    for (size_t i = 0; i < docs.size(); ++i) {
+                        auto [p, n] = res.ids(i);
+                        if (n) std::memcpy(flat.data() + at, p, n * sizeof(uint32_t));
+                        at += n;
+                        offsets.push_back((int64_t)at);
                     }
                 }
                 return std::make_pair(to_numpy(std::move(flat)), to_numpy(std::move(offsets)));

@@ -239,24 +239,36 @@ void Encoder::encode_words(const std::vector<std::pair<const uint8_t*, size_t>>&
 }
 
 void Encoder::encode_batch(const std::vector<std::pair<const uint8_t*, size_t>>& docs, int num_threads,
-                           bool allow_special, std::vector<std::vector<uint32_t>>& results) const {
+                           bool allow_special, Batch& out) const {
     if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1, got " + std::to_string(num_threads));
     if (pattern_ == kCustom)
         throw std::invalid_argument("this encoder has a custom pattern: pre-tokenize in Python and call encode_words");
-    results.assign(docs.size(), {});
+    constexpr size_t kGroup = 16;  // documents taken per atomic fetch
+    const size_t n = docs.size();
+    const size_t T = std::max<size_t>(1, std::min<size_t>({(size_t)num_threads, (n + kGroup - 1) / kGroup, kMaxThreads}));
+    out.bufs.assign(T, {});
+    out.thread.assign(n, 0);
+    out.start.assign(n, 0);
+    out.len.assign(n, 0);
     std::atomic<size_t> next{0};
-    auto work = [&]() {
+    auto work = [&](size_t t) {
         auto cache = acquire_cache();  // one per thread for the whole batch
-        size_t i;
-        while ((i = next.fetch_add(1)) < docs.size())
-            encode_with(docs[i].first, docs[i].second, allow_special, results[i], *cache);
+        std::vector<uint32_t>& buf = out.bufs[t];
+        size_t g;
+        while ((g = next.fetch_add(kGroup)) < n) {
+            for (size_t i = g; i < std::min(n, g + kGroup); ++i) {
+                out.thread[i] = (uint32_t)t;
+                out.start[i] = buf.size();
+                encode_with(docs[i].first, docs[i].second, allow_special, buf, *cache);
+                out.len[i] = buf.size() - out.start[i];
+            }
+        }
         release_cache(std::move(cache));
     };
-    size_t T = std::min<size_t>({(size_t)num_threads, docs.size(), kMaxThreads});
-    if (T <= 1) { work(); return; }
+    if (T == 1) { work(0); return; }
     std::vector<std::thread> threads;
-    for (size_t t = 1; t < T; ++t) threads.emplace_back(work);
-    work();
+    for (size_t t = 1; t < T; ++t) threads.emplace_back(work, t);
+    work(0);
     for (auto& th : threads) th.join();
 }
 

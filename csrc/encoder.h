@@ -43,9 +43,22 @@ public:
     void encode(const uint8_t* s, size_t n, bool allow_special, std::vector<uint32_t>& out) const;
     // Apply the merges to each already pre-tokenized word (custom patterns; no specials).
     void encode_words(const std::vector<std::pair<const uint8_t*, size_t>>& words, std::vector<uint32_t>& out) const;
-    // Encode many documents on num_threads threads; results[i] belongs to docs[i].
+    // Ids of many documents: each worker thread appends to its own buffer, so there is no
+    // allocation per document. ids(i) is document i's span.
+    struct Batch {
+        std::vector<std::vector<uint32_t>> bufs;  // one per thread
+        std::vector<uint32_t> thread;             // per document: which buffer
+        std::vector<size_t> start, len;           // per document: span in that buffer
+        std::pair<const uint32_t*, size_t> ids(size_t i) const { return {bufs[thread[i]].data() + start[i], len[i]}; }
+        size_t total() const {
+            size_t t = 0;
+            for (const auto& b : bufs) t += b.size();
+            return t;
+        }
+    };
+    // Encode many documents on num_threads threads (documents handed out in small groups).
     void encode_batch(const std::vector<std::pair<const uint8_t*, size_t>>& docs, int num_threads,
-                      bool allow_special, std::vector<std::vector<uint32_t>>& results) const;
+                      bool allow_special, Batch& out) const;
     // Concatenated bytes of ids; throws std::invalid_argument naming the first out-of-range id.
     std::string decode_bytes(const std::vector<int64_t>& ids) const;
 

@@ -408,6 +408,35 @@ def test_encoder_is_thread_safe_across_python_threads() -> None:
     assert got == expected * 3
 
 
+def spins_while(fn) -> int:
+    """Run fn on a thread; count loop turns this thread makes meanwhile (0 if fn holds the GIL)."""
+    import threading
+
+    started = threading.Event()
+
+    def target() -> None:
+        started.set()
+        fn()
+
+    t = threading.Thread(target=target)
+    t.start()
+    started.wait()
+    spins = 0
+    while t.is_alive():
+        spins += 1
+    t.join()
+    return spins
+
+
+def test_heavy_calls_release_the_gil() -> None:
+    data = random_corpus(100_000, seed=12).encode()
+    c = _core.PretokenCounter(_core.PATTERN_GPT2, [EOT.encode()])
+    assert spins_while(lambda: c.add(data, 1)) > 1000
+    enc, *_ = build_tokenizer(random_corpus(500, seed=4), 100, "gpt2", 1, (EOT,))
+    docs = [data.decode()[k:k + 5000] for k in range(0, len(data) // 2, 5000)]
+    assert spins_while(lambda: enc.encode_batch(docs, 1, True)) > 1000
+
+
 def test_encoder_long_run_is_not_quadratic() -> None:
     tokens = [bytes([b]) for b in range(256)] + [b"aa", b"aaaa", b"aaaaaaaa"]
     a = ord("a")
