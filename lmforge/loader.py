@@ -2,7 +2,8 @@
 
 ``BlockLoader`` cuts each shard of a split into blocks of ``context_length + 1`` tokens (inputs and
 shifted targets come from the same block, as in TinyLlama / Steel-LLM) and walks a seeded
-permutation of all blocks, epoch after epoch. Its whole position is a few integers and shard
+permutation of all blocks, epoch after epoch. The permutation is computed, not stored (a keyed
+Feistel network, see :func:`permute`), so the loader's memory does not grow with the corpus. Its whole position is a few integers and shard
 names, so ``state_dict()`` is small JSON and a restored loader continues with exactly the batches
 an uninterrupted one would have produced.
 
@@ -66,6 +67,53 @@ def get_batch(tokens: np.ndarray, batch_size: int, context_length: int, device: 
     return x.to(dev), y.to(dev)
 
 
+_WINDOW = 4096  # epoch positions whose block ids are computed together
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a fast, well-mixing function of uint64 arrays (arithmetic wraps)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def _round_keys(*key: int) -> list[np.uint64]:
+    """Four 64-bit round keys derived from integers (seed, epoch, layer)."""
+    import hashlib
+
+    raw = "/".join(map(str, key)).encode()
+    return [np.uint64(int.from_bytes(hashlib.blake2b(raw + bytes([r]), digest_size=8).digest(), "little"))
+            for r in range(4)]
+
+
+def permute(x: np.ndarray, n: int, keys: list[np.uint64]) -> np.ndarray:
+    """``p(x)`` for a keyed pseudo-random permutation ``p`` of ``[0, n)``, computed, never stored.
+
+    A 4-round balanced Feistel network on the smallest even number of bits that covers ``n`` is a
+    bijection of ``[0, 2**bits)``; values that land outside ``[0, n)`` are sent through it again
+    ("cycle walking"), which makes it a bijection of ``[0, n)``. O(1) memory for any corpus size.
+    """
+    x = np.asarray(x, dtype=np.uint64)
+    if n <= 1:
+        return np.zeros(x.shape, dtype=np.int64)
+    half = ((n - 1).bit_length() + 1) // 2
+    shift, mask = np.uint64(half), np.uint64((1 << half) - 1)
+
+    def feistel(y: np.ndarray) -> np.ndarray:
+        left, right = y >> shift, y & mask
+        for k in keys:
+            left, right = right, left ^ (_mix(right ^ k) & mask)
+        return (left << shift) | right
+
+    y = feistel(x)
+    out = y >= np.uint64(n)
+    while out.any():  # at most a few rounds: the Feistel domain is < 4n
+        y[out] = feistel(y[out])
+        out = y >= np.uint64(n)
+    return y.astype(np.int64)
+
+
 def _block_starts(dataset: TokenDataset, i: int, block: int, bos_aligned: bool) -> np.ndarray | int:
     """Start offsets of the blocks of shard ``i``; an int ``n`` stands for ``0, block, ..., (n-1)*block``."""
     n = len(dataset.shards[i])
@@ -85,7 +133,8 @@ class BlockLoader:
     """Shuffled fixed-length blocks of a :class:`TokenDataset` with exact, JSON-serialisable resume.
 
     ``bos_aligned=True`` starts every block at a document start (nanochat style; the block may run
-    into the following documents, and the rest of a document longer than a block is dropped).
+    into the following documents, and the rest of a document longer than a block is dropped); it
+    keeps each shard's block starts in memory (8 bytes per block).
     ``positions=True`` makes ``next_batch`` also return position ids that restart at 0 at every
     document start inside a block, for document-aware RoPE positions.
     """
@@ -106,41 +155,76 @@ class BlockLoader:
         counts = [s if isinstance(s, int) else len(s) for s in self._starts]
         self._cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._docs: dict[int, np.ndarray] = {}
+        self._key_cache: dict[tuple[int, int, int], list[np.uint64]] = {}
         self._names = dataset.shard_names
         self._sha = {e["name"]: e["sha256"] for e in dataset.entries}
         self.epoch = 0
         self._start_epoch(0)
 
     # ---- the epoch order ------------------------------------------------------------------------
-    def _blocks_of(self, names: list[str]) -> np.ndarray:
-        """Global block ids of the given shards."""
-        idx = [self._names.index(n) for n in names]
-        return np.concatenate([np.arange(self._cum[i], self._cum[i + 1]) for i in idx] or [np.zeros(0, np.int64)])
-
+    # Layer 0 is a permutation of the blocks of the shards known when the epoch started (global ids
+    # 0..base-1). Each merge k appends a layer (at, prev_len, first, count): positions before `at` keep
+    # the previous order; the rest of the previous order plus the `count` new blocks (global ids
+    # first..first+count-1) are permuted together. Nothing is materialised: O(merges) memory.
     def _start_epoch(self, epoch: int) -> None:
         self.epoch, self.consumed = epoch, 0
         self._epoch_shards = list(self._names)
         self._merges: list[dict[str, Any]] = []
-        total = int(self._cum[-1])
-        if total < self.batch_size * self.world_size:
+        self._base = self._length = int(self._cum[-1])
+        self._layers: list[tuple[int, int, int, int]] = []
+        self._window: tuple[int, np.ndarray] | None = None
+        if self._base < self.batch_size * self.world_size:
             raise ValueError(
-                f"split {self.dataset.split!r} of {self.dataset.dir} has {self.dataset.num_tokens:,} tokens = {total} "
-                f"blocks of context_length + 1 = {self._block} tokens, fewer than one global batch "
+                f"split {self.dataset.split!r} of {self.dataset.dir} has {self.dataset.num_tokens:,} tokens = "
+                f"{self._base} blocks of context_length + 1 = {self._block} tokens, fewer than one global batch "
                 f"({self.batch_size} x {self.world_size} ranks); use more data, a shorter context or a smaller batch")
-        self._order = np.random.default_rng([self.seed, epoch]).permutation(total).astype(np.int64)
 
     def _merge(self, names: list[str]) -> None:
         """Merge new shards into the unseen rest of this epoch and reshuffle that rest (seeded)."""
-        k = len(self._merges) + 1
-        rest = np.concatenate([self._order[self.consumed:], self._blocks_of(names)])
-        rng = np.random.default_rng([self.seed, self.epoch, k])
-        self._order = np.concatenate([self._order[:self.consumed], rng.permutation(rest)])
+        idx = [self._names.index(n) for n in names]
+        assert idx == list(range(idx[0], idx[0] + len(idx))), "merged shards must follow the known ones"
+        first, count = int(self._cum[idx[0]]), int(self._cum[idx[-1] + 1] - self._cum[idx[0]])
+        self._layers.append((self.consumed, self._length, first, count))
+        self._length += count
+        self._window = None
         self._merges.append({"at": self.consumed, "shards": list(names)})
+
+    def _keys(self, layer: int) -> list[np.uint64]:
+        key = (self.seed, self.epoch, layer)
+        if key not in self._key_cache:
+            self._key_cache = {key: _round_keys(*key), **{k: v for k, v in self._key_cache.items() if k[1] == key[1]}}
+        return self._key_cache[key]
+
+    def _ids(self, lo: int, n: int) -> np.ndarray:
+        """Block ids at epoch positions ``lo..lo+n-1``, computed ``_WINDOW`` positions at a time (vectorised)."""
+        w = self._window
+        if w is None or not (w[0] <= lo and lo + n <= w[0] + len(w[1])):
+            stop = min(self._length, lo + max(n, _WINDOW))
+            w = self._window = (lo, self._order_at(np.arange(lo, stop, dtype=np.int64)))
+        return w[1][lo - w[0]:lo - w[0] + n]
+
+    def _order_at(self, p: np.ndarray, layer: int | None = None) -> np.ndarray:
+        """Global block ids at epoch positions ``p``."""
+        k = len(self._layers) if layer is None else layer
+        if k == 0:
+            return permute(p, self._base, self._keys(0))
+        at, prev_len, first, count = self._layers[k - 1]
+        out = np.empty(len(p), dtype=np.int64)
+        seen = p < at
+        out[seen] = self._order_at(p[seen], k - 1)
+        rest = prev_len - at
+        q = permute(p[~seen] - at, rest + count, self._keys(k))
+        old = q < rest
+        ids = np.empty(len(q), dtype=np.int64)
+        ids[old] = self._order_at(at + q[old], k - 1)
+        ids[~old] = first + q[~old] - rest
+        out[~seen] = ids
+        return out
 
     @property
     def steps_per_epoch(self) -> int:
         """Full global batches in the current epoch (as known now)."""
-        return len(self._order) // (self.batch_size * self.world_size)
+        return self._length // (self.batch_size * self.world_size)
 
     # ---- batches ----------------------------------------------------------------------------------
     def _read(self, ids: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -172,10 +256,10 @@ class BlockLoader:
         import torch
 
         gb = self.batch_size * self.world_size
-        if self.consumed + gb > len(self._order):
+        if self.consumed + gb > self._length:
             self._start_epoch(self.epoch + 1)
         lo = self.consumed + self.rank * self.batch_size
-        ids = self._order[lo:lo + self.batch_size]
+        ids = self._ids(lo, self.batch_size)
         buf = np.empty((self.batch_size, self._block), dtype=np.int64)  # (B, T+1)
         pos = np.empty((self.batch_size, self.context_length), dtype=np.int64) if self.positions else None
         shard, starts = self._read(ids, buf)
@@ -232,11 +316,8 @@ class BlockLoader:
         self.epoch = int(state["epoch"])
         self.consumed = 0
         self._epoch_shards = list(state["epoch_shards"])
-        self._merges = []
-        total = int(sum(self._cum[self._names.index(n) + 1] - self._cum[self._names.index(n)]
-                        for n in self._epoch_shards))
-        base = np.random.default_rng([self.seed, self.epoch]).permutation(total).astype(np.int64)
-        self._order = self._blocks_of(self._epoch_shards)[base]
+        self._merges, self._layers, self._window = [], [], None
+        self._base = self._length = int(self._cum[len(self._epoch_shards)])  # they are a prefix of the shards
         for m in state["merges"]:  # replay earlier merges exactly
             self.consumed = int(m["at"])
             self._merge(m["shards"])

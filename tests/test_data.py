@@ -441,6 +441,19 @@ def test_block_loader_epochs_cover_every_block_once(arange_dir):
     assert not torch.equal(other.next_batch()[0], BlockLoader(ds, 4, T, seed=0).next_batch()[0])
 
 
+def test_permute_is_a_keyed_bijection():
+    from lmforge.loader import _round_keys, permute
+
+    for n in [1, 2, 3, 4, 5, 16, 17, 255, 256, 257, 1000, 4097]:
+        p = permute(np.arange(n), n, _round_keys(1, 2, 3))
+        assert sorted(p.tolist()) == list(range(n))
+    a = permute(np.arange(1000), 1000, _round_keys(0, 0, 0))
+    b = permute(np.arange(1000), 1000, _round_keys(0, 1, 0))
+    assert (a != b).mean() > 0.9 and abs(np.corrcoef(np.arange(1000), a)[0, 1]) < 0.2  # shuffled, per key
+    assert 0.3 < np.abs(np.diff(a)).mean() / 1000 < 0.37  # neighbours land ~n/3 apart, as in a random permutation
+    assert np.array_equal(permute(np.array([5, 999]), 1000, _round_keys(0, 0, 0)), a[[5, 999]])  # pointwise
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 16, 23])
 def test_block_loader_resume_is_exact(arange_dir, n):
     ds = TokenDataset(arange_dir)
