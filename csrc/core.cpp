@@ -134,7 +134,8 @@ NB_MODULE(_core, m) {
             nb::gil_scoped_release release;
             return utf8_error_offset(v.data(), v.size());
         },
-        nb::arg("data"), "Offset of the first invalid UTF-8 byte in data, or -1 if it is valid UTF-8.");
+        nb::arg("data"), nb::sig("def utf8_error_offset(data: bytes | bytearray | memoryview) -> int"),
+        "Offset of the first invalid UTF-8 byte in data, or -1 if it is valid UTF-8.");
 
     m.def(
         "pretokenize",
@@ -154,6 +155,7 @@ NB_MODULE(_core, m) {
             return out;
         },
         nb::arg("text"), nb::arg("pattern"),
+        nb::sig("def pretokenize(text: bytes | bytearray | memoryview, pattern: int) -> list[bytes]"),
         "Split UTF-8 text into pre-tokens, exactly like regex.findall(PATTERNS[name], text).");
 
     nb::class_<PretokenCounter>(m, "PretokenCounter",
@@ -164,7 +166,8 @@ NB_MODULE(_core, m) {
             [](PretokenCounter* self, int pattern, nb::list special_tokens) {
                 new (self) PretokenCounter(pattern, bytes_list(special_tokens, "special tokens"));
             },
-            nb::arg("pattern"), nb::arg("special_tokens"))
+            nb::arg("pattern"), nb::arg("special_tokens"),
+            nb::sig("def __init__(self, pattern: int, special_tokens: list[bytes]) -> None"))
         .def(
             "add",
             [](PretokenCounter& c, nb::handle data, int num_threads) {
@@ -173,13 +176,15 @@ NB_MODULE(_core, m) {
                 c.add(v.data(), v.size(), num_threads);
             },
             nb::arg("data"), nb::arg("num_threads"),
+            nb::sig("def add(self, data: bytes | bytearray | memoryview, num_threads: int) -> None"),
             "Split on special tokens (never counted), pre-tokenize on num_threads threads and count.")
         .def(
             "add_counts",
             [](PretokenCounter& c, nb::list words, std::vector<int64_t> counts) {
                 c.add_counts(bytes_list(words, "words"), counts);
             },
-            nb::arg("words"), nb::arg("counts"), "Add counts of words pre-tokenized elsewhere (custom patterns).")
+            nb::arg("words"), nb::arg("counts"),
+            nb::sig("def add_counts(self, words: list[bytes], counts: list[int]) -> None"), "Add counts of words pre-tokenized elsewhere (custom patterns).")
         .def("__len__", &PretokenCounter::size)
         .def("total", &PretokenCounter::total, "Number of pre-tokens counted (with multiplicity).")
         .def(
@@ -191,7 +196,7 @@ NB_MODULE(_core, m) {
                 });
                 return out;
             },
-            "All (pre-token bytes, count) pairs.");
+            nb::sig("def items(self) -> list[tuple[bytes, int]]"), "All (pre-token bytes, count) pairs.");
 
     m.def(
         "train_bpe",
@@ -213,6 +218,7 @@ NB_MODULE(_core, m) {
             return out;
         },
         nb::arg("counter"), nb::arg("num_merges"), nb::arg("progress") = nb::none(),
+        nb::sig("def train_bpe(counter: PretokenCounter, num_merges: int, progress: typing.Callable[[int], object] | None = None) -> list[tuple[bytes, bytes]]"),
         "Learn up to num_merges BPE merges from the counter's pre-tokens (ties: greatest byte pair).");
 
     nb::class_<PyEncoder>(m, "Encoder", "Token ids from text with a byte-level BPE vocabulary and merge ranks.")
@@ -227,7 +233,8 @@ NB_MODULE(_core, m) {
                 }
                 new (self) PyEncoder(bytes_list(vocab, "vocab entries"), merges, specials, pattern);
             },
-            nb::arg("vocab"), nb::arg("merges"), nb::arg("special_tokens"), nb::arg("pattern"))
+            nb::arg("vocab"), nb::arg("merges"), nb::arg("special_tokens"), nb::arg("pattern"),
+            nb::sig("def __init__(self, vocab: list[bytes], merges: list[tuple[int, int]], special_tokens: dict[str, int], pattern: int) -> None"))
         .def(
             "encode",
             [](const PyEncoder& e, nb::str text, bool allow_special) {
@@ -241,7 +248,7 @@ NB_MODULE(_core, m) {
                 }
                 return e.to_list(ids);
             },
-            nb::arg("text"), nb::arg("allow_special"))
+            nb::arg("text"), nb::arg("allow_special"), nb::sig("def encode(self, text: str, allow_special: bool) -> list[int]"))
         .def(
             "encode_words",
             [](const PyEncoder& e, nb::list words) {
@@ -254,7 +261,7 @@ NB_MODULE(_core, m) {
                 e.encode_words(ws, ids);
                 return e.to_list(ids);
             },
-            nb::arg("words"), "Apply the merges to words pre-tokenized in Python (custom patterns).")
+            nb::arg("words"), nb::sig("def encode_words(self, words: list[bytes]) -> list[int]"), "Apply the merges to words pre-tokenized in Python (custom patterns).")
         .def(
             "encode_batch",
             [](const PyEncoder& e, nb::list texts, int num_threads, bool allow_special) {
@@ -280,7 +287,8 @@ NB_MODULE(_core, m) {
                 }
                 return result;
             },
-            nb::arg("texts"), nb::arg("num_threads"), nb::arg("allow_special"))
+            nb::arg("texts"), nb::arg("num_threads"), nb::arg("allow_special"),
+            nb::sig("def encode_batch(self, texts: list[str], num_threads: int, allow_special: bool) -> list[list[int]]"))
         .def(
             "encode_batch_flat",
             [](const PyEncoder& e, nb::list texts, int num_threads, bool allow_special) {
@@ -312,7 +320,7 @@ NB_MODULE(_core, m) {
                 std::string s = e.decode_bytes(ids);
                 return nb::bytes(s.data(), s.size());
             },
-            nb::arg("ids"), "Concatenated token bytes; ValueError names an out-of-range id.")
+            nb::arg("ids"), nb::sig("def decode_bytes(self, ids: list[int]) -> bytes"), "Concatenated token bytes; ValueError names an out-of-range id.")
         .def_prop_ro("pattern", [](const PyEncoder& e) { return e.pattern(); })
         .def_prop_ro("vocab_size", [](const PyEncoder& e) { return e.vocab_size(); });
 }

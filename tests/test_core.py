@@ -502,6 +502,14 @@ def test_encoder_matches_tiktoken_gpt2(shared_fixtures: Path) -> None:
     assert enc.encode_batch(lines, 2, False) == ref.encode_ordinary_batch(lines)
 
 
+def test_type_stub_lists_every_public_name() -> None:
+    stub = (Path(__file__).resolve().parents[1] / "lmforge" / "_core.pyi").read_text()
+    names = [n for n in dir(_core) if not n.startswith("_")]
+    names += [f"def {m}(" for cls in (_core.Encoder, _core.PretokenCounter) for m in vars(cls) if not m.startswith("_")]
+    missing = [n for n in names if n not in stub]
+    assert not missing, f"lmforge/_core.pyi is stale (regenerate it, see its header): {missing}"
+
+
 # --------------------------------------------------------------------------------------------------
 # Benchmarks: --quick smoke runs
 # --------------------------------------------------------------------------------------------------
