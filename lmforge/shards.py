@@ -231,8 +231,10 @@ class TokenDataset:
         entries = [s for s in self.manifest["shards"] if s["split"] == split]
         if not entries:
             have = sorted(k for k, v in self.manifest["splits"].items() if v.get("tokens"))
+            busy = " A prepare run is in progress or was interrupted: let it finish (or re-run it) first." \
+                if self.manifest.get("pending") else ""
             raise ValueError(f"{self.dir} has no shards for split {split!r} (splits with data: {have}); "
-                             "prepare it with --val-fraction or --split")
+                             f"prepare it with --val-fraction or --split.{busy}")
         self.entries = entries
         self.dtype = np.dtype(DTYPES[self.manifest["dtype"]])
         self.fingerprint: str = self.manifest["tokenizer"]["fingerprint"]
