@@ -114,6 +114,14 @@ def test_utf8_error_offset_matches_python(data: bytes) -> None:
     assert _core.utf8_error_offset(data) == expected
 
 
+@pytest.mark.parametrize("bad", [b"\xc0\x80", b"\xc1\xbf", b"\xe0\x80\x80", b"\xed\xa0\x80", b"\xf0\x80\x80\x80",
+                                 b"\xf4\x90\x80\x80", b"\xf5\x80\x80\x80", b"\xff", b"\x80", b"\xe2\x82", b"\xf0\x9f\x98"])
+def test_utf8_error_offset_rejects_malformed(bad: bytes) -> None:
+    data = "héllo wörld ".encode() * 3 + bad + b" tail"
+    assert _core.utf8_error_offset(data) == len("héllo wörld ".encode() * 3)
+    assert _core.utf8_error_offset(data[:-len(bad) - 5]) == -1
+
+
 # --------------------------------------------------------------------------------------------------
 # PretokenCounter
 # --------------------------------------------------------------------------------------------------
