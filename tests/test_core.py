@@ -36,7 +36,7 @@ EOT = "<|endoftext|>"
 # numerals, every whitespace code point (and \x1c-\x1f, which str.isspace() accepts but \s does not),
 # apostrophes with case variants incl. U+017F (long s, folds to s) and U+212A (Kelvin, folds to k),
 # CR/LF, emoji, private use, punctuation.
-WHITESPACE = " \t\n\r\x0b\x0c\x85\xa0\u1680\u2000\u2001\u2005\u200a\u2028\u2029\u202f\u205f\u3000"
+WHITESPACE = "".join(chr(c) for c in range(0x3001) if regex.match(r"\s", chr(c)))  # all 25 of them
 ALPHABET = (list("aAbsSdDmMtTlLvVeErRkK'’\"0123456789.,!?-_()") + list(WHITESPACE)
             + ["\r\n", "\x1c", "\x1d", "\x1e", "\x1f", "\u017f", "\u212a", "\u0130", "\u0131", "ß", "é", "e\u0301",
                "\u0301", "²", "³", "½", "Ⅻ", "٣", "৪", "一", "日本", "Ωμέγα", "Привет", "مرحبا", "ก", "😀", "👍🏽",
