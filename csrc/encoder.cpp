@@ -113,7 +113,7 @@ std::unique_ptr<EncodeCache> Encoder::acquire_cache() const {
 
 void Encoder::release_cache(std::unique_ptr<EncodeCache> c) const {
     std::lock_guard<std::mutex> lock(pool_mu_);
-    if (pool_.size() < 16) pool_.push_back(std::move(c));
+    if (pool_.size() < 8) pool_.push_back(std::move(c));  // bounded: idle caches are kept, not hoarded
 }
 
 // Merge the lowest-rank adjacent pair (leftmost on ties) until no pair is a merge.

@@ -24,7 +24,8 @@ public:
 private:
     struct Slot { uint64_t hash; uint32_t koff, klen, ioff, icount; };  // klen == 0: empty
     void reset();
-    static constexpr size_t kMaxEntries = 1 << 18;  // then the cache starts over
+    // Then the cache starts over: ~5 MB per cache at most, enough for the frequent pre-tokens.
+    static constexpr size_t kMaxEntries = 1 << 16;
     std::vector<Slot> slots_;
     std::vector<uint8_t> keys_;
     std::vector<uint32_t> ids_;

@@ -445,6 +445,21 @@ def test_heavy_calls_release_the_gil() -> None:
     assert spins_while(lambda: enc.encode_batch(docs, 1, True)) > 1000
 
 
+def test_encoder_cache_overflow_keeps_results_exact() -> None:
+    """More unique pre-tokens than one cache holds (it starts over): same ids as fresh encoders."""
+    corpus = random_corpus(800, seed=13)
+    rng = random.Random(0)
+    words = [" " + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(8)) for _ in range(80_000)]
+    enc = build_tokenizer(corpus, 200, "gpt2", 2)[0]
+    got = enc.encode("".join(words), False)
+    expected = []
+    for k in range(0, len(words), 20_000):
+        fresh = build_tokenizer(corpus, 200, "gpt2", 2)[0]
+        expected += fresh.encode("".join(words[k:k + 20_000]), False)
+    assert got == expected
+    assert enc.encode("".join(words), False) == expected  # again, from a cache that started over
+
+
 def test_encoder_long_run_is_not_quadratic() -> None:
     tokens = [bytes([b]) for b in range(256)] + [b"aa", b"aaaa", b"aaaaaaaa"]
     a = ord("a")
