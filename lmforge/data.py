@@ -43,7 +43,7 @@ from lmforge.shards import (  # noqa: F401  (re-exported)
     MANIFEST, SHARD_NAME, TokenDataset, dtype_for_vocab, load_manifest, new_manifest, save_manifest, shard_name,
     write_shard,
 )
-from lmforge.sources import ReadStats, check_val_fraction, expand_inputs, file_format, iter_file_batches, split_of
+from lmforge.sources import ReadStats, check_val_fraction, expand_inputs, file_format, iter_file_batches, val_mask
 
 logger = logging.getLogger("lmforge")
 
@@ -146,10 +146,10 @@ def _read_batches(sources: list[dict[str, Any]], opts: dict[str, Any], positions
                 routed = {single: (list(range(di, di + len(chunk))), chunk)}
             else:
                 routed = {}
-                for k, doc in enumerate(chunk):
-                    ids, docs = routed.setdefault(split_of(doc, val_fraction, seed), ([], []))
+                for k, is_val in enumerate(val_mask(chunk, val_fraction, seed).tolist()):
+                    ids, docs = routed.setdefault("val" if is_val else "train", ([], []))
                     ids.append(di + k)
-                    docs.append(doc)
+                    docs.append(chunk[k])
             di += len(chunk)
             for split, (ids, docs) in routed.items():
                 p_src, p_doc, p_off = positions.get(split, (0, 0, 0))

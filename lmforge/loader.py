@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 
 from lmforge.shards import TokenDataset
+from lmforge.sources import mix64
 
 if TYPE_CHECKING:
     import torch
@@ -68,16 +69,6 @@ def get_batch(tokens: np.ndarray, batch_size: int, context_length: int, device: 
 
 
 _WINDOW = 4096  # epoch positions whose block ids are computed together
-_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a fast, well-mixing function of uint64 arrays (arithmetic wraps)."""
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
-
-
 def _round_keys(*key: int) -> list[np.uint64]:
     """Four 64-bit round keys derived from integers (seed, epoch, layer)."""
     import hashlib
@@ -103,7 +94,7 @@ def permute(x: np.ndarray, n: int, keys: list[np.uint64]) -> np.ndarray:
     def feistel(y: np.ndarray) -> np.ndarray:
         left, right = y >> shift, y & mask
         for k in keys:
-            left, right = right, left ^ (_mix(right ^ k) & mask)
+            left, right = right, left ^ (mix64(right ^ k) & mask)
         return (left << shift) | right
 
     y = feistel(x)

@@ -23,9 +23,12 @@ import json
 import logging
 import os
 import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterator, Sequence
+
+import numpy as np
 
 from lmforge.common import check_input_file
 
@@ -328,16 +331,41 @@ def iter_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], text_
 # --------------------------------------------------------------------------------------------------
 # Deterministic train / validation split
 # --------------------------------------------------------------------------------------------------
-def split_of(doc: str, val_fraction: float, seed: int = 0) -> str:
-    """``"val"`` or ``"train"`` for a document, from a seeded hash of its text.
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
-    The same document lands in the same split on every machine and run (and identical documents
-    never straddle the split), unlike a position-based split that shifts when files are added.
+
+def mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a fast bijection of uint64 arrays whose output bits all depend on all
+    input bits (arithmetic wraps). Used to turn checksums and counters into pseudo-random numbers."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def val_mask(docs: Sequence[str], val_fraction: float, seed: int = 0) -> np.ndarray:
+    """For each document, whether it belongs to the validation split (a seeded hash of its text).
+
+    The hash is the document's CRC-32 and byte length, keyed by the seed and mixed by :func:`mix64`:
+    deterministic on every machine, ~5x cheaper than a cryptographic hash, and an identical document
+    always lands in the same split. Vectorised, because it runs once per document of the corpus.
     """
-    if val_fraction <= 0.0:
-        return "train"
-    h = hashlib.blake2b(doc.encode("utf-8", "surrogatepass"), digest_size=8, key=seed.to_bytes(8, "little"))
-    return "val" if int.from_bytes(h.digest(), "little") < val_fraction * 2**64 else "train"
+    if val_fraction <= 0.0 or not docs:
+        return np.zeros(len(docs), dtype=bool)
+    raw = [d.encode("utf-8", "surrogatepass") for d in docs]
+    crc = np.fromiter(map(zlib.crc32, raw), dtype=np.uint64, count=len(raw))
+    size = np.fromiter(map(len, raw), dtype=np.uint64, count=len(raw))
+    key = np.uint64(int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=8).digest(), "little"))
+    h = mix64((crc | (size << np.uint64(32))) ^ key)
+    return h < np.uint64(min(int(val_fraction * 2**64), 2**64 - 1))
+
+
+def split_of(doc: str, val_fraction: float, seed: int = 0) -> str:
+    """``"val"`` or ``"train"`` for one document (see :func:`val_mask`).
+
+    The same document lands in the same split on every machine and run, unlike a position-based
+    split that shifts when files are added.
+    """
+    return "val" if val_mask([doc], val_fraction, seed)[0] else "train"
 
 
 def check_val_fraction(val_fraction: float) -> float:

@@ -162,6 +162,7 @@ def test_split_is_deterministic_and_seeded():
     docs = [f"document number {i}" for i in range(4000)]
     a = [split_of(d, 0.1, seed=0) for d in docs]
     assert a == [split_of(d, 0.1, seed=0) for d in docs]
+    assert sources.val_mask(docs, 0.1, seed=0).tolist() == [s == "val" for s in a]  # batch == one by one
     assert 300 < a.count("val") < 500
     assert a != [split_of(d, 0.1, seed=1) for d in docs]
     assert all(split_of(d, 0.0) == "train" for d in docs[:10])
