@@ -73,6 +73,10 @@ Encoder::Encoder(std::vector<std::string> vocab, const std::vector<std::pair<int
         sids.push_back((uint32_t)id);
         is_special[(uint32_t)id] = true;
         if ((size_t)id >= vocab_.size()) special_bytes_[(uint32_t)id] = text;
+        else if (vocab_[id] != text)
+            throw std::invalid_argument("special token '" + text + "' has id " + std::to_string(id) +
+                                        " but that vocabulary entry holds other bytes; give the id of the "
+                                        "token's own entry (or an id past the vocabulary)");
     }
     specials_ = SpecialSplitter(std::move(stoks), std::move(sids));
     // Bytes -> id for ordinary tokens; the lowest id wins (as in the Python reference).

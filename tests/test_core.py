@@ -480,6 +480,8 @@ def test_encoder_errors() -> None:
         _core.Encoder(tokens, [(0, 999)], {}, 0)
     with pytest.raises(ValueError, match="pattern"):
         _core.Encoder(tokens, [], {}, 5)
+    with pytest.raises(ValueError, match="other bytes"):
+        _core.Encoder(tokens, [], {"<|x|>": 65}, 0)
     enc = _core.Encoder(tokens, [(ord("a"), ord("b"))], {"<|x|>": 1000}, 0)
     assert enc.decode_bytes([256, 1000]) == b"ab<|x|>"
     assert enc.encode("ab<|x|>b", True) == [256, 1000, ord("b")]
