@@ -121,12 +121,46 @@ def open_binary(path: str | os.PathLike) -> IO[bytes]:
     if suffix == ".gz":
         return gzip.open(p, "rb")  # type: ignore[return-value]
     if suffix == ".zst":
+        return io.BufferedReader(_ZstdRaw(open(p, "rb")), buffer_size=1 << 20)
+    return open(p, "rb")
+
+
+class _ZstdRaw(io.RawIOBase):
+    """Streaming zstd decompression that, unlike ``zstandard``'s stream reader, reports a truncated file
+    (``EOFError``) instead of silently returning fewer bytes; concatenated frames are read in turn."""
+
+    def __init__(self, f: IO[bytes]) -> None:
         import zstandard
 
-        raw = open(p, "rb")
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
-        return io.BufferedReader(reader, buffer_size=1 << 20)  # type: ignore[arg-type]
-    return open(p, "rb")
+        self._f, self._z = f, zstandard.ZstdDecompressor()
+        self._d = self._z.decompressobj()
+        self._buf, self._pos, self._any = b"", 0, False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: "bytearray | memoryview") -> int:  # type: ignore[override]
+        while self._pos == len(self._buf):
+            raw = self._f.read(1 << 20)
+            if not raw:
+                if self._any and not self._d.eof:
+                    raise EOFError("the zstd stream ends in the middle of a frame (truncated file)")
+                return 0
+            self._any = True
+            out = [self._d.decompress(raw)]
+            while self._d.eof and self._d.unused_data:  # the next frame starts in this read
+                rest = self._d.unused_data
+                self._d = self._z.decompressobj()
+                out.append(self._d.decompress(rest))
+            self._buf, self._pos = b"".join(out), 0
+        n = min(len(b), len(self._buf) - self._pos)
+        b[:n] = self._buf[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -296,11 +330,21 @@ def iter_file_batches(path: str | os.PathLike, text_field: str | None = None, de
     st.files.append(str(p))
     fmt = file_format(p)
     if fmt == "jsonl":
-        yield from _jsonl_batches(p, text_field or "text", errors, st)
+        batches = _jsonl_batches(p, text_field or "text", errors, st)
     elif fmt == "parquet":
-        yield from _parquet_batches(p, text_field or "text", st)
+        batches = _parquet_batches(p, text_field or "text", st)
     else:
-        yield from _text_batches(p, delimiter, errors, st)
+        batches = _text_batches(p, delimiter, errors, st)
+    read_errors: tuple[type[BaseException], ...] = (OSError, EOFError)
+    if p.suffix.lower() == ".zst":
+        import zstandard
+
+        read_errors += (zstandard.ZstdError,)
+    try:
+        yield from batches
+    except read_errors as e:  # truncated .gz / .zst, not compressed at all, I/O errors
+        raise ValueError(f"{p}: cannot be read ({type(e).__name__}: {e}); is the file complete and really "
+                         f"{''.join(p.suffixes) or 'text'}?") from None
 
 
 def iter_file_documents(path: str | os.PathLike, text_field: str | None = None,

@@ -89,6 +89,22 @@ def test_jsonl_plain_and_compressed(tmp_path, suffix):
     assert list(iter_file_documents(p2, text_field="body")) == DOCS
 
 
+def test_truncated_or_fake_compressed_files(tmp_path):
+    import zstandard
+
+    text = "<|endoftext|>".join(DOCS * 200).encode()
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(text)[:60])
+    (tmp_path / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "x"}\n' * 500)[:30])
+    (tmp_path / "c.txt.gz").write_bytes(b"not gzip at all")
+    (tmp_path / "d.txt.zst").write_bytes(b"not zstd either")
+    for name in ("a.txt.gz", "b.jsonl.zst", "c.txt.gz", "d.txt.zst"):
+        with pytest.raises(ValueError, match=f"{name}: cannot be read .*is the file complete"):
+            list(iter_file_documents(tmp_path / name))
+    frames = zstandard.ZstdCompressor().compress(b"one<|endoftext|>") + zstandard.ZstdCompressor().compress(b"two")
+    (tmp_path / "e.txt.zst").write_bytes(frames)  # concatenated frames (e.g. appended logs) are all read
+    assert list(iter_file_documents(tmp_path / "e.txt.zst")) == ["one", "two"]
+
+
 def test_text_gz(tmp_path):
     p = tmp_path / "c.txt.gz"
     p.write_bytes(gzip.compress("<|endoftext|>".join(DOCS).encode()))
