@@ -272,6 +272,8 @@ def _data_prepare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, metavar="N", help="tokenizer threads (default: all cores)")
     p.add_argument("--append", action="store_true", help="add new inputs to an existing shard directory")
     p.add_argument("--force", action="store_true", help="delete the existing shards in --out and start over")
+    p.add_argument("--restart", action="store_true",
+                   help="discard an interrupted prepare in --out instead of resuming it (committed shards stay)")
 
 
 def _data_prepare(args: argparse.Namespace) -> int:
@@ -287,7 +289,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
     else:
         m = prepare(tok, args.input, args.out, split=args.split, val_fraction=args.val_fraction or 0.0,
                     text_field=args.text_field, delimiter=args.delimiter, utf8_errors=args.utf8_errors,
-                    append=args.append, **kw)
+                    append=args.append, restart=args.restart, **kw)
     for split, info in sorted(m["splits"].items()):
         print(f"{split}: {info['shards']} shards, {info['tokens']:,} tokens, {info['documents']:,} documents")
     return 0

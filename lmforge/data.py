@@ -299,7 +299,7 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
             split: str | None = None, val_fraction: float = 0.0, split_seed: int = 0, text_field: str | None = None,
             delimiter: str = "<|endoftext|>", utf8_errors: str = "error", bos: str | None = None,
             eos: str | None = "auto", dtype: str | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-            num_threads: int | None = None, append: bool = False, force: bool = False,
+            num_threads: int | None = None, append: bool = False, force: bool = False, restart: bool = False,
             progress: bool = True) -> Manifest:
     """Tokenize ``inputs`` into fixed-size shards in ``out_dir`` and return the manifest.
 
@@ -308,7 +308,8 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
     with explicit train/valid files. ``eos="auto"`` appends ``<|endoftext|>`` after each document
     when the tokenizer has it; ``bos`` / ``eos`` may name any special token, or be ``None``.
     ``dtype`` defaults to uint16 when the vocabulary fits. ``append`` adds new sources to an existing
-    directory; ``force`` deletes its shards first. Re-running after a crash resumes exactly.
+    directory; ``force`` deletes its shards first. Re-running after a crash resumes exactly;
+    ``restart`` instead discards the interrupted run (only its shards: committed data stays).
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -336,7 +337,7 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
     t0 = time.perf_counter()
     with _exclusive(out_dir):
         m, is_new = _open_out_dir(out_dir, tok_info, dtype, shard_tokens, bos_id, eos_id, append, force)
-        pend = _start_or_resume(m, out_dir, _hash_sources(paths, m, progress), opts, shard_tokens)
+        pend = _start_or_resume(m, out_dir, _hash_sources(paths, m, progress), opts, shard_tokens, restart)
         if pend is None:
             logger.warning("nothing to add: every input is already in %s", out_dir)
             return m
@@ -359,13 +360,18 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
 
 
 def _start_or_resume(m: Manifest, out_dir: Path, sources: list[dict[str, Any]], opts: dict[str, Any],
-                     shard_tokens: int) -> dict[str, Any] | None:
+                     shard_tokens: int, restart: bool) -> dict[str, Any] | None:
     """The run to do: the interrupted one (same inputs and options only), a new one, or ``None``."""
     pend = m.get("pending")
+    if pend is not None and restart:
+        logger.warning("discarding the interrupted prepare in %s (%d shards); committed shards are kept", out_dir,
+                       len(pend["shards"]))
+        m["pending"] = pend = None
     if pend is not None:
         if [s["sha256"] for s in sources] != [s["sha256"] for s in pend["sources"]] or pend["options"] != opts:
             raise ValueError(f"{out_dir} has an interrupted prepare of other inputs or options; re-run it with the "
-                             "same inputs and options to resume, or pass force=True (--force) to rebuild")
+                             "same inputs and options to resume, or pass restart=True (CLI: --restart) to discard "
+                             "it (committed shards are kept)")
         logger.info("resuming the interrupted prepare in %s", out_dir)
         return pend
     if not sources:

@@ -212,6 +212,25 @@ def test_prepare_killed_mid_shard_resumes_cleanly(tmp_path, tok):
     TokenDataset(tmp_path / "sh", verify=True)
 
 
+def test_restart_discards_only_the_interrupted_run(tmp_path, tok, monkeypatch):
+    a = write_corpus(tmp_path / "a.txt", make_docs(50, seed=1))
+    b = write_corpus(tmp_path / "b.txt", make_docs(50, seed=2))
+    c = write_corpus(tmp_path / "c.txt", make_docs(5, seed=3))
+    prepare(tok, a, tmp_path / "sh", shard_tokens=500, progress=False)
+    n_a = len(TokenDataset(tmp_path / "sh").shards)
+    real, calls = data.write_shard, []
+    monkeypatch.setattr(data, "write_shard", lambda *args: real(*args) if len(calls.append(1) or calls) < 2 else 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # b fails half way (say, a bad line the user then fixes)
+        prepare(tok, b, tmp_path / "sh", shard_tokens=500, append=True, progress=False)
+    monkeypatch.setattr(data, "write_shard", real)
+    with pytest.raises(ValueError, match=r"restart=True \(CLI: --restart\)"):  # other inputs: refused, not mixed
+        prepare(tok, c, tmp_path / "sh", shard_tokens=500, append=True, progress=False)
+    m = prepare(tok, c, tmp_path / "sh", shard_tokens=500, append=True, restart=True, progress=False)
+    assert [Path(s["path"]).name for s in m["sources"]] == ["a.txt", "c.txt"]  # a's shards were kept
+    assert len(TokenDataset(tmp_path / "sh", verify=True).shards) == n_a + 1
+    assert not (tmp_path / "sh" / shards.shard_name("train", n_a + 1)).exists()  # b's partial shards are gone
+
+
 def test_crash_between_shard_and_manifest_leaves_no_valid_looking_orphan(tmp_path, tok, monkeypatch):
     src = write_corpus(tmp_path / "c.txt", make_docs(80))
     prepare(tok, src, tmp_path / "ref", shard_tokens=600, progress=False)
