@@ -133,7 +133,8 @@ class CachedDecoder:
                 _in_out(sd[p + "ffn.w2.weight"]),
             ))
         self.ln_final = sd["ln_final.weight"]
-        self.lm_head = _in_out(sd.get("lm_head.weight", self.embedding))
+        # The LM head stays (V, C): ``W @ h.T`` beats ``h @ W.T`` for the large V at decode-sized batches on CPU.
+        self.lm_head = sd.get("lm_head.weight", self.embedding).contiguous()
         # RoPE as complex rotations: pair i of a head at position t turns by t * theta^(-2i/D).
         half = self.head_dim // 2
         inv_freq = 1.0 / (float(cfg.rope_theta) ** (torch.arange(half, dtype=torch.float64) * 2 / self.head_dim))
@@ -174,7 +175,8 @@ class CachedDecoder:
             x = x + att.transpose(1, 2).reshape(B, T, H * D) @ w_o  # (B, T, C)
             gate, up = (self._rms_norm(x, ln2) @ w_13).chunk(2, dim=-1)  # (B, T, F) each
             x = x + (F.silu(gate) * up) @ w_2
-        return self._rms_norm(x[:, -1], self.ln_final) @ self.lm_head  # (B, V)
+        h = self._rms_norm(x[:, -1], self.ln_final)  # (B, C)
+        return (self.lm_head @ h.t()).t()  # (B, V)
 
     # ---------------------------------------------------------------------------------------------
     def prefill(self, rows: Sequence[Sequence[int]], capacity: int) -> torch.Tensor:
