@@ -1,4 +1,4 @@
-"""Turn raw corpora into token shards (``prepare``), summarise them (``inspect``), and load them.
+"""Turn raw corpora into token shards (``prepare``); summarise (``inspect``) and load them (re-exported).
 
 ``prepare`` streams documents from the inputs (:mod:`lmforge.sources`), routes each to a split
 (a seeded hash of the document, or one split for all inputs), tokenizes batches of documents in
@@ -13,7 +13,8 @@ uninterrupted run. Sources are identified by SHA-256: a file already in the mani
 twice) is reported and skipped. ``append=True`` adds new sources to an existing directory as new
 shards (a training run picks them up on its next restart, see :class:`lmforge.loader.BlockLoader`).
 
-The loading side lives in :mod:`lmforge.loader` and :mod:`lmforge.shards` and is re-exported here.
+The loading side (and ``inspect``) lives in :mod:`lmforge.loader` and :mod:`lmforge.shards` and is
+re-exported here, so that everything is importable from :mod:`lmforge.data`.
 
 Example::
 
@@ -40,8 +41,8 @@ import numpy as np
 from lmforge.common import human_bytes, num_threads_default
 from lmforge.loader import BlockLoader, get_batch, val_batches  # noqa: F401  (re-exported)
 from lmforge.shards import (  # noqa: F401  (re-exported)
-    MANIFEST, SHARD_NAME, TokenDataset, dtype_for_vocab, load_manifest, new_manifest, save_manifest, shard_name,
-    write_shard,
+    MANIFEST, SHARD_NAME, TokenDataset, dtype_for_vocab, inspect, load_manifest, new_manifest, save_manifest,
+    shard_name, write_shard,
 )
 from lmforge.sources import ReadStats, check_val_fraction, expand_inputs, file_format, iter_file_batches, val_mask
 
@@ -552,42 +553,3 @@ def _commit(m: Manifest, pend: dict[str, Any]) -> None:
         for k, b in rec["text_bytes"].items():
             m["splits"][k]["text_bytes"] = m["splits"][k].get("text_bytes", 0) + b
     m["pending"] = None
-
-
-# --------------------------------------------------------------------------------------------------
-# inspect
-# --------------------------------------------------------------------------------------------------
-def inspect(directory: str | os.PathLike, tokenizer: Any = None, sample_tokens: int = 64, verify: bool = False) -> str:
-    """A human-readable summary of a shard directory, with a decoded sample of each split.
-
-    ``tokenizer`` defaults to the ``tokenizer.json`` that ``prepare`` stored beside the shards.
-    ``verify`` re-hashes every shard.
-    """
-    d = Path(directory)
-    m = load_manifest(d)
-    tok = m["tokenizer"]
-    lines = [f"{d}: {len(m['shards'])} shards ({m['dtype']}), tokenizer {tok['fingerprint'][:16]}… "
-             f"vocab {tok['vocab_size']:,}, bos_id={m['bos_id']} eos_id={m['eos_id']}"]
-    if m.get("pending"):
-        n = len(m["pending"]["shards"])
-        lines.append(f"  an interrupted prepare is pending ({n} shards written); re-run the same command to resume")
-    if tokenizer is None and (d / "tokenizer.json").exists():
-        from lmforge.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.load(d / "tokenizer.json")
-    for split, info in sorted(m["splits"].items()):
-        bpt = info.get("text_bytes", 0) / max(1, info["tokens"])
-        lines.append(f"  {split}: {info['shards']} shards, {info['tokens']:,} tokens, {info['documents']:,} documents, "
-                     f"{human_bytes(info.get('text_bytes', 0))} text ({bpt:.2f} bytes/token)")
-        ds = TokenDataset(d, split, verify=verify)
-        if tokenizer is not None:
-            ds.check_tokenizer(tokenizer)
-            sample = np.asarray(ds.shards[0][:sample_tokens], dtype=np.int64).tolist()
-            lines.append(f"    sample: {tokenizer.decode(sample)!r}")
-    lines.append(f"  {len(m['sources'])} sources:")
-    for s in m["sources"]:
-        toks = ", ".join(f"{k} {v:,}" for k, v in s["tokens"].items())
-        dropped = ", ".join(f"{s[k]} {k.replace('_', ' ')}" for k in ("empty_skipped", "invalid_utf8") if s.get(k))
-        lines.append(f"    {s['path']} ({human_bytes(s['size'])}, sha256 {s['sha256'][:12]}…): {toks} tokens"
-                     + (f"; documents dropped/fixed: {dropped}" if dropped else ""))
-    return "\n".join(lines)

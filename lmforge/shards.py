@@ -1,4 +1,4 @@
-"""Token shards on disk: the binary shard format, the JSON manifest, and ``TokenDataset`` (memmaps).
+"""Token shards on disk: the binary shard format, the JSON manifest, ``TokenDataset`` (memmaps), ``inspect``.
 
 A shard directory holds ``manifest.json`` and shards ``{split}_{k:05d}.bin``. Each shard is::
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from lmforge.common import atomic_write_text, sha256_file
+from lmforge.common import atomic_write_text, human_bytes, sha256_file
 
 logger = logging.getLogger("lmforge")
 
@@ -299,3 +299,42 @@ class TokenDataset:
     def __repr__(self) -> str:
         return (f"TokenDataset({str(self.dir)!r}, split={self.split!r}: {len(self.shards)} shards, "
                 f"{self.num_tokens:,} tokens, {self.dtype.name})")
+
+
+# --------------------------------------------------------------------------------------------------
+# inspect
+# --------------------------------------------------------------------------------------------------
+def inspect(directory: str | os.PathLike, tokenizer: Any = None, sample_tokens: int = 64, verify: bool = False) -> str:
+    """A human-readable summary of a shard directory, with a decoded sample of each split.
+
+    ``tokenizer`` defaults to the ``tokenizer.json`` that ``prepare`` stored beside the shards.
+    ``verify`` re-hashes every shard.
+    """
+    d = Path(directory)
+    m = load_manifest(d)
+    tok = m["tokenizer"]
+    lines = [f"{d}: {len(m['shards'])} shards ({m['dtype']}), tokenizer {tok['fingerprint'][:16]}… "
+             f"vocab {tok['vocab_size']:,}, bos_id={m['bos_id']} eos_id={m['eos_id']}"]
+    if m.get("pending"):
+        n = len(m["pending"]["shards"])
+        lines.append(f"  an interrupted prepare is pending ({n} shards written); re-run the same command to resume")
+    if tokenizer is None and (d / "tokenizer.json").exists():
+        from lmforge.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.load(d / "tokenizer.json")
+    for split, info in sorted(m["splits"].items()):
+        bpt = info.get("text_bytes", 0) / max(1, info["tokens"])
+        lines.append(f"  {split}: {info['shards']} shards, {info['tokens']:,} tokens, {info['documents']:,} documents, "
+                     f"{human_bytes(info.get('text_bytes', 0))} text ({bpt:.2f} bytes/token)")
+        ds = TokenDataset(d, split, verify=verify)
+        if tokenizer is not None:
+            ds.check_tokenizer(tokenizer)
+            sample = np.asarray(ds.shards[0][:sample_tokens], dtype=np.int64).tolist()
+            lines.append(f"    sample: {tokenizer.decode(sample)!r}")
+    lines.append(f"  {len(m['sources'])} sources:")
+    for s in m["sources"]:
+        toks = ", ".join(f"{k} {v:,}" for k, v in s["tokens"].items())
+        dropped = ", ".join(f"{s[k]} {k.replace('_', ' ')}" for k in ("empty_skipped", "invalid_utf8") if s.get(k))
+        lines.append(f"    {s['path']} ({human_bytes(s['size'])}, sha256 {s['sha256'][:12]}…): {toks} tokens"
+                     + (f"; documents dropped/fixed: {dropped}" if dropped else ""))
+    return "\n".join(lines)
