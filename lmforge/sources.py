@@ -189,9 +189,8 @@ def _decode_all(pieces: list[bytes], errors: str, where: str, first: int, stats:
 
 def _keep(docs: list[str], stats: ReadStats) -> list[str]:
     """Strip documents, drop (and count) empty ones, count the rest and their UTF-8 bytes."""
-    stripped = [d.strip() for d in docs]
-    kept = [d for d in stripped if d]
-    stats.empty_skipped += len(stripped) - len(kept)
+    kept = [t for d in docs if (t := d.strip())]
+    stats.empty_skipped += len(docs) - len(kept)
     stats.documents += len(kept)
     stats.text_bytes += utf8_length(kept)
     return kept
