@@ -198,22 +198,65 @@ class KVCache:
 # --------------------------------------------------------------------------------------------------
 # Fast-path helpers
 # --------------------------------------------------------------------------------------------------
-def _fused_weight(module: nn.Module, name: str, weights: list[Tensor], cache: bool) -> Tensor:
-    """``torch.cat(weights)`` along the output dim, so several projections run as one matmul.
+class _Projections(torch.autograd.Function):
+    """``x @ W_i.T`` for several weights reading the same ``x`` (Q, K, V; or W1, W3).
 
-    Training concatenates every step (autograd splits the gradient back into the separate parameters,
-    which keep their CS336 names). When ``cache`` is set (no-grad decoding) the fused copy is kept and
-    reused until a weight changes (tracked through its data pointer and in-place version counter).
+    Backward accumulates ``dx = Σ g_i W_i`` inside the GEMMs (``addmm_`` with beta 1), so neither the
+    ``torch.cat`` of the output gradients that a fused-weight matmul needs nor autograd's sum of separate
+    ``dx`` tensors is ever materialised. Under autocast the matmuls run in the autocast dtype, as
+    ``x @ W.T`` would.
     """
-    if not cache:
-        module.__dict__.pop(name, None)
-        return torch.cat(weights, dim=0)
-    key = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
-    hit = module.__dict__.get(name)
+
+    @staticmethod
+    def forward(ctx, x: Tensor, *weights: Tensor) -> tuple[Tensor, ...]:
+        dev = x.device.type
+        cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        with torch.autocast(dev, enabled=False):
+            xc = x.to(cdtype)
+            outs = tuple(xc @ w.to(cdtype).T for w in weights)  # (..., out_i)
+        ctx.save_for_backward(xc, *weights)
+        ctx.x_dtype, ctx.cdtype = x.dtype, cdtype
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        xc, *weights = ctx.saved_tensors
+        x2 = xc.reshape(-1, xc.shape[-1])  # (N, d_in)
+        grad_x = None
+        grad_ws = []
+        with torch.autocast(xc.device.type, enabled=False):
+            for g, w in zip(grads, weights):
+                if g is None:
+                    grad_ws.append(None)
+                    continue
+                g2 = g.reshape(-1, g.shape[-1]).to(ctx.cdtype)  # (N, out_i)
+                wc = w.to(ctx.cdtype)
+                if grad_x is None:
+                    grad_x = g2 @ wc  # (N, d_in)
+                else:
+                    grad_x.addmm_(g2, wc)
+                grad_ws.append((g2.T @ x2).to(w.dtype))  # (out_i, d_in)
+        if grad_x is not None:
+            grad_x = grad_x.reshape(xc.shape).to(ctx.x_dtype)
+        return (grad_x, *grad_ws)
+
+
+def _project(module: nn.Module, x: Tensor, weights: list[Tensor]) -> tuple[Tensor, ...]:
+    """``tuple(x @ w.T for w in weights)``, the fastest way for training or for decoding.
+
+    Training: :class:`_Projections` (lean backward). Without autograd (decoding) one matmul over the
+    concatenated weights, whose concatenation is cached on ``module`` until a weight changes (tracked
+    through data pointers and in-place version counters) or autograd is needed again.
+    """
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        module.__dict__.pop("_fused_cache", None)
+        return _Projections.apply(x, *weights)
+    key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+    hit = module.__dict__.get("_fused_cache")
     if hit is None or hit[0] != key:
         hit = (key, torch.cat(weights, dim=0))
-        module.__dict__[name] = hit
-    return hit[1]
+        module.__dict__["_fused_cache"] = hit
+    return (x @ hit[1].T).split([w.shape[0] for w in weights], dim=-1)
 
 
 def _rope_fast(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -221,6 +264,9 @@ def _rope_fast(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
     ``x (B, T, H, D)``; ``cos, sin`` broadcastable to ``(B, T, 1, D/2)``.
     """
+    if torch.compiler.is_compiling():  # inductor cannot generate code for complex ops; it fuses this form
+        x0, x1 = x[..., 0::2].float(), x[..., 1::2].float()  # (B, T, H, D/2)
+        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, T, H, D/2) complex
     return torch.view_as_real(xc * torch.complex(cos, sin)).flatten(-2).to(x.dtype)  # (B, T, H, D)
 
@@ -332,10 +378,7 @@ class CausalSelfAttention(nn.Module):
     def _forward_fast(self, x: Tensor, token_positions, kv_cache, layer_idx) -> Tensor:
         B, T, _ = x.shape
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
-        decoding = kv_cache is not None and not torch.is_grad_enabled()
-        w = _fused_weight(self, "_qkv_cache", [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], decoding)
-        qkv = x @ w.T  # (B, T, (H + 2 KV) D)
-        q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+        q, k, v = _project(self, x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])  # (B, T, h·D)
         q, k, v = q.unflatten(-1, (H, D)), k.unflatten(-1, (KV, D)), v.unflatten(-1, (KV, D))  # (B, T, h, D)
         if self.rope is not None:
             if token_positions is None and kv_cache is None:
@@ -364,17 +407,16 @@ class CausalSelfAttention(nn.Module):
 
 
 class FeedForward(SwiGLU):
-    """:class:`SwiGLU` with a fast path that runs ``w1`` and ``w3`` as one matmul."""
+    """:class:`SwiGLU` with a fast path that projects through ``w1`` and ``w3`` together (:func:`_project`)."""
 
     def __init__(self, d_model: int, d_ff: int | None = None, fast: bool = False, device=None, dtype=None) -> None:
         super().__init__(d_model, d_ff, device=device, dtype=dtype)
         self.fast = fast
 
-    def forward(self, x: Tensor, decoding: bool = False) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         if not self.fast:
             return super().forward(x)
-        w13 = _fused_weight(self, "_w13_cache", [self.w1.weight, self.w3.weight], decoding)
-        a, b = (x @ w13.T).split(self.d_ff, dim=-1)  # (B, T, d_ff) each
+        a, b = _project(self, x, [self.w1.weight, self.w3.weight])  # (B, T, d_ff) each
         return (F.silu(a) * b) @ self.w2.weight.T  # (B, T, d_model)
 
 
@@ -394,7 +436,7 @@ class TransformerBlock(nn.Module):
     def forward(self, x: Tensor, token_positions: Tensor | None = None, kv_cache: KVCache | None = None,
                 layer_idx: int = 0) -> Tensor:
         x = x + self.attn(self.ln1(x), token_positions, kv_cache, layer_idx)
-        return x + self.ffn(self.ln2(x), decoding=kv_cache is not None and not torch.is_grad_enabled())
+        return x + self.ffn(self.ln2(x))
 
 
 class TransformerLM(nn.Module):

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.layers import cross_entropy as cross_entropy_reference
+from lmforge.optim import AdamW, param_groups_for
 from lmforge.model import (CausalSelfAttention, Embedding, KVCache, Linear, ModelConfig, Norm, RMSNorm,
                            RotaryPositionalEmbedding, SwiGLU, TransformerBlock, TransformerLM, cross_entropy,
                            flops_per_token, linear_cross_entropy, matmul_params_per_token, num_params,
@@ -259,6 +260,18 @@ def test_kv_cache_decode_equals_full_forward(kw):
         torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=2e-5, rtol=1e-4)
 
 
+def test_decoding_sees_weight_updates():
+    """The fast path caches fused weights while decoding; an in-place update must invalidate them."""
+    model, _ = model_pair()
+    x = torch.randint(0, 97, (1, 6))
+    with torch.no_grad():
+        model(x, kv_cache=KVCache.for_model(model, 1))
+        for p in model.parameters():
+            p.mul_(1.1)
+        cache = KVCache.for_model(model, 1)
+        torch.testing.assert_close(model(x, kv_cache=cache), model(x), atol=2e-5, rtol=1e-4)
+
+
 def test_kv_cache_left_padding_decodes_rows_independently():
     for model in model_pair():
         a, b = torch.randint(0, 97, (1, 9)), torch.randint(0, 97, (1, 5))
@@ -371,7 +384,7 @@ def test_overfits_one_batch():
     model = TransformerLM(ModelConfig(vocab_size=32, context_length=16, d_model=32, n_layers=2, n_heads=2))
     x = torch.randint(0, 32, (4, 16))
     y = torch.roll(x, -1, dims=1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    opt = AdamW(param_groups_for(model, 0.0), lr=1e-2)
     for _ in range(100):
         loss = model(x, targets=y)
         opt.zero_grad(set_to_none=True)
