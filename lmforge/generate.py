@@ -112,6 +112,8 @@ class CachedDecoder:
     def __init__(self, model: Any) -> None:
         cfg = model_config(model)
         self.cfg = cfg
+        for wrapper_attr in ("module", "_orig_mod"):  # DDP / torch.compile wrappers prefix the state-dict names
+            model = getattr(model, wrapper_attr, model)
         sd = {k: v.detach() for k, v in model.state_dict().items()}
         self.n_heads = cfg.n_heads
         self.n_kv = getattr(cfg, "n_kv_heads", None) or cfg.n_heads
@@ -140,8 +142,13 @@ class CachedDecoder:
         inv_freq = 1.0 / (float(cfg.rope_theta) ** (torch.arange(half, dtype=torch.float64) * 2 / self.head_dim))
         angles = torch.outer(torch.arange(self.context_length, dtype=torch.float64), inv_freq)  # (S, D/2)
         self.rope = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(self.device)
+        # Per-generation state, set by prefill(): caches (L, B, Hkv, S, D), cached length, left padding per
+        # row (B,) and, when rows are padded, which cache columns each row may attend to (B, S).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.length = 0
+        self.pad: torch.Tensor | None = None
+        self.key_valid: torch.Tensor | None = None
 
     # ---------------------------------------------------------------------------------------------
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
