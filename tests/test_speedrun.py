@@ -94,7 +94,7 @@ def test_cli_speedrun(tmp_path, corpus, capsys):
 def test_speedrun_bad_input(tmp_path, corpus):
     with pytest.raises(ValueError, match="unknown model size"):
         run(tmp_path / "a", corpus, model_size="huge")
-    with pytest.raises(ValueError, match="neither 'shakespeare'"):
+    with pytest.raises(ValueError, match="neither a named dataset"):
         run(tmp_path / "a", "tinystorie")
     with pytest.raises(ValueError, match="matches no files"):
         run(tmp_path / "a", tmp_path / "nothing*.txt")
