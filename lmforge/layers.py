@@ -16,6 +16,11 @@ import math
 import torch
 from torch import Tensor, nn
 
+Device = torch.device | str | None
+"""Where to allocate parameters (``None``: PyTorch's default device)."""
+DType = torch.dtype | None
+"""Parameter dtype (``None``: PyTorch's default dtype)."""
+
 
 def _trunc_normal_(w: Tensor, std: float) -> Tensor:
     """Fill ``w`` in place from N(0, std²) truncated at ±3σ."""
@@ -28,7 +33,7 @@ class Linear(nn.Module):
     Init: truncated normal, std ``sqrt(2 / (in_features + out_features))``, cut at ±3σ.
     """
 
-    def __init__(self, in_features: int, out_features: int, device=None, dtype=None) -> None:
+    def __init__(self, in_features: int, out_features: int, device: Device = None, dtype: DType = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
@@ -55,7 +60,7 @@ class Embedding(nn.Module):
     Init: truncated normal, std 1, cut at ±3.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, device=None, dtype=None) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, device: Device = None, dtype: DType = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
@@ -80,7 +85,7 @@ class RMSNorm(nn.Module):
     Init: ``weight`` all ones (the identity gain).
     """
 
-    def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None) -> None:
+    def __init__(self, d_model: int, eps: float = 1e-5, device: Device = None, dtype: DType = None) -> None:
         super().__init__()
         self.d_model, self.eps = d_model, eps
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
@@ -112,7 +117,7 @@ def default_d_ff(d_model: int) -> int:
 class SwiGLU(nn.Module):
     """Gated feed-forward: ``w2(silu(w1 x) * w3 x)``; ``w1, w3: d_model -> d_ff``, ``w2: d_ff -> d_model``."""
 
-    def __init__(self, d_model: int, d_ff: int | None = None, device=None, dtype=None) -> None:
+    def __init__(self, d_model: int, d_ff: int | None = None, device: Device = None, dtype: DType = None) -> None:
         super().__init__()
         d_ff = default_d_ff(d_model) if d_ff is None else d_ff
         self.d_model, self.d_ff = d_model, d_ff
@@ -133,7 +138,7 @@ class RotaryPositionalEmbedding(nn.Module):
     only, so attention sees relative positions.
     """
 
-    def __init__(self, theta: float, d_k: int, max_seq_len: int, device=None) -> None:
+    def __init__(self, theta: float, d_k: int, max_seq_len: int, device: Device = None) -> None:
         super().__init__()
         if d_k % 2:
             raise ValueError(f"RoPE needs an even head dimension, got d_k={d_k}; choose d_model/n_heads even")
@@ -146,10 +151,13 @@ class RotaryPositionalEmbedding(nn.Module):
 
     def check_positions(self, token_positions: Tensor) -> None:
         """``ValueError`` if a position is negative or beyond the cached table."""
-        if token_positions.numel() and (int(token_positions.max()) >= self.max_seq_len or int(token_positions.min()) < 0):
+        if not token_positions.numel():
+            return
+        lo, hi = int(token_positions.min()), int(token_positions.max())
+        if lo < 0 or hi >= self.max_seq_len:
             raise ValueError(
                 f"token positions must lie in [0, {self.max_seq_len}) (the RoPE table / context length), "
-                f"got range [{int(token_positions.min())}, {int(token_positions.max())}]; "
+                f"got range [{lo}, {hi}]; "
                 "shorten the input or build the model with a larger context_length")
 
     def forward(self, x: Tensor, token_positions: Tensor | None = None) -> Tensor:

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmforge.layers import (Embedding, Linear, RMSNorm, RotaryPositionalEmbedding, SwiGLU, default_d_ff, silu,
-                            scaled_dot_product_attention, softmax)
+from lmforge.layers import (Device, DType, Embedding, Linear, RMSNorm, RotaryPositionalEmbedding, SwiGLU, default_d_ff,
+                            scaled_dot_product_attention, silu, softmax)
 from lmforge.losses import cross_entropy, linear_cross_entropy
 
 __all__ = ["ModelConfig", "TransformerLM", "TransformerBlock", "CausalSelfAttention", "KVCache", "Linear",
@@ -75,8 +75,9 @@ class ModelConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"model.{name} must be a positive integer (or null for the default), got {v!r}")
         if self.d_model % self.n_heads:
+            near = _divisors_near(self.d_model, self.n_heads)
             raise ValueError(f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}; "
-                             f"pick n_heads among the divisors of d_model, e.g. {_divisors_near(self.d_model, self.n_heads)}")
+                             f"pick n_heads among the divisors of d_model, e.g. {near}")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError(f"head dimension d_model/n_heads = {self.d_model // self.n_heads} must be even for RoPE; "
                              "change model.d_model or model.n_heads")
@@ -114,7 +115,8 @@ class KVCache:
     """
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_seq_len: int,
-                 device=None, dtype=None, left_pad: Tensor | None = None) -> None:
+                 device: Device = None, dtype: DType = None,
+                 left_pad: Tensor | None = None) -> None:
         shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype or torch.float32)
         self.v = torch.zeros_like(self.k)
@@ -123,13 +125,15 @@ class KVCache:
         if left_pad is not None:
             left_pad = torch.as_tensor(left_pad, dtype=torch.long, device=self.k.device).reshape(-1)
             if left_pad.shape[0] != batch_size or bool((left_pad < 0).any()) or bool((left_pad >= max_seq_len).any()):
-                raise ValueError(f"left_pad must hold {batch_size} counts in [0, {max_seq_len}), got {left_pad.tolist()}")
+                raise ValueError(f"left_pad must hold {batch_size} counts in [0, {max_seq_len}), "
+                                 f"got {left_pad.tolist()}")
         self.left_pad = left_pad
         self._masks: dict[tuple[int, int], Tensor] = {}
 
     @classmethod
-    def for_model(cls, model: "TransformerLM", batch_size: int, max_seq_len: int | None = None, dtype=None,
-                  device=None, left_pad: Tensor | None = None) -> "KVCache":
+    def for_model(cls, model: "TransformerLM", batch_size: int, max_seq_len: int | None = None,
+                  dtype: DType = None, device: Device = None,
+                  left_pad: Tensor | None = None) -> "KVCache":
         """A cache shaped for ``model`` (defaults: its context length, device and parameter dtype)."""
         cfg = model.cfg
         p = model.lm_head.weight
@@ -299,7 +303,8 @@ class _RMSNormFn(torch.autograd.Function):
 class Norm(RMSNorm):
     """:class:`RMSNorm` with a fast path (:class:`_RMSNormFn`); same parameter, same numbers."""
 
-    def __init__(self, d_model: int, eps: float = 1e-5, fast: bool = False, device=None, dtype=None) -> None:
+    def __init__(self, d_model: int, eps: float = 1e-5, fast: bool = False, device: Device = None,
+                 dtype: DType = None) -> None:
         super().__init__(d_model, eps, device=device, dtype=dtype)
         self.fast = fast
 
@@ -319,7 +324,7 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None, theta: float | None = None,
                  num_kv_heads: int | None = None, rope: RotaryPositionalEmbedding | None = None, fast: bool = False,
-                 device=None, dtype=None) -> None:
+                 device: Device = None, dtype: DType = None) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if d_model % num_heads or num_heads % num_kv_heads:
@@ -409,7 +414,8 @@ class CausalSelfAttention(nn.Module):
 class FeedForward(SwiGLU):
     """:class:`SwiGLU` with a fast path that projects through ``w1`` and ``w3`` together (:func:`_project`)."""
 
-    def __init__(self, d_model: int, d_ff: int | None = None, fast: bool = False, device=None, dtype=None) -> None:
+    def __init__(self, d_model: int, d_ff: int | None = None, fast: bool = False, device: Device = None,
+                 dtype: DType = None) -> None:
         super().__init__(d_model, d_ff, device=device, dtype=dtype)
         self.fast = fast
 
@@ -425,7 +431,8 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, max_seq_len: int | None = None,
                  theta: float | None = None, num_kv_heads: int | None = None, eps: float = 1e-5,
-                 rope: RotaryPositionalEmbedding | None = None, fast: bool = False, device=None, dtype=None) -> None:
+                 rope: RotaryPositionalEmbedding | None = None, fast: bool = False, device: Device = None,
+                 dtype: DType = None) -> None:
         super().__init__()
         self.attn = CausalSelfAttention(d_model, num_heads, max_seq_len, theta, num_kv_heads, rope=rope, fast=fast,
                                         device=device, dtype=dtype)
@@ -448,7 +455,8 @@ class TransformerLM(nn.Module):
 
     def __init__(self, vocab_size: int | ModelConfig, context_length: int | None = None, d_model: int | None = None,
                  num_layers: int | None = None, num_heads: int | None = None, d_ff: int | None = None,
-                 rope_theta: float = 10000.0, *, device=None, dtype=None, **config_kwargs) -> None:
+                 rope_theta: float = 10000.0, *, device: Device = None,
+                 dtype: DType = None, **config_kwargs) -> None:
         super().__init__()
         if isinstance(vocab_size, ModelConfig):
             cfg = vocab_size
@@ -473,7 +481,7 @@ class TransformerLM(nn.Module):
         self.init_weights()
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, device=None, dtype=None) -> TransformerLM:
+    def from_config(cls, cfg: ModelConfig, device: Device = None, dtype: DType = None) -> TransformerLM:
         return cls(cfg, device=device, dtype=dtype)
 
     def init_weights(self) -> None:

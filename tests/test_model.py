@@ -184,6 +184,31 @@ def test_fast_cross_entropies_gradients_match_torch(ignore, chunk_rows):
         torch.testing.assert_close(linear_cross_entropy(h, w, t, ignore, chunk_rows=chunk_rows), ref)
 
 
+def test_linear_cross_entropy_under_bf16_autocast():
+    torch.manual_seed(0)
+    h = torch.randn(10, 16, requires_grad=True)
+    w = torch.randn(23, 16, requires_grad=True)
+    t = torch.randint(0, 23, (10,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = cross_entropy(h @ w.T, t)  # logits in bf16, loss in float32
+        fused = linear_cross_entropy(h, w, t, chunk_rows=3)
+    assert fused.dtype == torch.float32
+    torch.testing.assert_close(fused, ref, atol=1e-3, rtol=1e-3)
+    g_ref = torch.autograd.grad(ref, (h, w))
+    g_fused = torch.autograd.grad(fused, (h, w))
+    for a, b in zip(g_fused, g_ref):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+def test_linear_cross_entropy_backward_twice_is_refused():
+    h = torch.randn(4, 8, requires_grad=True)
+    loss = linear_cross_entropy(h, torch.randn(5, 8), torch.randint(0, 5, (4,)))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        loss.backward()
+
+
 # --------------------------------------------------------------------------------------------------
 # Attention and blocks
 # --------------------------------------------------------------------------------------------------
