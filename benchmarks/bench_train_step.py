@@ -52,7 +52,9 @@ def _build(impl: str, a: argparse.Namespace):
                            max_position_embeddings=a.context, rope_theta=10000.0, rms_norm_eps=1e-5,
                            tie_word_embeddings=False, attn_implementation="sdpa")
         model = LlamaForCausalLM(hcfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        # torch's defaults: on CPU that is the per-tensor loop; --hf-fused gives HF the fused kernel too
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                fused=True if a.hf_fused else None)
 
         def loss_fn(x, y):  # standard HF usage: labels are shifted inside, logits upcast to float32
             return model(input_ids=x, labels=x).loss
@@ -116,6 +118,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the loss function of both")
     ap.add_argument("--reference", action="store_true", help="lmforge's reference path instead of the fast one")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--hf-fused", dest="hf_fused", action="store_true",
+                    help="give HF torch.optim.AdamW(fused=True) (default: torch's default AdamW)")
     ap.add_argument("--impls", default="lmforge,hf")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -140,7 +144,8 @@ def main() -> None:
     fpt = flops_per_token(cfg, a.context)
     print(f"shapes: d_model {a.d_model}, {a.layers} layers, {a.heads} heads, d_ff {a.d_ff}, T {a.context}, "
           f"B {a.batch}, V {a.vocab}, {a.dtype}{', compiled' if a.compile else ''}; threads {torch.get_num_threads()}")
-    print(f"matmul peak (4096², {a.dtype}): {peak:.1f} GFLOP/s;  FLOPs/token {fpt / 1e6:.1f} M")
+    print(f"matmul peak (4096², {a.dtype}): {peak:.1f} GFLOP/s;  FLOPs/token {fpt / 1e6:.1f} M;  "
+          f"HF optimizer: torch.optim.AdamW({'fused=True' if a.hf_fused else 'defaults'})")
 
     impls = a.impls.split(",")
     best: dict[str, dict] = {}

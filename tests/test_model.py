@@ -416,3 +416,19 @@ def test_overfits_one_batch():
         loss.backward()
         opt.step()
     assert loss.item() < 0.1
+
+
+def test_builds_from_cs336_model_config(shared_fixtures):
+    """The CS336 suite's model config builds through the handout's constructor signature."""
+    import json
+
+    c = json.loads((shared_fixtures / "ts_tests/model_config.json").read_text())
+    model = TransformerLM(c["vocab_size"], c["context_length"], c["d_model"], c["num_layers"], c["num_heads"],
+                          c["d_ff"], c["rope_theta"])
+    sd = model.state_dict()
+    assert sd["layers.2.ffn.w1.weight"].shape == (c["d_ff"], c["d_model"])
+    assert sd["lm_head.weight"].shape == (c["vocab_size"], c["d_model"])
+    per_layer = 4 * 64 * 64 + 3 * 64 * 128 + 2 * 64
+    assert num_params(model) == 2 * 10000 * 64 + 3 * per_layer + 64
+    x = torch.randint(0, c["vocab_size"], (2, c["context_length"]))
+    assert model(x).shape == (2, c["context_length"], c["vocab_size"])
