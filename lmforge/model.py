@@ -6,9 +6,12 @@ optional grouped-query attention, SwiGLU feed-forward) -> final RMSNorm -> LM he
 Two numerically equivalent paths, chosen by ``ModelConfig.fast`` (``set_fast`` switches at run time):
 
 * reference (``fast=False``): the CS336 formulas written out with tensor ops; the spec.
-* fast (``fast=True``, default): PyTorch's fused attention kernel (flash on GPU), Q|K|V and W1|W3
-  projections fused into one matmul each, complex-multiply RoPE, and when ``targets`` are given a
-  chunked LM-head + cross-entropy that never materialises the full ``(B·T, V)`` logits.
+* fast (``fast=True``, default): PyTorch's fused attention kernel (flash), Q/K/V and W1/W3 projections
+  with a hand-written backward that accumulates ``dx`` inside the GEMMs (one matmul over concatenated
+  weights when decoding), complex-multiply RoPE, RMSNorm with a hand-written backward, and when
+  ``targets`` are given a chunked LM head + cross-entropy that never materialises the ``(B·T, V)`` logits.
+  Measured on CPU (``benchmarks/bench_train_step.py``): fusing the weights for training did not pay
+  there (same GEMM efficiency, plus concatenation copies), the lean backward and the loss did.
 
 Parameter names follow the CS336 convention in both paths, so checkpoints are interchangeable:
 ``token_embeddings.weight``, ``layers.{i}.attn.{q,k,v,output}_proj.weight``, ``layers.{i}.ln1.weight``,
@@ -17,7 +20,7 @@ Parameter names follow the CS336 convention in both paths, so checkpoints are in
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -502,7 +505,7 @@ class TransformerLM(nn.Module):
 
     def set_fast(self, fast: bool) -> TransformerLM:
         """Switch every block between the fast and the reference path (same weights)."""
-        self.cfg.fast = fast
+        self.cfg = dataclasses.replace(self.cfg, fast=fast)  # a copy: the caller's config is not touched
         for m in self.modules():
             if hasattr(m, "fast"):
                 m.fast = fast
