@@ -91,6 +91,9 @@ class ModelConfig:
             raise ValueError(f"model.rope_theta must be a positive number, got {self.rope_theta!r}")
         if not (isinstance(self.norm_eps, (int, float)) and self.norm_eps > 0):
             raise ValueError(f"model.norm_eps must be a positive number, got {self.norm_eps!r}")
+        for name in ("tie_embeddings", "fast"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def head_dim(self) -> int:
@@ -519,8 +522,9 @@ class TransformerLM(nn.Module):
         ``targets (B, T)`` the cross-entropy loss (``reduction`` ``"mean"``/``"sum"``/``"none"``) is
         returned instead of the logits; the fast path then never builds the full logits tensor.
         """
-        if idx.dim() != 2:
-            raise ValueError(f"idx must have shape (batch, seq), got {tuple(idx.shape)}")
+        if idx.dim() != 2 or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise ValueError(f"idx must be integer token ids of shape (batch, seq), got {idx.dtype} "
+                             f"{tuple(idx.shape)}; add a batch dimension with idx[None] if needed")
         T = idx.shape[1]
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.cfg.context_length:

@@ -315,6 +315,10 @@ def test_context_length_and_cache_errors():
     model = TransformerLM(tiny_cfg())
     with pytest.raises(ValueError, match="context_length=32"):
         model(torch.zeros(1, 33, dtype=torch.long))
+    with pytest.raises(ValueError, match="batch dimension"):
+        model(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer token ids"):
+        model(torch.zeros(1, 5))
     cache = KVCache.for_model(model, 1, max_seq_len=8)
     with torch.no_grad():
         model(torch.zeros(1, 8, dtype=torch.long), kv_cache=cache)
@@ -367,6 +371,7 @@ def test_init_weights_follow_docstring():
     (dict(d_model=36, n_heads=4), "must be even"),
     (dict(rope_theta=0), "rope_theta"),
     (dict(d_ff=0), "model.d_ff"),
+    (dict(fast="yes"), "model.fast must be true or false"),
 ])
 def test_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
