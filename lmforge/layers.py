@@ -143,11 +143,23 @@ class RotaryPositionalEmbedding(nn.Module):
         if d_k % 2:
             raise ValueError(f"RoPE needs an even head dimension, got d_k={d_k}; choose d_model/n_heads even")
         self.theta, self.d_k, self.max_seq_len = theta, d_k, max_seq_len
-        # float64 for the angles: p * freq loses digits in float32 at long positions.
-        inv_freq = theta ** (-torch.arange(0, d_k, 2, dtype=torch.float64, device=device) / d_k)  # (d_k/2,)
-        angles = torch.arange(max_seq_len, dtype=torch.float64, device=device)[:, None] * inv_freq  # (S, d_k/2)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        cos, sin = self._tables(device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, device: Device) -> tuple[Tensor, Tensor]:
+        """float32 ``cos, sin (max_seq_len, d_k/2)``; angles in float64 (``p · freq`` loses digits in float32)."""
+        inv_freq = self.theta ** (-torch.arange(0, self.d_k, 2, dtype=torch.float64, device=device) / self.d_k)
+        angles = torch.arange(self.max_seq_len, dtype=torch.float64, device=device)[:, None] * inv_freq  # (S, d_k/2)
+        return angles.cos().float(), angles.sin().float()
+
+    def _apply(self, fn, *args, **kwargs):
+        """Follow ``.to(device)``, but keep the tables float32 under ``.to(torch.bfloat16)`` and friends:
+        rounding cos/sin to bf16 would turn every rotation by up to 0.4 %."""
+        super()._apply(fn, *args, **kwargs)
+        if self.cos.dtype != torch.float32:
+            self.cos, self.sin = self._tables(self.cos.device)
+        return self
 
     def check_positions(self, token_positions: Tensor) -> None:
         """``ValueError`` if a position is negative or beyond the cached table."""

@@ -409,6 +409,20 @@ def test_bf16_autocast_runs_and_stays_close():
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def test_pure_bf16_model_trains_and_keeps_rope_tables_float32():
+    fast, ref = model_pair()
+    for model in (fast, ref):
+        model.to(torch.bfloat16)
+        rope = model.layers[0].attn.rope
+        assert rope.cos.dtype == torch.float32
+        torch.testing.assert_close(rope.cos, RotaryPositionalEmbedding(10000.0, 16, 32).cos)
+        x, y = torch.randint(0, 97, (2, 12)), torch.randint(0, 97, (2, 12))
+        loss = model(x, targets=y)
+        assert model(x).dtype == torch.bfloat16 and loss.dtype == torch.float32
+        loss.backward()
+        assert all(p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_overfits_one_batch():
     torch.manual_seed(0)
     model = TransformerLM(ModelConfig(vocab_size=32, context_length=16, d_model=32, n_layers=2, n_heads=2))
