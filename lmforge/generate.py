@@ -169,20 +169,22 @@ class CachedDecoder:
         B, T = tokens.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         end = start + T
-        x = F.embedding(tokens, self.embedding)  # (B, T, C)
+        # Hidden states stay 2-D (B*T, C): a 2-D @ 2-D product is one GEMM call, while a 3-D input goes through
+        # matmul's batched-folding path, measurably slower for the few rows of a decode step.
+        x = F.embedding(tokens.reshape(-1), self.embedding)  # (B*T, C)
         for layer, (ln1, w_qkv, w_o, ln2, w_13, w_2) in enumerate(self.layers):
-            qkv = self._rms_norm(x, ln1) @ w_qkv  # (B, T, (H + 2 Hkv) D)
-            qk = self._rotate(qkv[..., : (H + Hkv) * D].view(B, T, H + Hkv, D), rot)  # q and k heads in one go
+            qkv = self._rms_norm(x, ln1) @ w_qkv  # (B*T, (H + 2 Hkv) D)
+            qk = self._rotate(qkv[:, : (H + Hkv) * D].view(B, T, H + Hkv, D), rot)  # q and k heads in one go
             q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
             self.k_cache[layer, :, :, start:end] = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, D)
-            self.v_cache[layer, :, :, start:end] = qkv[..., (H + Hkv) * D :].view(B, T, Hkv, D).transpose(1, 2)
+            self.v_cache[layer, :, :, start:end] = qkv[:, (H + Hkv) * D :].view(B, T, Hkv, D).transpose(1, 2)
             att = F.scaled_dot_product_attention(
                 q, self.k_cache[layer, :, :, :end], self.v_cache[layer, :, :, :end],
                 attn_mask=mask, is_causal=causal, enable_gqa=Hkv != H)  # (B, H, T, D)
-            x = x + att.transpose(1, 2).reshape(B, T, H * D) @ w_o  # (B, T, C)
-            gate, up = (self._rms_norm(x, ln2) @ w_13).chunk(2, dim=-1)  # (B, T, F) each
+            x = x + att.transpose(1, 2).reshape(B * T, H * D) @ w_o  # (B*T, C)
+            gate, up = (self._rms_norm(x, ln2) @ w_13).chunk(2, dim=-1)  # (B*T, F) each
             x = x + (F.silu(gate) * up) @ w_2
-        h = self._rms_norm(x[:, -1], self.ln_final)  # (B, C)
+        h = self._rms_norm(x.view(B, T, -1)[:, -1], self.ln_final)  # (B, C)
         return (self.lm_head @ h.t()).t()  # (B, V)
 
     # ---------------------------------------------------------------------------------------------
