@@ -1,13 +1,15 @@
 """Training speed and memory: lmforge's TransformerLM + AdamW vs Hugging Face ``LlamaForCausalLM`` +
 ``torch.optim.AdamW``, same shapes, random init, side by side in one run.
 
-Each (implementation, round) runs in its own child process, so peak RSS is that model's alone and the
-two never compete for the cores. Rounds alternate (lmforge, HF, lmforge, HF, ...) and the best round of
-each is kept, which is the fairest reading on a shared machine. The 4096² matmul peak is measured first
-and MFU = tokens/s · FLOPs/token / peak, FLOPs/token = 6·N + 12·L·d·T for both.
+* Speed: both models live in this process and their training steps are *interleaved* (lmforge step,
+  HF step, lmforge step, ...), so both see the same machine load; a shared machine slows both alike.
+  Reported per implementation: median and best step; the ratio of each.
+* Memory: each implementation runs a few steps alone in a child process that reports its peak RSS, and
+  the growth of RSS over the state right before the model was built ("step RSS").
+* MFU = tokens/s · FLOPs/token / measured 4096² matmul peak; FLOPs/token = 6·N + 12·L·d·T for both.
 
     python benchmarks/bench_train_step.py            # d_model 512, 4 layers, 16 heads, d_ff 1344, T 256, B 8, V 10k
-    python benchmarks/bench_train_step.py --quick    # one round, few steps: a smoke run
+    python benchmarks/bench_train_step.py --quick    # a few steps: a smoke run
     python benchmarks/bench_train_step.py --dtype bf16 --compile
 """
 
@@ -30,7 +32,7 @@ def _rss_mb() -> float:
 
 
 def _build(impl: str, a: argparse.Namespace):
-    """(model, optimizer, step function) for ``impl``; the step does forward, backward, update."""
+    """(model, step function) for ``impl``; ``step(x, y)`` does forward, backward, optimizer update."""
     import torch
 
     if impl == "lmforge":
@@ -67,45 +69,39 @@ def _build(impl: str, a: argparse.Namespace):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return float(loss.detach())
 
     return model, step
 
 
-def child(impl: str, a: argparse.Namespace) -> dict:
-    """Time ``a.steps`` training steps of ``impl`` after ``a.warmup`` and report speed and memory."""
+def _batches(a: argparse.Namespace) -> list:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, a.vocab, (a.batch, a.context + 1), generator=g) for _ in range(4)]
+
+
+def memory_child(impl: str, a: argparse.Namespace) -> dict:
+    """Peak RSS of ``impl`` training alone (a few steps), in MiB."""
     import torch
 
     if a.threads:
         torch.set_num_threads(a.threads)
     if impl == "hf":
-        import transformers  # noqa: F401  (import cost outside the measured memory)
+        import transformers  # noqa: F401  (import cost outside the measured growth)
     torch.manual_seed(0)
     rss_before = _rss_mb()
-    model, step = _build(impl, a)
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, a.vocab, (a.batch, a.context + 1), generator=g) for _ in range(4)]
-    for i in range(a.warmup):
-        b = batches[i % 4]
+    _, step = _build(impl, a)
+    for b in _batches(a)[:3]:
         step(b[:, :-1], b[:, 1:])
-    times = []
-    for i in range(a.steps):
-        b = batches[i % 4]
-        t0 = time.perf_counter()
-        loss = step(b[:, :-1], b[:, 1:])
-        float(loss)
-        times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
-    n_params = sum(p.numel() for p in model.parameters())
-    return {"impl": impl, "step_s": statistics.median(times), "min_step_s": min(times), "peak_rss_mb": peak,
-            "step_rss_mb": peak - rss_before, "params": n_params, "threads": torch.get_num_threads()}
+    return {"peak_rss_mb": peak, "step_rss_mb": peak - rss_before}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one round, 1 warm-up + 3 timed steps")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per implementation (best is kept)")
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per round")
+    ap.add_argument("--quick", action="store_true", help="1 warm-up + 3 timed steps each")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per implementation (interleaved)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--d-model", dest="d_model", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
@@ -121,13 +117,14 @@ def main() -> None:
     ap.add_argument("--hf-fused", dest="hf_fused", action="store_true",
                     help="give HF torch.optim.AdamW(fused=True) (default: torch's default AdamW)")
     ap.add_argument("--impls", default="lmforge,hf")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the child-process RSS runs")
+    ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.child:
-        print(json.dumps(child(a.child, a)))
+    if a.memory_child:
+        print(json.dumps(memory_child(a.memory_child, a)))
         return
     if a.quick:
-        a.rounds, a.steps, a.warmup = 1, 3, 1
+        a.steps, a.warmup = 3, 1
 
     import torch
 
@@ -138,44 +135,61 @@ def main() -> None:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    peak = matmul_peak_gflops(4096, torch.float32 if a.dtype == "fp32" else torch.bfloat16, repeats=3 if a.quick else 5)
+    impls = a.impls.split(",")
     cfg = ModelConfig(vocab_size=a.vocab, context_length=a.context, d_model=a.d_model, n_layers=a.layers,
                       n_heads=a.heads, d_ff=a.d_ff)
     fpt = flops_per_token(cfg, a.context)
+    tokens = a.batch * a.context
     print(f"shapes: d_model {a.d_model}, {a.layers} layers, {a.heads} heads, d_ff {a.d_ff}, T {a.context}, "
-          f"B {a.batch}, V {a.vocab}, {a.dtype}{', compiled' if a.compile else ''}; threads {torch.get_num_threads()}")
-    print(f"matmul peak (4096², {a.dtype}): {peak:.1f} GFLOP/s;  FLOPs/token {fpt / 1e6:.1f} M;  "
+          f"B {a.batch}, V {a.vocab}, {a.dtype}{', compiled' if a.compile else ''}; threads {torch.get_num_threads()}; "
           f"HF optimizer: torch.optim.AdamW({'fused=True' if a.hf_fused else 'defaults'})")
 
-    impls = a.impls.split(",")
-    best: dict[str, dict] = {}
-    argv = [s for s in sys.argv[1:] if s != "--quick"]
-    extra = ["--steps", str(a.steps), "--warmup", str(a.warmup)]
-    for r in range(a.rounds):
+    # ---- memory: each implementation alone in a child process ----------------------------------------
+    mem: dict[str, dict] = {}
+    if a.memory:
+        argv = [s for s in sys.argv[1:] if s != "--quick"]
         for impl in impls:
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, *extra, "--child", impl],
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--memory-child", impl],
                                  capture_output=True, text=True)
             if out.returncode:
-                sys.exit(f"{impl} child failed:\n{out.stderr[-3000:]}")
-            res = json.loads(out.stdout.strip().splitlines()[-1])
-            tps = a.batch * a.context / res["step_s"]
-            print(f"  round {r + 1} {impl:>8}: {tps:8.0f} tok/s  (median step {res['step_s'] * 1e3:.0f} ms, "
-                  f"peak RSS {res['peak_rss_mb']:.0f} MiB)", flush=True)
-            if impl not in best or res["step_s"] < best[impl]["step_s"]:
-                best[impl] = res
-            best[impl]["peak_rss_mb"] = max(best[impl]["peak_rss_mb"], res["peak_rss_mb"])
+                sys.exit(f"{impl} memory run failed:\n{out.stderr[-3000:]}")
+            mem[impl] = json.loads(out.stdout.strip().splitlines()[-1])
 
-    print(f"\n| impl | tokens/s | GFLOP/s | MFU | peak RSS MiB | step RSS MiB | params |")
+    # ---- speed: interleaved steps in this process, bracketed by matmul-peak measurements -------------
+    dt = torch.float32 if a.dtype == "fp32" else torch.bfloat16
+    peaks = [matmul_peak_gflops(4096, dt, repeats=3)]
+    torch.manual_seed(0)
+    steps = {impl: _build(impl, a)[1] for impl in impls}
+    batches = _batches(a)
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    for i in range(a.warmup + a.steps):
+        b = batches[i % len(batches)]
+        for impl in impls:
+            t0 = time.perf_counter()
+            steps[impl](b[:, :-1], b[:, 1:])
+            if i >= a.warmup:
+                times[impl].append(time.perf_counter() - t0)
+    peaks.append(matmul_peak_gflops(4096, dt, repeats=3))
+    peak = max(peaks)
+    print(f"matmul peak (4096², {a.dtype}): {peak:.1f} GFLOP/s (before {peaks[0]:.0f}, after {peaks[1]:.0f}); "
+          f"FLOPs/token {fpt / 1e6:.1f} M")
+
+    print("\n| impl | tokens/s (median step) | tokens/s (best step) | GFLOP/s (best) | MFU (best) "
+          "| peak RSS MiB | step RSS MiB |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for impl, res in best.items():
-        tps = a.batch * a.context / res["step_s"]
-        gf = tps * fpt / 1e9
-        print(f"| {impl} | {tps:,.0f} | {gf:.0f} | {100 * gf / peak:.0f}% | {res['peak_rss_mb']:.0f} | "
-              f"{res['step_rss_mb']:.0f} | {res['params'] / 1e6:.1f} M |")
-    if "lmforge" in best and "hf" in best:
-        speed = best["hf"]["step_s"] / best["lmforge"]["step_s"]
-        mem = best["lmforge"]["step_rss_mb"] / best["hf"]["step_rss_mb"]
-        print(f"\nlmforge / HF: speed {speed:.2f}x, training-step memory {mem:.2f}x")
+    for impl in impls:
+        med, best = tokens / statistics.median(times[impl]), tokens / min(times[impl])
+        m = mem.get(impl, {})
+        rss = f"{m['peak_rss_mb']:.0f} | {m['step_rss_mb']:.0f}" if m else "- | -"
+        gflops = best * fpt / 1e9
+        print(f"| {impl} | {med:,.0f} | {best:,.0f} | {gflops:.0f} | {100 * gflops / peak:.0f}% | {rss} |")
+    if "lmforge" in times and "hf" in times:
+        med = statistics.median(times["hf"]) / statistics.median(times["lmforge"])
+        best = min(times["hf"]) / min(times["lmforge"])
+        line = f"\nlmforge / HF speed: {med:.2f}x (median steps), {best:.2f}x (best steps)"
+        if mem:
+            line += f"; training-step memory {mem['lmforge']['step_rss_mb'] / mem['hf']['step_rss_mb']:.2f}x"
+        print(line)
 
 
 if __name__ == "__main__":
