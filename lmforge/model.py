@@ -456,7 +456,8 @@ class TransformerLM(nn.Module):
     """Decoder-only language model; ``forward(idx) -> logits``.
 
     Build from a :class:`ModelConfig` (``TransformerLM(cfg)``) or with the CS336 signature
-    ``TransformerLM(vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta)``.
+    ``TransformerLM(vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta)``; the
+    latter builds the reference path unless given ``fast=True`` (other ``ModelConfig`` fields go by keyword).
     """
 
     def __init__(self, vocab_size: int | ModelConfig, context_length: int | None = None, d_model: int | None = None,
