@@ -178,11 +178,12 @@ def _data_stats(data_dir: Path) -> dict[str, Any]:
     return out
 
 
-def _matmul_peak_flops(device: Any, reps: int = 12) -> float:
+def _matmul_peak_flops(device: Any, reps: int = 30) -> float:
     """fp32 matmul FLOP/s of ``device``: the fastest of ``reps`` 2048² products (the MFU denominator on CPU).
 
     The best run, not the mean, so that other processes on a shared machine do not make the peak look
-    low (and the MFU impossibly high).
+    low (and the MFU impossibly high); ~30 products (a few seconds on a CPU) give the machine's quiet moments
+    a chance to show.
     """
     import torch
 
