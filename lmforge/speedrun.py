@@ -172,7 +172,12 @@ def _data_stats(data_dir: Path) -> dict[str, Any]:
 
     out = {}
     for split in ("train", "val"):
-        ds = TokenDataset(data_dir, split)
+        try:
+            ds = TokenDataset(data_dir, split)
+        except ValueError as e:
+            raise ValueError(f"no {split} data after splitting the corpus by document ({e}); the speedrun needs "
+                             "several documents separated by <|endoftext|> (or several files) so that both "
+                             "splits get some; raise val_fraction or add documents") from e
         out[split] = {"tokens": ds.num_tokens, "documents": ds.num_documents, "text_bytes": ds.text_bytes,
                       "bytes_per_token": ds.bytes_per_token}
     return out

@@ -100,6 +100,10 @@ def test_speedrun_bad_input(tmp_path, corpus):
         run(tmp_path / "a", tmp_path / "nothing*.txt")
     with pytest.raises(ValueError, match="vocab_size"):
         run(tmp_path / "a", corpus, vocab_size=100)
+    one_doc = tmp_path / "one.txt"
+    one_doc.write_text("a single document without delimiters " * 50)
+    with pytest.raises(ValueError, match="several documents"):
+        run(tmp_path / "b", one_doc)
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
