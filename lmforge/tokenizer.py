@@ -210,7 +210,7 @@ class Tokenizer:
             raise ValueError(f"encode expects str, got {type(text).__name__}; decode bytes first")
         allow = self._check_special_mode(text, special)
         if self._core is not None and self.pattern in _CORE_PATTERNS:
-            return list(self._core.encode(text, allow))
+            return self._core.encode(text, allow)  # already a fresh list
         if not allow or self._splitter is None:
             return self._encode_ordinary(text)
         ids: list[int] = []
@@ -227,7 +227,7 @@ class Tokenizer:
         texts = list(texts)
         allow = all([self._check_special_mode(t, special) for t in texts]) if texts else True
         if self._core is not None and self.pattern in _CORE_PATTERNS:
-            return [list(x) for x in self._core.encode_batch(texts, _threads(num_threads), allow)]
+            return self._core.encode_batch(texts, _threads(num_threads), allow)  # fresh lists
         return [self.encode(t, special) for t in texts]
 
     def encode_batch_flat(self, texts: Sequence[str], num_threads: int | None = None,

@@ -33,7 +33,7 @@ Vocab = dict[int, bytes]
 Merges = list[tuple[bytes, bytes]]
 PathLike = str | os.PathLike
 
-CHUNK_BYTES = 16 << 20  # bytes read per step (cut back to a safe boundary); peak memory is ~3 chunks
+CHUNK_BYTES = 4 << 20  # bytes read per step (cut back to a safe boundary); peak memory is a few chunks
 _WS_CUT = regex.compile(rb"(?<=[!-~]) (?=[A-Za-z])", regex.REVERSE)
 
 
@@ -43,8 +43,8 @@ class _PyCounter:
     def __init__(self, pattern: str, special_tokens: Sequence[str]):
         self.pattern, self.specials, self.counts = pattern, list(special_tokens), Counter()
 
-    def add(self, data: bytes, num_threads: int) -> None:
-        bpe.count_pretokens([data.decode("utf-8")], self.specials, self.pattern, self.counts)
+    def add(self, data: bytes | memoryview, num_threads: int) -> None:
+        bpe.count_pretokens([bytes(data).decode("utf-8")], self.specials, self.pattern, self.counts)
 
     def add_counts(self, words: list[bytes], counts: list[int]) -> None:
         for w, c in zip(words, counts):
@@ -89,10 +89,10 @@ class _Counting:
             self.counter = _PyCounter(pattern, special_tokens)
             self.custom = False
 
-    def add(self, data: bytes) -> None:
+    def add(self, data: bytes | memoryview) -> None:
         """Count one document (or one safely-cut chunk of one); ``data`` is valid UTF-8."""
         if self.custom:
-            counts = bpe.count_pretokens([data.decode("utf-8")], self.specials, self.pattern)
+            counts = bpe.count_pretokens([bytes(data).decode("utf-8")], self.specials, self.pattern)
             self.counter.add_counts(list(counts), list(counts.values()))
         else:
             self.counter.add(data, self.num_threads)
@@ -123,25 +123,25 @@ def _bar(total: int | None, desc: str, enabled: bool, unit: str = "B") -> Any:
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", disable=not enabled, leave=False)
 
 
-def _utf8_error_offset(data: bytes) -> int:
+def _utf8_error_offset(data: bytes | memoryview) -> int:
     """Offset of the first byte that is not valid UTF-8, or -1 (C++ scan when built: no copy)."""
     core = _core()
     if core is not None and hasattr(core, "utf8_error_offset"):
         return int(core.utf8_error_offset(data))
     try:
-        data.decode("utf-8")
+        bytes(data).decode("utf-8")
         return -1
     except UnicodeDecodeError as e:
         return e.start
 
 
-def _check_utf8(data: bytes, errors: str, where: str, offset: int) -> bytes:
+def _check_utf8(data: bytes | memoryview, errors: str, where: str, offset: int) -> bytes | memoryview:
     """Return valid UTF-8: ``ValueError`` naming the byte offset, or U+FFFD replacements."""
     bad = _utf8_error_offset(data)
     if bad < 0:
         return data
     if errors == "replace":
-        return data.decode("utf-8", errors="replace").encode("utf-8")
+        return bytes(data).decode("utf-8", errors="replace").encode("utf-8")
     raise ValueError(f"{where} is not valid UTF-8 at byte offset {offset + bad}; fix the file or pass "
                      "errors='replace' (CLI: --errors replace) to read bad bytes as U+FFFD")
 
@@ -167,8 +167,12 @@ def _cut_point(buf: bytes, specials: list[bytes]) -> int:
     return m.start() if m else 0
 
 
-def _iter_file_chunks(path: PathLike, specials: list[bytes], chunk_bytes: int) -> Iterable[tuple[int, bytes]]:
-    """Yield ``(offset, chunk)`` pieces of a file that can be counted independently."""
+def _iter_file_chunks(path: PathLike, specials: list[bytes], chunk_bytes: int) -> Iterable[tuple[int, memoryview]]:
+    """Yield ``(offset, chunk)`` pieces of a file that can be counted independently.
+
+    Chunks are memoryview slices of the buffer just read (no copy); only the short tail after the
+    cut point is copied into the next buffer. Consume each chunk before asking for the next.
+    """
     with open(path, "rb") as f:
         pending = b""
         offset = 0
@@ -177,15 +181,19 @@ def _iter_file_chunks(path: PathLike, specials: list[bytes], chunk_bytes: int) -
             if not data:
                 break
             buf = pending + data if pending else data
+            del data
             cut = _cut_point(buf, specials)
             if cut <= 0:  # no safe boundary yet: keep reading (only for text without spaces or specials)
                 pending = buf
                 continue
-            yield offset, buf[:cut]
+            view = memoryview(buf)
+            yield offset, view[:cut]
             offset += cut
-            pending = buf[cut:]
+            pending = bytes(view[cut:])
+            view.release()
+            del buf
         if pending:
-            yield offset, pending
+            yield offset, memoryview(pending)
 
 
 def _finish(counting: _Counting, vocab_size: int, specials: list[str], progress: bool, nbytes: int,
