@@ -1,10 +1,13 @@
 """Encoding speed: lmforge ``Tokenizer`` vs tiktoken with the same vocabulary, side by side in one run.
 
-Three workloads on the same text, each tool in a fresh child process (median of ``--reps``):
+Five workloads on the same text, each tool in a fresh child process (median of ``--reps``):
 
 1. ``string``  -- one big string, one thread (``encode``);
-2. ``batch1``  -- the text as a batch of documents (paragraphs) on 1 thread (``encode_batch``);
-3. ``batch2``  -- the same batch on 2 threads.
+2. ``docs1``   -- the text as a batch of documents (the works, split at ``<|endoftext|>``) on 1 thread
+   (``encode_batch``);
+3. ``docs2``   -- the same batch on 2 threads;
+4. ``paras1``  -- many small documents (paragraphs, like short web texts) on 1 thread;
+5. ``paras2``  -- the same on 2 threads.
 
 The vocabulary is GPT-2's (``--vocab-json``/``--merges-txt``, default: the CS336 fixtures beside the
 repo); ``--quick`` trains a small tokenizer on a synthetic corpus instead, so the smoke test needs no
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import EOT, child_report, corpus_file, default_cache_dir, median, print_table, run_child  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared/fixtures/cs336/fixtures"
-WORKLOADS = {"string": 1, "batch1": 1, "batch2": 2}
+WORKLOADS = {"string": 1, "docs1": 1, "docs2": 2, "paras1": 1, "paras2": 2}
 
 
 def load_tokenizer(spec: str):
@@ -39,8 +42,10 @@ def load_tokenizer(spec: str):
     return Tokenizer.load(paths[0])
 
 
-def documents(text: str) -> list[str]:
-    """Paragraphs as documents (many small ones, like web text)."""
+def documents(text: str, workload: str) -> list[str]:
+    """Whole documents (``docs*``: split at ``<|endoftext|>``) or paragraphs (``paras*``: many small ones)."""
+    if workload.startswith("docs"):
+        return [d for d in text.split(EOT) if d]
     return [p for doc in text.split(EOT) for p in doc.split("\n\n") if p]
 
 
@@ -57,7 +62,7 @@ def encode_once(tool: str, spec: str, corpus: str, workload: str, reps: int) -> 
     """Child side: time `reps` runs of one workload; return the median and a digest of the ids."""
     tok = load_tokenizer(spec)
     text = Path(corpus).read_text(encoding="utf-8")
-    docs = documents(text)
+    docs = documents(text, workload)
     threads = WORKLOADS[workload]
     if tool == "lmforge":
         run_string = lambda: [tok.encode(text)]  # noqa: E731
