@@ -33,6 +33,7 @@ import os
 import queue
 import threading
 import time
+from itertools import compress
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -145,12 +146,12 @@ def _read_batches(sources: list[dict[str, Any]], opts: dict[str, Any], positions
                                        errors=opts["utf8_errors"], stats=stats):
             if single:
                 routed = {single: (list(range(di, di + len(chunk))), chunk)}
-            else:
+            else:  # vectorised routing; splits in order of first appearance, as a per-document loop would
+                is_val = val_mask(chunk, val_fraction, seed)
                 routed = {}
-                for k, is_val in enumerate(val_mask(chunk, val_fraction, seed).tolist()):
-                    ids, docs = routed.setdefault("val" if is_val else "train", ([], []))
-                    ids.append(di + k)
-                    docs.append(chunk[k])
+                for name, mask in sorted((("val", is_val), ("train", ~is_val)), key=lambda x: not x[1][0]):
+                    if mask.any():
+                        routed[name] = ((np.flatnonzero(mask) + di).tolist(), list(compress(chunk, mask.tolist())))
             di += len(chunk)
             for split, (ids, docs) in routed.items():
                 p_src, p_doc, p_off = positions.get(split, (0, 0, 0))
@@ -512,17 +513,19 @@ def _encode(tokenizer: Any, docs: list[str], bos_id: int | None, eos_id: int | N
             threads: int, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Tokenize a batch, add BOS/EOS; return (tokens, per-doc lengths, per-doc is-start, per-doc text bytes)."""
     flat, offsets = tokenizer.encode_batch_flat(docs, num_threads=threads)
-    offsets = np.asarray(offsets, dtype=np.int64)
     n = len(docs)
-    extra = []  # (positions, id) pairs inserted with np.insert, which keeps equal positions in the given order
-    if bos_id is not None or eos_id is not None:
-        pos = np.stack([offsets[:-1], offsets[1:]], axis=1).reshape(-1)  # (2n,): bos_i at start_i, eos_i at end_i
-        vals = np.stack([np.full(n, -1 if bos_id is None else bos_id), np.full(n, -1 if eos_id is None else eos_id)],
-                        axis=1).reshape(-1)
-        keep = vals >= 0
-        extra = [pos[keep], vals[keep]]
-    tokens = np.insert(np.asarray(flat), extra[0], extra[1].astype(np.uint32)) if extra else np.asarray(flat)
-    lengths = np.diff(offsets) + (bos_id is not None) + (eos_id is not None)
+    lengths = np.diff(np.asarray(offsets, dtype=np.int64)) + (bos_id is not None) + (eos_id is not None)
+    if bos_id is None and eos_id is None:
+        tokens = np.asarray(flat).astype(dtype, copy=False)
+    else:  # one output array in the shard dtype: BOS/EOS written in place, the text tokens around them
+        tokens = np.empty(int(lengths.sum()), dtype=dtype)
+        ends = np.cumsum(lengths)
+        text = np.ones(len(tokens), dtype=bool)
+        for pos, tid in ((ends - lengths, bos_id), (ends - 1, eos_id)):
+            if tid is not None:
+                tokens[pos] = tid
+                text[pos] = False
+        tokens[text] = flat
     is_start = np.ones(n, dtype=bool)
     if first_offset:  # the first document's first tokens are already on disk (resume)
         tokens = tokens[first_offset:]
@@ -530,7 +533,7 @@ def _encode(tokenizer: Any, docs: list[str], bos_id: int | None, eos_id: int | N
         is_start[0] = False
     sizes = map(len, docs) if all(map(str.isascii, docs)) else map(len, map(str.encode, docs))
     text_bytes = np.fromiter(sizes, np.int64, n)  # UTF-8 bytes per document
-    return tokens.astype(dtype, copy=False), lengths, is_start, text_bytes
+    return tokens, lengths, is_start, text_bytes
 
 
 def _commit(m: Manifest, pend: dict[str, Any]) -> None:

@@ -626,3 +626,19 @@ def test_resume_and_epoch_invariants_property(tmp_path_factory):
                 seen.setdefault(epoch, set()).update(firsts)
 
     check()
+
+
+@pytest.mark.parametrize("bos,eos", [(None, None), (None, 0), (0, None), (0, 0), (1, 0)])
+@pytest.mark.parametrize("first_offset", [0, 2])
+def test_encode_batch_with_bos_eos_matches_per_document_reference(tok, bos, eos, first_offset):
+    """prepare's vectorised BOS/EOS placement equals the plain per-document construction."""
+    docs = make_docs(30, seed=5) + ["é ü", "x"]
+    ids = {None: None, 0: tok.eot_id, 1: tok.eot_id - 1}
+    b, e = ids[bos], ids[eos]
+    per_doc = [([b] if b is not None else []) + tok.encode(d) + ([e] if e is not None else []) for d in docs]
+    toks, lengths, is_start, text_bytes = data._encode(tok, docs, b, e, first_offset, 2, "uint16")
+    assert toks.dtype == np.uint16
+    assert toks.tolist() == [t for p in per_doc for t in p][first_offset:]
+    assert lengths.tolist() == [len(per_doc[0]) - first_offset] + [len(p) for p in per_doc[1:]]
+    assert is_start.tolist() == [not first_offset] + [True] * (len(docs) - 1)
+    assert text_bytes.tolist() == [len(d.encode()) for d in docs]
