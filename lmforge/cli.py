@@ -382,8 +382,9 @@ def _generate_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from lmforge.common import check_input_file
-    from lmforge.generate import Generator
+    from lmforge.generate import Generator, check_sampling
 
+    check_sampling(args.temperature, args.top_k, args.top_p)  # before loading or printing anything
     prompts = list(args.prompt)
     if args.prompt_file:
         prompts.append(check_input_file(args.prompt_file).read_text(encoding="utf-8"))
@@ -406,10 +407,13 @@ def _generate_run(args: argparse.Namespace) -> int:
             print(prompt + out)
         return 0
     for i, prompt in enumerate(prompts):
+        stream = iter(gen.generate(prompt, **opts, stream=True))
+        first = next(stream, "")  # the prompt is checked (length, emptiness) before anything is printed
         if len(prompts) > 1:
             print(f"=== sample {i + 1} ===")
-        sys.stdout.write(prompt)
-        for piece in gen.generate(prompt, **opts, stream=True):
+        sys.stdout.write(prompt + first)
+        sys.stdout.flush()
+        for piece in stream:
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
