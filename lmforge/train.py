@@ -242,19 +242,6 @@ def _resolve_tokenizer(cfg: DataConfig, dataset: Any, run_dir: Path, write: bool
     return tok
 
 
-def _max_token_id(dataset: Any) -> int:
-    """Largest token id stored in a dataset (scanned in chunks, so memory stays flat)."""
-    from tqdm.auto import tqdm
-
-    chunk = 1 << 26
-    best = -1
-    big = len(dataset) > (1 << 29)
-    for shard in tqdm(dataset.shards, desc="checking token ids", disable=not big, unit="shard"):
-        for i in range(0, len(shard), chunk):
-            best = max(best, int(shard[i : i + chunk].max()))
-    return best
-
-
 def _check_data(cfg: RunConfig, train_ds: Any, val_ds: Any | None, tokenizer: Any) -> None:
     """Token ids must fit the model's vocabulary; each split must hold at least one training window."""
     V = cfg.model.vocab_size
@@ -262,7 +249,7 @@ def _check_data(cfg: RunConfig, train_ds: Any, val_ds: Any | None, tokenizer: An
     for ds in (train_ds, val_ds):
         if ds is None:
             continue
-        top = _max_token_id(ds)
+        top = ds.max_token_id  # recorded per shard by prepare; no scan of the data
         if top >= V:
             raise ValueError(f"{ds.dir} split {ds.split!r} holds token id {top}, which does not exist in a model with "
                              f"model.vocab_size={V}; set model.vocab_size >= {top + 1} or re-prepare the data")
