@@ -280,14 +280,12 @@ def get_dataset(name: str, cache_dir: str | os.PathLike | None = None, force: bo
 
 def copy_into(paths: list[Path], out_dir: str | os.PathLike, force: bool = False) -> list[Path]:
     """Copy downloaded files into ``out_dir`` (refusing to overwrite unless ``force``)."""
-    from lmforge.common import check_output_path
+    from lmforge.common import atomic_open, check_output_path
 
     out = []
     for p in paths:
         dest = check_output_path(Path(out_dir) / p.name, force=force)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.tmp")
-        shutil.copyfile(p, tmp)
-        os.replace(tmp, dest)
+        with open(p, "rb") as src, atomic_open(dest, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
         out.append(dest)
     return out
