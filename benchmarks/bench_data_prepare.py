@@ -2,10 +2,12 @@
 
 Three ways to turn the same corpus into a uint16 token file, timed in one run on the same machine:
 
-1. ``tokenizer``  -- the lmforge tokenizer's ``encode_batch`` (lists) and ``encode_batch_flat`` (numpy, what
-                     prepare calls) on documents already in memory, in prepare's batches (the floor);
-2. ``prepare``    -- ``lmforge.data.prepare`` end to end: read + split the file, hash it, tokenize in
-                     parallel, add EOT, write shards and the manifest (target: within 10% of 1.);
+1. ``tokenizer``  -- the lmforge tokenizer's ``encode_batch`` (lists; the issue's yardstick) and
+                     ``encode_batch_flat`` (one numpy array) on documents already in memory as ``str``,
+                     in prepare's batch size (the floor);
+2. ``prepare``    -- ``lmforge.data.prepare`` end to end: hash the file, read it in chunks, split + strip +
+                     validate the documents and tokenize their bytes in place (C++ ``split_documents`` +
+                     ``encode_spans``), add EOT, write shards and the manifest (target: within 10% of 1.);
 3. ``hf``         -- HF ``tokenizers`` ``encode_batch`` of the same vocabulary (``Tokenizer.save_hf``) on
                      documents in memory + numpy concatenation + file write (target: slower than 2.).
 

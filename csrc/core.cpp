@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "counter.h"
+#include "docsplit.h"
 #include "encoder.h"
 #include "train.h"
 
@@ -120,7 +121,7 @@ constexpr size_t kReleaseGilBytes = 4096;  // below this, releasing the GIL cost
 
 NB_MODULE(_core, m) {
     m.doc() = "lmforge C++ core: pre-tokenization, pre-token counting, BPE training and encoding";
-    m.attr("ABI_VERSION") = 2;
+    m.attr("ABI_VERSION") = 3;
     m.attr("PATTERN_GPT2") = (int)kGPT2;
     m.attr("PATTERN_GPT4") = (int)kGPT4;
     m.attr("PATTERN_NANOCHAT") = (int)kNanochat;
@@ -136,6 +137,34 @@ NB_MODULE(_core, m) {
         },
         nb::arg("data"), nb::sig("def utf8_error_offset(data: bytes | bytearray | memoryview) -> int"),
         "Offset of the first invalid UTF-8 byte in data, or -1 if it is valid UTF-8.");
+
+    m.def(
+        "split_documents",
+        [](nb::handle data, nb::bytes sep, bool final, bool want_crc) {
+            ByteView v(data);
+            std::string sp(sep.c_str(), sep.size());
+            if (sp.empty()) throw std::invalid_argument("the delimiter must not be empty");
+            DocSpans d;
+            {
+                nb::gil_scoped_release release;
+                split_documents(v.data(), v.size(), sp, final, want_crc, d);
+            }
+            nb::object crc = want_crc ? nb::cast(to_numpy(std::move(d.crc))) : nb::none();
+            return nb::make_tuple(d.consumed, d.pieces, to_numpy(std::move(d.starts)), to_numpy(std::move(d.ends)),
+                                  crc, d.bad_piece);
+        },
+        nb::arg("data"), nb::arg("sep"), nb::arg("final"), nb::arg("want_crc"),
+        nb::sig("def split_documents(data: bytes | bytearray | memoryview, sep: bytes, final: bool, want_crc: bool) -> tuple[int, int, numpy.ndarray, numpy.ndarray, numpy.ndarray | None, int]"),
+        "Split data on sep into stripped documents: (consumed, pieces, starts, ends, crc32 or None, bad_piece).");
+
+    m.def(
+        "crc32",
+        [](nb::handle data, uint32_t value) {
+            ByteView v(data);
+            return crc32(value, v.data(), v.size());
+        },
+        nb::arg("data"), nb::arg("value") = 0, nb::sig("def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int"),
+        "zlib.crc32, for holding the C++ checksum to zlib's.");
 
     m.def(
         "pretokenize",
@@ -314,6 +343,59 @@ NB_MODULE(_core, m) {
             },
             nb::arg("texts"), nb::arg("num_threads"), nb::arg("allow_special"),
             "Encode documents into one uint32 token array plus int64 offsets (len(texts) + 1).")
+        .def(
+            "encode_spans",
+            [](const PyEncoder& e, nb::handle data, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> starts,
+               nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ends, int num_threads, bool allow_special,
+               int64_t bos, int64_t eos, int itemsize) {
+                ByteView v(data);
+                if (starts.shape(0) != ends.shape(0)) throw std::invalid_argument("starts and ends differ in length");
+                if (itemsize != 2 && itemsize != 4) throw std::invalid_argument("itemsize must be 2 or 4");
+                const size_t n = starts.shape(0);
+                const int64_t limit = itemsize == 2 ? 65536 : (int64_t)UINT32_MAX;
+                if (bos >= limit || eos >= limit) throw std::invalid_argument("BOS/EOS id does not fit the output dtype");
+                std::vector<std::pair<const uint8_t*, size_t>> docs(n);
+                for (size_t i = 0; i < n; ++i) {
+                    int64_t a = starts(i), b = ends(i);
+                    if (a < 0 || b < a || (size_t)b > v.size()) throw std::invalid_argument("span out of the buffer");
+                    docs[i] = {v.data() + a, (size_t)(b - a)};
+                }
+                std::vector<int64_t> lengths(n);
+                std::vector<uint16_t> out16;
+                std::vector<uint32_t> out32;
+                bool too_big = false;
+                {
+                    nb::gil_scoped_release release;
+                    Encoder::Batch res;
+                    e.encode_batch(docs, num_threads, allow_special, res);
+                    const size_t extra = (bos >= 0) + (eos >= 0);
+                    size_t total = res.total() + extra * n, at = 0;
+                    auto fill = [&](auto& out) {
+                        using T = typename std::decay_t<decltype(out)>::value_type;
+                        out.resize(total);
+                        T* o = out.data();
+                        uint32_t mx = 0;
+                        for (size_t i = 0; i < n; ++i) {
+                            auto [p, k] = res.ids(i);
+                            if (bos >= 0) o[at++] = (T)bos;
+                            for (size_t j = 0; j < k; ++j) { mx |= p[j]; o[at + j] = (T)p[j]; }
+                            at += k;
+                            if (eos >= 0) o[at++] = (T)eos;
+                            lengths[i] = (int64_t)(k + extra);
+                        }
+                        return mx;
+                    };
+                    if (itemsize == 2) too_big = fill(out16) >= 65536;  // an OR of all ids >= 2^16 iff one id is
+                    else fill(out32);
+                }
+                if (too_big) throw std::invalid_argument("a token id does not fit uint16; use uint32 output");
+                nb::object toks = itemsize == 2 ? nb::cast(to_numpy(std::move(out16))) : nb::cast(to_numpy(std::move(out32)));
+                return nb::make_tuple(toks, to_numpy(std::move(lengths)));
+            },
+            nb::arg("data"), nb::arg("starts"), nb::arg("ends"), nb::arg("num_threads"), nb::arg("allow_special"),
+            nb::arg("bos"), nb::arg("eos"), nb::arg("itemsize"),
+            "Encode the documents data[starts[i]:ends[i]] (valid UTF-8) into one uint16/uint32 array with optional "
+            "BOS/EOS (-1: none) around each, plus int64 per-document lengths.")
         .def(
             "decode_bytes",
             [](const PyEncoder& e, std::vector<int64_t> ids) {

@@ -12,7 +12,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-ABI_VERSION: int = 2
+ABI_VERSION: int = 3
 
 PATTERN_GPT2: int = 0
 
@@ -26,6 +26,14 @@ def utf8_error_offset(data: bytes | bytearray | memoryview) -> int:
     """
     Offset of the first invalid UTF-8 byte in data, or -1 if it is valid UTF-8.
     """
+
+def split_documents(data: bytes | bytearray | memoryview, sep: bytes, final: bool, want_crc: bool) -> tuple[int, int, numpy.ndarray, numpy.ndarray, numpy.ndarray | None, int]:
+    """
+    Split data on sep into stripped documents: (consumed, pieces, starts, ends, crc32 or None, bad_piece).
+    """
+
+def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """zlib.crc32, for holding the C++ checksum to zlib's."""
 
 def pretokenize(text: bytes | bytearray | memoryview, pattern: int) -> list[bytes]:
     """
@@ -75,6 +83,11 @@ class Encoder:
     def encode_batch_flat(self, texts: list, num_threads: int, allow_special: bool) -> tuple[Annotated[NDArray[numpy.uint32], dict(shape=(None,))], Annotated[NDArray[numpy.int64], dict(shape=(None,))]]:
         """
         Encode documents into one uint32 token array plus int64 offsets (len(texts) + 1).
+        """
+
+    def encode_spans(self, data: object, starts: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', writable=False)], ends: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', writable=False)], num_threads: int, allow_special: bool, bos: int, eos: int, itemsize: int) -> tuple:
+        """
+        Encode the documents data[starts[i]:ends[i]] (valid UTF-8) into one uint16/uint32 array with optional BOS/EOS (-1: none) around each, plus int64 per-document lengths.
         """
 
     def decode_bytes(self, ids: list[int]) -> bytes:

@@ -45,7 +45,8 @@ from lmforge.shards import (  # noqa: F401  (re-exported)
     MANIFEST, SHARD_NAME, TokenDataset, dtype_for_vocab, inspect, load_manifest, new_manifest, save_manifest,
     shard_name, write_shard,
 )
-from lmforge.sources import ReadStats, check_val_fraction, expand_inputs, file_format, iter_file_batches, val_mask
+from lmforge.sources import (DocBatch, ReadStats, check_val_fraction, expand_inputs, file_format, iter_file_spans,
+                             val_mask_from_crc)
 
 logger = logging.getLogger("lmforge")
 
@@ -130,49 +131,57 @@ class _SplitWriter:
 # --------------------------------------------------------------------------------------------------
 def _read_batches(sources: list[dict[str, Any]], opts: dict[str, Any], positions: dict[str, list[int]],
                   first_src: int) -> Iterator[tuple[Any, ...]]:
-    """Yield ``("batch", split, src, doc_ids, docs, first_offset)`` and ``("end", src, read_stats)``.
+    """Yield ``("batch", split, src, doc_ids, DocBatch, first_offset)`` and ``("end", src, read_stats)``.
 
     Documents already on disk for their split (before ``positions[split]``) are skipped, so a resumed
-    run tokenizes only what is missing.
+    run tokenizes only what is missing. ``doc_ids`` index the source's non-empty documents.
     """
     val_fraction, seed, fixed = opts["val_fraction"], opts["split_seed"], opts["split"]
     single = fixed or ("train" if val_fraction == 0.0 else None)
     for si in range(first_src, len(sources)):
         stats = ReadStats()
-        pending: dict[str, tuple[list[int], list[str], int]] = {}
+        pending: dict[str, tuple[list[np.ndarray], list[DocBatch], int]] = {}
         sizes: dict[str, int] = {}
         di = 0
-        for chunk in iter_file_batches(sources[si]["path"], text_field=opts["text_field"], delimiter=opts["delimiter"],
-                                       errors=opts["utf8_errors"], stats=stats):
+        for chunk in iter_file_spans(sources[si]["path"], text_field=opts["text_field"], delimiter=opts["delimiter"],
+                                     errors=opts["utf8_errors"], stats=stats, want_crc=single is None):
+            n = len(chunk)
             if single:
-                routed = {single: (list(range(di, di + len(chunk))), chunk)}
+                routed = {single: (np.arange(di, di + n), None)}
             else:  # vectorised routing; splits in order of first appearance, as a per-document loop would
-                is_val = val_mask(chunk, val_fraction, seed)
+                assert chunk.crc is not None
+                is_val = val_mask_from_crc(chunk.crc, chunk.sizes, val_fraction, seed)
                 routed = {}
                 for name, mask in sorted((("val", is_val), ("train", ~is_val)), key=lambda x: not x[1][0]):
                     if mask.any():
-                        routed[name] = ((np.flatnonzero(mask) + di).tolist(), list(compress(chunk, mask.tolist())))
-            di += len(chunk)
-            for split, (ids, docs) in routed.items():
+                        idx = np.flatnonzero(mask)
+                        routed[name] = (idx + di, idx)
+            di += n
+            for split, (ids, idx) in routed.items():
                 p_src, p_doc, p_off = positions.get(split, (0, 0, 0))
-                if si == p_src and ids[0] < p_doc:  # resuming: drop what is already on disk
-                    cut = bisect.bisect_left(ids, p_doc)
-                    ids, docs = ids[cut:], docs[cut:]
-                elif si < p_src:
+                if si < p_src:
                     continue
-                if not ids:
+                cut = int(np.searchsorted(ids, p_doc)) if si == p_src else 0  # resuming: drop what is on disk
+                if cut == len(ids):
                     continue
-                start_off = p_off if (si, ids[0]) == (p_src, p_doc) else 0
+                if cut:
+                    ids, idx = ids[cut:], (np.arange(cut, n) if idx is None else idx[cut:])
+                docs = chunk if idx is None else chunk.take(idx)
+                start_off = p_off if (si, int(ids[0])) == (p_src, p_doc) else 0
                 b_ids, b_docs, _ = pending.setdefault(split, ([], [], start_off))
-                b_ids.extend(ids)
-                b_docs.extend(docs)
-                sizes[split] = sizes.get(split, 0) + sum(map(len, docs))
+                b_ids.append(ids)
+                b_docs.append(docs)
+                sizes[split] = sizes.get(split, 0) + int(docs.sizes.sum())
                 if sizes[split] >= BATCH_BYTES:
-                    yield ("batch", split, si, *pending.pop(split))
+                    yield _batch_item(split, si, *pending.pop(split))
                     sizes[split] = 0
         for split, (ids, docs, first_off) in pending.items():
-            yield ("batch", split, si, ids, docs, first_off)
+            yield _batch_item(split, si, ids, docs, first_off)
         yield ("end", si, stats)
+
+
+def _batch_item(split: str, si: int, ids: list[np.ndarray], docs: list[DocBatch], first_off: int) -> tuple[Any, ...]:
+    return ("batch", split, si, np.concatenate(ids), DocBatch.concat(docs), first_off)
 
 
 def _prefetch(gen: Iterator[Any], depth: int = 4) -> Iterator[Any]:
@@ -509,16 +518,20 @@ def prepare_dataset(tokenizer: Any, name: str, out_dir: str | os.PathLike, *,
     return prepare(tokenizer, paths, out_dir, val_fraction=val_fraction, append=not force, force=force, **kwargs)
 
 
-def _encode(tokenizer: Any, docs: list[str], bos_id: int | None, eos_id: int | None, first_offset: int,
+def _encode(tokenizer: Any, docs: DocBatch, bos_id: int | None, eos_id: int | None, first_offset: int,
             threads: int, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Tokenize a batch, add BOS/EOS; return (tokens, per-doc lengths, per-doc is-start, per-doc text bytes)."""
-    flat, offsets = tokenizer.encode_batch_flat(docs, num_threads=threads)
-    n = len(docs)
-    lengths = np.diff(np.asarray(offsets, dtype=np.int64)) + (bos_id is not None) + (eos_id is not None)
-    if bos_id is None and eos_id is None:
-        tokens = np.asarray(flat).astype(dtype, copy=False)
-    else:  # one output array in the shard dtype: BOS/EOS written in place, the text tokens around them
-        tokens = np.empty(int(lengths.sum()), dtype=dtype)
+    """Tokenize a batch with BOS/EOS; return (tokens, per-doc lengths, per-doc is-start, per-doc text bytes).
+
+    Tokenizers with ``encode_spans`` (lmforge's) read the documents' bytes in place; any other object
+    with ``encode_batch_flat`` gets them as strings.
+    """
+    if hasattr(tokenizer, "encode_spans"):
+        tokens, lengths = tokenizer.encode_spans(docs.buf, docs.starts, docs.ends, num_threads=threads,
+                                                 bos_id=bos_id, eos_id=eos_id, dtype=dtype)
+    else:
+        flat, offsets = tokenizer.encode_batch_flat(docs.texts(), num_threads=threads)
+        lengths = np.diff(np.asarray(offsets, dtype=np.int64)) + (bos_id is not None) + (eos_id is not None)
+        tokens = np.empty(int(lengths.sum()), dtype=dtype)  # BOS/EOS written in place, the text tokens around them
         ends = np.cumsum(lengths)
         text = np.ones(len(tokens), dtype=bool)
         for pos, tid in ((ends - lengths, bos_id), (ends - 1, eos_id)):
@@ -526,14 +539,12 @@ def _encode(tokenizer: Any, docs: list[str], bos_id: int | None, eos_id: int | N
                 tokens[pos] = tid
                 text[pos] = False
         tokens[text] = flat
-    is_start = np.ones(n, dtype=bool)
+    is_start = np.ones(len(docs), dtype=bool)
     if first_offset:  # the first document's first tokens are already on disk (resume)
         tokens = tokens[first_offset:]
         lengths[0] -= first_offset
         is_start[0] = False
-    sizes = map(len, docs) if all(map(str.isascii, docs)) else map(len, map(str.encode, docs))
-    text_bytes = np.fromiter(sizes, np.int64, n)  # UTF-8 bytes per document
-    return tokens, lengths, is_start, text_bytes
+    return tokens, lengths, is_start, docs.sizes
 
 
 def _commit(m: Manifest, pend: dict[str, Any]) -> None:

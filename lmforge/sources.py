@@ -26,7 +26,7 @@ import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterator, Sequence
+from typing import IO, Any, Iterator, Sequence
 
 import numpy as np
 
@@ -204,6 +204,107 @@ def utf8_length(docs: list[str]) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
+# Documents as byte spans (what prepare tokenizes), and the splitter that makes them
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class DocBatch:
+    """Consecutive documents as UTF-8 byte spans ``buf[starts[i]:ends[i]]`` (stripped, non-empty).
+
+    ``crc`` holds each document's CRC-32 when the train/val split needs it (see :func:`val_mask`).
+    Prepare passes these straight to the tokenizer: no Python string per document on the fast path.
+    """
+
+    buf: bytes
+    starts: np.ndarray  # int64
+    ends: np.ndarray  # int64
+    crc: np.ndarray | None = None  # uint32
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """UTF-8 bytes per document."""
+        return self.ends - self.starts
+
+    @classmethod
+    def from_texts(cls, docs: Sequence[str], want_crc: bool = False) -> "DocBatch":
+        raw = [d.encode("utf-8", "surrogatepass") for d in docs]
+        ends = np.cumsum(np.fromiter(map(len, raw), np.int64, len(raw)))
+        crc = np.fromiter(map(zlib.crc32, raw), np.uint32, len(raw)) if want_crc else None
+        return cls(b"".join(raw), ends - np.fromiter(map(len, raw), np.int64, len(raw)), ends, crc)
+
+    @classmethod
+    def concat(cls, batches: Sequence["DocBatch"]) -> "DocBatch":
+        """One batch holding ``batches`` in order (no copy for a single batch)."""
+        if len(batches) == 1:
+            return batches[0]
+        shift = np.cumsum([0] + [len(b.buf) for b in batches[:-1]])
+        crcs = [b.crc for b in batches]
+        return cls(b"".join(b.buf for b in batches), np.concatenate([b.starts + k for b, k in zip(batches, shift)]),
+                   np.concatenate([b.ends + k for b, k in zip(batches, shift)]),
+                   None if any(c is None for c in crcs) else np.concatenate(crcs))
+
+    def take(self, idx: np.ndarray) -> "DocBatch":
+        """The documents at ``idx`` (same buffer)."""
+        return DocBatch(self.buf, self.starts[idx], self.ends[idx], None if self.crc is None else self.crc[idx])
+
+    def texts(self) -> list[str]:
+        """The documents as ``str`` (for tokenizers without a span encoder)."""
+        mv = memoryview(self.buf)
+        return [str(mv[a:b], "utf-8", "surrogatepass") for a, b in zip(self.starts.tolist(), self.ends.tolist())]
+
+
+def split_documents_reference(buf: bytes, sep: bytes, final: bool, want_crc: bool
+                              ) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray | None, int]:
+    """Pure-Python :func:`split_documents` (the specification the C++ splitter is tested against)."""
+    data = bytes(buf)
+    pieces = data.split(sep)
+    if not final:
+        pieces.pop()  # the bytes after the last delimiter wait for more data
+    starts: list[int] = []
+    ends: list[int] = []
+    crcs: list[int] = []
+    pos = consumed = count = 0
+    bad = -1
+    for i, raw in enumerate(pieces):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            bad = i
+            break
+        count += 1
+        kept = text.strip()
+        if kept:
+            a = pos + len(text[:len(text) - len(text.lstrip())].encode("utf-8"))
+            starts.append(a)
+            ends.append(a + len(kept.encode("utf-8")))
+            crcs.append(zlib.crc32(data[a:ends[-1]]))
+        pos += len(raw) + (len(sep) if i < len(pieces) - 1 or not final else 0)
+        consumed = pos
+    return (consumed, count, np.array(starts, np.int64), np.array(ends, np.int64),
+            np.array(crcs, np.uint32) if want_crc else None, bad)
+
+
+def split_documents(buf: bytes, sep: bytes, final: bool, want_crc: bool = False
+                    ) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray | None, int]:
+    """Split ``buf`` on ``sep`` into documents stripped like ``str.strip()``, without making strings.
+
+    Returns ``(consumed, pieces, starts, ends, crc, bad_piece)``: the bytes covered (through the last
+    delimiter, or all of ``buf`` when ``final``), the number of pieces including empty ones, the byte
+    spans of the non-empty documents, their CRC-32 (if ``want_crc``), and the index of the first piece
+    that is not valid UTF-8 (-1 if none; the scan stops there). C++ when built, else the reference.
+    """
+    try:
+        from lmforge import _core
+    except ImportError:
+        _core = None
+    if _core is not None and hasattr(_core, "split_documents"):
+        return _core.split_documents(buf, sep, final, want_crc)
+    return split_documents_reference(buf, sep, final, want_crc)
+
+
+# --------------------------------------------------------------------------------------------------
 # Readers, one per format; each yields lists of documents
 # --------------------------------------------------------------------------------------------------
 def _utf8_cut(buf: bytes) -> int:
@@ -232,9 +333,9 @@ def _text_batches(path: Path, delimiter: str, errors: str, stats: ReadStats) -> 
     with open_binary(path) as f:
         while True:
             chunk = f.read(_READ_CHUNK)
+            if not chunk and not n and not rest:  # nothing (more) to read; the end of a file with
+                break  # documents is still processed below: its last piece may be an empty one
             buf = rest + chunk if rest else chunk
-            if not buf:
-                break
             docs = None
             if delimiter != "blankline":
                 cut = _utf8_cut(buf) if chunk else len(buf)
@@ -256,6 +357,40 @@ def _text_batches(path: Path, delimiter: str, errors: str, stats: ReadStats) -> 
             if count:
                 yield _keep(docs, stats)
                 n += count
+            if not chunk:
+                break
+
+
+def _text_spans(path: Path, delimiter: str, errors: str, stats: ReadStats, want_crc: bool) -> Iterator[DocBatch]:
+    """:func:`_text_batches` without Python strings: the same chunking and the same documents, as spans."""
+    sep = ("\n" if delimiter == "line" else delimiter).encode("utf-8")
+    n = 0
+    rest = b""
+    with open_binary(path) as f:
+        while True:
+            chunk = f.read(_READ_CHUNK)
+            if not chunk and not n and not rest:  # as in _text_batches
+                break
+            buf = rest + chunk if rest else chunk
+            consumed, count, starts, ends, crc, bad = split_documents(buf, sep, not chunk, want_crc)
+            if bad < 0:
+                rest = buf[consumed:]
+                batch = DocBatch(buf, starts, ends, crc)
+                stats.documents += len(batch)
+                stats.empty_skipped += count - len(batch)
+                stats.text_bytes += int((ends - starts).sum())
+            else:  # invalid UTF-8 somewhere in this chunk: the policy applies, document by document
+                pieces = buf.split(sep)
+                rest = pieces.pop() if chunk else b""
+                count = len(pieces)
+                batch = DocBatch.from_texts(_keep(_decode_all(pieces, errors, str(path), n, stats), stats), want_crc)
+            if len(rest) > MAX_DOCUMENT_BYTES:
+                raise ValueError(f"{path}: document {n + count + 1} is longer than {MAX_DOCUMENT_BYTES >> 20} MiB "
+                                 f"without a {delimiter!r} delimiter; is the delimiter right? (CLI: --delimiter "
+                                 "'<|endoftext|>' | blankline | line | any string)")
+            if len(batch):
+                yield batch
+            n += count
             if not chunk:
                 break
 
@@ -319,21 +454,17 @@ def _parquet_batches(path: Path, text_field: str, stats: ReadStats) -> Iterator[
         yield _keep([t for t in texts if t is not None], stats)
 
 
-def iter_file_batches(path: str | os.PathLike, text_field: str | None = None, delimiter: str = "<|endoftext|>",
-                      errors: str = "error", stats: ReadStats | None = None) -> Iterator[list[str]]:
-    """Like :func:`iter_file_documents`, but yields lists of documents (a chunk / row group at a time)."""
+def _checked_open(path: str | os.PathLike, errors: str, stats: ReadStats | None) -> tuple[Path, ReadStats]:
     if errors not in UTF8_POLICIES:
         raise ValueError(f"unknown UTF-8 error policy {errors!r}; use one of {UTF8_POLICIES}")
     p = check_input_file(path)
     st = stats if stats is not None else ReadStats()
     st.files.append(str(p))
-    fmt = file_format(p)
-    if fmt == "jsonl":
-        batches = _jsonl_batches(p, text_field or "text", errors, st)
-    elif fmt == "parquet":
-        batches = _parquet_batches(p, text_field or "text", st)
-    else:
-        batches = _text_batches(p, delimiter, errors, st)
+    return p, st
+
+
+def _read_errors_named(p: Path, batches: Iterator[Any]) -> Iterator[Any]:
+    """Yield from ``batches``, turning read errors (truncated ``.gz``/``.zst``, I/O) into ``ValueError``."""
     read_errors: tuple[type[BaseException], ...] = (OSError, EOFError)
     if p.suffix.lower() == ".zst":
         import zstandard
@@ -341,9 +472,45 @@ def iter_file_batches(path: str | os.PathLike, text_field: str | None = None, de
         read_errors += (zstandard.ZstdError,)
     try:
         yield from batches
-    except read_errors as e:  # truncated .gz / .zst, not compressed at all, I/O errors
+    except read_errors as e:
         raise ValueError(f"{p}: cannot be read ({type(e).__name__}: {e}); is the file complete and really "
                          f"{''.join(p.suffixes) or 'text'}?") from None
+
+
+def iter_file_batches(path: str | os.PathLike, text_field: str | None = None, delimiter: str = "<|endoftext|>",
+                      errors: str = "error", stats: ReadStats | None = None) -> Iterator[list[str]]:
+    """Like :func:`iter_file_documents`, but yields lists of documents (a chunk / row group at a time)."""
+    p, st = _checked_open(path, errors, stats)
+    fmt = file_format(p)
+    if fmt == "jsonl":
+        batches = _jsonl_batches(p, text_field or "text", errors, st)
+    elif fmt == "parquet":
+        batches = _parquet_batches(p, text_field or "text", st)
+    else:
+        batches = _text_batches(p, delimiter, errors, st)
+    yield from _read_errors_named(p, batches)
+
+
+def iter_file_spans(path: str | os.PathLike, text_field: str | None = None, delimiter: str = "<|endoftext|>",
+                    errors: str = "error", stats: ReadStats | None = None,
+                    want_crc: bool = False) -> Iterator[DocBatch]:
+    """The documents of :func:`iter_file_batches` as :class:`DocBatch` es (UTF-8 spans of one buffer).
+
+    Plain text with a string delimiter takes the fast path: raw chunks are split, stripped, validated
+    and checksummed in one pass in C++ (:func:`split_documents`) and never become Python strings;
+    a chunk with invalid UTF-8 goes through the ``str`` path with the ``errors`` policy. Other formats
+    are read as strings and packed into batches.
+    """
+    p, st = _checked_open(path, errors, stats)
+    if file_format(p) == "text" and delimiter != "blankline":
+        if not delimiter:
+            raise ValueError("delimiter must be a non-empty string, 'blankline' or 'line'")
+        yield from _read_errors_named(p, _text_spans(p, delimiter, errors, st, want_crc))
+        return
+    st.files.pop()  # iter_file_batches records the file again
+    for docs in iter_file_batches(p, text_field=text_field, delimiter=delimiter, errors=errors, stats=st):
+        if docs:
+            yield DocBatch.from_texts(docs, want_crc)
 
 
 def iter_file_documents(path: str | os.PathLike, text_field: str | None = None,
@@ -395,10 +562,16 @@ def val_mask(docs: Sequence[str], val_fraction: float, seed: int = 0) -> np.ndar
     if val_fraction <= 0.0 or not docs:
         return np.zeros(len(docs), dtype=bool)
     raw = [d.encode("utf-8", "surrogatepass") for d in docs]
-    crc = np.fromiter(map(zlib.crc32, raw), dtype=np.uint64, count=len(raw))
-    size = np.fromiter(map(len, raw), dtype=np.uint64, count=len(raw))
+    crc = np.fromiter(map(zlib.crc32, raw), dtype=np.uint32, count=len(raw))
+    return val_mask_from_crc(crc, np.fromiter(map(len, raw), dtype=np.int64, count=len(raw)), val_fraction, seed)
+
+
+def val_mask_from_crc(crc: np.ndarray, sizes: np.ndarray, val_fraction: float, seed: int = 0) -> np.ndarray:
+    """:func:`val_mask` from each document's CRC-32 and UTF-8 byte length (what :class:`DocBatch` carries)."""
+    if val_fraction <= 0.0 or len(crc) == 0:
+        return np.zeros(len(crc), dtype=bool)
     key = np.uint64(int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=8).digest(), "little"))
-    h = mix64((crc | (size << np.uint64(32))) ^ key)
+    h = mix64((crc.astype(np.uint64) | (sizes.astype(np.uint64) << np.uint64(32))) ^ key)
     return h < np.uint64(min(int(val_fraction * 2**64), 2**64 - 1))
 
 

@@ -250,6 +250,39 @@ class Tokenizer:
         tokens = np.fromiter((i for d in docs for i in d), dtype=np.uint32, count=int(offsets[-1]))
         return tokens, offsets
 
+    def encode_spans(self, buf: bytes, starts: "np.ndarray", ends: "np.ndarray", num_threads: int | None = None,
+                     bos_id: int | None = None, eos_id: int | None = None,
+                     dtype: str = "uint32") -> tuple["np.ndarray", "np.ndarray"]:
+        """Encode the documents ``buf[starts[i]:ends[i]]`` (valid UTF-8) into one array, BOS/EOS around each.
+
+        Returns ``(tokens, lengths)``: ``tokens`` in ``dtype`` (``uint16`` or ``uint32``) and each
+        document's token count including its BOS/EOS. Special tokens in the text are allowed. This is
+        what ``prepare`` calls on raw file chunks: the C++ core reads the bytes in place, so no Python
+        string or list is made per document or token.
+        """
+        import numpy as np
+
+        if dtype not in ("uint16", "uint32"):
+            raise ValueError(f"dtype must be 'uint16' or 'uint32', got {dtype!r}")
+        starts = np.ascontiguousarray(starts, dtype=np.int64)
+        ends = np.ascontiguousarray(ends, dtype=np.int64)
+        if self._core is not None and self.pattern in _CORE_PATTERNS and hasattr(self._core, "encode_spans"):
+            itemsize = np.dtype(dtype).itemsize
+            try:
+                return self._core.encode_spans(buf, starts, ends, _threads(num_threads), True,
+                                               -1 if bos_id is None else bos_id, -1 if eos_id is None else eos_id,
+                                               itemsize)
+            except ValueError as e:
+                raise ValueError(f"encode_spans: {e}") from None
+        mv = memoryview(buf)
+        docs = [self.encode(str(mv[a:b], "utf-8")) for a, b in zip(starts.tolist(), ends.tolist())]
+        pre, post = [] if bos_id is None else [bos_id], [] if eos_id is None else [eos_id]
+        flat = [i for d in docs for i in (*pre, *d, *post)]
+        if flat and max(flat) > np.iinfo(dtype).max:
+            raise ValueError(f"encode_spans: a token id does not fit {dtype}; use uint32 output")
+        lengths = np.array([len(d) + len(pre) + len(post) for d in docs], dtype=np.int64)
+        return np.array(flat, dtype=dtype), lengths
+
     def _safe_cut(self, buf: str) -> int:
         """Last index where ``buf`` can be split without changing its encoding (0 if none).
 

@@ -550,3 +550,56 @@ def test_benchmark_quick(script: str, tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "| lmforge" in r.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# split_documents / crc32 / encode_spans (prepare's fast path)
+# --------------------------------------------------------------------------------------------------
+def _same_split(a: tuple, b: tuple) -> bool:
+    import numpy as np
+
+    return (a[0], a[1], a[5]) == (b[0], b[1], b[5]) and np.array_equal(a[2], b[2]) and np.array_equal(a[3], b[3]) \
+        and (a[4] is None) == (b[4] is None) and (a[4] is None or np.array_equal(a[4], b[4]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["a", "é", "𝄞", " ", "\n", "\t", "\u3000", "\x85", "\xa0", "\u2028", "\u200b",
+                                 "\x1c", "<|eot|>", "<|eo", "\xff", "\xc3", "\xed\xa0\x80"]), max_size=40),
+       st.booleans(), st.booleans())
+def test_split_documents_matches_reference(parts: list[str], final: bool, want_crc: bool) -> None:
+    from lmforge.sources import split_documents_reference
+
+    # the last three items stand for invalid byte sequences
+    raw = b"".join(p.encode("latin-1") if p in ("\xff", "\xc3", "\xed\xa0\x80") else p.encode() for p in parts)
+    for sep in (b"<|eot|>", b"\n", b"a"):
+        assert _same_split(_core.split_documents(raw, sep, final, want_crc),
+                           split_documents_reference(raw, sep, final, want_crc)), (raw, sep)
+
+
+def test_split_documents_strips_exactly_python_whitespace() -> None:
+    """C++ strips a character iff str.strip() does: every code point below U+4000 (all of Python's
+    whitespace lies there) and every lead-byte pattern above it."""
+    from lmforge.sources import split_documents_reference
+
+    cps = [c for c in list(range(0x4000)) + list(range(0x4000, 0x110000, 97)) if c != ord("|") and not 0xD800 <= c <= 0xDFFF]
+    assert all(not chr(c).isspace() for c in range(0x4000, 0x110000))
+    text = "|".join(f"{chr(c)}x{chr(c)}" for c in cps).encode()
+    got = _core.split_documents(text, b"|", True, True)
+    assert _same_split(got, split_documents_reference(text, b"|", True, True))
+    stripped = [text[a:b].decode() for a, b in zip(got[2].tolist(), got[3].tolist())]
+    assert stripped == [f"{chr(c)}x{chr(c)}".strip() for c in cps]
+
+
+def test_crc32_matches_zlib() -> None:
+    import zlib
+
+    rng = random.Random(0)
+    for n in list(range(0, 40)) + [1000, 4097]:
+        data = bytes(rng.getrandbits(8) for _ in range(n))
+        assert _core.crc32(data) == zlib.crc32(data)
+        assert _core.crc32(data[n // 2:], _core.crc32(data[:n // 2])) == zlib.crc32(data)
+
+
+def test_split_documents_rejects_empty_delimiter() -> None:
+    with pytest.raises(ValueError, match="delimiter must not be empty"):
+        _core.split_documents(b"abc", b"", True, False)

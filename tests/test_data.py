@@ -13,6 +13,7 @@ import torch
 from lmforge import data, shards
 from lmforge.data import BlockLoader, TokenDataset, get_batch, prepare, val_batches
 from lmforge.sources import split_of
+from lmforge.tokenizer import Tokenizer
 
 EOT = "<|endoftext|>"
 WORDS = "the cat sat on a mat and then ran far away from home to see the wide blue sea where fish swim".split()
@@ -81,6 +82,30 @@ def test_hash_split_bos_and_uint32(tmp_path, tok):
     assert tok.decode(all_tokens(val).tolist()) == "".join(EOT + d for d in want_val)
     train = TokenDataset(tmp_path / "sh", "train")
     assert train.num_documents + val.num_documents == 200
+
+
+@pytest.mark.parametrize("val_fraction", [0.0, 0.3])
+def test_fast_prepare_equals_the_pure_python_reference(tmp_path, tok, monkeypatch, val_fraction):
+    """C++ splitting + span encoding gives the very shards and manifest of the pure-Python path
+    (Python splitter, Python tokenizer), through small read chunks, Unicode whitespace, empty and
+    invalid-UTF-8 documents (replaced), a hash split and BOS+EOS."""
+    from lmforge import sources
+
+    docs = make_docs(150, seed=7)
+    text = "".join(f"{d}\u3000\n{EOT}\x85 {EOT} \n{EOT}" if i % 7 else f"é{d}{EOT}" for i, d in enumerate(docs))
+    raw = text.encode()
+    raw = raw[:500] + b"\xff" + raw[500:]
+    src = tmp_path / "c.txt"
+    src.write_bytes(raw)
+    monkeypatch.setattr(sources, "_READ_CHUNK", 997)
+    kw = dict(val_fraction=val_fraction, bos=EOT, utf8_errors="replace", shard_tokens=700, progress=False)
+    fast = prepare(tok, src, tmp_path / "fast", **kw)
+    monkeypatch.setattr(sources, "split_documents", sources.split_documents_reference)
+    ref_tok = Tokenizer(tok.vocab, tok.merges, [EOT], backend="python")
+    ref = prepare(ref_tok, src, tmp_path / "ref", **kw)
+    assert fast["shards"] == ref["shards"] and fast["splits"] == ref["splits"]
+    assert fast["sources"][0]["invalid_utf8"] == 1 and fast["sources"] == ref["sources"]
+    assert sum(ref["splits"][k]["documents"] for k in ref["splits"]) == 150
 
 
 def test_prepare_mixed_formats_in_a_directory(tmp_path, tok):
@@ -628,16 +653,32 @@ def test_resume_and_epoch_invariants_property(tmp_path_factory):
     check()
 
 
+class _FlatOnly:
+    """A tokenizer with only ``encode_batch_flat`` (prepare's fallback for tokenizers other than lmforge's)."""
+
+    def __init__(self, tok):
+        self.encode_batch_flat = tok.encode_batch_flat
+
+
 @pytest.mark.parametrize("bos,eos", [(None, None), (None, 0), (0, None), (0, 0), (1, 0)])
 @pytest.mark.parametrize("first_offset", [0, 2])
-def test_encode_batch_with_bos_eos_matches_per_document_reference(tok, bos, eos, first_offset):
-    """prepare's vectorised BOS/EOS placement equals the plain per-document construction."""
-    docs = make_docs(30, seed=5) + ["é ü", "x"]
+@pytest.mark.parametrize("kind", ["cpp", "python", "flat-only"])
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_encode_batch_with_bos_eos_matches_per_document_reference(tok, bos, eos, first_offset, kind, dtype):
+    """prepare's BOS/EOS placement (C++ spans, Python spans, or vectorised numpy) equals the plain
+    per-document construction."""
+    from lmforge.sources import DocBatch
+
+    docs = make_docs(30, seed=5) + ["é ü", "x", "a<|endoftext|>b"]
     ids = {None: None, 0: tok.eot_id, 1: tok.eot_id - 1}
     b, e = ids[bos], ids[eos]
     per_doc = [([b] if b is not None else []) + tok.encode(d) + ([e] if e is not None else []) for d in docs]
-    toks, lengths, is_start, text_bytes = data._encode(tok, docs, b, e, first_offset, 2, "uint16")
-    assert toks.dtype == np.uint16
+    enc = {"cpp": tok, "python": Tokenizer(tok.vocab, tok.merges, ["<|endoftext|>"], backend="python"),
+           "flat-only": _FlatOnly(tok)}[kind]
+    if kind == "cpp" and tok.backend != "cpp":
+        pytest.skip("C++ core not built")
+    toks, lengths, is_start, text_bytes = data._encode(enc, DocBatch.from_texts(docs), b, e, first_offset, 2, dtype)
+    assert toks.dtype == np.dtype(dtype)
     assert toks.tolist() == [t for p in per_doc for t in p][first_offset:]
     assert lengths.tolist() == [len(per_doc[0]) - first_offset] + [len(p) for p in per_doc[1:]]
     assert is_start.tolist() == [not first_offset] + [True] * (len(docs) - 1)

@@ -401,3 +401,68 @@ def test_named_hub_datasets_against_local_endpoint(tmp_path, server, monkeypatch
     assert shards[1].read_bytes() == b"PAR1" * 2
     with pytest.raises(ValueError, match="shards must be between 1 and 1823"):
         sources.get_dataset("fineweb-edu", cache_dir=tmp_path, shards=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The span reader (prepare's fast path) against the string reader
+# --------------------------------------------------------------------------------------------------
+_PIECES = ["a", "b", "é", "✓", "𝄞", "\n", " ", "\t", "\u3000", "\x85", "\xa0", "\u2028", "\u200b", "\x1c", "aa",
+           "<|endoftext|>", "<|endo"]
+
+
+@pytest.mark.parametrize("splitter", ["default", "reference"])
+def test_span_reader_equals_string_reader(tmp_path, monkeypatch, splitter):
+    """Same documents, counters and checksums from iter_file_spans as from iter_file_documents, with
+    Unicode whitespace, invalid UTF-8 under each policy, and every chunk size."""
+    import random
+    import zlib
+
+    if splitter == "reference":
+        monkeypatch.setattr(sources, "split_documents", sources.split_documents_reference)
+    rng = random.Random(1)
+    p = tmp_path / "c.txt"
+    for trial in range(150):
+        raw = "".join(rng.choice(_PIECES) for _ in range(rng.randint(0, 60))).encode()
+        if rng.random() < 0.3:
+            k = rng.randint(0, len(raw))
+            raw = raw[:k] + rng.choice([b"\xff", b"\xc3", b"\xed\xa0\x80"]) + raw[k:]
+        p.write_bytes(raw)
+        delimiter = rng.choice(["<|endoftext|>", "aa", "line", "é"])
+        errors = rng.choice(["skip", "replace"])
+        monkeypatch.setattr(sources, "_READ_CHUNK", rng.choice([1, 3, 8, 1 << 20]))
+        st_a, st_b = ReadStats(), ReadStats()
+        want = list(iter_file_documents(p, delimiter=delimiter, errors=errors, stats=st_a))
+        batches = list(sources.iter_file_spans(p, delimiter=delimiter, errors=errors, stats=st_b, want_crc=True))
+        got = [t for b in batches for t in b.texts()]
+        assert got == want, (trial, raw, delimiter)
+        assert (st_a.documents, st_a.empty_skipped, st_a.invalid_utf8, st_a.text_bytes) == \
+               (st_b.documents, st_b.empty_skipped, st_b.invalid_utf8, st_b.text_bytes), (trial, raw, delimiter)
+        crcs = [int(c) for b in batches for c in b.crc]
+        assert crcs == [zlib.crc32(t.encode()) for t in want]
+
+
+def test_span_reader_errors_and_other_formats(tmp_path):
+    p = tmp_path / "c.txt"
+    p.write_bytes(b"good<|endoftext|>bad \xff<|endoftext|>x")
+    with pytest.raises(ValueError, match=r"c.txt \(document 2\): invalid UTF-8 at byte 4"):
+        list(sources.iter_file_spans(p))
+    rows = [{"text": d} for d in DOCS] + [{"text": "  "}]
+    j = _write_jsonl(tmp_path / "d.jsonl", rows)
+    st = ReadStats()
+    batches = list(sources.iter_file_spans(j, stats=st, want_crc=True))
+    assert [t for b in batches for t in b.texts()] == DOCS and st.empty_skipped == 1 and st.files == [str(j)]
+    both = sources.DocBatch.concat(batches + batches)
+    assert both.texts() == DOCS + DOCS and len(both.crc) == 6
+    assert both.take([1]).texts() == [DOCS[1]] and both.sizes.tolist()[:3] == [len(d.encode()) for d in DOCS]
+
+
+def test_val_mask_from_checksums_equals_val_mask():
+    import zlib
+
+    import numpy as np
+
+    docs = [f"document {i} ✓" * (i % 5 + 1) for i in range(300)]
+    crc = np.array([zlib.crc32(d.encode()) for d in docs], np.uint32)
+    sizes = np.array([len(d.encode()) for d in docs], np.int64)
+    for frac, seed in ((0.1, 0), (0.5, 3), (0.0, 1)):
+        assert (sources.val_mask_from_crc(crc, sizes, frac, seed) == sources.val_mask(docs, frac, seed)).all()
