@@ -184,6 +184,48 @@ def test_fast_cross_entropies_gradients_match_torch(ignore, chunk_rows):
         torch.testing.assert_close(linear_cross_entropy(h, w, t, ignore, chunk_rows=chunk_rows), ref)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_plain_backward_matches_torch(reduction):
+    """``loss.backward()`` (incoming gradient 1): the 1/N folded into the GEMMs, no scaling in backward."""
+    torch.manual_seed(1)
+    h = torch.randn(11, 16, requires_grad=True)
+    w = torch.randn(29, 16, requires_grad=True)
+    t = torch.randint(0, 29, (11,))
+    ref = F.cross_entropy(h @ w.T, t, reduction=reduction)
+    ref.backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    loss = linear_cross_entropy(h, w, t, reduction=reduction, chunk_rows=4)
+    loss.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(h.grad, gh)
+    torch.testing.assert_close(w.grad, gw)
+
+
+def test_linear_cross_entropy_rows_whose_target_probability_underflows():
+    """Rows where softmax[target] underflows float32 take the exact logsumexp formula: finite, equal to torch."""
+    torch.manual_seed(2)
+    h = (torch.randn(6, 8) * 30).requires_grad_()  # logit gaps of hundreds: p[target] == 0 in float32
+    w = torch.randn(12, 8, requires_grad=True)
+    t = torch.randint(0, 12, (6,))
+    with torch.no_grad():
+        assert bool((torch.softmax(h @ w.T, -1).gather(1, t[:, None]) < 1e-30).any())
+    ref = F.cross_entropy(h @ w.T, t)
+    gh, gw = torch.autograd.grad(ref, (h, w))
+    loss = linear_cross_entropy(h, w, t, chunk_rows=4)
+    torch.testing.assert_close(loss, ref)
+    for a, b in zip(torch.autograd.grad(loss, (h, w)), (gh, gw)):
+        torch.testing.assert_close(a, b)
+
+
+def test_linear_cross_entropy_default_chunks_are_even():
+    from lmforge.losses import _chunk_rows
+
+    assert _chunk_rows(2048, 10_000) == 683  # three chunks, not four full ones and a short fifth
+    assert _chunk_rows(10, 10_000) == 10
+    assert _chunk_rows(0, 10_000) == 1
+
+
 def test_linear_cross_entropy_under_bf16_autocast():
     torch.manual_seed(0)
     h = torch.randn(10, 16, requires_grad=True)
