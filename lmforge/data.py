@@ -1,9 +1,11 @@
 """Turn raw corpora into token shards (``prepare``); summarise (``inspect``) and load them (re-exported).
 
-``prepare`` streams documents from the inputs (:mod:`lmforge.sources`), routes each to a split
-(a seeded hash of the document, or one split for all inputs), tokenizes batches of documents in
-parallel with the tokenizer's ``encode_batch_flat``, adds BOS/EOS ids, and fills fixed-size
-shards (:mod:`lmforge.shards`). Memory is flat: one shard buffer per split plus a batch.
+``prepare`` streams documents from the inputs (:mod:`lmforge.sources`) as byte spans of raw chunks
+(split, stripped and validated in C++ for delimited text), routes each to a split (a seeded hash
+of the document, or one split for all inputs), tokenizes batches of documents in parallel with the
+tokenizer's ``encode_spans`` (BOS/EOS added, output already in the shard dtype), and fills
+fixed-size shards (:mod:`lmforge.shards`). Reading, tokenizing and writing run in three threads.
+Memory is flat: one shard buffer per split plus a few batches.
 
 Crash safety: shards are written by tmp-file + rename and listed in the manifest, which is
 rewritten (atomically) after every shard together with, for each split, the exact point in the
