@@ -54,13 +54,14 @@ def build_corpus(tmp: Path, mb: float, corpus: str | None) -> Path:
 
 
 def peak_rss_mb(tok_path: Path, inputs: list[Path], out: Path, threads: int) -> float:
-    """Peak resident memory (MiB) of ``prepare`` run in a child process."""
-    code = ("import resource, sys; from lmforge.data import prepare; from lmforge.tokenizer import Tokenizer; "
-            "prepare(Tokenizer.load(sys.argv[1]), sys.argv[4:], sys.argv[2], num_threads=int(sys.argv[3]), "
-            "progress=False); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
-    res = subprocess.run([sys.executable, "-c", code, str(tok_path), str(out), str(threads), *map(str, inputs)],
-                         capture_output=True, text=True, check=True)
-    return int(res.stdout.split()[-1]) / 1024  # ru_maxrss is in KiB on Linux
+    """Peak resident memory (MiB) of ``prepare`` run in a fresh child process (``_common.peak_rss_mb``)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from _common import peak_rss_mb; "
+            "from lmforge.data import prepare; from lmforge.tokenizer import Tokenizer; "
+            "prepare(Tokenizer.load(sys.argv[2]), sys.argv[5:], sys.argv[3], num_threads=int(sys.argv[4]), "
+            "progress=False); print(peak_rss_mb())")
+    res = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(tok_path), str(out), str(threads),
+                          *map(str, inputs)], capture_output=True, text=True, check=True)
+    return float(res.stdout.split()[-1])
 
 
 def main() -> int:
@@ -152,7 +153,8 @@ def main() -> int:
           f"-> glue {100 * (c_prep / c_flat - 1):+.1f}% CPU")
     if peaks:
         print(f"prepare peak RSS (fresh process): {peaks[1]:.0f} MiB for {mb:.0f} MB of text, {peaks[4]:.0f} MiB for "
-              f"{4 * mb:.0f} MB (flat: one shard buffer per split + a few batches)")
+              f"{4 * mb:.0f} MB (bounded: tokens fill one shard buffer per split, at most 128 MiB of uint16, "
+              "then it is written out; plus a few 4 MiB read chunks)")
     print(f"prepare speed-up over HF tokenizers + numpy: {t_hf / t_prep:.2f}x  (target > 1); "
           f"HF token count {hf_tokens:,} vs lmforge {n_tok + len(docs):,}")
     return 0
