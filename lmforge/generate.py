@@ -7,8 +7,9 @@ Layers, bottom up:
 * :class:`CachedDecoder` is the inference engine. It speaks only token ids: it packs the model's weights
   once (fused QKV and gate|up projections), preallocates a static KV cache for the whole generation,
   prefills the prompts in one forward and then decodes one token per step with a handful of tensor ops
-  per layer. Several prompts run as one batch: left padding plus an attention mask that hides the pads,
-  with each row's RoPE positions starting at 0 at its first real token.
+  per layer. Several prompts run as one batch: right padding and a length per row, so each row attends
+  to its own tokens only. A row that fills the context slides: it drops its oldest quarter (by default)
+  and re-prefills the rest, so generation goes on at an amortized cost.
 * :class:`Generator` is the user API: ``generate_ids`` (ids in, ids out) and ``generate`` (text in, text
   out, optionally streamed) with stop tokens and stop strings. ``naive=True`` recomputes the full
   forward of the model itself at every step (no cache); it is the oracle the cached path is tested
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import codecs
 import logging
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -90,148 +92,216 @@ def model_config(model: Any) -> Any:
     raise ValueError(f"{type(model).__name__} has no ModelConfig (.cfg/.config); pass an lmforge TransformerLM")
 
 
-def _in_out(*weights: torch.Tensor) -> torch.Tensor:
-    """Stack ``(out, in)`` weights along ``out`` and store them as one contiguous ``(in, sum of outs)`` matrix.
-
-    ``x @ W`` with this layout is up to 2x faster than ``F.linear(x, W.T)`` for the few-row products of
-    decoding on CPU (measured with MKL: the transposed operand takes a slower GEMM path at batch > 1).
-    """
-    return torch.cat(weights).t().contiguous()  # (in, out)
-
-
 class CachedDecoder:
     """Prefill + one-token-per-step decoding of a ``TransformerLM`` with a preallocated KV cache.
 
-    The weights are read from the model's state dict (CS336 names) once, at construction, and packed
-    for decoding: ``q|k|v`` and ``w1|w3`` concatenated so each layer does three matrix products per
-    token. The decoder therefore does not see later changes to the model's parameters; build a new one
-    (``Generator.refresh()``) after training further. The arithmetic is the model's: pre-norm RMSNorm,
-    RoPE on adjacent pairs ``(2i, 2i+1)``, causal (grouped-query) attention, SwiGLU, final norm, LM head.
+    The weights are read from the model's state dict (CS336 names) and packed for decoding: ``q|k|v`` and
+    ``w1|w3`` concatenated, so each layer does three matrix products per token. The decoder therefore does
+    not see later changes to the model's parameters; build a new one (``Generator.refresh()``) after
+    training further. The arithmetic is the model's: pre-norm RMSNorm, RoPE on adjacent pairs
+    ``(2i, 2i+1)``, causal (grouped-query) attention, SwiGLU, final norm, LM head.
+
+    Two packings exist because the fastest CPU product differs with the number of rows (measured with MKL
+    on an AVX2 machine): one row (batch 1) is a matrix-vector product, fastest as ``x @ W`` with ``W``
+    stored ``(in, out)``; several rows are fastest as ``W @ x.T`` with ``W`` stored ``(out, in)``, about
+    2x faster than ``x @ W`` at 8 rows. A packing is built the first time a batch needs it and then kept.
+
+    Rows are independent: row ``b`` holds its tokens in cache columns ``0 .. lengths[b]-1`` (prompts are
+    right-padded, so plain causal attention serves the prefill and RoPE positions are cache columns). When
+    a row's cache is full (``context_length`` tokens) and ``step`` must feed it one more token, the row
+    slides: of its ``context_length + 1`` tokens (the new one included) it drops the oldest ``window_drop``,
+    recomputes the keys and values of the rest with positions restarting at 0, and goes on. So a row
+    re-prefills once per ``window_drop`` steps; ``window_drop`` (default: a quarter of the context) trades
+    that cost against how much context is lost at once (``1`` is a window sliding by one token per step,
+    a re-prefill per step).
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, window_drop: int | None = None) -> None:
         cfg = model_config(model)
         self.cfg = cfg
         for wrapper_attr in ("module", "_orig_mod"):  # DDP / torch.compile wrappers prefix the state-dict names
             model = getattr(model, wrapper_attr, model)
-        sd = {k: v.detach() for k, v in model.state_dict().items()}
+        self._sd = {k: v.detach() for k, v in model.state_dict().items()}
         self.n_heads = cfg.n_heads
         self.n_kv = getattr(cfg, "n_kv_heads", None) or cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.eps = float(cfg.norm_eps)
         self.context_length = int(cfg.context_length)
-        self.embedding = sd["token_embeddings.weight"]
+        if window_drop is None:
+            window_drop = max(1, self.context_length // 4)
+        if not 1 <= window_drop <= self.context_length:
+            raise ValueError(f"window_drop must be in [1, {self.context_length}] (got {window_drop})")
+        self.window_drop = int(window_drop)
+        self.embedding = self._sd["token_embeddings.weight"]
         self.device = self.embedding.device
         self.dtype = self.embedding.dtype
-        self.layers = []
-        for i in range(cfg.n_layers):
-            p = f"layers.{i}."
-            self.layers.append((
-                sd[p + "ln1.weight"],
-                _in_out(sd[p + "attn.q_proj.weight"], sd[p + "attn.k_proj.weight"], sd[p + "attn.v_proj.weight"]),
-                _in_out(sd[p + "attn.output_proj.weight"]),
-                sd[p + "ln2.weight"],
-                _in_out(sd[p + "ffn.w1.weight"], sd[p + "ffn.w3.weight"]),
-                _in_out(sd[p + "ffn.w2.weight"]),
-            ))
-        self.ln_final = sd["ln_final.weight"]
-        # The LM head stays (V, C): ``W @ h.T`` beats ``h @ W.T`` for the large V at decode-sized batches on CPU.
-        self.lm_head = sd.get("lm_head.weight", self.embedding).contiguous()
+        self.ln_final = self._sd["ln_final.weight"]
+        self._packs: dict[bool, tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]] = {}
         # RoPE as complex rotations: pair i of a head at position t turns by t * theta^(-2i/D).
         half = self.head_dim // 2
         inv_freq = 1.0 / (float(cfg.rope_theta) ** (torch.arange(half, dtype=torch.float64) * 2 / self.head_dim))
         angles = torch.outer(torch.arange(self.context_length, dtype=torch.float64), inv_freq)  # (S, D/2)
         self.rope = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(self.device)
-        # Per-generation state, set by prefill(): caches (L, B, Hkv, S, D), cached length, left padding per
-        # row (B,) and, when rows are padded, which cache columns each row may attend to (B, S).
+        # Per-generation state, set by prefill(): caches (L, B, Hkv, S, D), the tokens in the cache (B, S),
+        # each row's cached length (a list, and a (B,) tensor for indexing) and the packing in use.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        self.length = 0
-        self.pad: torch.Tensor | None = None
-        self.key_valid: torch.Tensor | None = None
+        self.tokens: torch.Tensor | None = None
+        self.lengths: list[int] = []
+        self._lengths_t: torch.Tensor | None = None
+        self._rows_major = True
 
     # ---------------------------------------------------------------------------------------------
+    def _pack(self, rows_major: bool) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]:
+        """Layer weights and LM head for ``x @ W`` (``rows_major``: ``W`` is ``(in, out)``) or ``W @ x.T`` (``(out, in)``)."""
+        if rows_major not in self._packs:
+            sd = self._sd
+
+            def fuse(*names: str) -> torch.Tensor:
+                w = torch.cat([sd[n] for n in names])  # (sum of outs, in); a fresh copy even for one weight
+                return w.t().contiguous() if rows_major else w
+
+            layers = []
+            for i in range(self.cfg.n_layers):
+                p = f"layers.{i}."
+                layers.append((sd[p + "ln1.weight"], fuse(p + "attn.q_proj.weight", p + "attn.k_proj.weight",
+                                                          p + "attn.v_proj.weight"),
+                               fuse(p + "attn.output_proj.weight"), sd[p + "ln2.weight"],
+                               fuse(p + "ffn.w1.weight", p + "ffn.w3.weight"), fuse(p + "ffn.w2.weight")))
+            head = fuse("lm_head.weight" if "lm_head.weight" in sd else "token_embeddings.weight")
+            self._packs[rows_major] = (layers, head)
+        return self._packs[rows_major]
+
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """RMSNorm in float32, as the model computes it."""
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), w.float(), self.eps).to(x.dtype)
 
-    def _rotate(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-        """RoPE: ``x`` (B, T, H, D) times ``rot`` (B, T, 1, D/2) complex, pairs (2i, 2i+1) as complex numbers."""
-        B, T, H, D = x.shape
-        xc = torch.view_as_complex(x.float().reshape(B, T, H, D // 2, 2))  # (B, T, H, D/2)
-        return torch.view_as_real(xc * rot).reshape(B, T, H, D).to(x.dtype)  # (B, T, H, D)
+    def _forward(self, tokens: torch.Tensor, rows: slice, last: torch.Tensor | None) -> torch.Tensor:
+        """Prefill: run ``tokens`` (B, T) in cache rows ``rows``, columns ``0 .. T-1`` (causal attention).
 
-    def _forward(self, tokens: torch.Tensor, start: int, rot: torch.Tensor,
-                 mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """Run ``tokens`` (B, T) occupying cache columns ``start .. start+T-1``; returns last-column logits (B, V)."""
+        Returns the logits at column ``last[b]`` of each row (B, V) (``last=None``: column T-1).
+        """
         B, T = tokens.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        end = start + T
-        # Hidden states stay 2-D (B*T, C): a 2-D @ 2-D product is one GEMM call, while a 3-D input goes through
-        # matmul's batched-folding path, measurably slower for the few rows of a decode step.
+        layers, head = self._pack(self._rows_major)
+        rot = self.rope[:T].view(1, T, 1, -1)  # (1, T, 1, D/2)
         x = F.embedding(tokens.reshape(-1), self.embedding)  # (B*T, C)
-        for layer, (ln1, w_qkv, w_o, ln2, w_13, w_2) in enumerate(self.layers):
-            qkv = self._rms_norm(x, ln1) @ w_qkv  # (B*T, (H + 2 Hkv) D)
-            qk = self._rotate(qkv[:, : (H + Hkv) * D].view(B, T, H + Hkv, D), rot)  # q and k heads in one go
+        for layer, (ln1, w_qkv, w_o, ln2, w_13, w_2) in enumerate(layers):
+            qkv = self._matmul(self._rms_norm(x, ln1), w_qkv)  # (B*T, (H + 2 Hkv) D)
+            qk = torch.view_as_complex(qkv[:, : (H + Hkv) * D].float().reshape(B, T, H + Hkv, D // 2, 2))
+            qk = torch.view_as_real(qk * rot).reshape(B, T, H + Hkv, D).to(x.dtype)  # RoPE on q and k heads
             q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
-            self.k_cache[layer, :, :, start:end] = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, D)
-            self.v_cache[layer, :, :, start:end] = qkv[:, (H + Hkv) * D :].view(B, T, Hkv, D).transpose(1, 2)
-            att = F.scaled_dot_product_attention(
-                q, self.k_cache[layer, :, :, :end], self.v_cache[layer, :, :, :end],
-                attn_mask=mask, is_causal=causal, enable_gqa=Hkv != H)  # (B, H, T, D)
-            x = x + att.transpose(1, 2).reshape(B * T, H * D) @ w_o  # (B*T, C)
-            gate, up = (self._rms_norm(x, ln2) @ w_13).chunk(2, dim=-1)  # (B*T, F) each
-            x = x + (F.silu(gate) * up) @ w_2
-        h = self._rms_norm(x.view(B, T, -1)[:, -1], self.ln_final)  # (B, C)
-        return (self.lm_head @ h.t()).t()  # (B, V)
+            k_cache, v_cache = self.k_cache[layer, rows], self.v_cache[layer, rows]  # (B, Hkv, S, D)
+            k_cache[:, :, :T] = qk[:, :, H:].transpose(1, 2)
+            v_cache[:, :, :T] = qkv[:, (H + Hkv) * D :].view(B, T, Hkv, D).transpose(1, 2)
+            att = F.scaled_dot_product_attention(q, k_cache[:, :, :T], v_cache[:, :, :T], is_causal=True,
+                                                 enable_gqa=Hkv != H)  # (B, H, T, D)
+            x = x + self._matmul(att.transpose(1, 2).reshape(B * T, H * D), w_o)  # (B*T, C)
+            gate, up = self._matmul(self._rms_norm(x, ln2), w_13).chunk(2, dim=-1)  # (B*T, F) each
+            x = x + self._matmul(F.silu(gate) * up, w_2)
+        x = x.view(B, T, -1)
+        x = x[:, -1] if last is None else x[torch.arange(B, device=self.device), last]  # (B, C)
+        return self._matmul(self._rms_norm(x, self.ln_final), head)  # (B, V)
+
+    def _matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x (N, in)`` times a weight of the packing in use: ``x @ w`` (``w`` is ``(in, out)``) or ``(w @ x.T).T``."""
+        if self._rows_major:
+            return x @ w
+        return (w @ x.t()).t().contiguous()  # (N, out); contiguous x rows make the next ``w @ x.T`` fast
 
     # ---------------------------------------------------------------------------------------------
     def prefill(self, rows: Sequence[Sequence[int]], capacity: int) -> torch.Tensor:
-        """Start a generation: left-pad ``rows``, allocate a cache of ``capacity`` columns, run the prompts.
+        """Start a generation: allocate a cache of ``capacity`` columns, run the prompts ``rows``.
 
-        Returns the logits of the next token of each row ``(B, V)``. ``capacity`` (prompt + new tokens)
-        must not exceed the model's context length.
+        Returns the logits of the next token of each row ``(B, V)``. ``capacity`` must not exceed the
+        model's context length; rows slide (see the class docstring) only if it equals it.
         """
         B, T = len(rows), max(len(r) for r in rows)
         assert 0 < T <= capacity <= self.context_length, (T, capacity, self.context_length)
-        self.pad = torch.tensor([T - len(r) for r in rows], device=self.device)  # (B,)
-        tokens = torch.zeros(B, T, dtype=torch.long)
+        self._rows_major = B == 1
+        self.lengths = [len(r) for r in rows]
+        self._lengths_t = torch.tensor(self.lengths, device=self.device)  # (B,)
+        self.tokens = torch.zeros(B, capacity, dtype=torch.long, device=self.device)  # right-padded prompts
         for b, r in enumerate(rows):
-            tokens[b, T - len(r):] = torch.as_tensor(list(r), dtype=torch.long)
-        tokens = tokens.to(self.device)
-        shape = (len(self.layers), B, self.n_kv, capacity, self.head_dim)
+            self.tokens[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+        shape = (self.cfg.n_layers, B, self.n_kv, capacity, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.length = T
-        cols = torch.arange(T, device=self.device)
-        if int(self.pad.max()) == 0:  # no padding: plain causal attention, and no masks while decoding
-            self.key_valid = None
-            return self._forward(tokens, 0, self.rope[:T].view(1, T, 1, -1), None, causal=True)
-        # Row b's real tokens sit in columns pad[b]..T-1 and get positions 0, 1, ...; pads are never
-        # attended to by real tokens. A pad query attends to itself only (keeps its row of the softmax finite).
-        self.key_valid = torch.zeros(B, capacity, dtype=torch.bool, device=self.device)  # (B, S)
-        self.key_valid[:, :T] = cols[None, :] >= self.pad[:, None]
-        causal = cols[:, None] >= cols[None, :]  # (T, T)
-        mask = (causal[None] & self.key_valid[:, None, :T]) | torch.eye(T, dtype=torch.bool, device=self.device)
-        positions = (cols[None, :] - self.pad[:, None]).clamp(min=0)  # (B, T)
-        rot = self.rope[positions].unsqueeze(2)  # (B, T, 1, D/2)
-        return self._forward(tokens, 0, rot, mask.unsqueeze(1), causal=False)
+        # Right padding: a row's real tokens never see its pads under causal attention (pads come after).
+        last = None if min(self.lengths) == T else self._lengths_t - 1
+        return self._forward(self.tokens[:, :T], slice(None), last)
+
+    def _slide(self, full: list[int]) -> None:
+        """Rows ``full`` (at capacity) keep their newest ``keep - 1`` tokens, re-prefilled; the token fed next makes ``keep``."""
+        assert self.k_cache is not None and self.k_cache.shape[3] == self.context_length, "cache full"
+        keep = self.context_length + 1 - self.window_drop  # >= 1
+        groups = [slice(None)] if len(full) == len(self.lengths) else [slice(b, b + 1) for b in full]
+        for rows in groups:
+            kept = self.tokens[rows, self.context_length - keep + 1 :].clone()  # (b, keep - 1)
+            self.tokens[rows, : keep - 1] = kept
+            if keep > 1:
+                self._forward(kept, rows, None)
+        for b in full:
+            self.lengths[b] = keep - 1
+        self._lengths_t = torch.tensor(self.lengths, device=self.device)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append one token per row ``(B,)`` at the next cache column; returns next-token logits ``(B, V)``."""
-        col = self.length
-        assert self.k_cache is not None and col < self.k_cache.shape[3], "cache full or prefill not called"
-        self.length = col + 1
-        if self.key_valid is None:
-            rot = self.rope[col : col + 1].view(1, 1, 1, -1)
+        """Feed one token per row ``(B,)`` after each row's cached tokens; returns next-token logits ``(B, V)``.
+
+        A row whose cache is full slides first (class docstring).
+        """
+        assert self.k_cache is not None, "prefill not called"
+        S = self.k_cache.shape[3]
+        full = [b for b, n in enumerate(self.lengths) if n == S]
+        if full:
+            self._slide(full)
+        B = tokens.shape[0]
+        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        G = H // Hkv
+        lengths = self.lengths
+        uniform = min(lengths) == max(lengths)
+        end = max(lengths) + 1  # attend to the valid prefix only
+        pos = self._lengths_t  # (B,) the column (= RoPE position) of the new token
+        if uniform:
+            col = lengths[0]
+            rot = self.rope[col : col + 1].view(1, 1, -1)  # (1, 1, D/2)
+            self.tokens[:, col] = tokens
             mask = None
         else:
-            rot = self.rope[col - self.pad].view(-1, 1, 1, self.rope.shape[-1])  # (B, 1, 1, D/2)
-            self.key_valid[:, col] = True
-            mask = self.key_valid[:, None, None, : col + 1]  # (B, 1, 1, S)
-        return self._forward(tokens.view(-1, 1), col, rot, mask, causal=False)
+            rot = self.rope[pos].view(B, 1, -1)  # (B, 1, D/2)
+            self.tokens[torch.arange(B, device=self.device), pos] = tokens
+            # the cache viewed as (L, B*Hkv*S, D): row b, head h, column c is entry (b*Hkv + h)*S + c
+            slot = ((torch.arange(B * Hkv, device=self.device) * S).view(B, Hkv) + pos[:, None]).view(-1)
+            mask = (torch.arange(end, device=self.device)[None, :] <= pos[:, None]).view(B, 1, 1, end)
+        layers, head = self._pack(self._rows_major)
+        scale = 1.0 / math.sqrt(D)
+        x = F.embedding(tokens, self.embedding)  # (B, C)
+        for layer, (ln1, w_qkv, w_o, ln2, w_13, w_2) in enumerate(layers):
+            qkv = self._matmul(self._rms_norm(x, ln1), w_qkv)  # (B, (H + 2 Hkv) D)
+            qk = torch.view_as_complex(qkv[:, : (H + Hkv) * D].float().view(B, H + Hkv, D // 2, 2))
+            qk = torch.view_as_real(qk * rot).view(B, H + Hkv, D).to(x.dtype)  # RoPE on q and k heads
+            k_new, v_new = qk[:, H:], qkv[:, (H + Hkv) * D :].view(B, Hkv, D)  # (B, Hkv, D)
+            k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # (B, Hkv, S, D)
+            if uniform:
+                k_cache[:, :, col] = k_new
+                v_cache[:, :, col] = v_new
+            else:
+                k_cache.view(-1, D).index_copy_(0, slot, k_new.reshape(-1, D))
+                v_cache.view(-1, D).index_copy_(0, slot, v_new.reshape(-1, D))
+            # one query per row: (B, Hkv, G, D) @ (B, Hkv, D, end) -> scores (B, Hkv, G, end)
+            q = qk[:, :H].view(B, Hkv, G, D)
+            scores = torch.matmul(q, k_cache[:, :, :end].transpose(-1, -2)).mul_(scale)
+            if mask is not None:
+                scores.masked_fill_(~mask, float("-inf"))
+            att = torch.matmul(torch.softmax(scores, dim=-1), v_cache[:, :, :end])  # (B, Hkv, G, D)
+            x = x + self._matmul(att.view(B, H * D), w_o)  # (B, C)
+            gate, up = self._matmul(self._rms_norm(x, ln2), w_13).chunk(2, dim=-1)  # (B, F) each
+            x = x + self._matmul(F.silu(gate) * up, w_2)
+        self.lengths = [n + 1 for n in lengths]
+        self._lengths_t = pos + 1
+        return self._matmul(self._rms_norm(x, self.ln_final), head)  # (B, V)
 
 
 # ==================================================================================================
@@ -289,7 +359,9 @@ class Generator:
     >>> gen.generate("ROMEO:", max_new_tokens=50, temperature=0.8, seed=0)  # doctest: +SKIP
     """
 
-    def __init__(self, model: Any, tokenizer: "Tokenizer | None" = None, device: Any = None) -> None:
+    def __init__(self, model: Any, tokenizer: "Tokenizer | None" = None, device: Any = None,
+                 window_drop: int | None = None) -> None:
+        """``window_drop``: tokens a row drops when its context is full (default: a quarter of the context)."""
         from lmforge.common import resolve_device
 
         if device is not None:
@@ -305,7 +377,7 @@ class Generator:
                 raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {self.cfg.vocab_size}; "
                                  "load the tokenizer the model was trained with (the run's tokenizer.json)")
             self.vocab_limit = tokenizer.vocab_size  # never sample the model's padding ids
-        self.decoder = CachedDecoder(model)
+        self.decoder = CachedDecoder(model, window_drop)
 
     @classmethod
     def from_run(cls, run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
@@ -345,15 +417,19 @@ class Generator:
 
     def refresh(self) -> None:
         """Re-read the model's weights (call after changing them; the decoder packs a copy)."""
-        self.decoder = CachedDecoder(self.model)
+        self.decoder = CachedDecoder(self.model, self.decoder.window_drop)
 
     # ---------------------------------------------------------------------------------------------
     # ids in, ids out
     # ---------------------------------------------------------------------------------------------
-    def _check_prompts(self, rows: list[list[int]], max_new_tokens: int) -> int:
-        """Validate token rows; returns how many new tokens fit in the context (warns if fewer than asked)."""
+    def _check_prompts(self, rows: list[list[int]], max_new_tokens: int, overflow: str) -> int:
+        """Validate token rows; returns how many new tokens to generate (with ``overflow="stop"``: how many
+        fit in the context, with a warning if fewer than asked)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer (got {max_new_tokens!r})")
+        if overflow not in ("slide", "stop"):
+            raise ValueError(f"overflow must be 'slide' or 'stop' (got {overflow!r}): 'slide' drops the oldest tokens "
+                             "when the context is full and goes on, 'stop' ends generation there")
         if not rows:
             raise ValueError("no prompts given; pass at least one prompt")
         ctx = self.cfg.context_length
@@ -368,7 +444,7 @@ class Generator:
                 raise ValueError(f"prompt {i} holds token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
         longest = max(len(r) for r in rows)
         fit = ctx - longest + 1  # the last new token is sampled, never fed back
-        if max_new_tokens > fit:
+        if overflow == "stop" and max_new_tokens > fit:
             logger.warning("prompt (%d tokens) + max_new_tokens (%d) exceeds the context length %d: generation "
                            "stops after %d new tokens", longest, max_new_tokens, ctx, fit)
             return fit
@@ -376,7 +452,12 @@ class Generator:
 
     def _token_steps(self, rows: list[list[int]], n_new: int, temperature: float, top_k: int | None,
                      top_p: float | None, seed: int | None, naive: bool) -> Iterator[list[int]]:
-        """Yield the next token of every row, ``n_new`` times (rows that have stopped keep going; callers ignore them)."""
+        """Yield the next token of every row, ``n_new`` times (rows that have stopped keep going; callers ignore them).
+
+        A row that outgrows the context slides (:class:`CachedDecoder`); the naive path applies the same
+        policy to its window: after appending a token, a window longer than the context drops its
+        oldest ``window_drop`` tokens.
+        """
         gen = torch.Generator(device=self.device)
         if seed is None:
             gen.seed()  # fresh entropy
@@ -388,19 +469,24 @@ class Generator:
                 logits = logits[:, : self.vocab_limit]
             return sample_next(logits, temperature, top_k, top_p, gen)
 
+        ctx = self.cfg.context_length
         if naive:
+            keep = ctx + 1 - self.decoder.window_drop
             seqs = [list(r) for r in rows]
             for _ in range(n_new):
                 with torch.inference_mode():
                     logits = torch.cat([self.model(torch.tensor([s], device=self.device))[:, -1] for s in seqs])
                     nxt = pick(logits).tolist()
-                for s, t in zip(seqs, nxt):
-                    s.append(t)
+                for b, t in enumerate(nxt):
+                    seqs[b].append(t)
+                    if len(seqs[b]) > ctx:
+                        seqs[b] = seqs[b][-keep:]
                 yield nxt
             return
-        capacity = max(len(r) for r in rows) + n_new - 1
+        longest = max(len(r) for r in rows)
+        capacity = min(ctx, longest + n_new - 1)  # a full cache (capacity == ctx) slides, see CachedDecoder
         with torch.inference_mode():
-            nxt = pick(self.decoder.prefill(rows, max(capacity, max(len(r) for r in rows))))
+            nxt = pick(self.decoder.prefill(rows, max(capacity, longest)))
         for i in range(n_new):
             out = nxt.tolist()
             if i + 1 < n_new:
@@ -411,20 +497,26 @@ class Generator:
     def generate_ids(self, prompt_ids: Sequence[int] | Sequence[Sequence[int]], max_new_tokens: int = 128,
                      temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                      seed: int | None = None, stop_ids: Sequence[int] | None = None, naive: bool = False,
-                     stream: bool = False) -> Any:
+                     stream: bool = False, overflow: str = "slide") -> Any:
         """Generate token ids after one prompt (a list of ids) or several (a list of lists).
 
         Returns the new ids (a list, or a list of lists), without the prompt and without the stop token
         that ended a row. ``stop_ids`` defaults to the tokenizer's ``<|endoftext|>``. ``stream=True``
         returns an iterator instead: of ids for one prompt, of ``(row, id)`` pairs for several.
         ``naive=True`` recomputes the model's full forward at every step (slow; the test oracle).
+
+        Past the context length (``overflow="slide"``, the default) a row keeps generating: when its
+        context is full it drops its oldest ``window_drop`` tokens (a quarter of the context unless the
+        Generator was built with another value), recomputes the cache of the rest, and goes on, so the
+        model always sees the most recent tokens at positions from 0. ``overflow="stop"`` ends generation
+        when the context is full instead (with a warning). A prompt longer than the context is an error.
         """
         if hasattr(prompt_ids, "tolist"):  # a tensor or an array
             prompt_ids = prompt_ids.tolist()
         single = len(prompt_ids) > 0 and not isinstance(prompt_ids[0], (list, tuple))
         rows = [list(prompt_ids)] if single else [list(r) for r in prompt_ids]
         check_sampling(temperature, top_k, top_p)
-        n_new = self._check_prompts(rows, max_new_tokens)
+        n_new = self._check_prompts(rows, max_new_tokens, overflow)
         if stop_ids is None:
             eot = getattr(self.tokenizer, "eot_id", None)
             stop_ids = [] if eot is None else [eot]
@@ -467,12 +559,13 @@ class Generator:
 
     def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 128, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 stop: Sequence[str] | str | None = None, stream: bool = False, naive: bool = False) -> Any:
+                 stop: Sequence[str] | str | None = None, stream: bool = False, naive: bool = False,
+                 overflow: str = "slide") -> Any:
         """Continue one prompt (``str``) or several (``list[str]``, batched) and return the new text.
 
         Generation of a row ends at ``<|endoftext|>``, at the first of the ``stop`` strings (which is not
-        returned, even when it spans several tokens), or after ``max_new_tokens`` tokens (fewer if the
-        context length runs out; a warning says so). ``stream=True`` returns an iterator of text pieces
+        returned, even when it spans several tokens), or after ``max_new_tokens`` tokens. Past the context
+        length the oldest tokens are dropped a block at a time (``overflow``: see :meth:`generate_ids`). ``stream=True`` returns an iterator of text pieces
         (for several prompts: ``(row, piece)`` pairs); a piece never ends inside a UTF-8 character.
         """
         if self.tokenizer is None:
@@ -485,7 +578,7 @@ class Generator:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         check_sampling(temperature, top_k, top_p)
         rows = [self.tokenizer.encode(t) for t in texts]
-        n_new = self._check_prompts(rows, max_new_tokens)
+        n_new = self._check_prompts(rows, max_new_tokens, overflow)
         eot = getattr(self.tokenizer, "eot_id", None)
         steps = self._token_steps(rows, n_new, temperature, top_k, top_p, seed, naive)
         it = self._text_stream(steps, len(rows), set() if eot is None else {eot}, stops)

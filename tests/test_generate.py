@@ -145,15 +145,19 @@ def test_bad_prompts():
         gen.generate_ids([1, 2], 0)
 
 
-def test_context_limit_stops_with_warning(caplog):
+def test_context_limit_stops_with_warning_when_asked(caplog):
     gen = Generator(tiny_model())
     prompt = list(range(1, 41))  # 40 of 48 positions used
     with caplog.at_level(logging.WARNING, logger="lmforge"):
-        out = gen.generate_ids(prompt, 20, temperature=0, stop_ids=[])
+        out = gen.generate_ids(prompt, 20, temperature=0, stop_ids=[], overflow="stop")
     assert len(out) == 48 - 40 + 1
     assert "exceeds the context length" in caplog.text
-    assert out == gen.generate_ids(prompt, 20, temperature=0, stop_ids=[], naive=True)
-    assert len(gen.generate_ids(list(range(48)), 3, temperature=0, stop_ids=[])) == 1
+    assert out == gen.generate_ids(prompt, 20, temperature=0, stop_ids=[], naive=True, overflow="stop")
+    assert len(gen.generate_ids(list(range(48)), 3, temperature=0, stop_ids=[], overflow="stop")) == 1
+    slid = gen.generate_ids(prompt, 20, temperature=0, stop_ids=[])  # the default slides on
+    assert len(slid) == 20 and slid[:9] == out
+    with pytest.raises(ValueError, match="overflow must be"):
+        gen.generate_ids(prompt, 20, overflow="wrap")
 
 
 def test_stop_ids_end_each_row_separately():
