@@ -367,7 +367,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint file to load, or 'best' (default: the newest valid one in the run directory)")
     p.add_argument("--prompt", action="append", default=[], help="text to continue (repeatable: one output each)")
     p.add_argument("--prompt-file", default=None, help="read one prompt from this UTF-8 file")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt (default 200)")
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help="tokens to generate per prompt (default 200); past the model's context length generation "
+                        "goes on: the oldest quarter of the context is dropped and the rest re-read")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; higher = more random (default 0.8)")
     p.add_argument("--top-k", type=int, default=None, help="sample only from the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None,

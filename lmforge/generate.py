@@ -198,18 +198,22 @@ class CachedDecoder:
             v_cache[:, :, :T] = qkv[:, (H + Hkv) * D :].view(B, T, Hkv, D).transpose(1, 2)
             att = F.scaled_dot_product_attention(q, k_cache[:, :, :T], v_cache[:, :, :T], is_causal=True,
                                                  enable_gqa=Hkv != H)  # (B, H, T, D)
-            x = x + self._matmul(att.transpose(1, 2).reshape(B * T, H * D), w_o)  # (B*T, C)
+            x = x + self._matmul(att.transpose(1, 2).reshape(B * T, H * D), w_o, contiguous=False)  # (B*T, C)
             gate, up = self._matmul(self._rms_norm(x, ln2), w_13).chunk(2, dim=-1)  # (B*T, F) each
-            x = x + self._matmul(F.silu(gate) * up, w_2)
+            x = x + self._matmul(F.silu(gate) * up, w_2, contiguous=False)
         x = x.view(B, T, -1)
         x = x[:, -1] if last is None else x[torch.arange(B, device=self.device), last]  # (B, C)
-        return self._matmul(self._rms_norm(x, self.ln_final), head)  # (B, V)
+        return self._matmul(self._rms_norm(x, self.ln_final), head, contiguous=False)  # (B, V)
 
-    def _matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``x (N, in)`` times a weight of the packing in use: ``x @ w`` (``w`` is ``(in, out)``) or ``(w @ x.T).T``."""
+    def _matmul(self, x: torch.Tensor, w: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
+        """``x (N, in)`` times a weight of the packing in use: ``x @ w`` (``w`` is ``(in, out)``) or ``(w @ x.T).T``.
+
+        ``contiguous=False`` may return a transposed view (fine for a residual add or an argmax).
+        """
         if self._rows_major:
             return x @ w
-        return (w @ x.t()).t().contiguous()  # (N, out); contiguous x rows make the next ``w @ x.T`` fast
+        y = (w @ x.contiguous().t()).t()  # (N, out); ``w @ x.T`` is fast only when x's rows are contiguous
+        return y.contiguous() if contiguous else y
 
     # ---------------------------------------------------------------------------------------------
     def prefill(self, rows: Sequence[Sequence[int]], capacity: int) -> torch.Tensor:
@@ -296,12 +300,12 @@ class CachedDecoder:
             if mask is not None:
                 scores.masked_fill_(~mask, float("-inf"))
             att = torch.matmul(torch.softmax(scores, dim=-1), v_cache[:, :, :end])  # (B, Hkv, G, D)
-            x = x + self._matmul(att.view(B, H * D), w_o)  # (B, C)
+            x = x + self._matmul(att.view(B, H * D), w_o, contiguous=False)  # (B, C)
             gate, up = self._matmul(self._rms_norm(x, ln2), w_13).chunk(2, dim=-1)  # (B, F) each
-            x = x + self._matmul(F.silu(gate) * up, w_2)
+            x = x + self._matmul(F.silu(gate) * up, w_2, contiguous=False)
         self.lengths = [n + 1 for n in lengths]
         self._lengths_t = pos + 1
-        return self._matmul(self._rms_norm(x, self.ln_final), head)  # (B, V)
+        return self._matmul(self._rms_norm(x, self.ln_final), head, contiguous=False)  # (B, V)
 
 
 # ==================================================================================================
