@@ -153,7 +153,7 @@ class CachedDecoder:
 
     # ---------------------------------------------------------------------------------------------
     def _pack(self, rows_major: bool) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]:
-        """Layer weights and LM head for ``x @ W`` (``rows_major``: ``W`` is ``(in, out)``) or ``W @ x.T`` (``(out, in)``)."""
+        """Layer weights and LM head for ``x @ W`` (``rows_major``: ``W`` stored ``(in, out)``) or ``W @ x.T``."""
         if rows_major not in self._packs:
             sd = self._sd
 
@@ -238,7 +238,7 @@ class CachedDecoder:
         return self._forward(self.tokens[:, :T], slice(None), last)
 
     def _slide(self, full: list[int]) -> None:
-        """Rows ``full`` (at capacity) keep their newest ``keep - 1`` tokens, re-prefilled; the token fed next makes ``keep``."""
+        """Rows ``full`` (at capacity) keep their newest ``keep - 1`` tokens, re-prefilled (the next token makes ``keep``)."""
         assert self.k_cache is not None and self.k_cache.shape[3] == self.context_length, "cache full"
         keep = self.context_length + 1 - self.window_drop  # >= 1
         groups = [slice(None)] if len(full) == len(self.lengths) else [slice(b, b + 1) for b in full]
