@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -94,7 +93,10 @@ def memory_child(impl: str, a: argparse.Namespace) -> dict:
     _, step = _build(impl, a)
     for b in _batches(a)[:3]:
         step(b[:, :-1], b[:, 1:])
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _common import peak_rss_mb  # VmHWM: ru_maxrss survives exec and would report the parent's peak
+
+    peak = peak_rss_mb()
     return {"peak_rss_mb": peak, "step_rss_mb": peak - rss_before}
 
 
