@@ -559,6 +559,9 @@ def evaluate_run(run_dir: str | Path, checkpoint: str | Path | None = None, spli
     from lmforge.model import TransformerLM
 
     run = Path(run_dir)
+    if not run.is_dir():
+        raise ValueError(f"run directory {run} does not exist; train one first (lmforge train CONFIG.yaml "
+                         f"--run-dir {run}, or lmforge speedrun --out {run})")
     if not (run / "config.yaml").exists():
         raise ValueError(f"{run} has no config.yaml; give a run directory written by `lmforge train`")
     cfg = load_run_config(run / "config.yaml")

@@ -400,6 +400,10 @@ def test_eval_command_matches_training_eval(shards, tmp_path, capsys) -> None:
     assert cli.main(["eval", str(run), "--split", "train", "--batches", "1"]) == 0
     assert "(step 4) on train" in capsys.readouterr().out
     assert cli.main(["eval", str(tmp_path / "nope")]) == 2
+    assert "does not exist; train one first" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no config.yaml"):
+        evaluate_run(tmp_path / "empty")
 
 
 @pytest.mark.slow
