@@ -30,7 +30,7 @@ const CrcTables& crc_tables() {
 // Length of the whitespace character that starts at p (0 if none); p < end, valid UTF-8 assumed.
 inline size_t space_at(const uint8_t* p, const uint8_t* end) {
     uint8_t c = *p;
-    if (c < 0x80) return (c == ' ' || (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x1F)) ? 1 : 0;
+    if (c < 0x80) return is_py_space(c) ? 1 : 0;
     if (c != 0xC2 && c != 0xE1 && c != 0xE2 && c != 0xE3) return 0;  // lead bytes of every non-ASCII space
     Char ch = decode_char(p);
     if (p + ch.len > end) return 0;
@@ -40,7 +40,7 @@ inline size_t space_at(const uint8_t* p, const uint8_t* end) {
 // Length of the whitespace character that ends just before q (0 if none); begin < q.
 inline size_t space_before(const uint8_t* begin, const uint8_t* q) {
     uint8_t c = q[-1];
-    if (c < 0x80) return (c == ' ' || (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x1F)) ? 1 : 0;
+    if (c < 0x80) return is_py_space(c) ? 1 : 0;
     const uint8_t* p = q - 1;  // back to the lead byte (at most 3 continuation bytes)
     while (p > begin && q - p < 4 && (*p & 0xC0) == 0x80) --p;
     size_t len = space_at(p, q);

@@ -28,14 +28,12 @@ Example::
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import os
 import queue
 import threading
 import time
-from itertools import compress
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 

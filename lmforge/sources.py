@@ -230,9 +230,10 @@ class DocBatch:
     @classmethod
     def from_texts(cls, docs: Sequence[str], want_crc: bool = False) -> "DocBatch":
         raw = [d.encode("utf-8", "surrogatepass") for d in docs]
-        ends = np.cumsum(np.fromiter(map(len, raw), np.int64, len(raw)))
+        sizes = np.fromiter(map(len, raw), np.int64, len(raw))
+        ends = np.cumsum(sizes)
         crc = np.fromiter(map(zlib.crc32, raw), np.uint32, len(raw)) if want_crc else None
-        return cls(b"".join(raw), ends - np.fromiter(map(len, raw), np.int64, len(raw)), ends, crc)
+        return cls(b"".join(raw), ends - sizes, ends, crc)
 
     @classmethod
     def concat(cls, batches: Sequence["DocBatch"]) -> "DocBatch":
@@ -316,6 +317,14 @@ def _utf8_cut(buf: bytes) -> int:
     return max(k, 0)
 
 
+def _check_runaway(path: Path, rest: bytes, doc_number: int, delimiter: str) -> None:
+    """``ValueError`` when the bytes still waiting for a delimiter exceed :data:`MAX_DOCUMENT_BYTES`."""
+    if len(rest) > MAX_DOCUMENT_BYTES:
+        raise ValueError(f"{path}: document {doc_number} is longer than {MAX_DOCUMENT_BYTES >> 20} MiB "
+                         f"without a {delimiter!r} delimiter; is the delimiter right? (CLI: --delimiter "
+                         "'<|endoftext|>' | blankline | line | any string)")
+
+
 def _text_batches(path: Path, delimiter: str, errors: str, stats: ReadStats) -> Iterator[list[str]]:
     """Documents of a plain-text file split on ``delimiter`` (read in 4 MiB chunks).
 
@@ -350,10 +359,7 @@ def _text_batches(path: Path, delimiter: str, errors: str, stats: ReadStats) -> 
                 pieces = _BLANKLINE.split(buf) if delimiter == "blankline" else buf.split(sep)
                 rest = pieces.pop() if chunk else b""
                 docs, count = _decode_all(pieces, errors, str(path), n, stats), len(pieces)
-            if len(rest) > MAX_DOCUMENT_BYTES:
-                raise ValueError(f"{path}: document {n + count + 1} is longer than {MAX_DOCUMENT_BYTES >> 20} MiB "
-                                 f"without a {delimiter!r} delimiter; is the delimiter right? (CLI: --delimiter "
-                                 "'<|endoftext|>' | blankline | line | any string)")
+            _check_runaway(path, rest, n + count + 1, delimiter)
             if count:
                 yield _keep(docs, stats)
                 n += count
@@ -384,10 +390,7 @@ def _text_spans(path: Path, delimiter: str, errors: str, stats: ReadStats, want_
                 rest = pieces.pop() if chunk else b""
                 count = len(pieces)
                 batch = DocBatch.from_texts(_keep(_decode_all(pieces, errors, str(path), n, stats), stats), want_crc)
-            if len(rest) > MAX_DOCUMENT_BYTES:
-                raise ValueError(f"{path}: document {n + count + 1} is longer than {MAX_DOCUMENT_BYTES >> 20} MiB "
-                                 f"without a {delimiter!r} delimiter; is the delimiter right? (CLI: --delimiter "
-                                 "'<|endoftext|>' | blankline | line | any string)")
+            _check_runaway(path, rest, n + count + 1, delimiter)
             if len(batch):
                 yield batch
             n += count
