@@ -12,6 +12,7 @@
 #include "counter.h"
 #include "docsplit.h"
 #include "encoder.h"
+#include "linear.h"
 #include "train.h"
 
 namespace nb = nanobind;
@@ -120,7 +121,7 @@ constexpr size_t kReleaseGilBytes = 4096;  // below this, releasing the GIL cost
 }  // namespace
 
 NB_MODULE(_core, m) {
-    m.doc() = "lmforge C++ core: pre-tokenization, pre-token counting, BPE training and encoding";
+    m.doc() = "lmforge C++ core: pre-tokenization, pre-token counting, BPE training and encoding, document splitting, decode-time matrix products";
     m.attr("ABI_VERSION") = 3;
     m.attr("PATTERN_GPT2") = (int)kGPT2;
     m.attr("PATTERN_GPT4") = (int)kGPT4;
@@ -137,6 +138,61 @@ NB_MODULE(_core, m) {
         },
         nb::arg("data"), nb::sig("def utf8_error_offset(data: bytes | bytearray | memoryview) -> int"),
         "Offset of the first invalid UTF-8 byte in data, or -1 if it is valid UTF-8.");
+
+    m.def(
+        "linear_rows",
+        [](nb::ndarray<nb::ro, float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
+           nb::ndarray<nb::ro, nb::ndim<3>, nb::c_contig, nb::device::cpu> w, int kind,
+           nb::ndarray<float, nb::ndim<2>, nb::device::cpu> y, int threads) {
+            const size_t M = x.shape(0), K = x.shape(1), N = y.shape(1);
+            if (y.shape(0) != M || y.stride(1) != 1 || y.stride(0) < (int64_t)N)
+                throw std::invalid_argument("linear_rows: y must be (M, N) with contiguous rows, M = len(x)");
+            if (w.shape(0) != (N + 7) / 8 || w.shape(1) != K || w.shape(2) != 8)
+                throw std::invalid_argument("linear_rows: w must be packed as (ceil(N / 8), K, 8) for x (M, K), y (M, N)");
+            if (kind < 0 || kind > 2) throw std::invalid_argument("linear_rows: kind is 0 (fp32), 1 (bf16) or 2 (fp16)");
+            const auto wt = (WeightType)kind;
+            if (wt == WeightType::F32 ? w.dtype() != nb::dtype<float>() : w.dtype() != nb::dtype<uint16_t>())
+                throw std::invalid_argument("linear_rows: w must be float32 for kind 0 and uint16 bits for kinds 1, 2");
+            const float* xp = x.data();
+            const void* wp = w.data();
+            float* yp = y.data();
+            const size_t ldy = (size_t)y.stride(0);
+            nb::gil_scoped_release release;
+            linear_rows(xp, M, K, wp, wt, N, yp, ldy, threads);
+        },
+        nb::arg("x"), nb::arg("w"), nb::arg("kind"), nb::arg("y"), nb::arg("threads"),
+        "y[:] = x @ W.T for a few rows x (M, K) float32; W (N, K) comes packed in panels of 8 rows, "
+        "w[p, k, j] = W[8p + j, k] (zero past N), as float32 (kind 0) or bf16/fp16 bits in uint16 (kind 1/2). "
+        "Accumulates in float32 on up to `threads` threads. For decoding (M = batch size).");
+    m.def(
+        "attend_rows",
+        [](nb::ndarray<nb::ro, float, nb::ndim<3>, nb::c_contig, nb::device::cpu> q,
+           nb::ndarray<nb::ro, float, nb::ndim<4>, nb::c_contig, nb::device::cpu> k,
+           nb::ndarray<nb::ro, float, nb::ndim<4>, nb::c_contig, nb::device::cpu> v,
+           nb::ndarray<nb::ro, int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> lengths, float scale,
+           nb::ndarray<float, nb::ndim<3>, nb::c_contig, nb::device::cpu> out, int threads) {
+            const size_t B = q.shape(0), H = q.shape(1), D = q.shape(2), Hkv = k.shape(1), S = k.shape(2);
+            if (k.shape(0) != B || k.shape(3) != D || v.shape(0) != B || v.shape(1) != Hkv || v.shape(2) != S ||
+                v.shape(3) != D)
+                throw std::invalid_argument("attend_rows: q is (B, H, D); k and v must be (B, Hkv, S, D)");
+            if (Hkv == 0 || H % Hkv != 0) throw std::invalid_argument("attend_rows: H must be a multiple of Hkv");
+            if (out.shape(0) != B || out.shape(1) != H || out.shape(2) != D)
+                throw std::invalid_argument("attend_rows: out must be (B, H, D) like q");
+            if (lengths.shape(0) != B) throw std::invalid_argument("attend_rows: lengths must be (B,)");
+            for (size_t b = 0; b < B; ++b)
+                if (lengths(b) < 1 || (size_t)lengths(b) > S)
+                    throw std::invalid_argument("attend_rows: each length must be in [1, S]");
+            const float *qp = q.data(), *kp = k.data(), *vp = v.data();
+            const int64_t* lp = lengths.data();
+            float* op = out.data();
+            nb::gil_scoped_release release;
+            attend_rows(qp, kp, vp, lp, B, H, Hkv, S, D, scale, op, threads);
+        },
+        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("lengths"), nb::arg("scale"), nb::arg("out"),
+        nb::arg("threads"),
+        "out[b, h] = softmax(scale * q[b, h] . k[b, h // G, :n].T) @ v[b, h // G, :n] with n = lengths[b], "
+        "G = H // Hkv: one decode step's attention over a KV cache (B, Hkv, S, D), float32.");
+    m.def("linear_isa", &linear_isa, "Instruction set linear_rows uses on this CPU: 'avx2' or 'scalar'.");
 
     m.def(
         "split_documents",

@@ -4,8 +4,9 @@ Layers, bottom up:
 
 * :func:`sample_next` turns a ``(B, V)`` logits row into token ids: greedy (temperature 0), temperature,
   top-k, top-p (nucleus), drawing from an explicit ``torch.Generator`` so a seed reproduces the output.
-* :class:`CachedDecoder` is the inference engine. It speaks only token ids: it packs the model's weights
-  once (fused QKV and gate|up projections), preallocates a static KV cache for the whole generation,
+* :class:`CachedDecoder` (in :mod:`lmforge.decoder`) is the inference engine. It speaks only token ids: it
+  packs the model's weights once (fused QKV and gate|up projections; on CPU in panels for the C++ decode
+  kernel, optionally as bfloat16/float16), preallocates a static KV cache for the whole generation,
   prefills the prompts in one forward and then decodes one token per step with a handful of tensor ops
   per layer. Several prompts run as one batch: right padding and a length per row, so each row attends
   to its own tokens only. A row that fills the context slides: it drops its oldest quarter (by default)
@@ -24,13 +25,13 @@ from __future__ import annotations
 
 import codecs
 import logging
-import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
+
+from lmforge.decoder import CachedDecoder, model_config
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.tokenizer import Tokenizer
@@ -77,235 +78,6 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-# ==================================================================================================
-# The engine: static KV cache over packed weights
-# ==================================================================================================
-def model_config(model: Any) -> Any:
-    """The ``ModelConfig`` of a ``TransformerLM`` (also through DDP/compile wrappers)."""
-    for obj in (model, getattr(model, "module", None), getattr(model, "_orig_mod", None)):
-        for attr in ("cfg", "config"):
-            cfg = getattr(obj, attr, None)
-            if cfg is not None and hasattr(cfg, "n_layers"):
-                return cfg
-    raise ValueError(f"{type(model).__name__} has no ModelConfig (.cfg/.config); pass an lmforge TransformerLM")
-
-
-class CachedDecoder:
-    """Prefill + one-token-per-step decoding of a ``TransformerLM`` with a preallocated KV cache.
-
-    The weights are read from the model's state dict (CS336 names) and packed for decoding: ``q|k|v`` and
-    ``w1|w3`` concatenated, so each layer does three matrix products per token. The decoder therefore does
-    not see later changes to the model's parameters; build a new one (``Generator.refresh()``) after
-    training further. The arithmetic is the model's: pre-norm RMSNorm, RoPE on adjacent pairs
-    ``(2i, 2i+1)``, causal (grouped-query) attention, SwiGLU, final norm, LM head.
-
-    Two packings exist because the fastest CPU product differs with the number of rows (measured with MKL
-    on an AVX2 machine): one row (batch 1) is a matrix-vector product, fastest as ``x @ W`` with ``W``
-    stored ``(in, out)``; several rows are fastest as ``W @ x.T`` with ``W`` stored ``(out, in)``, about
-    2x faster than ``x @ W`` at 8 rows. A packing is built the first time a batch needs it and then kept.
-
-    Rows are independent: row ``b`` holds its tokens in cache columns ``0 .. lengths[b]-1`` (prompts are
-    right-padded, so plain causal attention serves the prefill and RoPE positions are cache columns). When
-    a row's cache is full (``context_length`` tokens) and ``step`` must feed it one more token, the row
-    slides: of its ``context_length + 1`` tokens (the new one included) it drops the oldest ``window_drop``,
-    recomputes the keys and values of the rest with positions restarting at 0, and goes on. So a row
-    re-prefills once per ``window_drop`` steps; ``window_drop`` (default: a quarter of the context) trades
-    that cost against how much context is lost at once (``1`` is a window sliding by one token per step,
-    a re-prefill per step).
-    """
-
-    def __init__(self, model: Any, window_drop: int | None = None) -> None:
-        cfg = model_config(model)
-        self.cfg = cfg
-        for wrapper_attr in ("module", "_orig_mod"):  # DDP / torch.compile wrappers prefix the state-dict names
-            model = getattr(model, wrapper_attr, model)
-        self._sd = {k: v.detach() for k, v in model.state_dict().items()}
-        self.n_heads = cfg.n_heads
-        self.n_kv = getattr(cfg, "n_kv_heads", None) or cfg.n_heads
-        self.head_dim = cfg.d_model // cfg.n_heads
-        self.eps = float(cfg.norm_eps)
-        self.context_length = int(cfg.context_length)
-        if window_drop is None:
-            window_drop = max(1, self.context_length // 4)
-        if not 1 <= window_drop <= self.context_length:
-            raise ValueError(f"window_drop must be in [1, {self.context_length}] (got {window_drop})")
-        self.window_drop = int(window_drop)
-        self.embedding = self._sd["token_embeddings.weight"]
-        self.device = self.embedding.device
-        self.dtype = self.embedding.dtype
-        self.ln_final = self._sd["ln_final.weight"]
-        self._packs: dict[bool, tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]] = {}
-        # RoPE as complex rotations: pair i of a head at position t turns by t * theta^(-2i/D).
-        half = self.head_dim // 2
-        inv_freq = 1.0 / (float(cfg.rope_theta) ** (torch.arange(half, dtype=torch.float64) * 2 / self.head_dim))
-        angles = torch.outer(torch.arange(self.context_length, dtype=torch.float64), inv_freq)  # (S, D/2)
-        self.rope = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(self.device)
-        # Per-generation state, set by prefill(): caches (L, B, Hkv, S, D), the tokens in the cache (B, S),
-        # each row's cached length (a list, and a (B,) tensor for indexing) and the packing in use.
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
-        self.tokens: torch.Tensor | None = None
-        self.lengths: list[int] = []
-        self._lengths_t: torch.Tensor | None = None
-        self._rows_major = True
-
-    # ---------------------------------------------------------------------------------------------
-    def _pack(self, rows_major: bool) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]:
-        """Layer weights and LM head for ``x @ W`` (``rows_major``: ``W`` stored ``(in, out)``) or ``W @ x.T``."""
-        if rows_major not in self._packs:
-            sd = self._sd
-
-            def fuse(*names: str) -> torch.Tensor:
-                w = torch.cat([sd[n] for n in names])  # (sum of outs, in); a fresh copy even for one weight
-                return w.t().contiguous() if rows_major else w
-
-            layers = []
-            for i in range(self.cfg.n_layers):
-                p = f"layers.{i}."
-                layers.append((sd[p + "ln1.weight"], fuse(p + "attn.q_proj.weight", p + "attn.k_proj.weight",
-                                                          p + "attn.v_proj.weight"),
-                               fuse(p + "attn.output_proj.weight"), sd[p + "ln2.weight"],
-                               fuse(p + "ffn.w1.weight", p + "ffn.w3.weight"), fuse(p + "ffn.w2.weight")))
-            head = fuse("lm_head.weight" if "lm_head.weight" in sd else "token_embeddings.weight")
-            self._packs[rows_major] = (layers, head)
-        return self._packs[rows_major]
-
-    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """RMSNorm in float32, as the model computes it."""
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
-        return F.rms_norm(x.float(), (x.shape[-1],), w.float(), self.eps).to(x.dtype)
-
-    def _forward(self, tokens: torch.Tensor, rows: slice, last: torch.Tensor | None) -> torch.Tensor:
-        """Prefill: run ``tokens`` (B, T) in cache rows ``rows``, columns ``0 .. T-1`` (causal attention).
-
-        Returns the logits at column ``last[b]`` of each row (B, V) (``last=None``: column T-1).
-        """
-        B, T = tokens.shape
-        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        layers, head = self._pack(self._rows_major)
-        rot = self.rope[:T].view(1, T, 1, -1)  # (1, T, 1, D/2)
-        x = F.embedding(tokens.reshape(-1), self.embedding)  # (B*T, C)
-        for layer, (ln1, w_qkv, w_o, ln2, w_13, w_2) in enumerate(layers):
-            qkv = self._matmul(self._rms_norm(x, ln1), w_qkv)  # (B*T, (H + 2 Hkv) D)
-            qk = torch.view_as_complex(qkv[:, : (H + Hkv) * D].float().reshape(B, T, H + Hkv, D // 2, 2))
-            qk = torch.view_as_real(qk * rot).reshape(B, T, H + Hkv, D).to(x.dtype)  # RoPE on q and k heads
-            q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
-            k_cache, v_cache = self.k_cache[layer, rows], self.v_cache[layer, rows]  # (B, Hkv, S, D)
-            k_cache[:, :, :T] = qk[:, :, H:].transpose(1, 2)
-            v_cache[:, :, :T] = qkv[:, (H + Hkv) * D :].view(B, T, Hkv, D).transpose(1, 2)
-            att = F.scaled_dot_product_attention(q, k_cache[:, :, :T], v_cache[:, :, :T], is_causal=True,
-                                                 enable_gqa=Hkv != H)  # (B, H, T, D)
-            x = x + self._matmul(att.transpose(1, 2).reshape(B * T, H * D), w_o, contiguous=False)  # (B*T, C)
-            gate, up = self._matmul(self._rms_norm(x, ln2), w_13).chunk(2, dim=-1)  # (B*T, F) each
-            x = x + self._matmul(F.silu(gate) * up, w_2, contiguous=False)
-        x = x.view(B, T, -1)
-        x = x[:, -1] if last is None else x[torch.arange(B, device=self.device), last]  # (B, C)
-        return self._matmul(self._rms_norm(x, self.ln_final), head, contiguous=False)  # (B, V)
-
-    def _matmul(self, x: torch.Tensor, w: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
-        """``x (N, in)`` times a weight of the packing in use: ``x @ w`` (``w`` is ``(in, out)``) or ``(w @ x.T).T``.
-
-        ``contiguous=False`` may return a transposed view (fine for a residual add or an argmax).
-        """
-        if self._rows_major:
-            return x @ w
-        y = (w @ x.contiguous().t()).t()  # (N, out); ``w @ x.T`` is fast only when x's rows are contiguous
-        return y.contiguous() if contiguous else y
-
-    # ---------------------------------------------------------------------------------------------
-    def prefill(self, rows: Sequence[Sequence[int]], capacity: int) -> torch.Tensor:
-        """Start a generation: allocate a cache of ``capacity`` columns, run the prompts ``rows``.
-
-        Returns the logits of the next token of each row ``(B, V)``. ``capacity`` must not exceed the
-        model's context length; rows slide (see the class docstring) only if it equals it.
-        """
-        B, T = len(rows), max(len(r) for r in rows)
-        assert 0 < T <= capacity <= self.context_length, (T, capacity, self.context_length)
-        self._rows_major = B == 1
-        self.lengths = [len(r) for r in rows]
-        self._lengths_t = torch.tensor(self.lengths, device=self.device)  # (B,)
-        self.tokens = torch.zeros(B, capacity, dtype=torch.long, device=self.device)  # right-padded prompts
-        for b, r in enumerate(rows):
-            self.tokens[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-        shape = (self.cfg.n_layers, B, self.n_kv, capacity, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        # Right padding: a row's real tokens never see its pads under causal attention (pads come after).
-        last = None if min(self.lengths) == T else self._lengths_t - 1
-        return self._forward(self.tokens[:, :T], slice(None), last)
-
-    def _slide(self, full: list[int]) -> None:
-        """Rows ``full`` (at capacity) keep their newest ``keep - 1`` tokens, re-prefilled (the next token makes ``keep``)."""
-        assert self.k_cache is not None and self.k_cache.shape[3] == self.context_length, "cache full"
-        keep = self.context_length + 1 - self.window_drop  # >= 1
-        groups = [slice(None)] if len(full) == len(self.lengths) else [slice(b, b + 1) for b in full]
-        for rows in groups:
-            kept = self.tokens[rows, self.context_length - keep + 1 :].clone()  # (b, keep - 1)
-            self.tokens[rows, : keep - 1] = kept
-            if keep > 1:
-                self._forward(kept, rows, None)
-        for b in full:
-            self.lengths[b] = keep - 1
-        self._lengths_t = torch.tensor(self.lengths, device=self.device)
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row ``(B,)`` after each row's cached tokens; returns next-token logits ``(B, V)``.
-
-        A row whose cache is full slides first (class docstring).
-        """
-        assert self.k_cache is not None, "prefill not called"
-        S = self.k_cache.shape[3]
-        full = [b for b, n in enumerate(self.lengths) if n == S]
-        if full:
-            self._slide(full)
-        B = tokens.shape[0]
-        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        G = H // Hkv
-        lengths = self.lengths
-        uniform = min(lengths) == max(lengths)
-        end = max(lengths) + 1  # attend to the valid prefix only
-        pos = self._lengths_t  # (B,) the column (= RoPE position) of the new token
-        if uniform:
-            col = lengths[0]
-            rot = self.rope[col : col + 1].view(1, 1, -1)  # (1, 1, D/2)
-            self.tokens[:, col] = tokens
-            mask = None
-        else:
-            rot = self.rope[pos].view(B, 1, -1)  # (B, 1, D/2)
-            self.tokens[torch.arange(B, device=self.device), pos] = tokens
-            # the cache viewed as (L, B*Hkv*S, D): row b, head h, column c is entry (b*Hkv + h)*S + c
-            slot = ((torch.arange(B * Hkv, device=self.device) * S).view(B, Hkv) + pos[:, None]).view(-1)
-            mask = (torch.arange(end, device=self.device)[None, :] <= pos[:, None]).view(B, 1, 1, end)
-        layers, head = self._pack(self._rows_major)
-        scale = 1.0 / math.sqrt(D)
-        x = F.embedding(tokens, self.embedding)  # (B, C)
-        for layer, (ln1, w_qkv, w_o, ln2, w_13, w_2) in enumerate(layers):
-            qkv = self._matmul(self._rms_norm(x, ln1), w_qkv)  # (B, (H + 2 Hkv) D)
-            qk = torch.view_as_complex(qkv[:, : (H + Hkv) * D].float().view(B, H + Hkv, D // 2, 2))
-            qk = torch.view_as_real(qk * rot).view(B, H + Hkv, D).to(x.dtype)  # RoPE on q and k heads
-            k_new, v_new = qk[:, H:], qkv[:, (H + Hkv) * D :].view(B, Hkv, D)  # (B, Hkv, D)
-            k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # (B, Hkv, S, D)
-            if uniform:
-                k_cache[:, :, col] = k_new
-                v_cache[:, :, col] = v_new
-            else:
-                k_cache.view(-1, D).index_copy_(0, slot, k_new.reshape(-1, D))
-                v_cache.view(-1, D).index_copy_(0, slot, v_new.reshape(-1, D))
-            # one query per row: (B, Hkv, G, D) @ (B, Hkv, D, end) -> scores (B, Hkv, G, end)
-            q = qk[:, :H].view(B, Hkv, G, D)
-            scores = torch.matmul(q, k_cache[:, :, :end].transpose(-1, -2)).mul_(scale)
-            if mask is not None:
-                scores.masked_fill_(~mask, float("-inf"))
-            att = torch.matmul(torch.softmax(scores, dim=-1), v_cache[:, :, :end])  # (B, Hkv, G, D)
-            x = x + self._matmul(att.view(B, H * D), w_o, contiguous=False)  # (B, C)
-            gate, up = self._matmul(self._rms_norm(x, ln2), w_13).chunk(2, dim=-1)  # (B, F) each
-            x = x + self._matmul(F.silu(gate) * up, w_2, contiguous=False)
-        self.lengths = [n + 1 for n in lengths]
-        self._lengths_t = pos + 1
-        return self._matmul(self._rms_norm(x, self.ln_final), head, contiguous=False)  # (B, V)
 
 
 # ==================================================================================================
@@ -364,8 +136,13 @@ class Generator:
     """
 
     def __init__(self, model: Any, tokenizer: "Tokenizer | None" = None, device: Any = None,
-                 window_drop: int | None = None) -> None:
-        """``window_drop``: tokens a row drops when its context is full (default: a quarter of the context)."""
+                 window_drop: int | None = None, weight_dtype: torch.dtype | str | None = None) -> None:
+        """``window_drop``: tokens a row drops when its context is full (default: a quarter of the context).
+
+        ``weight_dtype`` (CPU only): store the decoder's weights as ``"bfloat16"`` or ``"float16"`` to read
+        half the bytes per token (faster; the cached path then matches the model with its weights rounded
+        to that dtype, and ``naive=True`` still runs the float32 model). Default: the model's own dtype.
+        """
         from lmforge.common import resolve_device
 
         if device is not None:
@@ -381,15 +158,16 @@ class Generator:
                 raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {self.cfg.vocab_size}; "
                                  "load the tokenizer the model was trained with (the run's tokenizer.json)")
             self.vocab_limit = tokenizer.vocab_size  # never sample the model's padding ids
-        self.decoder = CachedDecoder(model, window_drop)
+        self.decoder = CachedDecoder(model, window_drop, weight_dtype)
 
     @classmethod
     def from_run(cls, run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
-                 device: str = "auto") -> "Generator":
+                 device: str = "auto", weight_dtype: torch.dtype | str | None = None) -> "Generator":
         """Load model + tokenizer from a run directory (``config.yaml``, ``tokenizer.json``, checkpoints).
 
         Uses ``checkpoint`` if given (a file, or ``"best"`` for ``checkpoints/best.safetensors``), else the
         newest step checkpoint that verifies (a corrupt newest one is skipped with a warning).
+        ``weight_dtype`` as in the constructor.
         """
         from lmforge.checkpoint import CheckpointManager, apply_checkpoint, read_checkpoint
         from lmforge.common import resolve_device
@@ -417,11 +195,11 @@ class Generator:
         model = TransformerLM(model_cfg)
         step = apply_checkpoint(ckpt, model)
         logger.info("loaded %s (step %d) on %s", ckpt_path, step, dev)
-        return cls(model.to(dev), Tokenizer.load(run / "tokenizer.json"))
+        return cls(model.to(dev), Tokenizer.load(run / "tokenizer.json"), weight_dtype=weight_dtype)
 
     def refresh(self) -> None:
         """Re-read the model's weights (call after changing them; the decoder packs a copy)."""
-        self.decoder = CachedDecoder(self.model, self.decoder.window_drop)
+        self.decoder = CachedDecoder(self.model, self.decoder.window_drop, self.decoder.weight_dtype)
 
     # ---------------------------------------------------------------------------------------------
     # ids in, ids out

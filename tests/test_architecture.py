@@ -15,7 +15,7 @@ ORDER = [
     "bpe", "_core", "tokenizer_train", "tokenizer_io", "tokenizer",
     "corpora", "sources", "shards", "loader", "data",
     "layers", "losses", "model", "optim", "checkpoint", "distributed", "metrics", "train",
-    "hf", "generate", "speedrun",
+    "hf", "decoder", "generate", "speedrun",
     "cli",
 ]
 PKG = Path(lmforge.__file__).parent
