@@ -121,7 +121,7 @@ constexpr size_t kReleaseGilBytes = 4096;  // below this, releasing the GIL cost
 }  // namespace
 
 NB_MODULE(_core, m) {
-    m.doc() = "lmforge C++ core: pre-tokenization, pre-token counting, BPE training and encoding, document splitting, decode-time matrix products";
+    m.doc() = "lmforge C++ core: pre-tokenization, pre-token counting, BPE training and encoding, document splitting, decode-time matrix products and attention";
     m.attr("ABI_VERSION") = 3;
     m.attr("PATTERN_GPT2") = (int)kGPT2;
     m.attr("PATTERN_GPT4") = (int)kGPT4;
@@ -192,7 +192,9 @@ NB_MODULE(_core, m) {
         nb::arg("threads"),
         "out[b, h] = softmax(scale * q[b, h] . k[b, h // G, :n].T) @ v[b, h // G, :n] with n = lengths[b], "
         "G = H // Hkv: one decode step's attention over a KV cache (B, Hkv, S, D), float32.");
-    m.def("linear_isa", &linear_isa, "Instruction set linear_rows uses on this CPU: 'avx2' or 'scalar'.");
+    m.def("linear_isa", &linear_isa, "Instruction set the decode kernels use on this CPU: 'avx2' or 'scalar'.");
+    m.def("linear_force_scalar", &linear_force_scalar, nb::arg("on"),
+          "Run the decode kernels' scalar code even on AVX2 CPUs (for tests).");
 
     m.def(
         "split_documents",

@@ -218,9 +218,11 @@ bool cpu_has_avx2() {
 
 using BlockFn = void (*)(const float*, size_t, size_t, const void*, size_t, size_t, size_t, float*, size_t);
 
+std::atomic<bool> g_force_scalar{false};  // tests: run the scalar kernels on an AVX2 machine too
+
 BlockFn pick_block(WeightType wt) {
 #ifdef LMFORGE_X86
-    if (cpu_has_avx2()) {
+    if (cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed)) {
         switch (wt) {
             case WeightType::F32: return block_avx2<WeightType::F32>;
             case WeightType::BF16: return block_avx2<WeightType::BF16>;
@@ -486,7 +488,7 @@ void attend_rows(const float* q, const float* k, const float* v, const int64_t* 
     std::lock_guard<std::mutex> lk(g_pool_mu);
     bool vec = false;
 #ifdef LMFORGE_X86
-    vec = cpu_has_avx2() && D % 8 == 0;
+    vec = cpu_has_avx2() && D % 8 == 0 && !g_force_scalar.load(std::memory_order_relaxed);
 #endif
     const size_t pairs = B * H;
     size_t per = std::max<size_t>(1, pairs / (8 * (size_t)std::max(threads, 1)));
@@ -501,9 +503,11 @@ void attend_rows(const float* q, const float* k, const float* v, const int64_t* 
 
 const char* linear_isa() {
 #ifdef LMFORGE_X86
-    if (cpu_has_avx2()) return "avx2";
+    if (cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed)) return "avx2";
 #endif
     return "scalar";
 }
+
+void linear_force_scalar(bool on) { g_force_scalar.store(on); }
 
 }  // namespace lmforge

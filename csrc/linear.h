@@ -24,7 +24,10 @@ void linear_rows(const float* x, size_t M, size_t K, const void* w, WeightType w
 void attend_rows(const float* q, const float* k, const float* v, const int64_t* lengths, size_t B, size_t H,
                  size_t Hkv, size_t S, size_t D, float scale, float* out, int threads);
 
-// Which instruction set linear_rows uses on this CPU: "avx2" or "scalar".
+// Which instruction set the kernels use on this CPU: "avx2" or "scalar".
 const char* linear_isa();
+
+// Use the scalar kernels even where AVX2 is available (for tests holding both to the same reference).
+void linear_force_scalar(bool on);
 
 }  // namespace lmforge

@@ -2,7 +2,7 @@
 #   python -m nanobind.stubgen -m lmforge._core -o lmforge/_core.pyi
 # then this header added. Regenerate after changing the bindings.
 """
-lmforge C++ core: pre-tokenization, pre-token counting, BPE training and encoding
+lmforge C++ core: pre-tokenization, pre-token counting, BPE training and encoding, document splitting, decode-time matrix products and attention
 """
 
 from collections.abc import Callable
@@ -26,6 +26,24 @@ def utf8_error_offset(data: bytes | bytearray | memoryview) -> int:
     """
     Offset of the first invalid UTF-8 byte in data, or -1 if it is valid UTF-8.
     """
+
+def linear_rows(x: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu', writable=False)], w: Annotated[NDArray, dict(shape=(None, None, None), order='C', device='cpu', writable=False)], kind: int, y: Annotated[NDArray[numpy.float32], dict(shape=(None, None), device='cpu')], threads: int) -> None:
+    """
+    y[:] = x @ W.T for a few rows x (M, K) float32; W (N, K) comes packed in panels of 8 rows, w[p, k, j] = W[8p + j, k] (zero past N), as float32 (kind 0) or bf16/fp16 bits in uint16 (kind 1/2). Accumulates in float32 on up to `threads` threads. For decoding (M = batch size).
+    """
+
+def attend_rows(q: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None), order='C', device='cpu', writable=False)], k: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None), order='C', device='cpu', writable=False)], v: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None), order='C', device='cpu', writable=False)], lengths: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], scale: float, out: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None), order='C', device='cpu')], threads: int) -> None:
+    """
+    out[b, h] = softmax(scale * q[b, h] . k[b, h // G, :n].T) @ v[b, h // G, :n] with n = lengths[b], G = H // Hkv: one decode step's attention over a KV cache (B, Hkv, S, D), float32.
+    """
+
+def linear_isa() -> str:
+    """
+    Instruction set the decode kernels use on this CPU: 'avx2' or 'scalar'.
+    """
+
+def linear_force_scalar(on: bool) -> None:
+    """Run the decode kernels' scalar code even on AVX2 CPUs (for tests)."""
 
 def split_documents(data: bytes | bytearray | memoryview, sep: bytes, final: bool, want_crc: bool) -> tuple[int, int, numpy.ndarray, numpy.ndarray, numpy.ndarray | None, int]:
     """

@@ -377,6 +377,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed (same seed, same output)")
     p.add_argument("--stop", action="append", default=[], help="stop at this string, not printed (repeatable)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
+    p.add_argument("--weight-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+                   help="CPU only: store the decoder's weights in 16 bits (bf16/fp16) to read half the bytes per "
+                        "token, faster; outputs then follow the rounded weights (default: the model's float32)")
     p.add_argument("--no-stream", action="store_true", help="print each result when done (batches several prompts)")
 
 
@@ -398,7 +401,7 @@ def _generate_run(args: argparse.Namespace) -> int:
             raise CLIError("give --run DIR (a training run directory), or --checkpoint FILE inside one")
         ckpt_dir = Path(args.checkpoint).resolve().parent
         run = ckpt_dir.parent if ckpt_dir.name == "checkpoints" else ckpt_dir
-    gen = Generator.from_run(run, args.checkpoint, device=args.device)
+    gen = Generator.from_run(run, args.checkpoint, device=args.device, weight_dtype=args.weight_dtype)
     opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, stop=args.stop)
     if args.no_stream:

@@ -284,6 +284,14 @@ def test_cli_generate(tmp_path, tiny_tokenizer, capsys):
                  "--temperature", "0", "--max-new-tokens", "15", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "the cat" + want[0] in out and "a dog" + want[1] in out
+    want16 = Generator(model, tiny_tokenizer, weight_dtype="bf16").generate("the cat", 15, temperature=0)
+    assert main(["generate", "--run", run, "--prompt", "the cat", "--temperature", "0", "--max-new-tokens", "15",
+                 "--weight-dtype", "bf16"]) == 0
+    assert capsys.readouterr().out == "the cat" + want16 + "\n"
+    with pytest.raises(SystemExit) as bad_dtype:  # argparse refuses an unknown choice with exit code 2
+        main(["generate", "--run", run, "--prompt", "x", "--weight-dtype", "int8"])
+    assert bad_dtype.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
     for bad in (["--prompt", "x", "--top-p", "0"], ["--prompt", "x", "--temperature", "-1"], [],
                 ["--prompt", ""], ["--prompt", "x " * 100]):
         assert main(["generate", "--run", run, *bad]) == 2

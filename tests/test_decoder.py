@@ -1,0 +1,192 @@
+"""The CPU decode kernels (lmforge._core.linear_rows / attend_rows) against their PyTorch twins, and the
+decoder options built on them (16-bit weights, thread handling)."""
+
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from lmforge.decoder import CachedDecoder, PackedLinear, _attend, kernel_available, weight_dtype_of
+from lmforge.generate import Generator
+from lmforge.model import ModelConfig, TransformerLM
+
+pytestmark = pytest.mark.skipif(not kernel_available(), reason="C++ extension not built")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(params=["native", "scalar"])
+def isa(request):
+    """Run a test on the CPU's vector kernels and again on the scalar ones (both must match the reference)."""
+    from lmforge import _core
+
+    _core.linear_force_scalar(request.param == "scalar")
+    yield request.param
+    _core.linear_force_scalar(False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 70])
+def test_packed_linear_equals_reference(dtype, rows, isa):
+    g = torch.Generator().manual_seed(rows)
+    for n, k in [(1000, 64), (37, 19), (129, 512), (8, 1), (300, 333)]:  # N off the panel size, K odd, tiny
+        w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+        lin = PackedLinear(w, dtype)
+        ref = lin.reference(x)
+        torch.testing.assert_close(lin.weight(), w.to(dtype).float(), rtol=0, atol=0)  # packing loses nothing
+        for threads in (1, 2, 3):
+            torch.testing.assert_close(lin(x, threads), ref, rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_packed_linear_16bit_special_values(dtype, isa):
+    """16-bit weights decode exactly: subnormals, extremes and infinities (fp16 has its own scalar decoder)."""
+    vals = torch.tensor([0.0, 6e-8, -6e-8, 1e-5, 65504.0, -65504.0, 1.0, -2.5, 3e-6, 1e-40, float("inf"), -float("inf")])
+    w = vals.view(-1, 1)  # K = 1, so y = 1 * w exactly
+    lin = PackedLinear(w, dtype)
+    assert torch.equal(lin(torch.ones(1, 1), 1)[0], w.to(dtype).float()[:, 0])
+
+
+def test_packed_linear_rejects_bad_shapes():
+    from lmforge import _core
+
+    lin = PackedLinear(torch.randn(16, 8))
+    with pytest.raises(ValueError, match="packed"):
+        _core.linear_rows(np.zeros((1, 9), np.float32), lin._array, 0, np.zeros((1, 16), np.float32), 1)
+    with pytest.raises(ValueError, match="y must be"):
+        _core.linear_rows(np.zeros((2, 8), np.float32), lin._array, 0, np.zeros((1, 16), np.float32), 1)
+    with pytest.raises(ValueError, match="float32 for kind 0"):
+        _core.linear_rows(np.zeros((1, 8), np.float32), lin._array, 1, np.zeros((1, 16), np.float32), 1)
+    with pytest.raises(ValueError, match="2-D"):
+        PackedLinear(torch.randn(4))
+
+
+def _attention_reference(q, k, v, lengths, scale):
+    B, H, D = q.shape
+    G = H // k.shape[1]
+    out = torch.empty_like(q)
+    for b in range(B):
+        n = int(lengths[b])
+        kk = k[b, :, :n].repeat_interleave(G, 0)  # (H, n, D)
+        vv = v[b, :, :n].repeat_interleave(G, 0)
+        p = torch.softmax((kk @ q[b, :, :, None]).squeeze(-1).double() * scale, -1).float()  # (H, n)
+        out[b] = (p[:, None, :] @ vv).squeeze(1)
+    return out
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(4, 4, 16), (8, 2, 32), (6, 3, 12), (2, 1, 8)])
+def test_attend_equals_reference(H, Hkv, D, isa):
+    g = torch.Generator().manual_seed(H * D)
+    B, S = 5, 40
+    q = torch.randn(B, H, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g) * 3, torch.randn(B, Hkv, S, D, generator=g)
+    lengths = torch.tensor([1, 7, 40, 23, 2])
+    ref = _attention_reference(q, k, v, lengths, D ** -0.5)
+    for threads in (1, 2):
+        torch.testing.assert_close(_attend(q, k, v, lengths, D ** -0.5, threads), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_attend_rejects_bad_lengths():
+    q, k = torch.zeros(2, 2, 8), torch.zeros(2, 2, 4, 8)
+    with pytest.raises(ValueError, match="length"):
+        _attend(q, k, k, torch.tensor([0, 4]), 1.0, 1)
+    with pytest.raises(ValueError, match="length"):
+        _attend(q, k, k, torch.tensor([5, 4]), 1.0, 1)
+
+
+def _model(seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=97, context_length=48, d_model=64, n_layers=2, n_heads=4, d_ff=96) | kw
+    return TransformerLM(ModelConfig(**cfg)).eval()
+
+
+def _rounded(model, dtype):
+    """A copy of ``model`` whose weights are rounded to ``dtype`` (and stored back as float32)."""
+    copy = TransformerLM(model.cfg).eval()
+    copy.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
+    return copy.eval()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16bit_weights_match_the_rounded_model(dtype):
+    """With 16-bit weights the decoder computes the model whose matrices are rounded to that dtype."""
+    model = _model(n_kv_heads=2)
+    rounded = _rounded(model, weight_dtype_of(dtype))
+    dec = CachedDecoder(model, weight_dtype=dtype)
+    seq = torch.randint(0, 97, (3, 30))
+    with torch.inference_mode():
+        full = rounded(seq)
+        got = [dec.prefill(seq[:, :10].tolist(), 30)] + [dec.step(seq[:, t]) for t in range(10, 29)]
+    # norms and embeddings stay float32 in the decoder, rounded in the reference: a small difference
+    torch.testing.assert_close(torch.stack(got, 1), full[:, 9:29], rtol=2e-2, atol=2e-2)
+    exact = CachedDecoder(model)
+    with torch.inference_mode():
+        assert (exact.prefill(seq.tolist(), 30) - model(seq)[:, -1]).abs().max() < 1e-4
+
+
+def test_generator_weight_dtype_and_refresh():
+    model = _model()
+    gen = Generator(model, weight_dtype="bf16")
+    assert gen.decoder.weight_dtype == torch.bfloat16
+    out = gen.generate_ids([1, 2, 3], 20, temperature=0)
+    assert len(out) == 20
+    gen.refresh()
+    assert gen.decoder.weight_dtype == torch.bfloat16
+    assert gen.generate_ids([1, 2, 3], 20, temperature=0) == out
+
+
+def test_weight_dtype_errors():
+    with pytest.raises(ValueError, match="unknown weight dtype"):
+        CachedDecoder(_model(), weight_dtype="int4")
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        CachedDecoder(_model(), weight_dtype=torch.float64)
+    with pytest.raises(ValueError, match="needs the CPU decode kernel"):
+        CachedDecoder(_model().double(), weight_dtype="bf16")
+
+
+def test_decoder_restores_torch_threads():
+    """prefill/step run PyTorch on one thread (the kernel has its own pool) and put the count back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        dec = CachedDecoder(_model())
+        seen = []
+        original = torch.nn.functional.silu
+
+        def spy(x, *a, **k):
+            seen.append(torch.get_num_threads())
+            return original(x, *a, **k)
+
+        torch.nn.functional.silu = spy
+        try:
+            with torch.inference_mode():
+                dec.step(dec.prefill([[1, 2], [3, 4]], 10).argmax(-1))
+        finally:
+            torch.nn.functional.silu = original
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def _child(conn, lin):
+    # only small tensor ops here: PyTorch's own OpenMP pool does not survive fork (big ops hang in a child)
+    conn.send(lin(torch.ones(2, 512), 2).sum().item())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_kernel_pool_survives_fork():
+    """The kernel works in a forked child (the parent's pool threads do not exist there): no hang, right sums."""
+    lin = PackedLinear(torch.ones(256, 512))
+    assert lin(torch.ones(2, 512), 2).sum().item() == 2 * 256 * 512  # the parent's pool is running
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_child, args=(child, lin))
+    p.start()
+    try:
+        assert parent.poll(60), "the forked child hung in the kernel"
+        assert parent.recv() == 2 * 256 * 512
+    finally:
+        p.kill()
+        p.join(10)
