@@ -65,33 +65,38 @@ def timed_pair(fn_a, fn_b, repeats: int) -> tuple[float, float]:
     return best_a, best_b
 
 
-def weight_chain(cfg, rows: int, dtype: torch.dtype, device: str, repeats: int = 30) -> float:
-    """Best seconds for one decode step's weight products alone: per layer q|k|v, output, w1|w3, w2, then the
-    LM head; the faster of ``x @ W`` (``W`` stored ``(in, out)``) and ``W @ x.T`` (stored ``(out, in)``)."""
-    return min(_chain(cfg, rows, dtype, device, repeats, rows_major) for rows_major in (True, False))
-
-
-def _chain(cfg, rows: int, dtype: torch.dtype, device: str, repeats: int, rows_major: bool) -> float:
+def _chain_shapes(cfg) -> list[tuple[int, int]]:
+    """(out, in) of one decode step's weight products: per layer q|k|v, output, w1|w3, w2; then the LM head."""
     C, H, F, V = cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.vocab_size
     kv = (cfg.n_kv_heads or H) * (C // H)
-    shapes = [(C, C + 2 * kv), (C, C), (C, 2 * F), (F, C)] * cfg.n_layers + [(C, V)]
+    return [(C + 2 * kv, C), (C, C), (2 * F, C), (C, F)] * cfg.n_layers + [(V, C)]
+
+
+def weight_chain(cfg, rows: int, dtype: torch.dtype | None, repeats: int = 30) -> float:
+    """Best seconds for one decode step's weight products alone, at ``rows`` rows.
+
+    ``dtype=None``: PyTorch (MKL) in float32, the faster of ``x @ W`` (``W`` stored ``(in, out)``) and
+    ``W @ x.T``; else lmforge's decode kernel on weights stored in ``dtype``.
+    """
+    from lmforge.decoder import PackedLinear
+
     g = torch.Generator().manual_seed(0)
-    ws = [torch.randn(i, o, generator=g).to(device, dtype) for i, o in shapes]
-    if not rows_major:
-        ws = [w.t().contiguous() for w in ws]
-    xs = [torch.randn(rows, i, generator=g).to(device, dtype) for i, _ in shapes]
-
-    def chain() -> None:
-        for x, w in zip(xs, ws):
-            x @ w if rows_major else w @ x.t()
-
+    ws = [torch.randn(o, i, generator=g) for o, i in _chain_shapes(cfg)]
+    xs = [torch.randn(rows, i, generator=g) for _, i in _chain_shapes(cfg)]
+    if dtype is None:
+        wts = [w.t().contiguous() for w in ws]
+        chains = [lambda: [x @ w for x, w in zip(xs, wts)], lambda: [w @ x.t() for x, w in zip(xs, ws)]]
+    else:
+        packed = [PackedLinear(w, dtype) for w in ws]
+        chains = [lambda: [p(x) for x, p in zip(xs, packed)]]
+    best = float("inf")
     with torch.inference_mode():
-        chain()
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+        for chain in chains:
             chain()
-            best = min(best, time.perf_counter() - t0)
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                chain()
+                best = min(best, time.perf_counter() - t0)
     return best
 
 
@@ -106,19 +111,16 @@ def read_bandwidth(mb: int = 256, repeats: int = 10) -> float:
     return big.numel() * 4 / best
 
 
-def print_floor(cfg, device: str) -> None:
-    """Memory bandwidth and the weight-product chain at 1 and 8 rows, fp32 and bf16 (see the module docstring)."""
-    C, F, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
-    kv = (cfg.n_kv_heads or cfg.n_heads) * (C // cfg.n_heads)
-    mb = 4 * (cfg.n_layers * (C * (C + 2 * kv) + C * C + 3 * C * F) + C * V) / 1e6
-    if device == "cpu":
-        print(f"floor: memory read bandwidth {read_bandwidth() / 1e9:.1f} GB/s; one step reads {mb:.0f} MB of fp32 "
-              f"weights")
+def print_floor(cfg) -> None:
+    """Memory bandwidth and the weight-product chain at 1 and 8 rows (see the module docstring)."""
+    mb = 4 * sum(o * i for o, i in _chain_shapes(cfg)) / 1e6
+    print(f"floor: memory read bandwidth {read_bandwidth() / 1e9:.1f} GB/s; one step reads {mb:.0f} MB of fp32 "
+          f"weights ({mb / 2:.0f} MB in bf16/fp16)")
     for rows in (1, 8):
-        t32 = weight_chain(cfg, rows, torch.float32, device)
-        t16 = weight_chain(cfg, rows, torch.bfloat16, device)
-        print(f"floor: weight products alone at {rows} row(s): fp32 {t32 * 1e3:.2f} ms/step = {rows / t32:.0f} tok/s; "
-              f"bf16 {t16 * 1e3:.2f} ms/step = {rows / t16:.0f} tok/s")
+        parts = [f"MKL fp32 {weight_chain(cfg, rows, None) * 1e3:.2f}"]
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            parts.append(f"lmforge {name} {weight_chain(cfg, rows, dtype) * 1e3:.2f}")
+        print(f"floor: weight products alone at {rows} row(s), ms/step: " + ", ".join(parts))
 
 
 def main() -> None:
@@ -136,33 +138,51 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from lmforge.decoder import kernel_available
     from lmforge.generate import Generator
 
     cfg, ours, ref = build_models(args)
-    gen = Generator(ours)
+    variants = [("fp32", None)]
+    if args.device == "cpu" and kernel_available():
+        variants += [("bf16", torch.bfloat16), ("fp16", torch.float16)]
+    gens = {name: Generator(ours, weight_dtype=dtype) for name, dtype in variants}
     prompt_len, n = 16, args.new_tokens
     print(f"model: d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, d_ff {cfg.d_ff}, "
           f"vocab {cfg.vocab_size}; prompt {prompt_len} tokens, {n} new tokens, greedy, {args.device}, "
           f"{torch.get_num_threads()} threads")
-    print_floor(cfg, args.device)
-    print(f"{'batch':>5} {'HF tok/s':>10} {'lmforge tok/s':>14} {'ratio':>6}  same tokens")
+    if args.device == "cpu":
+        print_floor(cfg)
+    probe = torch.randint(0, cfg.vocab_size, (2, 64)).tolist()
+    with torch.inference_mode():
+        exact = gens["fp32"].decoder.prefill(probe, 64)
+        for name, _ in variants[1:]:
+            diff = (gens[name].decoder.prefill(probe, 64) - exact).abs().max().item()
+            print(f"lmforge with {name} weights: max |logit - fp32 logit| = {diff:.1e} (its tokens may differ from "
+                  f"fp32's at near-ties)")
+    head = f"{'batch':>5} {'HF fp32 tok/s':>14}" + "".join(f" {'lmforge ' + name:>13} {'ratio':>6}" for name, _ in variants)
+    print(head + "  same tokens (fp32)")
     for batch in args.batch:
         prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=args.device)
         with torch.inference_mode():
             hf_out = ref.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)[:, prompt_len:]
-        ours_out = gen.generate_ids(prompt.tolist(), n, temperature=0, stop_ids=[])
-        same = hf_out.tolist() == ours_out
+        same = hf_out.tolist() == gens["fp32"].generate_ids(prompt.tolist(), n, temperature=0, stop_ids=[])
 
         def run_hf() -> None:
             with torch.inference_mode():
                 ref.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
-        def run_ours() -> None:
-            gen.generate_ids(prompt.tolist(), n, temperature=0, stop_ids=[])
+        times, t_hf = {}, float("inf")
+        for name, _ in variants:
+            gen = gens[name]
 
-        t_hf, t_ours = timed_pair(run_hf, run_ours, args.repeats)
-        tps_hf, tps_ours = batch * n / t_hf, batch * n / t_ours
-        print(f"{batch:>5} {tps_hf:>10.0f} {tps_ours:>14.0f} {tps_ours / tps_hf:>5.2f}x  {same}")
+            def run_ours() -> None:
+                gen.generate_ids(prompt.tolist(), n, temperature=0, stop_ids=[])
+
+            t_h, times[name] = timed_pair(run_hf, run_ours, args.repeats)
+            t_hf = min(t_hf, t_h)  # HF's best over all its runs in this row
+        row = f"{batch:>5} {batch * n / t_hf:>14.0f}"
+        row += "".join(f" {batch * n / times[name]:>13.0f} {t_hf / times[name]:>5.2f}x" for name, _ in variants)
+        print(f"{row}  {same}")
 
 
 if __name__ == "__main__":
