@@ -15,9 +15,10 @@ devices, or without the extension, it runs ``torch.nn.functional.linear`` on the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -97,24 +98,11 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _serial_torch(method: _F) -> _F:
-    """Run a decoder method with PyTorch's ops on one thread and the decode kernel on PyTorch's thread count.
-
-    The kernel has its own thread pool. Left multi-threaded, PyTorch's OpenMP workers spin-wait between
-    the step's small ops and take the cores the kernel's threads need (measured: kernel calls 2x slower),
-    while those small ops gain nothing from threads. The thread count is restored on return.
-    """
+    """Run a decoder method inside :meth:`CachedDecoder.serial_torch` (see there)."""
     @functools.wraps(method)
     def wrapper(self: "CachedDecoder", *args: Any, **kwargs: Any) -> Any:
-        n = torch.get_num_threads()
-        if not self._kernel or self._threads is not None or n == 1:  # nothing to do, or already inside
+        with self.serial_torch():
             return method(self, *args, **kwargs)
-        self._threads = n
-        torch.set_num_threads(1)
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            torch.set_num_threads(n)
-            self._threads = None
     return wrapper  # type: ignore[return-value]
 
 
@@ -122,7 +110,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Te
             threads: int | None) -> torch.Tensor:
     """One decode step's attention in the C++ kernel: ``q (B, H, D)`` over caches ``(B, Hkv, S, D)``, row ``b``
     over its first ``lengths[b]`` columns; returns ``(B, H, D)``. ``CachedDecoder.step``'s matmul path
-    (off CPU) computes the same and is what the tests hold this to."""
+    (off CPU) computes the same; the tests hold both to a direct formula."""
     from lmforge import _core
 
     q = q.contiguous()
@@ -271,6 +259,28 @@ class CachedDecoder:
         x = x.view(B, T, -1)
         x = x[:, -1] if last is None else x[torch.arange(B, device=self.device), last]  # (B, C)
         return head(self._rms_norm(x, self.ln_final), self._threads)  # (B, V)
+
+    @contextlib.contextmanager
+    def serial_torch(self) -> Iterator[None]:
+        """Within: PyTorch's ops on one thread, the decode kernel on PyTorch's thread count (restored after).
+
+        The kernel has its own thread pool. Left multi-threaded, PyTorch's OpenMP workers spin-wait after
+        each parallel op and take the cores the kernel's threads need (measured: at batch 8 the kernel's
+        second thread did 5% of the work), while a decode step's small ops gain nothing from threads.
+        ``prefill`` and ``step`` enter it themselves; a caller also sampling from the logits (a parallel
+        op at batch 8 x 10k vocab) can hold it around both. Nests; no-op off the kernel path.
+        """
+        n = torch.get_num_threads()
+        if not self._kernel or self._threads is not None or n == 1:  # nothing to do, or already inside
+            yield
+            return
+        self._threads = n
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(n)
+            self._threads = None
 
     # ---------------------------------------------------------------------------------------------
     @_serial_torch

@@ -267,13 +267,14 @@ class Generator:
             return
         longest = max(len(r) for r in rows)
         capacity = min(ctx, longest + n_new - 1)  # a full cache (capacity == ctx) slides, see CachedDecoder
-        with torch.inference_mode():
-            nxt = pick(self.decoder.prefill(rows, max(capacity, longest)))
+        dec = self.decoder
+        with torch.inference_mode(), dec.serial_torch():  # sampling too: see CachedDecoder.serial_torch
+            nxt = pick(dec.prefill(rows, max(capacity, longest)))
         for i in range(n_new):
             out = nxt.tolist()
             if i + 1 < n_new:
-                with torch.inference_mode():
-                    nxt = pick(self.decoder.step(nxt))
+                with torch.inference_mode(), dec.serial_torch():
+                    nxt = pick(dec.step(nxt))
             yield out
 
     def generate_ids(self, prompt_ids: Sequence[int] | Sequence[Sequence[int]], max_new_tokens: int = 128,
