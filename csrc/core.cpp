@@ -192,6 +192,53 @@ NB_MODULE(_core, m) {
         nb::arg("threads"),
         "out[b, h] = softmax(scale * q[b, h] . k[b, h // G, :n].T) @ v[b, h // G, :n] with n = lengths[b], "
         "G = H // Hkv: one decode step's attention over a KV cache (B, Hkv, S, D), float32.");
+    m.def(
+        "rms_norm_rows",
+        [](nb::ndarray<nb::ro, float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
+           nb::ndarray<nb::ro, float, nb::ndim<1>, nb::c_contig, nb::device::cpu> w, float eps,
+           nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
+            if (w.shape(0) != x.shape(1) || out.shape(0) != x.shape(0) || out.shape(1) != x.shape(1))
+                throw std::invalid_argument("rms_norm_rows: x and out are (M, C), w is (C,)");
+            rms_norm_rows(x.data(), x.shape(0), x.shape(1), w.data(), eps, out.data());
+        },
+        nb::arg("x"), nb::arg("w"), nb::arg("eps"), nb::arg("out"),
+        "out = x / sqrt(mean(x**2, -1) + eps) * w for x (M, C) float32 (decode-step RMSNorm).");
+    m.def(
+        "rope_cache_rows",
+        [](nb::ndarray<nb::ro, float, nb::ndim<2>, nb::c_contig, nb::device::cpu> qkv,
+           nb::ndarray<nb::ro, float, nb::ndim<2>, nb::c_contig, nb::device::cpu> cos,
+           nb::ndarray<nb::ro, float, nb::ndim<2>, nb::c_contig, nb::device::cpu> sin,
+           nb::ndarray<nb::ro, int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> pos,
+           nb::ndarray<float, nb::ndim<4>, nb::c_contig, nb::device::cpu> k_cache,
+           nb::ndarray<float, nb::ndim<4>, nb::c_contig, nb::device::cpu> v_cache,
+           nb::ndarray<float, nb::ndim<3>, nb::c_contig, nb::device::cpu> q_out) {
+            const size_t B = qkv.shape(0), H = q_out.shape(1), D = q_out.shape(2), Hkv = k_cache.shape(1),
+                         S = k_cache.shape(2);
+            if (q_out.shape(0) != B || k_cache.shape(0) != B || k_cache.shape(3) != D || D % 2 ||
+                v_cache.shape(0) != B || v_cache.shape(1) != Hkv || v_cache.shape(2) != S || v_cache.shape(3) != D ||
+                qkv.shape(1) != (H + 2 * Hkv) * D || pos.shape(0) != B || cos.shape(1) != D / 2 ||
+                sin.shape(0) != cos.shape(0) || sin.shape(1) != D / 2)
+                throw std::invalid_argument("rope_cache_rows: shapes do not agree (qkv (B, (H + 2 Hkv) D), tables "
+                                            "(P, D/2), caches (B, Hkv, S, D), q_out (B, H, D), D even)");
+            for (size_t b = 0; b < B; ++b)
+                if (pos(b) < 0 || (size_t)pos(b) >= S || (size_t)pos(b) >= cos.shape(0))
+                    throw std::invalid_argument("rope_cache_rows: a position is outside the cache or the tables");
+            rope_cache_rows(qkv.data(), B, H, Hkv, D, cos.data(), sin.data(), pos.data(), k_cache.data(),
+                            v_cache.data(), S, q_out.data());
+        },
+        nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("pos"), nb::arg("k_cache"), nb::arg("v_cache"),
+        nb::arg("q_out"),
+        "RoPE at positions pos on the q and k heads of fused projections qkv; q to q_out, k and v into the caches "
+        "at column pos[b] (one decode step).");
+    m.def(
+        "swiglu_rows",
+        [](nb::ndarray<nb::ro, float, nb::ndim<2>, nb::c_contig, nb::device::cpu> gate_up,
+           nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
+            if (gate_up.shape(1) != 2 * out.shape(1) || gate_up.shape(0) != out.shape(0))
+                throw std::invalid_argument("swiglu_rows: gate_up is (M, 2F) and out (M, F)");
+            swiglu_rows(gate_up.data(), gate_up.shape(0), out.shape(1), out.data());
+        },
+        nb::arg("gate_up"), nb::arg("out"), "out = silu(g) * u for gate_up = [g | u] (M, 2F), float32.");
     m.def("linear_isa", &linear_isa, "Instruction set the decode kernels use on this CPU: 'avx2' or 'scalar'.");
     m.def("linear_force_scalar", &linear_force_scalar, nb::arg("on"),
           "Run the decode kernels' scalar code even on AVX2 CPUs (for tests).");

@@ -24,6 +24,17 @@ void linear_rows(const float* x, size_t M, size_t K, const void* w, WeightType w
 void attend_rows(const float* q, const float* k, const float* v, const int64_t* lengths, size_t B, size_t H,
                  size_t Hkv, size_t S, size_t D, float scale, float* out, int threads);
 
+// The small operations of a decode step (calling thread only), matching the model's definitions:
+// out = x / sqrt(mean(x^2) + eps) * w per row of x (M, C).
+void rms_norm_rows(const float* x, size_t M, size_t C, const float* w, float eps, float* out);
+// From fused projections qkv (B, (H + 2 Hkv) D): RoPE (pairs (2i, 2i+1) turned by the angle at position
+// pos[b], tables cos/sin (positions, D/2)) on the q and k heads; q to q_out (B, H, D), k and v written
+// into the caches (B, Hkv, S, D) at column pos[b].
+void rope_cache_rows(const float* qkv, size_t B, size_t H, size_t Hkv, size_t D, const float* cos, const float* sin,
+                     const int64_t* pos, float* k_cache, float* v_cache, size_t S, float* q_out);
+// out (M, F) = silu(g) * u for gate_up (M, 2F) = [g | u].
+void swiglu_rows(const float* gate_up, size_t M, size_t F, float* out);
+
 // Which instruction set the kernels use on this CPU: "avx2" or "scalar".
 const char* linear_isa();
 

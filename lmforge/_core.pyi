@@ -37,6 +37,19 @@ def attend_rows(q: Annotated[NDArray[numpy.float32], dict(shape=(None, None, Non
     out[b, h] = softmax(scale * q[b, h] . k[b, h // G, :n].T) @ v[b, h // G, :n] with n = lengths[b], G = H // Hkv: one decode step's attention over a KV cache (B, Hkv, S, D), float32.
     """
 
+def rms_norm_rows(x: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu', writable=False)], w: Annotated[NDArray[numpy.float32], dict(shape=(None,), order='C', device='cpu', writable=False)], eps: float, out: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu')]) -> None:
+    """
+    out = x / sqrt(mean(x**2, -1) + eps) * w for x (M, C) float32 (decode-step RMSNorm).
+    """
+
+def rope_cache_rows(qkv: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu', writable=False)], cos: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu', writable=False)], sin: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu', writable=False)], pos: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], k_cache: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None), order='C', device='cpu')], v_cache: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None), order='C', device='cpu')], q_out: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None), order='C', device='cpu')]) -> None:
+    """
+    RoPE at positions pos on the q and k heads of fused projections qkv; q to q_out, k and v into the caches at column pos[b] (one decode step).
+    """
+
+def swiglu_rows(gate_up: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu', writable=False)], out: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu')]) -> None:
+    """out = silu(g) * u for gate_up = [g | u] (M, 2F), float32."""
+
 def linear_isa() -> str:
     """
     Instruction set the decode kernels use on this CPU: 'avx2' or 'scalar'.

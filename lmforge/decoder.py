@@ -151,7 +151,8 @@ class CachedDecoder:
 
     On CPU each product runs in the decode kernel on :class:`PackedLinear` weights, stored as
     ``weight_dtype`` (default: the model's float32, exact; bfloat16 or float16 halve the bytes read per
-    token). Elsewhere, or without the C++ extension, products use ``F.linear`` on the model's weights and
+    token). Elsewhere, or without the C++ extension, or with ``use_kernel=False`` (the PyTorch reference
+    path the tests compare the kernels with), products use ``F.linear`` on the model's weights and
     ``weight_dtype`` must be left unset.
 
     Rows are independent: row ``b`` holds its tokens in cache columns ``0 .. lengths[b]-1`` (prompts are
@@ -165,7 +166,7 @@ class CachedDecoder:
     """
 
     def __init__(self, model: Any, window_drop: int | None = None,
-                 weight_dtype: torch.dtype | str | None = None) -> None:
+                 weight_dtype: torch.dtype | str | None = None, use_kernel: bool | None = None) -> None:
         cfg = model_config(model)
         self.cfg = cfg
         for wrapper_attr in ("module", "_orig_mod"):  # DDP / torch.compile wrappers prefix the state-dict names
@@ -182,12 +183,17 @@ class CachedDecoder:
         if not 1 <= window_drop <= self.context_length:
             raise ValueError(f"window_drop must be in [1, {self.context_length}] (got {window_drop})")
         self.window_drop = int(window_drop)
+        self._scale = 1.0 / math.sqrt(self.head_dim)
         self.embedding = self._sd["token_embeddings.weight"]
         self.device = self.embedding.device
         self.dtype = self.embedding.dtype
         self.ln_final = self._sd["ln_final.weight"]
         wd = weight_dtype_of(weight_dtype)
-        self._kernel = self.device.type == "cpu" and self.dtype == torch.float32 and kernel_available()
+        can = self.device.type == "cpu" and self.dtype == torch.float32 and kernel_available()
+        if use_kernel and not can:
+            raise ValueError(f"use_kernel=True needs a float32 model on CPU and lmforge's C++ extension "
+                             f"(this model is {self.dtype} on {self.device})")
+        self._kernel = can if use_kernel is None else use_kernel
         if wd is not None and wd != self.dtype and not self._kernel:
             raise ValueError(f"weight_dtype={wd} needs the CPU decode kernel (a float32 model on CPU with lmforge's "
                              f"C++ extension built); this model is {self.dtype} on {self.device}: leave it unset")
@@ -199,6 +205,7 @@ class CachedDecoder:
         inv_freq = 1.0 / (float(cfg.rope_theta) ** (torch.arange(half, dtype=torch.float64) * 2 / self.head_dim))
         angles = torch.outer(torch.arange(self.context_length, dtype=torch.float64), inv_freq)  # (S, D/2)
         self.rope = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(self.device)
+        self._cos_sin = (self.rope.real.contiguous().numpy(), self.rope.imag.contiguous().numpy()) if self._kernel else None
         # Per-generation state, set by prefill(): caches (L, B, Hkv, S, D), the tokens in the cache (B, S),
         # each row's cached length (a list, and a (B,) tensor for indexing) and the packing in use.
         self.k_cache: torch.Tensor | None = None
@@ -259,6 +266,39 @@ class CachedDecoder:
         x = x.view(B, T, -1)
         x = x[:, -1] if last is None else x[torch.arange(B, device=self.device), last]  # (B, C)
         return head(self._rms_norm(x, self.ln_final), self._threads)  # (B, V)
+
+    def _step_kernel(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``step`` on CPU: each operation one call into the C++ kernels (the PyTorch path below is the reference)."""
+        from lmforge import _core
+
+        B, C = tokens.shape[0], self.cfg.d_model
+        H, D, th = self.n_heads, self.head_dim, self._threads
+        pos = self._lengths_t  # (B,) the column (= RoPE position) of the new token
+        self.tokens[torch.arange(B), pos] = tokens
+        ends = pos + 1
+        pos_np, ends_np = pos.numpy(), ends.numpy()
+        cos, sin = self._cos_sin
+        x = F.embedding(tokens, self.embedding)  # (B, C), updated in place below
+        x_np = x.numpy()
+        h = torch.empty(B, C)
+        h_np = h.numpy()
+        q, att = torch.empty(B, H, D), torch.empty(B, H, D)
+        q_np, att_np = q.numpy(), att.numpy()
+        for layer, (ln1, w_qkv, w_o, ln2, w_13, w_2) in enumerate(self._layers):
+            k_np, v_np = self.k_cache[layer].numpy(), self.v_cache[layer].numpy()
+            _core.rms_norm_rows(x_np, ln1.numpy(), self.eps, h_np)
+            _core.rope_cache_rows(w_qkv(h, th).numpy(), cos, sin, pos_np, k_np, v_np, q_np)
+            _core.attend_rows(q_np, k_np, v_np, ends_np, self._scale, att_np, th)
+            x += w_o(att.view(B, H * D), th)
+            _core.rms_norm_rows(x_np, ln2.numpy(), self.eps, h_np)
+            gate_up = w_13(h, th)
+            act = torch.empty(B, gate_up.shape[1] // 2)
+            _core.swiglu_rows(gate_up.numpy(), act.numpy())
+            x += w_2(act, th)
+        self.lengths = [n + 1 for n in self.lengths]
+        self._lengths_t = ends
+        _core.rms_norm_rows(x_np, self.ln_final.numpy(), self.eps, h_np)
+        return self._head(h, th)  # (B, V)
 
     @contextlib.contextmanager
     def serial_torch(self) -> Iterator[None]:
@@ -329,6 +369,8 @@ class CachedDecoder:
         full = [b for b, n in enumerate(self.lengths) if n == S]
         if full:
             self._slide(full)
+        if self._kernel:
+            return self._step_kernel(tokens)
         B = tokens.shape[0]
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         G = H // Hkv

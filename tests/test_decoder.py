@@ -190,3 +190,49 @@ def test_kernel_pool_survives_fork():
     finally:
         p.kill()
         p.join(10)
+
+
+@pytest.mark.parametrize("kw", [{}, {"n_kv_heads": 2}, {"n_kv_heads": 1, "tie_embeddings": True}])
+def test_kernel_decoder_equals_pytorch_path(kw, isa):
+    """Prefill + steps with the C++ kernels give the PyTorch path's logits, with rows of different lengths
+    and through a slide past the context (the window re-prefill)."""
+    model = _model(seed=3, context_length=24, **kw)
+    fast, ref = CachedDecoder(model, window_drop=5), CachedDecoder(model, window_drop=5, use_kernel=False)
+    rows = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [4] * 12]
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        a, b = fast.prefill(rows, 24), ref.prefill(rows, 24)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        for _ in range(30):  # the longest row fills the 24-token context and slides
+            tok = torch.randint(0, 97, (3,), generator=g)
+            a, b = fast.step(tok), ref.step(tok)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert fast.lengths == ref.lengths
+    assert torch.equal(fast.tokens, ref.tokens)
+
+
+def test_use_kernel_needs_cpu_float32():
+    with pytest.raises(ValueError, match="use_kernel=True needs"):
+        CachedDecoder(_model().double(), use_kernel=True)
+
+
+def test_small_decode_ops_equal_pytorch():
+    from lmforge import _core
+
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 40, generator=g), torch.randn(40, generator=g)
+    out = torch.empty(3, 40)
+    _core.rms_norm_rows(x.numpy(), w.numpy(), 1e-5, out.numpy())
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (40,), w, 1e-5))
+    gu = torch.randn(2, 18, generator=g)
+    act = torch.empty(2, 9)
+    _core.swiglu_rows(gu.numpy(), act.numpy())
+    torch.testing.assert_close(act, torch.nn.functional.silu(gu[:, :9]) * gu[:, 9:])
+    with pytest.raises(ValueError, match="swiglu_rows"):
+        _core.swiglu_rows(gu.numpy(), torch.empty(2, 8).numpy())
+    with pytest.raises(ValueError, match="rms_norm_rows"):
+        _core.rms_norm_rows(x.numpy(), w[:5].numpy(), 1e-5, out.numpy())
+    k = torch.zeros(1, 1, 4, 4)
+    with pytest.raises(ValueError, match="position"):
+        _core.rope_cache_rows(torch.zeros(1, 12).numpy(), torch.zeros(8, 2).numpy(), torch.zeros(8, 2).numpy(),
+                              np.array([4], np.int64), k.numpy(), k.clone().numpy(), torch.zeros(1, 1, 4).numpy())
