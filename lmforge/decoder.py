@@ -68,6 +68,8 @@ class PackedLinear:
         self.n, self.k = (int(s) for s in weight.shape)
         self.dtype = dtype
         self.kind = _KINDS[dtype]
+        if dtype == torch.float16 and bool(((weight.detach().abs() > 65504.0) & weight.detach().isfinite()).any()):
+            raise ValueError("weights exceed float16's range (|w| > 65504); store them as bfloat16 instead")
         panels = -(-self.n // PANEL)
         padded = torch.zeros(panels * PANEL, self.k, dtype=dtype)
         padded[: self.n] = weight.detach().to("cpu", dtype)

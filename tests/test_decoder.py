@@ -60,6 +60,8 @@ def test_packed_linear_rejects_bad_shapes():
         _core.linear_rows(np.zeros((1, 8), np.float32), lin._array, 1, np.zeros((1, 16), np.float32), 1)
     with pytest.raises(ValueError, match="2-D"):
         PackedLinear(torch.randn(4))
+    with pytest.raises(ValueError, match="bfloat16 instead"):
+        PackedLinear(torch.full((8, 8), 1e5), torch.float16)
 
 
 def _attention_reference(q, k, v, lengths, scale):
