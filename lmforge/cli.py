@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence, TextIO
 
 from lmforge import __version__
 
@@ -76,7 +76,7 @@ class _tok_text_input:  # noqa: N801 - used like a function: `with _tok_text_inp
     def __init__(self, path: str):
         self.path, self.file, self.wrapper = path, None, None
 
-    def __enter__(self) -> "TextIO":
+    def __enter__(self) -> TextIO:
         import io
 
         from lmforge.common import check_input_file
@@ -126,7 +126,7 @@ def _tok_encode(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tok_write_ids(ids: "Iterator[int | str]", fmt: str) -> None:
+def _tok_write_ids(ids: Iterator[int | str], fmt: str) -> None:
     """Stream ids (or JSON-quoted tokens) to stdout: space-separated on one line, or as one JSON list."""
     import itertools
 

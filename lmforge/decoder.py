@@ -151,9 +151,10 @@ class CachedDecoder:
     training further. The arithmetic is the model's: pre-norm RMSNorm, RoPE on adjacent pairs
     ``(2i, 2i+1)``, causal (grouped-query) attention, SwiGLU, final norm, LM head.
 
-    On CPU each product runs in the decode kernel on :class:`PackedLinear` weights, stored as
+    On CPU every matrix product runs in the C++ decode kernel on :class:`PackedLinear` weights, stored as
     ``weight_dtype`` (default: the model's float32, exact; bfloat16 or float16 halve the bytes read per
-    token). Elsewhere, or without the C++ extension, or with ``use_kernel=False`` (the PyTorch reference
+    token), and ``step`` also does its attention, RMSNorm, RoPE and SwiGLU in C++ (see :meth:`serial_torch`
+    for how threads are shared with PyTorch). Elsewhere, or without the C++ extension, or with ``use_kernel=False`` (the PyTorch reference
     path the tests compare the kernels with), products use ``F.linear`` on the model's weights and
     ``weight_dtype`` must be left unset.
 
@@ -209,7 +210,7 @@ class CachedDecoder:
         self.rope = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(self.device)
         self._cos_sin = (self.rope.real.contiguous().numpy(), self.rope.imag.contiguous().numpy()) if self._kernel else None
         # Per-generation state, set by prefill(): caches (L, B, Hkv, S, D), the tokens in the cache (B, S),
-        # each row's cached length (a list, and a (B,) tensor for indexing) and the packing in use.
+        # each row's cached length (a list, and a (B,) tensor for indexing).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.tokens: torch.Tensor | None = None

@@ -7,8 +7,8 @@ Layers, bottom up:
 * :class:`CachedDecoder` (in :mod:`lmforge.decoder`) is the inference engine. It speaks only token ids: it
   packs the model's weights once (fused QKV and gate|up projections; on CPU in panels for the C++ decode
   kernel, optionally as bfloat16/float16), preallocates a static KV cache for the whole generation,
-  prefills the prompts in one forward and then decodes one token per step with a handful of tensor ops
-  per layer. Several prompts run as one batch: right padding and a length per row, so each row attends
+  prefills the prompts in one forward and then decodes one token per step with a handful of operations
+  per layer (on CPU, calls into the C++ decode kernels). Several prompts run as one batch: right padding and a length per row, so each row attends
   to its own tokens only. A row that fills the context slides: it drops its oldest quarter (by default)
   and re-prefills the rest, so generation goes on at an amortized cost.
 * :class:`Generator` is the user API: ``generate_ids`` (ids in, ids out) and ``generate`` (text in, text
