@@ -1,13 +1,16 @@
 """Generation speed: lmforge's cached decoder vs Hugging Face ``LlamaForCausalLM.generate``, same weights.
 
 Both models get identical random weights (HF init, mapped into ours with ``lmforge.hf``); the script first
-checks that their logits agree, then times greedy decoding of N new tokens at batch 1 and batch 8 (fp32,
-CPU unless --device says otherwise) and prints tokens/s and the ratio (best of --repeats runs, the two sides
-alternating) and whether both produced the same tokens. Prompt: 16 random tokens.
+checks that their logits agree, then times greedy decoding of N new tokens at batch 1 and batch 8 (CPU
+unless --device says otherwise) and prints tokens/s and the ratio (best of --repeats runs, the two sides
+alternating) and whether both produced the same tokens. Prompt: 16 random tokens. HF runs in fp32 (its
+fastest on a CPU without bf16 hardware); lmforge runs in fp32 (the same weights, the same tokens) and, on
+CPU, with its decoder's weights stored as bf16, fp16 and int8 (rounded weights: faster, not the same
+model; the script prints how far their logits move).
 
 It also prints a floor: the same weight matrices multiplied in a chain with nothing else (no attention,
-norms or sampling), at 1 and at 8 rows, in fp32 and in bf16, plus the machine's memory read bandwidth.
-A decode step cannot be faster than its fp32 chain; at batch 1 the chain is bound by reading the weights.
+norms or sampling), at 1 and at 8 rows, with MKL in fp32 and with lmforge's decode kernel in each storage
+dtype, plus the machine's memory read bandwidth. At batch 1 the chain is bound by reading the weights.
 
     python benchmarks/bench_generate.py            # d_model 512, 4 layers, 16 heads, 256 new tokens
     python benchmarks/bench_generate.py --quick    # smaller and shorter, a smoke run
@@ -115,10 +118,11 @@ def print_floor(cfg) -> None:
     """Memory bandwidth and the weight-product chain at 1 and 8 rows (see the module docstring)."""
     mb = 4 * sum(o * i for o, i in _chain_shapes(cfg)) / 1e6
     print(f"floor: memory read bandwidth {read_bandwidth() / 1e9:.1f} GB/s; one step reads {mb:.0f} MB of fp32 "
-          f"weights ({mb / 2:.0f} MB in bf16/fp16)")
+          f"weights ({mb / 2:.0f} MB in bf16/fp16, {mb / 4:.0f} MB in int8)")
     for rows in (1, 8):
         parts = [f"MKL fp32 {weight_chain(cfg, rows, None) * 1e3:.2f}"]
-        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16),
+                            ("int8", torch.int8)):
             parts.append(f"lmforge {name} {weight_chain(cfg, rows, dtype) * 1e3:.2f}")
         print(f"floor: weight products alone at {rows} row(s), ms/step: " + ", ".join(parts))
 
@@ -144,7 +148,7 @@ def main() -> None:
     cfg, ours, ref = build_models(args)
     variants = [("fp32", None)]
     if args.device == "cpu" and kernel_available():
-        variants += [("bf16", torch.bfloat16), ("fp16", torch.float16)]
+        variants += [("bf16", torch.bfloat16), ("fp16", torch.float16), ("int8", torch.int8)]
     gens = {name: Generator(ours, weight_dtype=dtype) for name, dtype in variants}
     prompt_len, n = 16, args.new_tokens
     print(f"model: d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, d_ff {cfg.d_ff}, "
@@ -158,7 +162,7 @@ def main() -> None:
         for name, _ in variants[1:]:
             diff = (gens[name].decoder.prefill(probe, 64) - exact).abs().max().item()
             print(f"lmforge with {name} weights: max |logit - fp32 logit| = {diff:.1e} (its tokens may differ from "
-                  f"fp32's at near-ties)")
+                  f"fp32's at near-ties; not the same weights)")
     head = f"{'batch':>5} {'HF fp32 tok/s':>14}" + "".join(f" {'lmforge ' + name:>13} {'ratio':>6}" for name, _ in variants)
     print(head + "  same tokens (fp32)")
     for batch in args.batch:

@@ -2,6 +2,7 @@
 // Bytes in, ints out: no file I/O, no configuration, no policy. Heavy work runs with the GIL released.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -143,27 +144,39 @@ NB_MODULE(_core, m) {
         "linear_rows",
         [](nb::ndarray<nb::ro, float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
            nb::ndarray<nb::ro, nb::ndim<3>, nb::c_contig, nb::device::cpu> w, int kind,
-           nb::ndarray<float, nb::ndim<2>, nb::device::cpu> y, int threads) {
+           nb::ndarray<float, nb::ndim<2>, nb::device::cpu> y, int threads,
+           std::optional<nb::ndarray<nb::ro, float, nb::ndim<1>, nb::c_contig, nb::device::cpu>> scales) {
             const size_t M = x.shape(0), K = x.shape(1), N = y.shape(1);
             if (y.shape(0) != M || y.stride(1) != 1 || y.stride(0) < (int64_t)N)
                 throw std::invalid_argument("linear_rows: y must be (M, N) with contiguous rows, M = len(x)");
             if (w.shape(0) != (N + 7) / 8 || w.shape(1) != K || w.shape(2) != 8)
                 throw std::invalid_argument("linear_rows: w must be packed as (ceil(N / 8), K, 8) for x (M, K), y (M, N)");
-            if (kind < 0 || kind > 2) throw std::invalid_argument("linear_rows: kind is 0 (fp32), 1 (bf16) or 2 (fp16)");
+            if (kind < 0 || kind > 3)
+                throw std::invalid_argument("linear_rows: kind is 0 (fp32), 1 (bf16), 2 (fp16) or 3 (int8)");
             const auto wt = (WeightType)kind;
-            if (wt == WeightType::F32 ? w.dtype() != nb::dtype<float>() : w.dtype() != nb::dtype<uint16_t>())
-                throw std::invalid_argument("linear_rows: w must be float32 for kind 0 and uint16 bits for kinds 1, 2");
+            const nb::dlpack::dtype want = wt == WeightType::F32 ? nb::dtype<float>()
+                                           : wt == WeightType::I8 ? nb::dtype<int8_t>() : nb::dtype<uint16_t>();
+            if (w.dtype() != want)
+                throw std::invalid_argument("linear_rows: w must be float32 for kind 0, uint16 bits for kinds 1, 2 "
+                                            "and int8 for kind 3");
+            const float* sp = nullptr;
+            if (wt == WeightType::I8) {
+                if (!scales || scales->shape(0) < N)
+                    throw std::invalid_argument("linear_rows: int8 weights need scales, one float32 per output row");
+                sp = scales->data();
+            }
             const float* xp = x.data();
             const void* wp = w.data();
             float* yp = y.data();
             const size_t ldy = (size_t)y.stride(0);
             nb::gil_scoped_release release;
-            linear_rows(xp, M, K, wp, wt, N, yp, ldy, threads);
+            linear_rows(xp, M, K, wp, wt, N, yp, ldy, threads, sp);
         },
-        nb::arg("x"), nb::arg("w"), nb::arg("kind"), nb::arg("y"), nb::arg("threads"),
+        nb::arg("x"), nb::arg("w"), nb::arg("kind"), nb::arg("y"), nb::arg("threads"), nb::arg("scales") = nb::none(),
         "y[:] = x @ W.T for a few rows x (M, K) float32; W (N, K) comes packed in panels of 8 rows, "
-        "w[p, k, j] = W[8p + j, k] (zero past N), as float32 (kind 0) or bf16/fp16 bits in uint16 (kind 1/2). "
-        "Accumulates in float32 on up to `threads` threads. For decoding (M = batch size).");
+        "w[p, k, j] = W[8p + j, k] (zero past N), as float32 (kind 0), bf16/fp16 bits in uint16 (kind 1/2) or "
+        "int8 codes (kind 3, W = w * scales[n] per output row). Accumulates in float32 on up to `threads` threads. "
+        "For decoding (M = batch size).");
     m.def(
         "attend_rows",
         [](nb::ndarray<nb::ro, float, nb::ndim<3>, nb::c_contig, nb::device::cpu> q,

@@ -62,7 +62,8 @@ template <WeightType WT>
 inline float load1(const void* w, size_t i) {
     if constexpr (WT == WeightType::F32) return static_cast<const float*>(w)[i];
     else if constexpr (WT == WeightType::BF16) return bf16_to_f32(static_cast<const uint16_t*>(w)[i]);
-    else return f16_to_f32(static_cast<const uint16_t*>(w)[i]);
+    else if constexpr (WT == WeightType::F16) return f16_to_f32(static_cast<const uint16_t*>(w)[i]);
+    else return (float)static_cast<const int8_t*>(w)[i];  // I8: the row scale is applied to y afterwards
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -102,6 +103,9 @@ template <WeightType WT>
 LMFORGE_AVX2 inline __m256 load8(const void* w, size_t i) {
     if constexpr (WT == WeightType::F32) {
         return _mm256_loadu_ps(static_cast<const float*>(w) + i);
+    } else if constexpr (WT == WeightType::I8) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w) + i));
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
     } else {
         __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i));
         if constexpr (WT == WeightType::BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -110,7 +114,7 @@ LMFORGE_AVX2 inline __m256 load8(const void* w, size_t i) {
 }
 
 template <WeightType WT>
-constexpr size_t sizeof_w() { return WT == WeightType::F32 ? 4 : 2; }
+constexpr size_t sizeof_w() { return WT == WeightType::F32 ? 4 : WT == WeightType::I8 ? 1 : 2; }
 constexpr size_t kPrefetch = 1024;  // weights ahead (in elements): software prefetch over the stream
 
 // Rows [m0, m0+MR) against panels [p0, p0+PR). KU independent partial sums over k (even/odd k) keep
@@ -227,12 +231,14 @@ BlockFn pick_block(WeightType wt) {
             case WeightType::F32: return block_avx2<WeightType::F32>;
             case WeightType::BF16: return block_avx2<WeightType::BF16>;
             case WeightType::F16: return block_avx2<WeightType::F16>;
+            case WeightType::I8: return block_avx2<WeightType::I8>;
         }
     }
 #endif
     switch (wt) {
         case WeightType::BF16: return block_scalar<WeightType::BF16>;
         case WeightType::F16: return block_scalar<WeightType::F16>;
+        case WeightType::I8: return block_scalar<WeightType::I8>;
         default: return block_scalar<WeightType::F32>;
     }
 }
@@ -371,32 +377,43 @@ struct Job {
     float* y;
     size_t ldy;
     size_t panels_per_chunk;
+    const float* scales;  // int8 weights: per output row, applied after the products; else null
 };
+
+// y[m][n] *= scales[n] for outputs [n0, n1) of all rows (int8 weights hold w / scale).
+void apply_scales(const float* scales, size_t M, size_t n0, size_t n1, float* y, size_t ldy) {
+    for (size_t m = 0; m < M; ++m)
+        for (size_t n = n0; n < n1; ++n) y[m * ldy + n] *= scales[n];
+}
 
 void run_chunk(void* ctx, uint32_t chunk) {
     const Job& j = *static_cast<const Job*>(ctx);
     const size_t panels = (j.N + kPanel - 1) / kPanel;
     const size_t p0 = std::min(panels, j.panels_per_chunk * chunk), p1 = std::min(panels, p0 + j.panels_per_chunk);
-    if (p0 < p1) j.block(j.x, j.M, j.K, j.w, j.N, p0, p1, j.y, j.ldy);
+    if (p0 >= p1) return;
+    j.block(j.x, j.M, j.K, j.w, j.N, p0, p1, j.y, j.ldy);
+    if (j.scales) apply_scales(j.scales, j.M, p0 * kPanel, std::min(j.N, p1 * kPanel), j.y, j.ldy);
 }
 
 }  // namespace
 
 void linear_rows(const float* x, size_t M, size_t K, const void* w, WeightType wt, size_t N, float* y, size_t ldy,
-                 int threads) {
+                 int threads, const float* scales) {
     if (M == 0 || N == 0) return;
     std::lock_guard<std::mutex> lk(g_pool_mu);
     const BlockFn block = pick_block(wt);
+    const float* sc = wt == WeightType::I8 ? scales : nullptr;
     // Below ~64k weights (a 256 x 256 matrix) the hand-off costs more than the second thread saves.
     if (threads <= 1 || N * K < (size_t)65536 || N < 64) {
         block(x, M, K, w, N, 0, (N + kPanel - 1) / kPanel, y, ldy);
+        if (sc) apply_scales(sc, M, 0, N, y, ldy);
         return;
     }
     threads = std::min(threads, 64);
     // About 8 chunks per thread, each a multiple of 4 panels (the kernel's panel groups).
     const size_t panels = (N + kPanel - 1) / kPanel;
     const size_t per = std::max<size_t>(4, (panels / (8 * (size_t)threads) + 3) & ~(size_t)3);
-    Job job{block, x, M, K, w, N, y, ldy, per};
+    Job job{block, x, M, K, w, N, y, ldy, per, sc};
     pool_of(threads)->run(run_chunk, &job, (uint32_t)((panels + per - 1) / per));
 }
 

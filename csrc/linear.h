@@ -1,5 +1,6 @@
 // Decode-time kernels: skinny matrix products y (M, N) = x (M, K) . W^T for a few rows M, with W (N, K)
-// pre-packed in panels of 8 rows and stored as fp32, bf16 or fp16 (fp32 accumulation), and one-query
+// pre-packed in panels of 8 rows and stored as fp32, bf16, fp16 or int8 with a scale per row (fp32
+// accumulation), and one-query
 // attention over a KV cache. Both run on a small persistent thread pool of their own.
 // Pure-PyTorch twins: lmforge.decoder.PackedLinear.reference and CachedDecoder.step's matmul path; the
 // tests hold them equal.
@@ -9,14 +10,15 @@
 
 namespace lmforge {
 
-enum class WeightType { F32 = 0, BF16 = 1, F16 = 2 };
+enum class WeightType { F32 = 0, BF16 = 1, F16 = 2, I8 = 3 };
 
 // y[m * ldy + n] = sum_k x[m * K + k] * W[n][k], for m < M, n < N, where w holds W packed in panels of 8
-// rows: w[(p * K + k) * 8 + j] = W[8p + j][k] (zero past N); w's element type is `wt`.
+// rows: w[(p * K + k) * 8 + j] = W[8p + j][k] (zero past N); w's element type is `wt`. For I8 the weights
+// are int8 codes and W[n][k] = w * scales[n] (scales: at least N floats); other types ignore scales.
 // threads <= 1 runs on the calling thread only; concurrent calls from several threads are serialised.
 // y must not overlap x or w.
 void linear_rows(const float* x, size_t M, size_t K, const void* w, WeightType wt, size_t N, float* y, size_t ldy,
-                 int threads);
+                 int threads, const float* scales = nullptr);
 
 // Attention of one new query per row over a KV cache, for decoding. q and out are (B, H, D); k and v are
 // (B, Hkv, S, D) with H a multiple of Hkv (query head h reads cache head h / (H / Hkv)); row b attends to

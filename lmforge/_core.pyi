@@ -27,9 +27,9 @@ def utf8_error_offset(data: bytes | bytearray | memoryview) -> int:
     Offset of the first invalid UTF-8 byte in data, or -1 if it is valid UTF-8.
     """
 
-def linear_rows(x: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu', writable=False)], w: Annotated[NDArray, dict(shape=(None, None, None), order='C', device='cpu', writable=False)], kind: int, y: Annotated[NDArray[numpy.float32], dict(shape=(None, None), device='cpu')], threads: int) -> None:
+def linear_rows(x: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu', writable=False)], w: Annotated[NDArray, dict(shape=(None, None, None), order='C', device='cpu', writable=False)], kind: int, y: Annotated[NDArray[numpy.float32], dict(shape=(None, None), device='cpu')], threads: int, scales: Annotated[NDArray[numpy.float32], dict(shape=(None,), order='C', device='cpu', writable=False)] | None = None) -> None:
     """
-    y[:] = x @ W.T for a few rows x (M, K) float32; W (N, K) comes packed in panels of 8 rows, w[p, k, j] = W[8p + j, k] (zero past N), as float32 (kind 0) or bf16/fp16 bits in uint16 (kind 1/2). Accumulates in float32 on up to `threads` threads. For decoding (M = batch size).
+    y[:] = x @ W.T for a few rows x (M, K) float32; W (N, K) comes packed in panels of 8 rows, w[p, k, j] = W[8p + j, k] (zero past N), as float32 (kind 0), bf16/fp16 bits in uint16 (kind 1/2) or int8 codes (kind 3, W = w * scales[n] per output row). Accumulates in float32 on up to `threads` threads. For decoding (M = batch size).
     """
 
 def attend_rows(q: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None), order='C', device='cpu', writable=False)], k: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None), order='C', device='cpu', writable=False)], v: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None), order='C', device='cpu', writable=False)], lengths: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], scale: float, out: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None), order='C', device='cpu')], threads: int) -> None:

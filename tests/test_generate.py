@@ -289,7 +289,7 @@ def test_cli_generate(tmp_path, tiny_tokenizer, capsys):
                  "--weight-dtype", "bf16"]) == 0
     assert capsys.readouterr().out == "the cat" + want16 + "\n"
     with pytest.raises(SystemExit) as bad_dtype:  # argparse refuses an unknown choice with exit code 2
-        main(["generate", "--run", run, "--prompt", "x", "--weight-dtype", "int8"])
+        main(["generate", "--run", run, "--prompt", "x", "--weight-dtype", "int4"])
     assert bad_dtype.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
     for bad in (["--prompt", "x", "--top-p", "0"], ["--prompt", "x", "--temperature", "-1"], [],
