@@ -166,7 +166,7 @@ class CachedDecoder:
 
     On CPU every matrix product runs in the C++ decode kernel on :class:`PackedLinear` weights, stored as
     ``weight_dtype`` (default: the model's float32, exact; bfloat16 or float16 halve the bytes read per
-    token), and ``step`` also does its attention, RMSNorm, RoPE and SwiGLU in C++ (see :meth:`serial_torch`
+    token, int8 quarters them), and ``step`` also does its attention, RMSNorm, RoPE and SwiGLU in C++ (see :meth:`serial_torch`
     for how threads are shared with PyTorch). Elsewhere, or without the C++ extension, or with ``use_kernel=False`` (the PyTorch reference
     path the tests compare the kernels with), products use ``F.linear`` on the model's weights and
     ``weight_dtype`` must be left unset.

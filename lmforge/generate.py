@@ -140,8 +140,9 @@ class Generator:
         """``window_drop``: tokens a row drops when its context is full (default: a quarter of the context).
 
         ``weight_dtype`` (CPU only): store the decoder's weights as ``"bfloat16"`` or ``"float16"`` to read
-        half the bytes per token (faster; the cached path then matches the model with its weights rounded
-        to that dtype, and ``naive=True`` still runs the float32 model). Default: the model's own dtype.
+        half the bytes per token, or ``"int8"`` (a scale per output row) for a quarter: faster; the cached
+        path then matches the model with its matrices rounded that way, and ``naive=True`` still runs the
+        float32 model. Default: the model's own dtype.
         """
         from lmforge.common import resolve_device
 
