@@ -6,7 +6,8 @@
 // of the bandwidth there and lose more at M = 2..8, where they pack and block for shapes that never
 // come. Here weights are pre-packed in panels read as one sequential stream, each thread claims chunks
 // of panels, and each panel is multiplied with all M rows while it sits in L1, so every weight byte is
-// read from memory once per call whatever M is. Weights may be stored as 16-bit floats (half the bytes).
+// read from memory once per call whatever M is. Weights may be stored as 16-bit floats (half the bytes)
+// or as int8 codes with a float32 scale per output row (a quarter).
 #include "linear.h"
 
 #include <pthread.h>
