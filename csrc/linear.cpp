@@ -429,25 +429,83 @@ LMFORGE_AVX2 inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// e^x for 8 floats within 2 ulp of std::exp: x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial
+// (Cephes' expf coefficients), 2^n put into the exponent bits. Inputs are clamped to the finite
+// range of float (e^-87.3 ~ 1e-38 stands for 0, which a softmax or a sigmoid cannot tell apart); NaN stays NaN.
+LMFORGE_AVX2 inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(_mm256_set1_ps(-87.3365478515625f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: n * hi is exact
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    // The clamp keeps n in [-126, 127], so 2^n is a normal float built directly from its exponent bits.
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// One query over n cached positions: scores (two accumulator chains per dot product), a vectorised
+// softmax, then the weighted sum of values with the output's D floats held in registers across all
+// positions (D / 8 independent accumulator chains, up to 64 floats per pass).
 LMFORGE_AVX2 void attend_one_avx2(const float* q, const float* k, const float* v, size_t n, size_t D, float scale,
                                   float* scores, float* out) {
-    float mx = -INFINITY;
-    for (size_t j = 0; j < n; ++j) {
+    size_t j = 0;
+    for (; j < n; ++j) {
         const float* kj = k + j * D;
-        __m256 acc = _mm256_setzero_ps();
-        for (size_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), acc);
-        const float s = hsum(acc) * scale;
-        scores[j] = s;
-        mx = std::max(mx, s);
+        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kj)), a1 = _mm256_setzero_ps();
+        size_t d = 8;
+        for (; d + 8 <= D; d += 16) {
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a1);
+            if (d + 16 <= D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(kj + d + 8), a0);
+        }
+        scores[j] = hsum(_mm256_add_ps(a0, a1)) * scale;
     }
-    float total = 0;
-    for (size_t j = 0; j < n; ++j) total += (scores[j] = std::exp(scores[j] - mx));
-    const float inv = 1.0f / total;
-    for (size_t d = 0; d < D; d += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (size_t j = 0; j < n; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(v + j * D + d), acc);
-        _mm256_storeu_ps(out + d, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+    float mx = -INFINITY;
+    for (j = 0; j < n; ++j) mx = std::max(mx, scores[j]);
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 tot = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mv));
+        _mm256_storeu_ps(scores + j, e);
+        tot = _mm256_add_ps(tot, e);
     }
+    float total = hsum(tot);
+    if (j < n) {  // the tail through a padded buffer; its pads are never summed or stored
+        alignas(32) float t[8];
+        for (size_t i = 0; i < 8; ++i) t[i] = j + i < n ? scores[j + i] - mx : -100.0f;
+        _mm256_store_ps(t, exp8(_mm256_load_ps(t)));
+        for (size_t i = 0; j + i < n; ++i) total += (scores[j + i] = t[i]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (size_t d0 = 0; d0 < D; d0 += 64) {
+        const size_t nb = std::min<size_t>(8, (D - d0) / 8);
+        __m256 acc[8];
+        for (size_t b = 0; b < nb; ++b) acc[b] = _mm256_setzero_ps();
+        const float* vp = v + d0;
+        for (j = 0; j < n; ++j, vp += D) {
+            const __m256 p = _mm256_set1_ps(scores[j]);
+            for (size_t b = 0; b < nb; ++b) acc[b] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 8 * b), acc[b]);
+        }
+        for (size_t b = 0; b < nb; ++b) _mm256_storeu_ps(out + d0 + 8 * b, _mm256_mul_ps(acc[b], inv));
+    }
+}
+
+// silu(g) * u for F columns, 8 at a time (the tail scalar).
+LMFORGE_AVX2 void swiglu_row_avx2(const float* g, const float* u, size_t F, float* out) {
+    size_t f = 0;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; f + 8 <= F; f += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + f);
+        const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+        _mm256_storeu_ps(out + f, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + f)));
+    }
+    for (; f < F; ++f) out[f] = g[f] / (1.0f + std::exp(-g[f])) * u[f];
 }
 #endif
 
@@ -560,6 +618,12 @@ void swiglu_rows(const float* gate_up, size_t M, size_t F, float* out) {
     for (size_t m = 0; m < M; ++m) {
         const float* g = gate_up + m * 2 * F;
         const float* u = g + F;
+#ifdef LMFORGE_X86
+        if (cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed)) {
+            swiglu_row_avx2(g, u, F, out + m * F);
+            continue;
+        }
+#endif
         for (size_t f = 0; f < F; ++f) out[m * F + f] = g[f] / (1.0f + std::exp(-g[f])) * u[f];
     }
 }

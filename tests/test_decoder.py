@@ -85,13 +85,14 @@ def _attention_reference(q, k, v, lengths, scale):
     return out
 
 
-@pytest.mark.parametrize("H,Hkv,D", [(4, 4, 16), (8, 2, 32), (6, 3, 12), (2, 1, 8)])
-def test_attend_equals_reference(H, Hkv, D, isa):
+@pytest.mark.parametrize("H,Hkv,D,S", [(4, 4, 16, 40), (8, 2, 32, 40), (6, 3, 12, 40), (2, 1, 8, 40),
+                                        (4, 2, 64, 300), (2, 2, 72, 61), (2, 1, 128, 97)])
+def test_attend_equals_reference(H, Hkv, D, S, isa):
     g = torch.Generator().manual_seed(H * D)
-    B, S = 5, 40
+    B = 5
     q = torch.randn(B, H, D, generator=g)
     k, v = torch.randn(B, Hkv, S, D, generator=g) * 3, torch.randn(B, Hkv, S, D, generator=g)
-    lengths = torch.tensor([1, 7, 40, 23, 2])
+    lengths = torch.tensor([1, 7, S, S - 17, 2])
     ref = _attention_reference(q, k, v, lengths, D ** -0.5)
     for threads in (1, 2):
         torch.testing.assert_close(_attend(q, k, v, lengths, D ** -0.5, threads), ref, rtol=1e-5, atol=1e-5)
@@ -248,3 +249,24 @@ def test_small_decode_ops_equal_pytorch():
     with pytest.raises(ValueError, match="position"):
         _core.rope_cache_rows(torch.zeros(1, 12).numpy(), torch.zeros(8, 2).numpy(), torch.zeros(8, 2).numpy(),
                               np.array([4], np.int64), k.numpy(), k.clone().numpy(), torch.zeros(1, 1, 4).numpy())
+
+
+@pytest.mark.parametrize("F", [1, 8, 13, 1344])
+def test_swiglu_rows_vector_and_scalar_equal_float64(F, isa):
+    """The vector kernel's own exp (clamped to float's range) against silu(g) * u in float64, g from -120 to 120."""
+    from lmforge import _core
+
+    g = torch.Generator().manual_seed(F)
+    M = max(3, 40_000 // F)
+    gate = torch.linspace(-120, 120, M * F).view(M, F)
+    gate[1] = torch.randn(F, generator=g) * 4
+    gu = torch.cat([gate, torch.randn(M, F, generator=g)], 1)
+    act = torch.empty(M, F)
+    _core.swiglu_rows(gu.numpy(), act.numpy())
+    d = gu.double()
+    # 4e-7: two float ulps; the exp's own error is ~1 ulp (a wrong polynomial coefficient shows up here)
+    torch.testing.assert_close(act.double(), torch.nn.functional.silu(d[:, :F]) * d[:, F:], rtol=4e-7, atol=1e-30)
+    bad = gu.clone()
+    bad[0, 0] = float("nan")
+    _core.swiglu_rows(bad.numpy(), act.numpy())
+    assert act[0, 0].isnan() and act[0, 1:].isfinite().all()  # NaN is not clamped away
