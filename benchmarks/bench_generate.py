@@ -132,7 +132,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small model, 64 new tokens, one repeat")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = p.parse_args()
