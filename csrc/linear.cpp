@@ -450,24 +450,21 @@ LMFORGE_AVX2 inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// One query over n cached positions: scores (two accumulator chains per dot product), a vectorised
-// softmax, then the weighted sum of values with the output's D floats held in registers across all
-// positions (D / 8 independent accumulator chains, up to 64 floats per pass).
+// One query over n cached positions: scores, a vectorised softmax, then the weighted sum of values with
+// the output's D floats held in registers across all positions (D / 8 independent accumulator chains, up
+// to 64 floats per pass).
 LMFORGE_AVX2 void attend_one_avx2(const float* q, const float* k, const float* v, size_t n, size_t D, float scale,
                                   float* scores, float* out) {
+    float mx = -INFINITY;
     size_t j = 0;
     for (; j < n; ++j) {
         const float* kj = k + j * D;
-        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kj)), a1 = _mm256_setzero_ps();
-        size_t d = 8;
-        for (; d + 8 <= D; d += 16) {
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a1);
-            if (d + 16 <= D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(kj + d + 8), a0);
-        }
-        scores[j] = hsum(_mm256_add_ps(a0, a1)) * scale;
+        __m256 acc = _mm256_setzero_ps();
+        for (size_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), acc);
+        const float s = hsum(acc) * scale;
+        scores[j] = s;
+        mx = std::max(mx, s);
     }
-    float mx = -INFINITY;
-    for (j = 0; j < n; ++j) mx = std::max(mx, scores[j]);
     const __m256 mv = _mm256_set1_ps(mx);
     __m256 tot = _mm256_setzero_ps();
     for (j = 0; j + 8 <= n; j += 8) {
@@ -615,11 +612,15 @@ void rope_cache_rows(const float* qkv, size_t B, size_t H, size_t Hkv, size_t D,
 }
 
 void swiglu_rows(const float* gate_up, size_t M, size_t F, float* out) {
+    bool vec = false;
+#ifdef LMFORGE_X86
+    vec = cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed);
+#endif
     for (size_t m = 0; m < M; ++m) {
         const float* g = gate_up + m * 2 * F;
         const float* u = g + F;
 #ifdef LMFORGE_X86
-        if (cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed)) {
+        if (vec) {
             swiglu_row_avx2(g, u, F, out + m * F);
             continue;
         }
