@@ -18,7 +18,6 @@ last K, keep ``best.safetensors`` by validation loss, and resume from the newest
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -29,7 +28,7 @@ import struct
 from pathlib import Path
 from typing import IO, Any
 
-from lmforge.common import atomic_open, check_input_file
+from lmforge.common import atomic_open, check_input_file, remove_stale_temporaries
 
 logger = logging.getLogger("lmforge")
 
@@ -248,10 +247,8 @@ def read_checkpoint(src: str | os.PathLike | IO[bytes]) -> Checkpoint:
 
 def apply_checkpoint(ckpt: Checkpoint, model: Any, optimizer: Any = None) -> int:
     """Copy a :class:`Checkpoint` into ``model`` (and ``optimizer``); returns the iteration."""
-    try:
-        unwrap_model(model).load_state_dict(ckpt.model, strict=True)
-    except RuntimeError as e:
-        raise ValueError(f"checkpoint does not fit this model (different config?): {e}") from e
+    check_state_dict_fits(ckpt.model, unwrap_model(model).state_dict())
+    unwrap_model(model).load_state_dict(ckpt.model, strict=True)
     if optimizer is not None:
         if ckpt.optimizer is None:
             raise ValueError("checkpoint holds no optimizer state; load it with optimizer=None")
@@ -260,6 +257,27 @@ def apply_checkpoint(ckpt: Checkpoint, model: Any, optimizer: Any = None) -> int
         except (ValueError, KeyError, RuntimeError) as e:
             raise ValueError(f"checkpoint optimizer state does not fit this optimizer: {e}") from e
     return ckpt.iteration
+
+
+def check_state_dict_fits(saved: dict[str, Any], expected: dict[str, Any]) -> None:
+    """``ValueError`` in one line naming the first tensor that is missing, unexpected or of another shape.
+
+    PyTorch's own ``load_state_dict`` error lists every mismatch over many lines; the first one is enough to
+    see that the checkpoint belongs to a model of another config.
+    """
+    for name, want in expected.items():
+        got = saved.get(name)
+        if got is None:
+            raise ValueError(f"checkpoint has no tensor {name!r} that this model needs: it was written by a model "
+                             "of another architecture or config")
+        if tuple(got.shape) != tuple(want.shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(got.shape)} but this model's has "
+                             f"{tuple(want.shape)}: the checkpoint was written with another model config (compare "
+                             "its config with the run's config.yaml)")
+    extra = [k for k in saved if k not in expected]
+    if extra:
+        raise ValueError(f"checkpoint has tensor {extra[0]!r} that this model does not have ({len(extra)} such); "
+                         "it was written by a model of another architecture or config")
 
 
 def load_checkpoint(src: str | os.PathLike | IO[bytes], model: Any, optimizer: Any = None) -> int:
@@ -332,10 +350,7 @@ class CheckpointManager:
 
     def remove_stale_temporaries(self) -> None:
         """Delete half-written temporary files left by a killed process (never a finished checkpoint)."""
-        if self.dir.is_dir():
-            for p in self.dir.glob(".*.tmp"):
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
+        remove_stale_temporaries(self.dir)
 
     def load_latest(self, quarantine: bool = False) -> tuple[Path, Checkpoint] | None:
         """Newest step checkpoint that verifies, with its contents; None when there is none.

@@ -8,13 +8,31 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Iterator, Sequence, TextIO
+from typing import Callable, Iterator, NoReturn, Sequence, TextIO
 
 from lmforge import __version__
 
 
 class CLIError(Exception):
     """A user-facing error raised by a command handler (printed as one line, exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line (what is wrong, and where the help is), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 # Each entry: (name, help, function that adds the subcommand's arguments, handler).
@@ -223,7 +241,7 @@ def _data_get_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", choices=["shakespeare", "tinystories", "fineweb-edu"], help="the corpus")
     p.add_argument("--out", metavar="DIR", help="also copy the files into DIR (they always stay in the cache)")
     p.add_argument("--cache-dir", metavar="DIR", help="download cache (default: $LMFORGE_CACHE or the user cache dir)")
-    p.add_argument("--shards", type=int, default=1, metavar="N", help="fineweb-edu: how many parquet shards (default 1)")
+    p.add_argument("--shards", type=_positive_int, default=1, metavar="N", help="fineweb-edu: how many parquet shards (default 1)")
     p.add_argument("--endpoint", metavar="URL", help="Hugging Face endpoint / mirror (default: $HF_ENDPOINT or the hub)")
     p.add_argument("--force", action="store_true", help="download again / overwrite files in --out")
 
@@ -252,7 +270,7 @@ def _data_prepare_args(p: argparse.ArgumentParser) -> None:
                      help="files, directories or quoted globs: .txt, .jsonl, .parquet (+ .gz / .zst)")
     src.add_argument("--dataset", choices=["shakespeare", "tinystories", "fineweb-edu"],
                      help="a named corpus instead: downloaded once, split into train/val (see `data get`)")
-    p.add_argument("--shards", type=int, default=1, metavar="N", help="with --dataset fineweb-edu: parquet shards")
+    p.add_argument("--shards", type=_positive_int, default=1, metavar="N", help="with --dataset fineweb-edu: parquet shards")
     p.add_argument("--out", required=True, metavar="DIR", help="shard directory (manifest.json + {split}_NNNNN.bin)")
     p.add_argument("--val-fraction", type=float, default=None, metavar="F",
                    help="send this fraction of documents (by seeded hash) to the 'val' split "
@@ -268,8 +286,8 @@ def _data_prepare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eos", default="auto", metavar="TOKEN",
                    help="special token after each document; 'auto' = <|endoftext|> if the tokenizer has it, 'none'")
     p.add_argument("--dtype", choices=["uint16", "uint32"], help="token dtype (default: uint16 if the vocab fits)")
-    p.add_argument("--shard-tokens", type=int, default=None, metavar="N", help="tokens per shard (default 2**26)")
-    p.add_argument("--threads", type=int, metavar="N", help="tokenizer threads (default: all cores)")
+    p.add_argument("--shard-tokens", type=_positive_int, default=None, metavar="N", help="tokens per shard (default 2**26)")
+    p.add_argument("--threads", type=_positive_int, metavar="N", help="tokenizer threads (default: all cores)")
     p.add_argument("--append", action="store_true", help="add new inputs to an existing shard directory")
     p.add_argument("--force", action="store_true", help="delete the existing shards in --out and start over")
     p.add_argument("--restart", action="store_true",
@@ -298,7 +316,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
 def _data_inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", metavar="DIR", help="a shard directory made by `lmforge data prepare`")
     p.add_argument("--tokenizer", metavar="T", help="decode with this tokenizer (default: DIR/tokenizer.json)")
-    p.add_argument("--sample-tokens", type=int, default=64, metavar="N", help="tokens to decode per split")
+    p.add_argument("--sample-tokens", type=_positive_int, default=64, metavar="N", help="tokens to decode per split")
     p.add_argument("--verify", action="store_true", help="re-hash every shard against the manifest")
 
 
@@ -324,6 +342,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default=None,
                    help="run directory (default: runs/<config name>); an existing one is resumed from its newest checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.add_argument("--force", action="store_true",
+                   help="use --run-dir even if it is a non-empty folder that is not an lmforge run (files of the same "
+                        "names as the run's are replaced)")
 
 
 def _train_run(args: argparse.Namespace) -> int:
@@ -334,7 +355,7 @@ def _train_run(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args.config, args.overrides)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / Path(args.config).stem
-    m = train(cfg, run_dir, progress=not args.no_progress)
+    m = train(cfg, run_dir, progress=not args.no_progress, force=args.force)
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
         return 0
     val = f", val loss {m['val_loss']:.4f} (bpb {m['val_bpb']:.4f})" if m.get("val_bpb") is not None else ""
@@ -347,7 +368,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="run directory written by lmforge train")
     p.add_argument("--checkpoint", default=None, help="checkpoint file, or 'best' (default: the newest valid one)")
     p.add_argument("--split", default=None, help="data split to evaluate on (default: the run's validation split)")
-    p.add_argument("--batches", type=int, default=None, help="number of batches (default: training.eval_batches)")
+    p.add_argument("--batches", type=_positive_int, default=None, help="number of batches (default: training.eval_batches)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
 
 
@@ -367,11 +388,11 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint file to load, or 'best' (default: the newest valid one in the run directory)")
     p.add_argument("--prompt", action="append", default=[], help="text to continue (repeatable: one output each)")
     p.add_argument("--prompt-file", default=None, help="read one prompt from this UTF-8 file")
-    p.add_argument("--max-new-tokens", type=int, default=200,
+    p.add_argument("--max-new-tokens", type=_positive_int, default=200,
                    help="tokens to generate per prompt (default 200); past the model's context length generation "
                         "goes on: the oldest quarter of the context is dropped and the rest re-read")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; higher = more random (default 0.8)")
-    p.add_argument("--top-k", type=int, default=None, help="sample only from the k most likely tokens")
+    p.add_argument("--top-k", type=_positive_int, default=None, help="sample only from the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None,
                    help="sample only from the smallest set of tokens with total probability >= p, in (0, 1]")
     p.add_argument("--seed", type=int, default=None, help="random seed (same seed, same output)")
@@ -396,6 +417,8 @@ def _generate_run(args: argparse.Namespace) -> int:
         prompts.append(check_input_file(args.prompt_file).read_text(encoding="utf-8"))
     if not prompts:
         raise CLIError("no prompt given; pass --prompt TEXT (repeatable) or --prompt-file FILE")
+    if any(not p for p in prompts):
+        raise CLIError("a prompt is empty; give some text to continue (a file given to --prompt-file must not be empty)")
     run = args.run
     if run is None:
         if args.checkpoint is None:
@@ -469,21 +492,21 @@ def _top_level_commands() -> list[Command]:
 # ==================================================================================================
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (also used by the tests that run ``--help`` on every command)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lmforge",
         description="Build a language model from scratch: tokenizer -> token shards -> pretraining -> generation.",
         epilog="Run `lmforge COMMAND --help` for the options of each command.",
     )
     parser.add_argument("--version", action="version", version=f"lmforge {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     groups = {
         "tokenizer": ("train, apply and inspect byte-level BPE tokenizers", _tokenizer_commands()),
         "data": ("download corpora, prepare token shards, inspect them", _data_commands()),
     }
     for group, (help_text, commands) in groups.items():
         gp = sub.add_parser(group, help=help_text, description=help_text)
-        gsub = gp.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
+        gsub = gp.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True, parser_class=_Parser)
         for name, help_, add_args, handler in commands:
             p = gsub.add_parser(name, help=help_, description=help_)
             add_args(p)
@@ -506,7 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(logging.WARNING if args.quiet else logging.INFO)
     try:
         return int(args._handler(args) or 0)
-    except (CLIError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+    except (CLIError, ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+            PermissionError) as e:
         print(f"lmforge: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

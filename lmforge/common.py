@@ -12,7 +12,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterable, Iterator
 
 logger = logging.getLogger("lmforge")
 
@@ -45,7 +45,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
     p.parent.mkdir(parents=True, exist_ok=True)
     if "b" in mode:
         encoding = None
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}{_TEMP_TAG}", suffix=".tmp", dir=p.parent)
     try:
         # mkstemp creates the file with mode 0600; give the final file the usual umask-based mode.
         os.fchmod(fd, 0o666 & ~_current_umask())
@@ -58,6 +58,37 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+_TEMP_TAG = ".lmforge-"  # atomic_open's temporaries are ".{name}.lmforge-{random}.tmp": never a user's file
+
+
+def temporary_target(path: str | os.PathLike) -> str | None:
+    """The file name a temporary of :func:`atomic_open` was going to become, or None if ``path`` is not one."""
+    name = Path(path).name
+    if not (name.startswith(".") and name.endswith(".tmp")) or _TEMP_TAG not in name:
+        return None
+    return name[1:].rsplit(_TEMP_TAG, 1)[0]
+
+
+def remove_stale_temporaries(directory: str | os.PathLike, names: Iterable[str] | None = None) -> list[Path]:
+    """Delete :func:`atomic_open` temporaries in ``directory`` left by a killed process; returns them.
+
+    Only lmforge's own temporaries are touched (a user's ``.notes.tmp`` is not), and with ``names`` only
+    those whose target is one of ``names``.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    wanted = None if names is None else set(names)
+    removed = []
+    for p in d.glob(f".*{_TEMP_TAG}*.tmp"):
+        target = temporary_target(p)
+        if target is not None and (wanted is None or target in wanted):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(p)
+    return removed
 
 
 def _current_umask() -> int:
@@ -97,6 +128,36 @@ def check_input_file(path: str | os.PathLike) -> Path:
     if not os.access(p, os.R_OK):
         raise ValueError(f"input file {p} is not readable; check its permissions")
     return p
+
+
+# --------------------------------------------------------------------------------------------------
+# Token ids
+# --------------------------------------------------------------------------------------------------
+def token_ids(ids: Iterable[Any], vocab_size: int, what: str = "token id") -> list[int]:
+    """``ids`` as a list of ints after checking each is an integer in ``[0, vocab_size)``.
+
+    Floats (``3.0`` or ``3.7``), booleans and strings are refused rather than truncated, and a negative id
+    is refused rather than read from the end of a table; integer numpy/torch arrays and scalars are accepted.
+    """
+    if hasattr(ids, "dtype") and hasattr(ids, "tolist"):  # a numpy array or a torch tensor: check its dtype once
+        kind = str(ids.dtype)
+        if "int" not in kind or "bool" in kind:
+            raise ValueError(f"{what}s must be integers, got an array of {kind}")
+        out = ids.tolist()
+        out = out if isinstance(out, list) else [out]
+    else:
+        out = []
+        for i in ids:
+            if hasattr(i, "dtype") and hasattr(i, "item") and "int" in str(i.dtype) and "bool" not in str(i.dtype):
+                i = i.item()
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise ValueError(f"{what}s must be integers, got {i!r} ({type(i).__name__})")
+            out.append(i)
+    for i in out:
+        if isinstance(i, list) or not 0 <= i < vocab_size:
+            raise ValueError(f"{what} {i!r} is out of range [0, {vocab_size}); was the text encoded with a "
+                             "different tokenizer, or is the model's vocabulary smaller?")
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

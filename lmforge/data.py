@@ -39,7 +39,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from lmforge.common import human_bytes, num_threads_default
+from lmforge.common import human_bytes, num_threads_default, temporary_target
 from lmforge.loader import BlockLoader, get_batch, val_batches  # noqa: F401  (re-exported)
 from lmforge.shards import (  # noqa: F401  (re-exported)
     MANIFEST, SHARD_NAME, TokenDataset, dtype_for_vocab, inspect, load_manifest, new_manifest, save_manifest,
@@ -237,9 +237,8 @@ def _special_id(tokenizer: Any, value: str | None, what: str) -> int | None:
 def _clean_stray_files(out_dir: Path, keep: set[str]) -> None:
     """Remove shard files (and temp files of interrupted writes) that the manifest does not list."""
     for p in out_dir.iterdir():
-        base = p.name[1:].rsplit(".", 2)[0]  # atomic_open's temp files are named .{name}.{random}.tmp
-        stray_tmp = p.name.startswith(".") and p.name.endswith(".tmp") and (
-            SHARD_NAME.match(base) or base in (MANIFEST, "tokenizer.json"))
+        base = temporary_target(p)
+        stray_tmp = base is not None and bool(SHARD_NAME.match(base) or base in (MANIFEST, "tokenizer.json"))
         if (SHARD_NAME.match(p.name) and p.name not in keep) or stray_tmp:
             logger.info("removing %s (left over from an interrupted prepare)", p.name)
             p.unlink()

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import codecs
 import logging
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
+from lmforge.common import token_ids
 from lmforge.decoder import CachedDecoder, model_config
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,11 +48,12 @@ __all__ = ["Generator", "CachedDecoder", "sample_next", "check_sampling"]
 # ==================================================================================================
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Validate sampling parameters (``ValueError`` saying which one is wrong and what is allowed)."""
-    if not temperature >= 0:  # also rejects NaN
-        raise ValueError(f"temperature must be >= 0 (got {temperature}); use 0 for greedy decoding")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0 (got {temperature!r}); use 0 for greedy decoding, "
+                         "around 1 for plain sampling")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None (got {top_k!r})")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1] (got {top_p}); 1 keeps every token, small values keep few")
 
 
@@ -174,15 +177,10 @@ class Generator:
         from lmforge.common import resolve_device
         from lmforge.config import from_dict, load_yaml
         from lmforge.model import ModelConfig, TransformerLM
+        from lmforge.rundir import require_run
         from lmforge.tokenizer import Tokenizer
 
-        run = Path(run_dir)
-        if not run.is_dir():
-            raise ValueError(f"run directory {run} does not exist; train one first (lmforge train CONFIG.yaml "
-                             f"--run-dir {run}, or lmforge speedrun --out {run})")
-        for name in ("config.yaml", "tokenizer.json"):
-            if not (run / name).is_file():
-                raise ValueError(f"{run} has no {name}; is it a run directory written by lmforge train?")
+        run = require_run(run_dir, needs=("config.yaml", "tokenizer.json"))
         model_cfg = from_dict(ModelConfig, load_yaml(run / "config.yaml").get("model"), path="model")
         dev = resolve_device(device)
         if checkpoint is not None:
@@ -222,9 +220,7 @@ class Generator:
             if len(r) > ctx:
                 raise ValueError(f"prompt {i} has {len(r)} tokens but the model's context length is {ctx}; "
                                  "shorten the prompt")
-            bad = [t for t in r if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} holds token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+            token_ids(r, self.cfg.vocab_size, what=f"prompt {i}: token id")
         longest = max(len(r) for r in rows)
         fit = ctx - longest + 1  # the last new token is sampled, never fed back
         if overflow == "stop" and max_new_tokens > fit:
@@ -295,7 +291,7 @@ class Generator:
         model always sees the most recent tokens at positions from 0. ``overflow="stop"`` ends generation
         when the context is full instead (with a warning). A prompt longer than the context is an error.
         """
-        if hasattr(prompt_ids, "tolist"):  # a tensor or an array
+        if hasattr(prompt_ids, "tolist"):  # a tensor or an array (a float one is refused below, not truncated)
             prompt_ids = prompt_ids.tolist()
         single = len(prompt_ids) > 0 and not isinstance(prompt_ids[0], (list, tuple))
         rows = [list(prompt_ids)] if single else [list(r) for r in prompt_ids]

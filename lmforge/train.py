@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from lmforge.checkpoint import CheckpointManager, apply_checkpoint
-from lmforge.common import seed_everything
+from lmforge.common import remove_stale_temporaries, seed_everything
 from lmforge.config import apply_overrides, diff_dicts, dump_yaml, from_dict, load_yaml, to_dict
 from lmforge.model import ModelConfig
+from lmforge.rundir import MARKER, check_new_or_run, require_run
+from lmforge.rundir import mark as mark_run_dir
 
 logger = logging.getLogger("lmforge")
 
@@ -129,6 +131,8 @@ class TrainingConfig:
     """Validate every this many steps (and at the end)."""
     eval_batches: int = 20
     """Validation batches per evaluation (a fixed, deterministic set)."""
+    eval_batch_size: int | None = None
+    """Sequences per validation batch; ``null`` = ``batch_size`` (lower it for a small validation split)."""
     checkpoint_every: int = 500
     """Save a checkpoint every this many steps (and at the end)."""
     keep_last: int = 3
@@ -149,6 +153,8 @@ class TrainingConfig:
                 raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"training.context_length must be >= 1 (or null), got {self.context_length}")
+        if self.eval_batch_size is not None and self.eval_batch_size < 1:
+            raise ValueError(f"training.eval_batch_size must be >= 1 (or null for batch_size), got {self.eval_batch_size}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"training.num_threads must be >= 1 (or null), got {self.num_threads}")
         if self.peak_flops is not None and not self.peak_flops > 0:
@@ -197,6 +203,10 @@ _HARMLESS = ("model.fast",)  # the fast path computes the same function with the
 # data.tokenizer may move (its fingerprint must still match the shards); data.val_split only changes evaluation.
 
 
+# Files of a run directory that training writes atomically (their stale temporaries are removed on resume).
+_RUN_FILES = ("config.yaml", "tokenizer.json", "metrics.jsonl", "loss.png", MARKER)
+
+
 class NonFiniteLossError(ValueError):
     """The loss became NaN or infinite; the run stopped without saving the broken state."""
 
@@ -204,15 +214,21 @@ class NonFiniteLossError(ValueError):
 # ==================================================================================================
 # Set-up helpers
 # ==================================================================================================
-def _check_run_dir(cfg: RunConfig, run_dir: Path, write: bool) -> None:
-    """Refuse a run directory made with an incompatible config; log allowed changes; save config.yaml."""
+def _check_run_dir(cfg: RunConfig, run_dir: Path, write: bool, started: bool) -> None:
+    """Refuse a run directory made with an incompatible config; log allowed changes; save config.yaml.
+
+    ``started``: the run has a checkpoint. Before the first one, nothing depends on the old config, so a run
+    that failed early (a config refused, a crash in the first steps) may be started again with another.
+    """
     path = run_dir / "config.yaml"
     new = to_dict(cfg)
     if path.exists():
         old = load_yaml(path)
         diffs = diff_dicts(old, new)
         bad = [d for d in diffs if d[0].startswith(_INCOMPATIBLE) and d[0] not in _HARMLESS]
-        if bad:
+        if bad and not started:
+            logger.info("run directory %s has no checkpoint yet: its config is replaced", run_dir)
+        elif bad:
             what = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in bad)
             raise ValueError(f"run directory {run_dir} was made with an incompatible config ({what}); use a new "
                              "--run-dir, or put those values back to resume")
@@ -222,8 +238,12 @@ def _check_run_dir(cfg: RunConfig, run_dir: Path, write: bool) -> None:
         dump_yaml(cfg, path)
 
 
-def _resolve_tokenizer(cfg: DataConfig, dataset: Any, run_dir: Path, write: bool) -> Any:
-    """Load the shards' tokenizer, check it matches them, and copy it to ``run_dir/tokenizer.json``."""
+def _resolve_tokenizer(cfg: DataConfig, dataset: Any, run_dir: Path, write: bool, started: bool) -> Any:
+    """Load the shards' tokenizer, check it matches them, and copy it to ``run_dir/tokenizer.json``.
+
+    A different ``tokenizer.json`` already in the run is refused once the run has a checkpoint (``started``),
+    and replaced before that.
+    """
     from lmforge.tokenizer import Tokenizer, load_tokenizer
 
     path = cfg.tokenizer or dataset.manifest.get("tokenizer", {}).get("path") or str(Path(cfg.dir) / "tokenizer.json")
@@ -233,12 +253,12 @@ def _resolve_tokenizer(cfg: DataConfig, dataset: Any, run_dir: Path, write: bool
     tok = load_tokenizer(path)
     dataset.check_tokenizer(tok)
     dest = run_dir / "tokenizer.json"
-    if dest.exists():
-        if Tokenizer.load(dest).fingerprint() != tok.fingerprint():
-            raise ValueError(f"{dest} is a different tokenizer than {path}; this run directory belongs to another "
-                             "tokenizer: use a new --run-dir")
-    elif write:
-        tok.save(dest)
+    same = dest.exists() and Tokenizer.load(dest).fingerprint() == tok.fingerprint()
+    if dest.exists() and not same and started:
+        raise ValueError(f"{dest} is a different tokenizer than {path}; this run directory belongs to another "
+                         "tokenizer: use a new --run-dir")
+    if write and not same:
+        tok.save(dest, force=True)
     return tok
 
 
@@ -256,6 +276,13 @@ def _check_data(cfg: RunConfig, train_ds: Any, val_ds: Any | None, tokenizer: An
         if len(ds) < T + 1:
             raise ValueError(f"{ds.dir} split {ds.split!r} has {len(ds)} tokens, fewer than one training window of "
                              f"context_length + 1 = {T + 1}; add data or lower training.context_length")
+    if val_ds is not None:
+        windows = sum(len(s) // (T + 1) for s in val_ds.shards)
+        eval_b = cfg.training.eval_batch_size or cfg.training.batch_size
+        if windows < eval_b:
+            raise ValueError(f"{val_ds.dir} split {val_ds.split!r} holds {windows} validation windows of {T + 1} tokens, "
+                             f"fewer than one eval batch of {eval_b}; set training.eval_batch_size <= {windows}, "
+                             "or prepare more validation data (data prepare --val-fraction)")
     if tokenizer.vocab_size > V:  # the data fits, but generation could emit ids the model cannot embed
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={V}; set "
                          f"model.vocab_size >= {tokenizer.vocab_size} (e.g. rounded up to a multiple of 64)")
@@ -337,8 +364,12 @@ def _evaluate(model: Any, batches: list, bytes_per_token: float, dtype: str, dev
 # ==================================================================================================
 # The loop
 # ==================================================================================================
-def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict[str, Any]:
+def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: bool = False) -> dict[str, Any]:
     """Train ``cfg`` in ``run_dir``, resuming from its newest valid checkpoint; returns the final metrics.
+
+    ``run_dir`` must not exist, be empty, or be an lmforge run; ``force`` also accepts a non-empty folder that is
+    not a run (lmforge's files are then written beside what is there). Every check on the config and the data
+    runs before anything is written.
 
     The returned dict holds ``step``, ``loss`` (last logged train loss), ``val_loss``, ``val_ppl``,
     ``val_bpb`` (last evaluation, None without a validation split), ``best_val_loss``, ``tokens``,
@@ -373,33 +404,35 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True) -> dict
         T, B, A = cfg.context_length, tc.batch_size, tc.grad_accum_steps
         train_ds = TokenDataset(cfg.data.dir, cfg.data.train_split)
         val_ds = TokenDataset(cfg.data.dir, cfg.data.val_split) if cfg.data.val_split else None
-        _check_run_dir(cfg, run_dir, write=False)
-        tokenizer = _resolve_tokenizer(cfg.data, train_ds, run_dir, write=False)
+        check_new_or_run(run_dir, force)
+        ckpts = CheckpointManager(run_dir, tc.keep_last)
+        started = bool(ckpts.steps())
+        _check_run_dir(cfg, run_dir, write=False, started=started)
+        tokenizer = _resolve_tokenizer(cfg.data, train_ds, run_dir, write=False, started=started)
         _check_data(cfg, train_ds, val_ds, tokenizer)
+        loader = BlockLoader(train_ds, B, T, seed=tc.seed, rank=info.rank, world_size=info.world_size,
+                             bos_aligned=cfg.data.bos_aligned)
+        val_set = val_batches(val_ds, tc.eval_batch_size or B, T, tc.eval_batches) if val_ds is not None else []
         if tc.wandb and main:
             require_wandb()
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            _resolve_tokenizer(cfg.data, train_ds, run_dir, write=True)
-            _check_run_dir(cfg, run_dir, write=True)
+            mark_run_dir(run_dir)
+            _resolve_tokenizer(cfg.data, train_ds, run_dir, write=True, started=started)
+            _check_run_dir(cfg, run_dir, write=True, started=started)
 
-        # ---- model, optimizer, data loader ---------------------------------------------------------------
+        # ---- model, optimizer ----------------------------------------------------------------------------
         seed_everything(tc.seed)
         model = TransformerLM(cfg.model).to(device)
         fsdp = tc.parallel == "fsdp" and info.enabled  # FSDP: the optimizer is built on the sharded model below
         optimizer = None if fsdp else _build_optimizer(model, oc)
-        loader = BlockLoader(train_ds, B, T, seed=tc.seed, rank=info.rank, world_size=info.world_size,
-                             bos_aligned=cfg.data.bos_aligned)
-        val_set = val_batches(val_ds, B, T, tc.eval_batches) if val_ds is not None else []
 
         # ---- resume from the newest checkpoint that verifies -----------------------------------------------
-        ckpts = CheckpointManager(run_dir, tc.keep_last)
         log = MetricsLog(run_dir, enabled=main)
         step, last_ckpt, fsdp_optim_state = 0, None, None
         if main:  # half-written temporaries of a killed run (checkpoints, loss.png, metrics rewrite)
             ckpts.remove_stale_temporaries()
-            for tmp in run_dir.glob(".*.tmp"):
-                tmp.unlink(missing_ok=True)
+            remove_stale_temporaries(run_dir, _RUN_FILES)
         latest = ckpts.load_latest(quarantine=main)
         if latest is not None:
             path, ck = latest
@@ -558,12 +591,11 @@ def evaluate_run(run_dir: str | Path, checkpoint: str | Path | None = None, spli
     from lmforge.data import TokenDataset, val_batches
     from lmforge.model import TransformerLM
 
-    run = Path(run_dir)
-    if not run.is_dir():
-        raise ValueError(f"run directory {run} does not exist; train one first (lmforge train CONFIG.yaml "
-                         f"--run-dir {run}, or lmforge speedrun --out {run})")
-    if not (run / "config.yaml").exists():
-        raise ValueError(f"{run} has no config.yaml; give a run directory written by `lmforge train`")
+    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
+                                    or max_batches < 1):
+        raise ValueError(f"the number of eval batches must be a positive integer, got {max_batches!r} "
+                         "(leave it unset for the run's training.eval_batches)")
+    run = require_run(run_dir)
     cfg = load_run_config(run / "config.yaml")
     split = split or cfg.data.val_split or cfg.data.train_split
     ckpts = CheckpointManager(run, cfg.training.keep_last)
@@ -579,7 +611,8 @@ def evaluate_run(run_dir: str | Path, checkpoint: str | Path | None = None, spli
     model = TransformerLM(cfg.model).to(dev)
     step = apply_checkpoint(ck, model)
     ds = TokenDataset(cfg.data.dir, split)
-    batches = val_batches(ds, cfg.training.batch_size, cfg.context_length, max_batches or cfg.training.eval_batches)
+    batches = val_batches(ds, cfg.training.eval_batch_size or cfg.training.batch_size, cfg.context_length,
+                          max_batches or cfg.training.eval_batches)
     with torch.inference_mode():
         ev = _evaluate(model, batches, ds.bytes_per_token, cfg.training.dtype, dev)
     logger.info("%s (step %d) on %s/%s: loss %.4f", path, step, cfg.data.dir, split, ev.loss)

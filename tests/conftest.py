@@ -62,3 +62,25 @@ def tiny_tokenizer():
 
     vocab, merges = train_bpe_reference(make_corpus_text().split("<|endoftext|>"), 400, ["<|endoftext|>"])
     return Tokenizer(vocab, merges, ["<|endoftext|>"])
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """A finished 4-step training run (shards with train + val, tokenizer, checkpoints) to read from."""
+    from lmforge.data import prepare
+    from lmforge.tokenizer import Tokenizer, train_bpe
+    from lmforge.train import load_run_config, train
+
+    d = tmp_path_factory.mktemp("tiny_run")
+    corpus = d / "corpus.txt"
+    corpus.write_text("<|endoftext|>".join(make_documents(300, seed=3)), encoding="utf-8")
+    tok = Tokenizer(*train_bpe(corpus, 300, ["<|endoftext|>"], progress=False), ["<|endoftext|>"])
+    prepare(tok, corpus, d / "shards", val_fraction=0.1, progress=False)
+    cfg = load_run_config(base={
+        "model": {"vocab_size": 320, "context_length": 32, "d_model": 32, "n_layers": 2, "n_heads": 2},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 1},
+        "training": {"max_steps": 4, "batch_size": 4, "device": "cpu", "eval_every": 4, "eval_batches": 2,
+                     "checkpoint_every": 4},
+        "data": {"dir": str(d / "shards")}})
+    train(cfg, d / "run", progress=False)
+    return d / "run"

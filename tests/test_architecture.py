@@ -14,7 +14,7 @@ ORDER = [
     "__init__", "common", "config",
     "bpe", "_core", "tokenizer_train", "tokenizer_io", "tokenizer",
     "corpora", "sources", "shards", "loader", "data",
-    "layers", "losses", "model", "optim", "checkpoint", "distributed", "metrics", "train",
+    "layers", "losses", "model", "optim", "checkpoint", "rundir", "distributed", "metrics", "train",
     "hf", "decoder", "generate", "speedrun",
     "cli",
 ]

@@ -230,7 +230,7 @@ def test_prepare_killed_mid_shard_resumes_cleanly(tmp_path, tok):
                          capture_output=True, text=True)
     assert res.returncode == -9, res.stderr
     assert list((tmp_path / "sh").glob(".train_00002.bin.*.tmp"))  # the half shard, under a temporary name
-    (tmp_path / "sh" / ".manifest.json.x1y2.tmp").write_text("{half")  # as if killed while saving the manifest
+    (tmp_path / "sh" / ".manifest.json.lmforge-x1y2.tmp").write_text("{half")  # as if killed while saving the manifest
     prepare(tok, src, tmp_path / "sh", shard_tokens=400, progress=False)
     assert not list((tmp_path / "sh").glob(".*.tmp"))
     assert shard_hashes(tmp_path / "sh") == shard_hashes(tmp_path / "ref")

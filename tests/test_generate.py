@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -121,7 +122,9 @@ def test_top_p_order_independent_of_token_ids():
 
 @pytest.mark.parametrize("kw, msg", [({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"),
                                      ({"top_p": 1.5}, "top_p"), ({"top_k": 0}, "top_k"),
-                                     ({"temperature": float("nan")}, "temperature")])
+                                     ({"temperature": float("nan")}, "temperature"),
+                                     ({"temperature": float("inf")}, "temperature must be a finite number"),
+                                     ({"temperature": "1"}, "temperature"), ({"top_p": float("nan")}, "top_p")])
 def test_bad_sampling_parameters(kw, msg):
     args = {"temperature": 1.0, "top_k": None, "top_p": None, **kw}
     with pytest.raises(ValueError, match=msg):
@@ -139,8 +142,17 @@ def test_bad_prompts():
         gen.generate_ids([[1, 2], []], 5)
     with pytest.raises(ValueError, match="context length"):
         gen.generate_ids(list(range(49)), 5)
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match=rf"prompt 0: token id {VOCAB} is out of range \[0, {VOCAB}\)"):
         gen.generate_ids([1, VOCAB], 5)
+    with pytest.raises(ValueError, match=r"prompt 1: token id -1 is out of range"):
+        gen.generate_ids([[1], [2, -1]], 5)
+    for floats in ([1.0, 2.0], [[1, 2.7]], torch.tensor([1.0, 2.0]), np.array([[1.5, 2.0]])):
+        with pytest.raises(ValueError, match="must be integers, got"):  # refused, never truncated
+            gen.generate_ids(floats, 5)
+    with pytest.raises(ValueError, match="must be integers, got True"):
+        gen.generate_ids([1, True], 5)
+    assert len(gen.generate_ids(torch.tensor([1, 2]), 3, temperature=0)) == 3  # integer tensors are fine
+    assert len(gen.generate_ids(np.array([[1, 2]], dtype=np.int32), 3, temperature=0)[0]) == 3
     with pytest.raises(ValueError, match="max_new_tokens"):
         gen.generate_ids([1, 2], 0)
 
@@ -235,11 +247,13 @@ def make_run_dir(path, tokenizer, steps=(3, 5)):
     """A minimal run directory as `lmforge train` writes it: config.yaml, tokenizer.json, checkpoints."""
     from lmforge.checkpoint import CheckpointManager
     from lmforge.config import dump_yaml
+    from lmforge.rundir import mark
 
     model = tiny_model(seed=11)
     path.mkdir(parents=True, exist_ok=True)
     dump_yaml({"model": model.cfg, "training": {"max_steps": 5}}, path / "config.yaml")
     tokenizer.save(path / "tokenizer.json")
+    mark(path)
     mgr = CheckpointManager(path)
     for s in steps:
         mgr.save(model, None, s)

@@ -139,7 +139,7 @@ def test_resume_in_process_equals_uninterrupted(shards, tmp_path) -> None:
     train(_cfg(shards, training={"max_steps": 10}), full, progress=False)
     split = tmp_path / "split"
     train(_cfg(shards, training={"max_steps": 5}), split, progress=False)  # checkpoints at 3 and 5 (the end)
-    for leftover in (split / ".loss.png.x1.tmp", split / "checkpoints" / ".step_00000006.safetensors.x2.tmp"):
+    for leftover in (split / ".loss.png.lmforge-x1.tmp", split / "checkpoints" / ".step_00000006.safetensors.lmforge-x2.tmp"):
         leftover.write_bytes(b"half-written by a killed process")
     train(_cfg(shards, training={"max_steps": 10}), split, progress=False)  # max_steps may change: resumes at 5
     assert _losses(split) == _losses(full)  # float equality, every step
@@ -306,6 +306,77 @@ def test_incompatible_run_dir(shards, tmp_path, caplog) -> None:
     assert train(_cfg(shards, training={"max_steps": 5}), run, progress=False)["step"] == 5
 
 
+def _cli_train(cfg_path: Path, run: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lmforge.cli", "-q", "train", str(cfg_path), "--run-dir", str(run),
+                           "--no-progress", *extra], capture_output=True, text=True, timeout=240)
+
+
+def test_train_refuses_a_folder_that_is_not_a_run(shards, tmp_path) -> None:
+    """A user's folder with files of the run's names is never overwritten unless --force; stray temps stay."""
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(_cfg_dict(shards, training={"max_steps": 2, "eval_every": 2})))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    files = {"config.yaml": "my: notes\n", "metrics.jsonl": "{\"mine\": 1}\n", "loss.png": "not a png",
+             ".notes.tmp": "draft"}
+    for name, text in files.items():
+        (mine / name).write_text(text)
+    r = _cli_train(cfg_path, mine)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "is not empty" in r.stderr and "not an lmforge run directory" in r.stderr
+    assert {p.name: p.read_text() for p in mine.iterdir()} == files  # untouched
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    r = _cli_train(cfg_path, a_file)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is an existing file" in r.stderr
+    assert a_file.read_text() == "x"
+
+    r = _cli_train(cfg_path, mine, "--force")
+    assert r.returncode == 0, r.stderr
+    assert (mine / ".notes.tmp").read_text() == "draft"  # stale-temp cleanup touches only lmforge's own temporaries
+    assert (mine / "lmforge-run.json").is_file()
+    r = _cli_train(cfg_path, mine)  # now it is a run: resumed (finished), no --force needed
+    assert r.returncode == 0, r.stderr
+
+
+def test_rejected_config_creates_nothing_and_an_unstarted_run_takes_a_new_config(tmp_path) -> None:
+    small = _make_shards(tmp_path / "small", n_docs=60, vocab_size=280)  # a small validation split
+    from lmforge.data import TokenDataset
+
+    windows = sum(len(s) // 33 for s in TokenDataset(small, "val").shards)
+    assert 0 < windows < 64
+    run = tmp_path / "run"
+    big_eval = _cfg(small, training={"batch_size": 64, "max_steps": 2})
+    with pytest.raises(ValueError, match=rf"holds {windows} validation windows .* eval batch of 64; set "
+                                         rf"training\.eval_batch_size <= {windows}"):
+        train(big_eval, run, progress=False)
+    assert not run.exists()  # validated before anything was created
+    ok = _cfg(small, training={"batch_size": 64, "eval_batch_size": windows, "max_steps": 2, "eval_every": 2,
+                               "checkpoint_every": 2})
+    assert train(ok, run, progress=False)["step"] == 2
+
+    # a run that failed before its first checkpoint may be started again with another config
+    early = tmp_path / "early"
+    cfg = _cfg(small, training={"max_steps": 4, "eval_batch_size": 1, "checkpoint_every": 4, "eval_every": 4})
+    import lmforge.train as train_mod
+    real = train_mod._evaluate
+
+    def boom(*a, **k):
+        raise RuntimeError("crash before the first checkpoint")
+
+    train_mod._evaluate = boom
+    try:
+        with pytest.raises(RuntimeError, match="crash before"):
+            train(cfg, early, progress=False)
+    finally:
+        train_mod._evaluate = real
+    assert (early / "config.yaml").exists() and not list((early / "checkpoints").glob("step_*"))
+    changed = _cfg(small, training={"max_steps": 4, "batch_size": 2, "eval_batch_size": 1, "eval_every": 4})
+    assert train(changed, early, progress=False)["step"] == 4
+    assert yaml.safe_load((early / "config.yaml").read_text())["training"]["batch_size"] == 2
+
+
 def test_wandb_calls_with_a_stand_in_module(shards, tmp_path, monkeypatch) -> None:
     """What lmforge asks of wandb (init once per run dir, offline mode, one log per event), without wandb."""
     import types
@@ -402,7 +473,7 @@ def test_eval_command_matches_training_eval(shards, tmp_path, capsys) -> None:
     assert cli.main(["eval", str(tmp_path / "nope")]) == 2
     assert "does not exist; train one first" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="has no config.yaml"):
+    with pytest.raises(ValueError, match="is not an lmforge run directory"):
         evaluate_run(tmp_path / "empty")
 
 

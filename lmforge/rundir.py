@@ -1,0 +1,108 @@
+"""Run directories: how lmforge recognises one, creates one and opens one.
+
+A run directory is made by ``lmforge train`` (or the speedrun) and holds ``config.yaml``, ``tokenizer.json``,
+``checkpoints/``, ``metrics.jsonl``, ``loss.png`` and the marker ``lmforge-run.json``. The marker is what
+makes a folder a run: training refuses a non-empty folder without it (unless forced), so a user's own
+``config.yaml`` or ``metrics.jsonl`` is never overwritten by accident. Runs written before the marker existed
+are recognised by a checkpoint written by ``lmforge train``; they get the marker on their next resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from lmforge import __version__
+from lmforge.checkpoint import CheckpointManager, read_metadata
+from lmforge.common import atomic_write_text
+
+MARKER = "lmforge-run.json"
+"""File name of the marker that makes a directory an lmforge run."""
+
+
+def is_run_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a run directory made by lmforge (marker, or a pre-marker run's checkpoint)."""
+    p = Path(path)
+    if (p / MARKER).is_file():
+        return True
+    return (p / "config.yaml").is_file() and _has_training_checkpoint(p)
+
+
+def _has_training_checkpoint(p: Path) -> bool:
+    """A checkpoint written by ``lmforge train`` (pre-marker runs): its header carries the training state."""
+    for _, path in reversed(CheckpointManager(p).steps()):
+        try:
+            extra = read_metadata(path).get("extra") or {}
+        except (ValueError, OSError):
+            continue
+        if isinstance(extra.get("train"), dict):
+            return True
+    return False
+
+
+def check_new_or_run(path: str | os.PathLike, force: bool = False) -> Path:
+    """Check that training may write into ``path``; nothing is created here.
+
+    Allowed: a path that does not exist, an empty directory, or an lmforge run (to resume it). A file, or a
+    non-empty directory that is not a run, is refused with a ``ValueError`` unless ``force`` (then lmforge's
+    files are written beside the ones already there, replacing any of the same names).
+    """
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"run directory {p} is an existing file, not a directory; choose another --run-dir")
+    if not p.exists() or is_run_dir(p) or force:
+        return p
+    try:
+        entries = sorted(e.name for e in p.iterdir())
+    except PermissionError:
+        raise ValueError(f"run directory {p} is not readable; check its permissions") from None
+    if entries:
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise ValueError(f"{p} is not empty ({shown}) and is not an lmforge run directory; choose a new --run-dir, "
+                         "or pass --force to write the run's files into it anyway")
+    return p
+
+
+def mark(path: str | os.PathLike) -> None:
+    """Write the marker into ``path`` (kept if present: it records when and by which version the run began)."""
+    p = Path(path) / MARKER
+    if p.is_file():
+        return
+    atomic_write_text(p, json.dumps({"format": 1, "created_by": f"lmforge {__version__}",
+                                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1) + "\n")
+
+
+def require_run(path: str | os.PathLike, needs: tuple[str, ...] = ("config.yaml",)) -> Path:
+    """``path`` as a Path after checking it is an existing run directory holding the files ``needs``.
+
+    Every command that reads a run (eval, generate, the speedrun's later stages) opens it through here, so
+    a missing path, a file, or a folder that is not a run get the same one-line message.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"run directory {p} does not exist; train one first (lmforge train CONFIG.yaml "
+                         f"--run-dir {p}, or lmforge speedrun --out {p})")
+    if not p.is_dir():
+        raise ValueError(f"{p} is a file, not a run directory; give the directory written by `lmforge train` "
+                         "(a checkpoint file goes to --checkpoint)")
+    if not is_run_dir(p):
+        raise ValueError(f"{p} is not an lmforge run directory (no {MARKER}); give a directory written by "
+                         "`lmforge train` or `lmforge speedrun`")
+    for name in needs:
+        if not (p / name).is_file():
+            raise ValueError(f"{p} has no {name}; give a run directory written by `lmforge train`")
+    return p
+
+
+def read_marker(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The marker's contents, or None for a directory without one."""
+    p = Path(path) / MARKER
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p} is not valid JSON ({e}); restore it or delete it") from None
