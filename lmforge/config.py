@@ -209,8 +209,14 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     p = check_input_file(path)
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {p} is not UTF-8 text (invalid byte at offset {e.start}); save it as "
+                         "UTF-8") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"config file {p} is not valid YAML: {e}") from e
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ValueError(f"config file {p} is not valid YAML{where}: {what}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -54,6 +54,9 @@ def get_batch(tokens: np.ndarray, batch_size: int, context_length: int, device: 
     """
     import torch
 
+    for name, v in (("batch_size", batch_size), ("context_length", context_length)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
     n = len(tokens)
     if n < context_length + 1:
         raise ValueError(f"the token array has {n} tokens, fewer than context_length + 1 = {context_length + 1}; "

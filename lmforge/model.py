@@ -526,6 +526,11 @@ class TransformerLM(nn.Module):
         if idx.dim() != 2 or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
             raise ValueError(f"idx must be integer token ids of shape (batch, seq), got {idx.dtype} "
                              f"{tuple(idx.shape)}; add a batch dimension with idx[None] if needed")
+        if not torch.compiler.is_compiling() and idx.numel():
+            lo, hi = (int(v) for v in torch.aminmax(idx))  # one pass; a negative id would index from the end
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"token id {lo if lo < 0 else hi} is out of range [0, {self.cfg.vocab_size}) for "
+                                 "this model; the ids come from another tokenizer or the model's vocab_size is too small")
         T = idx.shape[1]
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.cfg.context_length:

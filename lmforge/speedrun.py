@@ -317,6 +317,8 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = "shakespear
     preset, plan_budget = PRESETS[model_size], parse_budget(budget)
     dev = resolve_device(device)
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"speedrun output {out} is an existing file; choose another --out directory")
     t_start = time.perf_counter()
     paths = _resolve_corpus(corpus)
     inputs = [(str(p), p.stat().st_size, sha256_file(p)) for p in paths]

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping, Seq
 import regex
 
 from lmforge import bpe, tokenizer_io
+from lmforge.common import token_ids
 from lmforge.tokenizer_train import _threads, train_bpe, train_bpe_from_iterator
 
 if TYPE_CHECKING:
@@ -133,8 +134,8 @@ class Tokenizer:
 
     def id_to_token(self, i: int) -> bytes:
         """The bytes of token ``i`` (``ValueError`` when out of range)."""
-        self._check_ids([i])
-        return self.vocab[int(i)]
+        (i,) = token_ids([i], len(self.vocab))
+        return self.vocab[i]
 
     def token_to_id(self, token: bytes | str) -> int:
         """Id of a token given as bytes, or as a string (a special token or the token's UTF-8)."""
@@ -330,17 +331,9 @@ class Tokenizer:
     # ----------------------------------------------------------------------------------------------
     # Decoding
     # ----------------------------------------------------------------------------------------------
-    def _check_ids(self, ids: Sequence[int]) -> None:
-        n = len(self.vocab)
-        for i in ids:
-            if not 0 <= int(i) < n:
-                raise ValueError(f"token id {int(i)} is out of range for this tokenizer (vocab_size={n}); "
-                                 "was the text encoded with a different tokenizer?")
-
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """The concatenated bytes of ``ids`` (may end inside a multi-byte character)."""
-        ids = [int(i) for i in ids]
-        self._check_ids(ids)
+        ids = token_ids(ids, len(self.vocab))
         if self._core is not None and hasattr(self._core, "decode_bytes"):
             return bytes(self._core.decode_bytes(ids))
         return b"".join(self.vocab[i] for i in ids)

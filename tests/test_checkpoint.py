@@ -145,8 +145,27 @@ def test_shape_mismatch_is_value_error(tmp_path) -> None:
     m, opt = _trained()
     save_checkpoint(m, opt, 1, tmp_path / "c.safetensors")
     other = torch.nn.Linear(3, 3)
-    with pytest.raises(ValueError, match="does not fit this model"):
+    with pytest.raises(ValueError, match="checkpoint has no tensor 'weight' that this model needs"):
         load_checkpoint(tmp_path / "c.safetensors", other)
+
+
+def test_mismatch_message_is_one_line_naming_the_first_tensor(tmp_path) -> None:
+    from lmforge.model import ModelConfig, TransformerLM
+
+    small = TransformerLM(ModelConfig(vocab_size=50, context_length=8, d_model=16, n_layers=1, n_heads=2))
+    save_checkpoint(small, None, 1, tmp_path / "c.safetensors")
+    wide = TransformerLM(ModelConfig(vocab_size=50, context_length=8, d_model=32, n_layers=1, n_heads=2))
+    with pytest.raises(ValueError) as e:
+        load_checkpoint(tmp_path / "c.safetensors", wide)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "'token_embeddings.weight' has shape (50, 16) but this model's has (50, 32)" in msg
+    deeper = TransformerLM(ModelConfig(vocab_size=50, context_length=8, d_model=16, n_layers=2, n_heads=2))
+    with pytest.raises(ValueError, match=r"no tensor 'layers\.1\.attn\.q_proj\.weight'"):
+        load_checkpoint(tmp_path / "c.safetensors", deeper)
+    save_checkpoint(deeper, None, 1, tmp_path / "deep.safetensors")
+    with pytest.raises(ValueError, match=r"has tensor 'layers\.1\..*' that this model does not have \(9 such\)"):
+        load_checkpoint(tmp_path / "deep.safetensors", small)
 
 
 def test_rotation_keeps_last_k_and_best(tmp_path) -> None:

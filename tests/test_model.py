@@ -493,3 +493,17 @@ def test_builds_from_cs336_model_config(shared_fixtures):
     assert num_params(model) == 2 * 10000 * 64 + 3 * per_layer + 64
     x = torch.randint(0, c["vocab_size"], (2, c["context_length"]))
     assert model(x).shape == (2, c["context_length"], c["vocab_size"])
+
+
+def test_token_ids_out_of_range_are_refused_not_wrapped() -> None:
+    """A negative id would silently read the embedding table from its end; both paths refuse it."""
+    from lmforge.model import ModelConfig, TransformerLM
+
+    model = TransformerLM(ModelConfig(vocab_size=20, context_length=8, d_model=16, n_layers=1, n_heads=2))
+    for fast in (True, False):
+        model.set_fast(fast)
+        with pytest.raises(ValueError, match=r"token id -1 is out of range \[0, 20\)"):
+            model(torch.tensor([[1, -1]]))
+        with pytest.raises(ValueError, match=r"token id 20 is out of range"):
+            model(torch.tensor([[20, 1]]), targets=torch.tensor([[1, 1]]))
+    assert model(torch.tensor([[0, 19]])).shape == (1, 2, 20)

@@ -142,7 +142,7 @@ def test_overlapping_specials_longest_first(tiny_tokenizer):
 
 def test_decode_errors_and_invalid_utf8(tiny_tokenizer):
     tok = tiny_tokenizer
-    with pytest.raises(ValueError, match="token id 400 is out of range.*vocab_size=400"):
+    with pytest.raises(ValueError, match=r"token id 400 is out of range \[0, 400\)"):
         tok.decode([1, 400])
     with pytest.raises(ValueError, match="token id -1 is out of range"):
         tok.decode([-1])
@@ -349,3 +349,20 @@ def test_train_from_iterator_lone_surrogates():
         train_bpe_from_iterator(["ok", "ab\ud800cd"], 300, progress=False)
     got = train_bpe_from_iterator(["ok", "ab\ud800cd"], 300, progress=False, errors="replace")
     assert got == train_bpe_reference(["ok", "ab\ufffd\ufffd\ufffdcd"], 300)
+
+
+def test_decode_refuses_floats_bools_and_negative_ids(tiny_tokenizer) -> None:
+    """``int(3.7)`` would decode token 3; a negative id would index from the end: both are refused."""
+    import numpy as np
+    import torch
+
+    tok = tiny_tokenizer
+    ids = tok.encode("the cat")
+    assert tok.decode(np.array(ids, dtype=np.int64)) == tok.decode(torch.tensor(ids)) == "the cat"
+    for bad, msg in (([1.0], "must be integers, got 1.0"), ([3.7], "must be integers"), ([True], "got True"),
+                     (np.array([1.5]), "array of float64"), (torch.tensor([1.0]), "array of torch.float32"),
+                     ([-1], r"token id -1 is out of range"), (["7"], "must be integers, got '7'")):
+        with pytest.raises(ValueError, match=msg):
+            tok.decode(bad)
+    with pytest.raises(ValueError, match="out of range"):
+        tok.id_to_token(-1)
