@@ -33,7 +33,7 @@ EOT = "<|endoftext|>"
 
 
 def build_corpus(tmp: Path, mb: float, corpus: str | None) -> Path:
-    from lmforge.sources import get_dataset, iter_documents
+    from lmforge.data.sources import get_dataset, iter_documents
 
     src = Path(corpus) if corpus else get_dataset("shakespeare")[0]
     paragraphs = list(iter_documents(src, delimiter="blankline" if not corpus else "<|endoftext|>"))
@@ -79,8 +79,8 @@ def main() -> int:
     import tokenizers
 
     from lmforge.common import num_threads_default
-    from lmforge.data import BATCH_BYTES, prepare
-    from lmforge.sources import iter_documents
+    from lmforge.data.pipeline import BATCH_BYTES, prepare
+    from lmforge.data.sources import iter_documents
     from lmforge.tokenizer import Tokenizer, train_bpe
 
     threads = args.threads or num_threads_default()

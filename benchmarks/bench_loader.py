@@ -30,7 +30,7 @@ import numpy as np
 
 def make_shards(d: Path, n_tokens: int, vocab: int = 8192, shard_tokens: int = 1 << 25) -> Path:
     """A shard directory of random tokens (hand-built with the lmforge shard API)."""
-    from lmforge import shards
+    from lmforge.data import shards
 
     d.mkdir(parents=True)
     m = shards.new_manifest({"fingerprint": "bench" * 4, "vocab_size": vocab, "eot_id": None}, "uint16",

@@ -47,7 +47,7 @@ def train_once(tool: str, path: str, vocab_size: int, threads: int) -> dict:
     if tool == "rustbpe":
         import rustbpe
 
-        from lmforge.bpe import PATTERNS
+        from lmforge.tokenizer.reference import PATTERNS
 
         tok = rustbpe.Tokenizer()
         t0 = time.perf_counter()
@@ -68,8 +68,8 @@ def train_once(tool: str, path: str, vocab_size: int, threads: int) -> dict:
 
 
 def check_against_reference(path: Path, vocab_size: int, n_check: int, threads: int) -> None:
-    """lmforge's first merges == lmforge.bpe reference (pure Python) on the same file."""
-    from lmforge import bpe
+    """lmforge's first merges == lmforge.tokenizer.reference reference (pure Python) on the same file."""
+    from lmforge.tokenizer import reference as bpe
     from lmforge.tokenizer import train_bpe
 
     _, merges = train_bpe(path, vocab_size, [EOT], num_threads=threads, progress=False)

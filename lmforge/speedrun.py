@@ -146,8 +146,8 @@ def _digest(*parts: Any) -> str:
 # ==================================================================================================
 def _resolve_corpus(corpus: str) -> list[Path]:
     """Input files of ``corpus``: a named dataset (``shakespeare``, ``tinystories``, ...) or a path/glob."""
-    from lmforge.corpora import DATASETS
-    from lmforge.sources import expand_inputs, get_dataset
+    from lmforge.data.corpora import DATASETS
+    from lmforge.data.sources import expand_inputs, get_dataset
 
     if corpus in DATASETS and not Path(corpus).exists():
         return get_dataset(corpus)
@@ -158,7 +158,7 @@ def _resolve_corpus(corpus: str) -> list[Path]:
 
 
 def _train_tokenizer(paths: list[Path], vocab_size: int, dest: Path, progress: bool) -> dict[str, Any]:
-    from lmforge.sources import iter_documents
+    from lmforge.data.sources import iter_documents
     from lmforge.tokenizer import Tokenizer, train_bpe_from_iterator
 
     vocab, merges = train_bpe_from_iterator(iter_documents(paths), vocab_size, ["<|endoftext|>"], progress=progress)
@@ -380,7 +380,7 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 
 def _shards_fingerprint(data_dir: Path) -> str | None:
     """Tokenizer fingerprint of a finished shard directory (None if absent, unfinished or inconsistent)."""
-    from lmforge.shards import load_manifest
+    from lmforge.data.shards import load_manifest
 
     try:
         m = load_manifest(data_dir)

@@ -57,7 +57,7 @@ def tiny_corpus(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """A Tokenizer (vocab 400, ``<|endoftext|>``) trained with the reference on :func:`make_corpus_text`."""
-    from lmforge.bpe import train_bpe_reference
+    from lmforge.tokenizer.reference import train_bpe_reference
     from lmforge.tokenizer import Tokenizer
 
     vocab, merges = train_bpe_reference(make_corpus_text().split("<|endoftext|>"), 400, ["<|endoftext|>"])

@@ -1,4 +1,4 @@
-"""The pure-Python reference (lmforge.bpe): worked examples, semantics, errors, and a naive oracle."""
+"""The pure-Python reference (lmforge.tokenizer.reference): worked examples, semantics, errors, and a naive oracle."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmforge import bpe
-from lmforge.bpe import (PATTERNS, bytes_to_unicode, encode_reference, learn_merges, pretokenize,
+from lmforge.tokenizer import reference as bpe
+from lmforge.tokenizer.reference import (PATTERNS, bytes_to_unicode, encode_reference, learn_merges, pretokenize,
                          split_on_specials, train_bpe_reference, unicode_to_bytes)
 
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 _core = pytest.importorskip("lmforge._core")
 
-# Copies of lmforge.bpe.PATTERNS: the C++ matchers must equal regex.findall with exactly these.
+# Copies of lmforge.tokenizer.reference.PATTERNS: the C++ matchers must equal regex.findall with exactly these.
 PATTERNS = {
     "gpt2": r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
     "gpt4": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""",
@@ -310,8 +310,8 @@ def test_train_bpe_on_corpus_matches_brute_force_and_reports_progress() -> None:
 
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 def test_train_bpe_matches_the_python_spec(name: str) -> None:
-    """Counts and merges equal lmforge.bpe (the pure-Python reference) end to end."""
-    from lmforge import bpe
+    """Counts and merges equal lmforge.tokenizer.reference (the pure-Python reference) end to end."""
+    from lmforge.tokenizer import reference as bpe
 
     text = random_corpus(4000, seed=6) + "".join(ALPHABET) * 3
     counts = bpe.count_pretokens([text], [EOT], name)
@@ -567,7 +567,7 @@ def _same_split(a: tuple, b: tuple) -> bool:
                                  "\x1c", "<|eot|>", "<|eo", "\xff", "\xc3", "\xed\xa0\x80"]), max_size=40),
        st.booleans(), st.booleans())
 def test_split_documents_matches_reference(parts: list[str], final: bool, want_crc: bool) -> None:
-    from lmforge.sources import split_documents_reference
+    from lmforge.data.sources import split_documents_reference
 
     # the last three items stand for invalid byte sequences
     raw = b"".join(p.encode("latin-1") if p in ("\xff", "\xc3", "\xed\xa0\x80") else p.encode() for p in parts)
@@ -579,7 +579,7 @@ def test_split_documents_matches_reference(parts: list[str], final: bool, want_c
 def test_split_documents_strips_exactly_python_whitespace() -> None:
     """C++ strips a character iff str.strip() does: every code point below U+4000 (all of Python's
     whitespace lies there) and every lead-byte pattern above it."""
-    from lmforge.sources import split_documents_reference
+    from lmforge.data.sources import split_documents_reference
 
     cps = [c for c in list(range(0x4000)) + list(range(0x4000, 0x110000, 97)) if c != ord("|") and not 0xD800 <= c <= 0xDFFF]
     assert all(not chr(c).isspace() for c in range(0x4000, 0x110000))

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from lmforge import data, shards
+from lmforge.data import pipeline as data
+
+from lmforge.data import shards
 from lmforge.data import BlockLoader, TokenDataset, get_batch, prepare, val_batches
-from lmforge.sources import split_of
+from lmforge.data.sources import split_of
 from lmforge.tokenizer import Tokenizer
 
 EOT = "<|endoftext|>"
@@ -89,7 +91,7 @@ def test_fast_prepare_equals_the_pure_python_reference(tmp_path, tok, monkeypatc
     """C++ splitting + span encoding gives the very shards and manifest of the pure-Python path
     (Python splitter, Python tokenizer), through small read chunks, Unicode whitespace, empty and
     invalid-UTF-8 documents (replaced), a hash split and BOS+EOS."""
-    from lmforge import sources
+    from lmforge.data import sources
 
     docs = make_docs(150, seed=7)
     text = "".join(f"{d}\u3000\n{EOT}\x85 {EOT} \n{EOT}" if i % 7 else f"é{d}{EOT}" for i, d in enumerate(docs))
@@ -200,7 +202,8 @@ def test_interrupted_append_resumes(tmp_path, tok, monkeypatch):
 
 KILL_SCRIPT = """
 import os, signal, sys
-from lmforge import data, shards
+from lmforge.data import pipeline as data
+from lmforge.data import shards
 from lmforge.common import atomic_open
 from lmforge.tokenizer import Tokenizer
 calls = []
@@ -333,7 +336,7 @@ def test_bad_inputs_and_settings(tmp_path, tok):
         prepare(tok, bad, tmp_path / "d", progress=False)
     m = prepare(tok, bad, tmp_path / "d", utf8_errors="skip", force=True, progress=False)
     assert m["sources"][0]["invalid_utf8"] == 1 and m["splits"]["train"]["documents"] == 2
-    assert "documents dropped/fixed: 1 invalid utf8" in data.inspect(tmp_path / "d")
+    assert "documents dropped/fixed: 1 invalid utf8" in shards.inspect(tmp_path / "d")
     prepare(tok, src, tmp_path / "e", progress=False)
     other = type(tok)(dict(enumerate(bytes([i]) for i in range(256))), [], [EOT])
     with pytest.raises(ValueError, match="different tokenizer"):
@@ -486,7 +489,7 @@ def test_block_loader_epochs_cover_every_block_once(arange_dir):
 
 
 def test_permute_is_a_keyed_bijection():
-    from lmforge.loader import _round_keys, permute
+    from lmforge.data.loader import _round_keys, permute
 
     for n in [1, 2, 3, 4, 5, 16, 17, 255, 256, 257, 1000, 4097]:
         p = permute(np.arange(n), n, _round_keys(1, 2, 3))
@@ -667,7 +670,7 @@ class _FlatOnly:
 def test_encode_batch_with_bos_eos_matches_per_document_reference(tok, bos, eos, first_offset, kind, dtype):
     """prepare's BOS/EOS placement (C++ spans, Python spans, or vectorised numpy) equals the plain
     per-document construction."""
-    from lmforge.sources import DocBatch
+    from lmforge.data.sources import DocBatch
 
     docs = make_docs(30, seed=5) + ["é ü", "x", "a<|endoftext|>b"]
     ids = {None: None, 0: tok.eot_id, 1: tok.eot_id - 1}

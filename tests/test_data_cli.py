@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lmforge import corpora
+from lmforge.data import corpora
 from lmforge.cli import main
 
 EOT = "<|endoftext|>"

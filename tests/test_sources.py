@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from lmforge import corpora, sources
-from lmforge.sources import ReadStats, expand_inputs, iter_documents, iter_file_documents, split_of
+from lmforge.data import corpora
+
+from lmforge.data import sources
+from lmforge.data.sources import ReadStats, expand_inputs, iter_documents, iter_file_documents, split_of
 
 DOCS = ["First document.\nIt has two lines.", "Second — with ünïcödé ✓", "Third one"]
 

@@ -11,8 +11,8 @@ from conftest import make_corpus_text, make_documents
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import lmforge.tokenizer as tokmod
-from lmforge.bpe import PATTERNS, encode_reference, train_bpe_reference
+import lmforge.tokenizer.tokenizer as tokmod
+from lmforge.tokenizer.reference import PATTERNS, encode_reference, train_bpe_reference
 from lmforge.tokenizer import Tokenizer, train_bpe, train_bpe_from_iterator
 
 EOT = "<|endoftext|>"
@@ -284,7 +284,7 @@ def test_fast_backend_is_used_when_built(tiny_tokenizer):
 
 
 def test_train_bpe_streams_in_bounded_chunks_and_logs(tmp_path, monkeypatch, caplog):
-    import lmforge.tokenizer_train as tt
+    import lmforge.tokenizer.training as tt
 
     p = tmp_path / "c.txt"
     p.write_text(make_corpus_text(150, seed=6), encoding="utf-8")
@@ -329,7 +329,7 @@ def test_encode_iterable_equals_encode_for_any_split(tiny_tokenizer, text, cuts,
 
 
 def test_train_bpe_long_document_between_specials_is_still_chunked(tmp_path, monkeypatch):
-    import lmforge.tokenizer_train as tt
+    import lmforge.tokenizer.training as tt
 
     text = make_corpus_text(2, seed=2).replace(EOT, " ") * 20 + EOT + "the end"
     p = tmp_path / "long.txt"

@@ -24,7 +24,7 @@ def trained_path(tiny_corpus, tmp_path):
 
 
 def test_train_writes_loadable_tokenizer(trained_path, tiny_corpus):
-    from lmforge.bpe import train_bpe_reference
+    from lmforge.tokenizer.reference import train_bpe_reference
 
     tok = Tokenizer.load(trained_path)
     vocab, merges = train_bpe_reference([tiny_corpus.read_text(encoding="utf-8")], 350, [EOT])

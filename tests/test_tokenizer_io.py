@@ -9,8 +9,8 @@ from conftest import make_corpus_text, make_documents
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmforge import tokenizer_io
-from lmforge.bpe import train_bpe_reference
+from lmforge.tokenizer import formats as tokenizer_io
+from lmforge.tokenizer.reference import train_bpe_reference
 from lmforge.tokenizer import Tokenizer, load_tokenizer
 
 EOT = "<|endoftext|>"

@@ -189,7 +189,7 @@ def test_bf16_autocast_on_cpu(shards, tmp_path) -> None:
 # --------------------------------------------------------------------------------------------------
 _SLOW_MAIN = """
 import sys, time
-from lmforge import loader
+from lmforge.data import loader
 next_batch = loader.BlockLoader.next_batch
 def slow(self):  # sleeping changes no number; it only keeps the run alive long enough to be killed mid-way
     time.sleep(float(sys.argv[1]))
@@ -293,7 +293,7 @@ def test_incompatible_run_dir(shards, tmp_path, caplog) -> None:
         m = train(_cfg(shards, training={"max_steps": 4, "log_every": 2}), run, progress=False)  # allowed changes
     assert m["step"] == 4 and "training.max_steps: 3 -> 4" in caplog.text
 
-    from lmforge.bpe import train_bpe_reference
+    from lmforge.tokenizer.reference import train_bpe_reference
     from lmforge.tokenizer import Tokenizer
 
     saved = (run / "tokenizer.json").read_bytes()

@@ -2,10 +2,10 @@
 
 The constructor takes the CS336 assignment-1 arguments -- ``Tokenizer(vocab, merges, special_tokens)``
 -- and encodes with the C++ core (``lmforge._core.Encoder``) when it is built, else with the
-pure-Python reference (:mod:`lmforge.bpe`). Both give identical ids; ``backend="python"`` forces the
+pure-Python reference (:mod:`lmforge.tokenizer.reference`). Both give identical ids; ``backend="python"`` forces the
 reference so tests can hold the fast path to it.
 
->>> from lmforge.bpe import train_bpe_reference
+>>> from lmforge.tokenizer.reference import train_bpe_reference
 >>> vocab, merges = train_bpe_reference(["low lower lowest"] * 3, 270, ["<|endoftext|>"])
 >>> tok = Tokenizer(vocab, merges, ["<|endoftext|>"])
 >>> ids = tok.encode("lower<|endoftext|>")
@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping, Seq
 
 import regex
 
-from lmforge import bpe, tokenizer_io
+from lmforge.tokenizer import reference as bpe
+
+from lmforge.tokenizer import formats as tokenizer_io
 from lmforge.common import token_ids
-from lmforge.tokenizer_train import _threads, train_bpe, train_bpe_from_iterator
+from lmforge.tokenizer.training import _threads, train_bpe, train_bpe_from_iterator
 
 if TYPE_CHECKING:
     import numpy as np
@@ -57,7 +59,7 @@ class Tokenizer:
     """A byte-level BPE tokenizer: ``vocab`` (id -> bytes), ``merges`` in rank order, specials, pattern.
 
     Special tokens missing from ``vocab`` are appended with new ids (as in CS336). ``pattern`` is a
-    name from :data:`lmforge.bpe.PATTERNS` or a custom regex. ``backend`` is ``"auto"`` (C++ when
+    name from :data:`lmforge.tokenizer.reference.PATTERNS` or a custom regex. ``backend`` is ``"auto"`` (C++ when
     available), ``"cpp"`` (error if not built) or ``"python"`` (the reference).
     """
 
@@ -385,7 +387,7 @@ class Tokenizer:
         return tokenizer_io.save_hf(path, self.vocab, self.merges, self._special_ids, self.pattern, force)
 
     def to_tiktoken(self, name: str = "lmforge") -> Any:
-        """A ``tiktoken.Encoding`` with the same ids (see :func:`lmforge.tokenizer_io.to_tiktoken` for the caveat)."""
+        """A ``tiktoken.Encoding`` with the same ids (see :func:`lmforge.tokenizer.formats.to_tiktoken` for the caveat)."""
         return tokenizer_io.to_tiktoken(self.vocab, self._special_ids, self.pattern, name)
 
 

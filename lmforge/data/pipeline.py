@@ -1,10 +1,10 @@
-"""Turn raw corpora into token shards (``prepare``); summarise (``inspect``) and load them (re-exported).
+"""Turn raw corpora into token shards (``prepare``): parallel, crash-resumable, deduplicated, appendable.
 
-``prepare`` streams documents from the inputs (:mod:`lmforge.sources`) as byte spans of raw chunks
+``prepare`` streams documents from the inputs (:mod:`lmforge.data.sources`) as byte spans of raw chunks
 (split, stripped and validated in C++ for delimited text), routes each to a split (a seeded hash
 of the document, or one split for all inputs), tokenizes batches of documents in parallel with the
 tokenizer's ``encode_spans`` (BOS/EOS added, output already in the shard dtype), and fills
-fixed-size shards (:mod:`lmforge.shards`). Reading, tokenizing and writing run in three threads.
+fixed-size shards (:mod:`lmforge.data.shards`). Reading, tokenizing and writing run in three threads.
 Memory is flat: one shard buffer per split plus a few batches.
 
 Crash safety: shards are written by tmp-file + rename and listed in the manifest, which is
@@ -13,10 +13,9 @@ input stream -- (source, document, token offset) -- up to which that split is on
 same ``prepare`` again after a crash resumes from there and produces the very same shards as an
 uninterrupted run. Sources are identified by SHA-256: a file already in the manifest (or given
 twice) is reported and skipped. ``append=True`` adds new sources to an existing directory as new
-shards (a training run picks them up on its next restart, see :class:`lmforge.loader.BlockLoader`).
+shards (a training run picks them up on its next restart, see :class:`lmforge.data.loader.BlockLoader`).
 
-The loading side (and ``inspect``) lives in :mod:`lmforge.loader` and :mod:`lmforge.shards` and is
-re-exported here, so that everything is importable from :mod:`lmforge.data`.
+The loading side (and ``inspect``) lives in :mod:`lmforge.data.loader` and :mod:`lmforge.data.shards`.
 
 Example::
 
@@ -40,17 +39,14 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from lmforge.common import human_bytes, num_threads_default, temporary_target
-from lmforge.loader import BlockLoader, get_batch, val_batches  # noqa: F401  (re-exported)
-from lmforge.shards import (  # noqa: F401  (re-exported)
-    MANIFEST, SHARD_NAME, TokenDataset, dtype_for_vocab, inspect, load_manifest, new_manifest, save_manifest,
-    shard_name, write_shard,
-)
-from lmforge.sources import (DocBatch, ReadStats, check_val_fraction, expand_inputs, file_format, iter_file_spans,
+from lmforge.data.shards import (MANIFEST, SHARD_NAME, TokenDataset, dtype_for_vocab, load_manifest, new_manifest,
+                                 save_manifest, shard_name, write_shard)
+from lmforge.data.sources import (DocBatch, ReadStats, check_val_fraction, expand_inputs, file_format, iter_file_spans,
                              val_mask_from_crc)
 
 logger = logging.getLogger("lmforge")
 
-Manifest = dict[str, Any]  # the parsed manifest.json (see lmforge.shards)
+Manifest = dict[str, Any]  # the parsed manifest.json (see lmforge.data.shards)
 LOCK = ".prepare.lock"
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB per uint16 shard
 BATCH_BYTES = 2 << 20  # text bytes per tokenizer call
@@ -501,7 +497,7 @@ def prepare_dataset(tokenizer: Any, name: str, out_dir: str | os.PathLike, *,
     resumes an interrupted run and skips sources already in ``out_dir``. Other keyword arguments go
     to :func:`prepare`.
     """
-    from lmforge.sources import get_dataset
+    from lmforge.data.sources import get_dataset
 
     progress = kwargs.get("progress", True)
     if name == "tinystories":

@@ -319,7 +319,7 @@ def inspect(directory: str | os.PathLike, tokenizer: Any = None, sample_tokens: 
         n = len(m["pending"]["shards"])
         lines.append(f"  an interrupted prepare is pending ({n} shards written); re-run the same command to resume")
     if tokenizer is None and (d / "tokenizer.json").exists():
-        from lmforge.tokenizer import Tokenizer
+        from lmforge.tokenizer.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.load(d / "tokenizer.json")
     for split, info in sorted(m["splits"].items()):

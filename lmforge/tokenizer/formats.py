@@ -38,7 +38,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from lmforge.bpe import PATTERNS, bytes_to_unicode, resolve_pattern, unicode_to_bytes
+from lmforge.tokenizer.reference import PATTERNS, bytes_to_unicode, resolve_pattern, unicode_to_bytes
 from lmforge.common import atomic_write_text, check_input_file, check_output_path
 
 FORMAT_NAME = "lmforge-bpe"
