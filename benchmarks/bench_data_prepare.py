@@ -33,7 +33,8 @@ EOT = "<|endoftext|>"
 
 
 def build_corpus(tmp: Path, mb: float, corpus: str | None) -> Path:
-    from lmforge.data.sources import get_dataset, iter_documents
+    from lmforge.data.corpora import get_dataset
+    from lmforge.data.sources import iter_documents
 
     src = Path(corpus) if corpus else get_dataset("shakespeare")[0]
     paragraphs = list(iter_documents(src, delimiter="blankline" if not corpus else "<|endoftext|>"))

@@ -1,6 +1,6 @@
 """Generation speed: lmforge's cached decoder vs Hugging Face ``LlamaForCausalLM.generate``, same weights.
 
-Both models get identical random weights (HF init, mapped into ours with ``lmforge.hf``); the script first
+Both models get identical random weights (HF init, mapped into ours with ``lmforge.interop.hf``); the script first
 checks that their logits agree, then times greedy decoding of N new tokens at batch 1 and batch 8 (CPU
 unless --device says otherwise) and prints tokens/s and the ratio (best of --repeats runs, the two sides
 alternating) and whether both produced the same tokens. Prompt: 16 random tokens. HF runs in fp32 (its
@@ -28,7 +28,7 @@ def build_models(args: argparse.Namespace):
     """(ours, HF) with the same weights, both in eval mode on ``args.device``."""
     from transformers import LlamaForCausalLM
 
-    from lmforge import hf
+    from lmforge.interop import hf
     from lmforge.model import ModelConfig, TransformerLM
 
     cfg = ModelConfig(vocab_size=args.vocab, context_length=args.context, d_model=args.d_model,
@@ -81,7 +81,7 @@ def weight_chain(cfg, rows: int, dtype: torch.dtype | None, repeats: int = 30) -
     ``dtype=None``: PyTorch (MKL) in float32, the faster of ``x @ W`` (``W`` stored ``(in, out)``) and
     ``W @ x.T``; else lmforge's decode kernel on weights stored in ``dtype``.
     """
-    from lmforge.decoder import PackedLinear
+    from lmforge.generate.engine import PackedLinear
 
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(o, i, generator=g) for o, i in _chain_shapes(cfg)]
@@ -142,7 +142,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from lmforge.decoder import kernel_available
+    from lmforge.generate.engine import kernel_available
     from lmforge.generate import Generator
 
     cfg, ours, ref = build_models(args)

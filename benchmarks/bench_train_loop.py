@@ -61,7 +61,7 @@ def _child_bare(args: argparse.Namespace) -> dict:
 
     from lmforge.data import TokenDataset, get_batch
     from lmforge.model import TransformerLM
-    from lmforge.optim import AdamW, clip_grad_norm, cosine_lr, param_groups_for
+    from lmforge.train.optim import AdamW, clip_grad_norm, cosine_lr, param_groups_for
     from lmforge.train import load_run_config
 
     cfg = load_run_config(base=_config(args, args.shards))

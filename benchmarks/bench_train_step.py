@@ -36,7 +36,7 @@ def _build(impl: str, a: argparse.Namespace):
 
     if impl == "lmforge":
         from lmforge.model import ModelConfig, TransformerLM
-        from lmforge.optim import AdamW, param_groups_for
+        from lmforge.train.optim import AdamW, param_groups_for
 
         cfg = ModelConfig(vocab_size=a.vocab, context_length=a.context, d_model=a.d_model, n_layers=a.layers,
                           n_heads=a.heads, d_ff=a.d_ff, fast=not a.reference)

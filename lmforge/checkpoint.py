@@ -123,7 +123,7 @@ def _checkpoint_bytes(model: Any, optimizer: Any, iteration: int, extra: dict[st
     for name, t in unwrap_model(model).state_dict().items():
         if type(t).__name__ == "DTensor":
             raise ValueError("the model's parameters are sharded (FSDP); gather them first with "
-                             "lmforge.distributed.full_state_dicts(model, optimizer) and save those")
+                             "lmforge.train.distributed.full_state_dicts(model, optimizer) and save those")
         t = t.detach()
         sig = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None
         if sig is not None and sig in seen:

@@ -248,7 +248,7 @@ def _data_get_args(p: argparse.ArgumentParser) -> None:
 
 def _data_get(args: argparse.Namespace) -> int:
     from lmforge.data.corpora import copy_into
-    from lmforge.data.sources import get_dataset
+    from lmforge.data.corpora import get_dataset
 
     kwargs: dict = {}
     if args.name != "shakespeare":

@@ -7,7 +7,7 @@ the function below doubles as documentation of how the pieces fit together:
 ====================  ======================================================  ==========================
 stage                 call                                                    artifact in ``--out``
 ====================  ======================================================  ==========================
-corpus                ``sources.get_dataset`` / ``sources.expand_inputs``      (the input files)
+corpus                ``corpora.get_dataset`` / ``sources.expand_inputs``      (the input files)
 tokenizer             ``tokenizer.train_bpe_from_iterator``                   ``tokenizer.json``
 data                  ``data.prepare`` (train/val split by document)          ``data/``
 plan                  a few timed training steps -> ``max_steps``              ``speedrun.json``
@@ -147,7 +147,8 @@ def _digest(*parts: Any) -> str:
 def _resolve_corpus(corpus: str) -> list[Path]:
     """Input files of ``corpus``: a named dataset (``shakespeare``, ``tinystories``, ...) or a path/glob."""
     from lmforge.data.corpora import DATASETS
-    from lmforge.data.sources import expand_inputs, get_dataset
+    from lmforge.data.corpora import get_dataset
+    from lmforge.data.sources import expand_inputs
 
     if corpus in DATASETS and not Path(corpus).exists():
         return get_dataset(corpus)
@@ -213,7 +214,7 @@ def _step_seconds(cfg: Any, device: Any, steps: int = 4) -> float:
     import torch
 
     from lmforge.model import TransformerLM
-    from lmforge.optim import AdamW
+    from lmforge.train.optim import AdamW
 
     tc = cfg.training
     model = TransformerLM(cfg.model).to(device)

@@ -1,7 +1,7 @@
-"""The package's one-way data flow (docs/DESIGN.md) as a test: each module imports only modules before it.
+"""The folder tree is the pipeline, and imports flow one way (docs/DESIGN.md), as a test.
 
-Lazy imports inside functions count too, so a later refactor cannot quietly make, say, the model
-import the trainer or the library import the CLI.
+Every import counts, also those inside functions, so a later change cannot quietly make the model import
+the tokenizer, generation import training, or the library import the CLI.
 """
 
 import ast
@@ -9,47 +9,117 @@ from pathlib import Path
 
 import lmforge
 
-# The order of docs/DESIGN.md: tokenizer -> data -> model -> train -> generate/serve, CLI on top.
-ORDER = [
-    "__init__", "common", "config",
-    "bpe", "_core", "tokenizer_train", "tokenizer_io", "tokenizer",
-    "corpora", "sources", "shards", "loader", "data",
-    "layers", "losses", "model", "optim", "checkpoint", "rundir", "distributed", "metrics", "train",
-    "hf", "decoder", "generate", "speedrun",
-    "cli",
-]
 PKG = Path(lmforge.__file__).parent
 
+# Shared root modules: any stage may import them; they import only each other.
+SHARED = ["common", "config", "checkpoint", "run"]
+# Each stage (a subpackage) and the stages it may import. The model never sees text (no tokenizer, no data);
+# generation never sees training.
+STAGES = {
+    "tokenizer": set(),
+    "data": {"tokenizer"},
+    "model": set(),
+    "train": {"tokenizer", "data", "model"},
+    "generate": {"tokenizer", "model"},
+    "interop": {"tokenizer", "model"},
+}
+# On top: they may import everything below; nothing but the CLI imports them, and nothing imports the CLI.
+TOP = ["speedrun", "cli"]
+MAX_LINES = 600
 
-def _imported_modules(path: Path) -> set[str]:
+
+def _unit(path: Path) -> str:
+    """The stage, shared module or top module a file belongs to (``tokenizer``, ``common``, ``cli`` ...)."""
+    rel = path.relative_to(PKG)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imports(path: Path) -> set[str]:
+    """Units imported by a file (absolute imports only; lmforge uses no relative ones)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 0 and node.module == "lmforge":
+            assert node.level == 0, f"{path}: relative import"
+            if node.module == "lmforge":
                 found.update(a.name for a in node.names)
-            elif node.level == 0 and node.module and node.module.startswith("lmforge."):
+            elif node.module and node.module.startswith("lmforge."):
                 found.add(node.module.split(".")[1])
-            elif node.level == 1:
-                found.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
         elif isinstance(node, ast.Import):
             found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("lmforge."))
-    return found
+    return found - {"__version__"}
 
 
-def test_every_module_is_placed_in_the_order():
-    modules = {p.stem for p in PKG.glob("*.py")}
-    assert modules <= set(ORDER), f"add new modules to ORDER (and docs/DESIGN.md): {sorted(modules - set(ORDER))}"
+def _files() -> list[Path]:
+    return sorted(p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_every_file_belongs_to_a_known_unit():
+    known = set(SHARED) | set(STAGES) | set(TOP) | {"__init__", "_core"}
+    units = {_unit(p) for p in _files()}
+    assert units <= known, f"place new units in tests/test_architecture.py and docs/DESIGN.md: {sorted(units - known)}"
 
 
 def test_imports_flow_one_way():
-    bad = []
-    for p in sorted(PKG.glob("*.py")):
-        me = ORDER.index(p.stem)
-        for dep in _imported_modules(p):
-            if dep == "__version__":
-                continue
-            if dep not in ORDER:
-                bad.append(f"{p.name} imports unknown lmforge.{dep}")
-            elif ORDER.index(dep) >= me:
-                bad.append(f"{p.name} imports lmforge.{dep}, which comes after it")
-    assert not bad, "\n".join(bad)
+    errors = []
+    for path in _files():
+        unit = _unit(path)
+        for dep in _imports(path) - {unit, "_core"}:
+            if dep == "cli":
+                errors.append(f"{path.relative_to(PKG)} imports the CLI")
+            elif unit in SHARED or unit == "__init__":
+                if dep not in SHARED:
+                    errors.append(f"shared module {path.relative_to(PKG)} imports {dep}")
+            elif unit in STAGES:
+                if dep not in SHARED and dep not in STAGES[unit]:
+                    errors.append(f"{path.relative_to(PKG)} ({unit}) imports {dep}")
+            elif unit == "speedrun" and dep in TOP:
+                errors.append(f"{path.relative_to(PKG)} imports {dep}")
+    assert not errors, "\n".join(errors)
+
+
+def test_no_module_is_too_long():
+    long = {str(p.relative_to(PKG)): n for p in _files() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these by noun (over {MAX_LINES} lines): {long}"
+
+
+def test_no_import_cycles_between_modules():
+    """Module-level imports (the ones that run at import time) form no cycle."""
+    names = {p: ".".join(("lmforge",) + p.relative_to(PKG).with_suffix("").parts).removesuffix(".__init__")
+             for p in _files()}
+    graph: dict[str, set[str]] = {}
+    for path, name in names.items():
+        deps = set()
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:  # top level only
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lmforge"):
+                deps.add(node.module)
+                deps.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("lmforge"))
+        graph[name] = {d for d in deps if d in names.values() and d != name}
+    # a package's __init__ importing its own submodules is the usual re-export, not a cycle
+    for name in graph:
+        graph[name] = {d for d in graph[name] if not (name == d.rsplit(".", 1)[0] or d == name.rsplit(".", 1)[0])}
+    seen: dict[str, int] = {}
+
+    def visit(n: str, stack: list[str]) -> None:
+        seen[n] = 1
+        for d in graph[n]:
+            assert seen.get(d) != 1, "import cycle: " + " -> ".join(stack + [n, d])
+            if d not in seen:
+                visit(d, stack + [n])
+        seen[n] = 2
+
+    for n in graph:
+        if n not in seen:
+            visit(n, [])
+
+
+def test_importing_lmforge_has_no_side_effects():
+    import subprocess
+    import sys
+
+    code = ("import logging, sys; import lmforge, lmforge.tokenizer, lmforge.data, lmforge.model, lmforge.train, "
+            "lmforge.generate; assert not logging.getLogger().handlers; assert not logging.getLogger('lmforge').handlers;"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

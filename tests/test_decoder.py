@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmforge.decoder import CachedDecoder, PackedLinear, _attend, kernel_available, weight_dtype_of
+from lmforge.generate.engine import CachedDecoder, PackedLinear, _attend, kernel_available, weight_dtype_of
 from lmforge.generate import Generator
 from lmforge.model import ModelConfig, TransformerLM
 

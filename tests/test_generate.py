@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmforge.generate import CachedDecoder, Generator, _TextStream, check_sampling, sample_next
+from lmforge.generate.generator import CachedDecoder, Generator, _TextStream, check_sampling, sample_next
 from lmforge.model import ModelConfig, TransformerLM
 
 VOCAB = 400  # the conftest tiny_tokenizer's size
@@ -247,7 +247,7 @@ def make_run_dir(path, tokenizer, steps=(3, 5)):
     """A minimal run directory as `lmforge train` writes it: config.yaml, tokenizer.json, checkpoints."""
     from lmforge.checkpoint import CheckpointManager
     from lmforge.config import dump_yaml
-    from lmforge.rundir import mark
+    from lmforge.run import mark
 
     model = tiny_model(seed=11)
     path.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmforge import hf
+from lmforge.interop import hf
 from lmforge.model import ModelConfig, TransformerLM
 
 transformers = pytest.importorskip("transformers")

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmforge.layers import cross_entropy as cross_entropy_reference
-from lmforge.optim import AdamW, param_groups_for
+from lmforge.model.layers import cross_entropy as cross_entropy_reference
+from lmforge.train.optim import AdamW, param_groups_for
 from lmforge.model import (CausalSelfAttention, Embedding, KVCache, Linear, ModelConfig, Norm, RMSNorm,
                            RotaryPositionalEmbedding, SwiGLU, TransformerBlock, TransformerLM, cross_entropy,
                            flops_per_token, linear_cross_entropy, matmul_params_per_token, num_params,
@@ -219,7 +219,7 @@ def test_linear_cross_entropy_rows_whose_target_probability_underflows():
 
 
 def test_linear_cross_entropy_default_chunks_are_even():
-    from lmforge.losses import _chunk_rows
+    from lmforge.model.losses import _chunk_rows
 
     assert _chunk_rows(2048, 10_000) == 683  # three chunks, not four full ones and a short fifth
     assert _chunk_rows(10, 10_000) == 10

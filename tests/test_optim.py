@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmforge.model import ModelConfig, TransformerLM
-from lmforge.optim import SGD, AdamW, clip_grad_norm, cosine_lr, param_groups_for
+from lmforge.train.optim import SGD, AdamW, clip_grad_norm, cosine_lr, param_groups_for
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:

@@ -10,7 +10,7 @@ import torch
 
 from lmforge.checkpoint import CheckpointManager
 from lmforge.common import atomic_write_text, remove_stale_temporaries, temporary_target
-from lmforge.rundir import MARKER, check_new_or_run, is_run_dir, mark, require_run
+from lmforge.run import MARKER, check_new_or_run, is_run_dir, mark, require_run
 
 
 def test_what_training_may_write_into(tmp_path: Path) -> None:

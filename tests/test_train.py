@@ -359,18 +359,18 @@ def test_rejected_config_creates_nothing_and_an_unstarted_run_takes_a_new_config
     # a run that failed before its first checkpoint may be started again with another config
     early = tmp_path / "early"
     cfg = _cfg(small, training={"max_steps": 4, "eval_batch_size": 1, "checkpoint_every": 4, "eval_every": 4})
-    import lmforge.train as train_mod
-    real = train_mod._evaluate
+    import lmforge.train.loop as train_mod
+    real = train_mod.evaluate
 
     def boom(*a, **k):
         raise RuntimeError("crash before the first checkpoint")
 
-    train_mod._evaluate = boom
+    train_mod.evaluate = boom
     try:
         with pytest.raises(RuntimeError, match="crash before"):
             train(cfg, early, progress=False)
     finally:
-        train_mod._evaluate = real
+        train_mod.evaluate = real
     assert (early / "config.yaml").exists() and not list((early / "checkpoints").glob("step_*"))
     changed = _cfg(small, training={"max_steps": 4, "batch_size": 2, "eval_batch_size": 1, "eval_every": 4})
     assert train(changed, early, progress=False)["step"] == 4
@@ -419,7 +419,7 @@ def test_wandb_offline(shards, tmp_path, monkeypatch) -> None:
 def test_ddp_world_size_one_matches_single_process(shards, tmp_path) -> None:
     import torch.distributed as dist
 
-    from lmforge.distributed import get_world_size, is_main_process, setup_distributed
+    from lmforge.train.distributed import get_world_size, is_main_process, setup_distributed
 
     single = tmp_path / "single"
     train(_cfg(shards, training={"max_steps": 3}), single, progress=False)
@@ -438,7 +438,7 @@ def test_ddp_world_size_one_matches_single_process(shards, tmp_path) -> None:
 def test_fsdp_world_size_one_resumes_exactly(shards, tmp_path) -> None:
     import torch.distributed as dist
 
-    from lmforge.distributed import setup_distributed
+    from lmforge.train.distributed import setup_distributed
 
     single = tmp_path / "single"
     train(_cfg(shards, training={"max_steps": 5}), single, progress=False)
@@ -496,7 +496,7 @@ def test_torchrun_two_ranks_cpu_matches_one_process_with_double_batch(shards, tm
 
 
 def test_distributed_helpers_without_a_process_group(monkeypatch) -> None:
-    from lmforge import distributed as D
+    from lmforge.train import distributed as D
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)

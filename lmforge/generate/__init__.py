@@ -1,0 +1,11 @@
+"""Stage 5, a trained model -> text: the KV-cache inference engine, sampling, and ``Generator``.
+
+``engine`` runs a model over a KV cache (prefill, then one token per step; on CPU the step's products,
+attention and small ops run in the C++ decode kernels); ``generator`` samples from it and turns ids into text.
+Generation sees models and tokenizers, never training.
+"""
+
+from lmforge.generate.engine import CachedDecoder
+from lmforge.generate.generator import Generator, check_sampling, sample_next
+
+__all__ = ["Generator", "CachedDecoder", "sample_next", "check_sampling"]

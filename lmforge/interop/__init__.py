@@ -1,0 +1,1 @@
+"""Interoperability: lmforge models and tokenizers to and from other tools (Hugging Face ``transformers``)."""

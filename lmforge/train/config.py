@@ -1,0 +1,187 @@
+"""The run config: typed sections (optimizer, data, training) around the model's ``ModelConfig``.
+
+``RunConfig`` is what a run is made of; ``load_run_config`` reads it from YAML with ``--set`` overrides and
+validates every field (a ``ValueError`` that names the field and the fix). The resolved config is saved as
+``config.yaml`` in every run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from lmforge.config import apply_overrides, from_dict, load_yaml
+from lmforge.model import ModelConfig
+
+__all__ = ["OptimConfig", "DataConfig", "TrainingConfig", "RunConfig", "load_run_config"]
+
+
+# ==================================================================================================
+# Config
+# ==================================================================================================
+@dataclasses.dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    """``adamw`` (decoupled weight decay) or plain ``sgd``."""
+    lr: float = 3e-4
+    """Peak learning rate (reached after warmup)."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the cosine decay (and after it)."""
+    warmup_steps: int = 100
+    """Steps of linear warmup from 0 to ``lr``."""
+    decay_steps: int | None = None
+    """Step at which the cosine reaches ``min_lr``; ``null`` = ``training.max_steps``."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """``cosine``: warmup, cosine decay to ``min_lr``; ``constant``: warmup, then ``lr``."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay for matrices (vectors, norms and biases are never decayed)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW moment decay rates."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this value; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}; typical values are 1e-4 .. 3e-3")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optimizer.min_lr must be in [0, optimizer.lr={self.lr}], got {self.min_lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"optimizer.decay_steps={self.decay_steps} must exceed optimizer.warmup_steps="
+                             f"{self.warmup_steps} (or be null for training.max_steps)")
+        if self.weight_decay < 0:
+            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
+            raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {list(self.betas)}; e.g. [0.9, 0.95]")
+        if not self.eps > 0:
+            raise ValueError(f"optimizer.eps must be > 0, got {self.eps}")
+        if self.grad_clip < 0:
+            raise ValueError(f"optimizer.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Where the token shards (from ``lmforge data prepare``) and their tokenizer are."""
+
+    dir: str = ""
+    """Shard directory (``manifest.json`` + ``{split}_*.bin``)."""
+    tokenizer: str | None = None
+    """Tokenizer file the shards were made with; ``null`` = the path recorded in the manifest, else ``<dir>/tokenizer.json``."""
+    train_split: str = "train"
+    """Split to train on."""
+    val_split: str | None = "val"
+    """Split to evaluate on; ``null`` disables validation."""
+    bos_aligned: bool = False
+    """Start every training block at a document start (needs a BOS/EOT token in the shards)."""
+
+    def __post_init__(self) -> None:
+        if not self.dir:
+            raise ValueError("data.dir is empty; set it to a shard directory made by `lmforge data prepare`")
+
+
+@dataclasses.dataclass
+class TrainingConfig:
+    """The loop: length, batch, numerics, devices, how often to log/evaluate/save."""
+
+    max_steps: int = 1000
+    """Optimizer steps in the whole run (a resumed run continues up to this)."""
+    batch_size: int = 16
+    """Sequences per micro-batch on each rank."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step; tokens/step = batch_size x context x grad_accum_steps x ranks."""
+    context_length: int | None = None
+    """Training sequence length; ``null`` = ``model.context_length`` (may not exceed it: the RoPE table size)."""
+    device: str = "auto"
+    """``auto`` (cuda > mps > cpu), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """``bf16`` runs forward/backward under bfloat16 autocast (weights and optimizer stay fp32)."""
+    compile: bool = False
+    """Compile the model with ``torch.compile``."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """Data parallelism under ``torchrun``: ``ddp`` (replicate) or ``fsdp`` (shard); ignored in one process."""
+    seed: int = 1337
+    """Seed for weight init and data order."""
+    num_threads: int | None = None
+    """CPU threads for torch; ``null`` = torch's default."""
+    log_every: int = 10
+    """Write a train-loss event to metrics.jsonl every this many steps."""
+    eval_every: int = 200
+    """Validate every this many steps (and at the end)."""
+    eval_batches: int = 20
+    """Validation batches per evaluation (a fixed, deterministic set)."""
+    eval_batch_size: int | None = None
+    """Sequences per validation batch; ``null`` = ``batch_size`` (lower it for a small validation split)."""
+    checkpoint_every: int = 500
+    """Save a checkpoint every this many steps (and at the end)."""
+    keep_last: int = 3
+    """Step checkpoints to keep (the best by val loss is kept separately)."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device, for MFU; ``null`` = known GPUs' bf16 peak, else MFU is not reported."""
+    wandb: bool = False
+    """Mirror metrics to Weights & Biases (``pip install wandb``)."""
+    wandb_project: str = "lmforge"
+    """wandb project name."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    """``offline`` logs locally without an account (sync later with ``wandb sync``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "batch_size", "grad_accum_steps", "log_every", "eval_every", "eval_batches",
+                     "checkpoint_every", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"training.context_length must be >= 1 (or null), got {self.context_length}")
+        if self.eval_batch_size is not None and self.eval_batch_size < 1:
+            raise ValueError(f"training.eval_batch_size must be >= 1 (or null for batch_size), got {self.eval_batch_size}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"training.num_threads must be >= 1 (or null), got {self.num_threads}")
+        if self.peak_flops is not None and not self.peak_flops > 0:
+            raise ValueError(f"training.peak_flops must be > 0 (or null), got {self.peak_flops}")
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Everything a run needs; saved as ``config.yaml`` in the run directory."""
+
+    model: ModelConfig
+    data: DataConfig
+    optimizer: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+
+    def __post_init__(self) -> None:
+        T = self.training.context_length
+        if T is not None and T > self.model.context_length:
+            raise ValueError(f"training.context_length={T} is longer than model.context_length="
+                             f"{self.model.context_length} (the RoPE table); lower it or raise model.context_length")
+        if self.optimizer.warmup_steps >= self.training.max_steps and self.optimizer.schedule == "cosine" \
+                and self.optimizer.decay_steps is None:
+            raise ValueError(f"optimizer.warmup_steps={self.optimizer.warmup_steps} must be < training.max_steps="
+                             f"{self.training.max_steps}; shorten the warmup")
+
+    @property
+    def context_length(self) -> int:
+        return self.training.context_length or self.model.context_length
+
+
+def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = (),
+                    base: dict[str, Any] | None = None) -> RunConfig:
+    """Read a YAML run config (or ``base``), apply ``section.key=value`` overrides, validate into a RunConfig."""
+    d = load_yaml(path) if path is not None else dict(base or {})
+    d = apply_overrides(d, overrides)
+    for section in ("model", "data"):
+        if section not in d:
+            raise ValueError(f"the config has no '{section}' section; see examples/tiny.yaml")
+    return from_dict(RunConfig, d)
+
+
+# Changing these between runs in one directory would make the checkpoints meaningless.
+_INCOMPATIBLE = ("model.", "data.dir", "data.train_split", "data.bos_aligned", "training.batch_size",
+                 "training.grad_accum_steps", "training.context_length", "training.seed")
+_HARMLESS = ("model.fast",)  # the fast path computes the same function with the same weights
+# data.tokenizer may move (its fingerprint must still match the shards); data.val_split only changes evaluation.

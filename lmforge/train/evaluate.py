@@ -1,0 +1,88 @@
+"""Evaluation of a model on fixed validation batches: loss, perplexity, bits per byte.
+
+``evaluate`` is what the training loop calls every ``eval_every`` steps (summed over ranks); ``evaluate_run``
+scores a finished run's checkpoint (``lmforge eval``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmforge.checkpoint import CheckpointManager, apply_checkpoint, read_checkpoint
+from lmforge.common import resolve_device
+from lmforge.data import TokenDataset, val_batches
+from lmforge.model import TransformerLM
+from lmforge.run import require_run
+from lmforge.train.config import load_run_config
+from lmforge.train.distributed import all_reduce_sum
+
+logger = logging.getLogger("lmforge")
+
+__all__ = ["Evaluation", "evaluate", "evaluate_run"]
+
+
+@dataclasses.dataclass
+class Evaluation:
+    loss: float
+    ppl: float
+    bpb: float | None
+
+
+def evaluate(model: Any, batches: list, bytes_per_token: float, dtype: str, device: Any) -> Evaluation:
+    """Mean loss over the fixed validation batches (token-weighted, summed over ranks), perplexity, bits/byte."""
+    was_training = model.training
+    model.eval()
+    loss_sum, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in batches:
+            x, y = x.to(device), y.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                loss_sum += float(model(x, targets=y, reduction="sum"))
+            count += y.numel()
+    model.train(was_training)
+    loss_sum, count = all_reduce_sum([loss_sum, float(count)], device)
+    loss = loss_sum / max(count, 1.0)
+    bpb = loss / math.log(2) / bytes_per_token if bytes_per_token > 0 else None
+    return Evaluation(loss=loss, ppl=math.exp(min(loss, 700.0)), bpb=bpb)
+
+
+def evaluate_run(run_dir: str | Path, checkpoint: str | Path | None = None, split: str | None = None,
+                 max_batches: int | None = None, device: str = "auto") -> dict[str, Any]:
+    """Loss, perplexity and bits per byte of a run's checkpoint on a split of its data.
+
+    ``checkpoint``: a file, ``"best"`` (``checkpoints/best.safetensors``) or None for the newest valid
+    one; ``split`` defaults to the run's ``data.val_split``; ``max_batches`` to ``training.eval_batches``.
+    """
+    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
+                                    or max_batches < 1):
+        raise ValueError(f"the number of eval batches must be a positive integer, got {max_batches!r} "
+                         "(leave it unset for the run's training.eval_batches)")
+    run = require_run(run_dir)
+    cfg = load_run_config(run / "config.yaml")
+    split = split or cfg.data.val_split or cfg.data.train_split
+    ckpts = CheckpointManager(run, cfg.training.keep_last)
+    if checkpoint is None:
+        latest = ckpts.load_latest()
+        if latest is None:
+            raise ValueError(f"no checkpoint in {ckpts.dir}; train first")
+        path, ck = latest
+    else:
+        path = ckpts.best_path if str(checkpoint) == "best" else Path(checkpoint)
+        ck = read_checkpoint(path)
+    dev = resolve_device(device)
+    model = TransformerLM(cfg.model).to(dev)
+    step = apply_checkpoint(ck, model)
+    ds = TokenDataset(cfg.data.dir, split)
+    batches = val_batches(ds, cfg.training.eval_batch_size or cfg.training.batch_size, cfg.context_length,
+                          max_batches or cfg.training.eval_batches)
+    with torch.inference_mode():
+        ev = evaluate(model, batches, ds.bytes_per_token, cfg.training.dtype, dev)
+    logger.info("%s (step %d) on %s/%s: loss %.4f", path, step, cfg.data.dir, split, ev.loss)
+    return {"checkpoint": str(path), "step": step, "split": split, "loss": ev.loss, "ppl": ev.ppl, "bpb": ev.bpb,
+            "tokens": sum(y.numel() for _, y in batches)}
