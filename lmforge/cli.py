@@ -43,7 +43,8 @@ def _tok_train_args(p: argparse.ArgumentParser) -> None:
                    help="files, directories or quoted globs: .txt, .jsonl, .parquet (+ .gz / .zst), read as by "
                         "`data prepare`")
     p.add_argument("--vocab-size", type=int, required=True, metavar="N",
-                   help="total ids: 256 bytes + specials + merges")
+                   help="total ids: 256 bytes + specials + merges; if the corpus runs out of pairs first, a warning "
+                        "names the size reached and the smaller tokenizer is written")
     p.add_argument("--special-token", action="append", default=[], metavar="S", dest="special_tokens",
                    help="special token, e.g. '<|endoftext|>' (repeatable; never merged, splits documents)")
     p.add_argument("--text-field", metavar="KEY", help="JSON key / Parquet column with the text (default: text)")

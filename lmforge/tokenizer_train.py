@@ -204,17 +204,31 @@ def _iter_file_chunks(path: PathLike, specials: list[bytes], chunk_bytes: int) -
             yield offset, memoryview(pending)
 
 
+def _check_has_text(counting: _Counting) -> None:
+    """``ValueError`` unless some pre-token holds more than whitespace (specials are never counted)."""
+    if not any(w.decode("utf-8", "replace").strip() for w, _ in counting.counter.items()):
+        raise ValueError("the corpus holds no text to train on (it is empty, or only whitespace and special "
+                         "tokens); check the input files and, for JSON Lines / Parquet, text_field= "
+                         "(CLI: --text-field), for text files delimiter= (CLI: --delimiter)")
+
+
 def _finish(counting: _Counting, vocab_size: int, specials: list[str], progress: bool, nbytes: int,
             t0: float) -> tuple[Vocab, Merges]:
     secs = max(time.perf_counter() - t0, 1e-9)
     logger.info("counted %.1f MB in %.1fs (%.1f MB/s): %d unique pre-tokens", nbytes / 1e6, secs,
                 nbytes / 1e6 / secs, len(counting.counter))
+    _check_has_text(counting)
     vocab = bpe.base_vocab(specials)
     t1 = time.perf_counter()
     merges = counting.merges(vocab_size - len(vocab), progress)
     for a, b in merges:
         vocab[len(vocab)] = a + b
     logger.info("learned %d merges in %.1fs (vocab size %d)", len(merges), time.perf_counter() - t1, len(vocab))
+    if len(vocab) < vocab_size:  # like HF tokenizers' BpeTrainer: stop early, but say so
+        logger.warning("vocab_size=%d cannot be reached: the corpus ran out of pairs to merge at vocab size %d "
+                       "(256 bytes + %d special tokens + %d merges); the tokenizer has %d ids. Train on more "
+                       "text or ask for at most %d", vocab_size, len(vocab), len(specials), len(merges),
+                       len(vocab), len(vocab))
     return vocab, merges
 
 
@@ -281,8 +295,9 @@ def train_bpe(input_path: PathLike | Sequence[PathLike], vocab_size: int, specia
     Inputs are read as by ``data prepare`` (see the module docstring): ``.txt`` documents separated
     by ``delimiter``, ``.jsonl`` / ``.parquet`` records' ``text_field`` (default ``"text"``),
     optionally ``.gz``/``.zst``. A plain text file gives ``(vocab, merges)`` exactly as
-    :func:`lmforge.bpe.train_bpe_reference` would on its contents split at the delimiter.
-    ``errors="replace"`` reads invalid UTF-8 as U+FFFD instead of refusing the file.
+    :func:`lmforge.bpe.train_bpe_reference` would on its contents split at the delimiter. Refuses
+    (``ValueError``) a corpus without text; logs a warning when the corpus runs out of pairs before
+    ``vocab_size``. ``errors="replace"`` reads invalid UTF-8 as U+FFFD instead of refusing the file.
     ``num_threads`` defaults to the usable cores.
     """
     specials = _setup(vocab_size, special_tokens, pattern, errors)
@@ -317,7 +332,8 @@ def train_bpe_from_iterator(texts: Iterable[str], vocab_size: int, special_token
 
     Documents are joined with a special token into batches of about ``batch_bytes`` so the C++
     counter works on large pieces; the joining special is never counted and separates documents
-    exactly like a document boundary.
+    exactly like a document boundary. Refuses a corpus without text and warns about an unreachable
+    ``vocab_size`` like :func:`train_bpe`.
     """
     specials = _setup(vocab_size, special_tokens, pattern, errors)
     counting = _Counting(specials, pattern, _threads(num_threads))

@@ -31,6 +31,10 @@ def test_train_bpe_equals_reference_on_random_files(tmp_path_factory, docs, voca
     for k, doc in enumerate(docs):
         paths.append(d / f"{k}.txt")
         paths[-1].write_bytes(doc.encode("utf-8"))
+    if not any(doc.replace(EOT, "").strip() for doc in docs):  # nothing but whitespace and specials
+        with pytest.raises(ValueError, match="no text to train on"):
+            train_bpe(paths, vocab_size, [EOT], pattern=pattern, progress=False, chunk_bytes=chunk)
+        return
     got = train_bpe(paths, vocab_size, [EOT], pattern=pattern, progress=False, chunk_bytes=chunk)
     assert got == train_bpe_reference(docs, vocab_size, [EOT], pattern)
 
@@ -103,11 +107,32 @@ def test_train_bpe_invalid_utf8_says_where_and_replace_works(tmp_path):
     assert got == train_bpe_reference([p.read_bytes().decode("utf-8", errors="replace")], 300)
 
 
-def test_train_bpe_empty_corpus_returns_base_vocab(tmp_path):
-    p = tmp_path / "empty.txt"
-    p.write_bytes(b"")
-    vocab, merges = train_bpe(p, 1000, [EOT], progress=False)
-    assert merges == [] and len(vocab) == 257 and vocab[256] == EOT.encode()
+@pytest.mark.parametrize("name,data", [
+    ("empty.txt", b""), ("blank.txt", "  \n\n\t \u3000".encode()),
+    ("specials.txt", f"{EOT}\n{EOT} {EOT}".encode()), ("empty.jsonl", b'{"text": ""}\n{"text": "  "}\n'),
+])
+def test_train_bpe_refuses_a_corpus_without_text(tmp_path, name, data):
+    p = tmp_path / name
+    p.write_bytes(data)
+    with pytest.raises(ValueError, match="no text to train on .*--text-field.*--delimiter"):
+        train_bpe(p, 1000, [EOT], progress=False)
+    with pytest.raises(ValueError, match="no text to train on"):
+        train_bpe_from_iterator(["", " \n"], 1000, [EOT], progress=False)
+
+
+def test_train_bpe_warns_when_the_vocab_size_cannot_be_reached(tmp_path, caplog):
+    p = tmp_path / "small.txt"
+    p.write_text("ab ab ab", encoding="utf-8")
+    with caplog.at_level("WARNING", logger="lmforge"):
+        vocab, merges = train_bpe(p, 1000, [EOT], progress=False)
+    assert (vocab, merges) == train_bpe_reference(["ab ab ab"], 1000, [EOT]) and len(vocab) == 259
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "vocab_size=1000 cannot be reached" in warnings[0]
+    assert "at vocab size 259 " in warnings[0] and "at most 259" in warnings[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lmforge"):
+        train_bpe(p, 259, [EOT], progress=False)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
 def _write_formats(d, docs: list[str]) -> dict[str, object]:
@@ -384,6 +409,10 @@ def test_train_bpe_streams_in_bounded_chunks_and_logs(tmp_path, monkeypatch, cap
 @settings(max_examples=40, deadline=None)
 @given(docs=st.lists(st.text(max_size=40), min_size=1, max_size=3), pattern=st.sampled_from(["gpt2", "gpt4"]))
 def test_full_unicode_training_and_encoding_match_reference(docs, pattern):
+    if not any(d.replace(EOT, "").strip() for d in docs):
+        with pytest.raises(ValueError, match="no text to train on"):
+            train_bpe_from_iterator(docs, 300, [EOT], pattern=pattern, progress=False)
+        return
     ref = train_bpe_reference(docs, 300, [EOT], pattern)
     assert train_bpe_from_iterator(docs, 300, [EOT], pattern=pattern, progress=False) == ref
     tok = Tokenizer(*ref, [EOT], pattern)

@@ -99,6 +99,23 @@ def _train_cli(tmp_path, out: str, extra: list[str], *inputs, vocab: str = "400"
     return path
 
 
+def test_train_empty_corpus_and_unreachable_vocab(tmp_path, capsys):
+    empty = _write(tmp_path / "e.txt", f" {EOT}\n\n{EOT} ")
+    args = ["-q", "tokenizer", "train", "--input", str(empty), "--vocab-size", "300", "--special-token", EOT,
+            "--out", str(tmp_path / "e.json")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lmforge: error: the corpus holds no text") and err.count("\n") == 1
+    assert not (tmp_path / "e.json").exists()
+    small = _write(tmp_path / "s.txt", "hello hello")  # a real process: the warning as a user sees it
+    res = subprocess.run([sys.executable, "-m", "lmforge.cli", "-q", "tokenizer", "train", "--input", str(small),
+                          "--vocab-size", "5000", "--out", str(tmp_path / "s.json")], capture_output=True, text=True)
+    lines = res.stderr.splitlines()
+    assert res.returncode == 0 and len(lines) == 2 and lines[1].startswith("wrote "), res.stderr
+    assert "WARNING vocab_size=5000 cannot be reached" in lines[0]
+    assert f"the tokenizer has {Tokenizer.load(tmp_path / 's.json').vocab_size} ids" in lines[0]
+
+
 def test_encode_decode_roundtrip(trained_path, tmp_path, capsys):
     text = make_corpus_text(5, seed=7) + "\n"
     src = tmp_path / "in.txt"
