@@ -460,3 +460,16 @@ def test_train_from_iterator_lone_surrogates():
         train_bpe_from_iterator(["ok", "ab\ud800cd"], 300, progress=False)
     got = train_bpe_from_iterator(["ok", "ab\ud800cd"], 300, progress=False, errors="replace")
     assert got == train_bpe_reference(["ok", "ab\ufffd\ufffd\ufffdcd"], 300)
+
+
+def test_train_bpe_on_text_does_not_import_numpy(tmp_path):
+    """The fast path's memory is the pre-token table: importing the readers must not add numpy (~13 MB RSS)."""
+    import subprocess
+    import sys
+
+    p = tmp_path / "c.txt"
+    p.write_text(make_corpus_text(5), encoding="utf-8")
+    code = ("import sys; from lmforge.tokenizer import train_bpe; "
+            f"train_bpe({str(p)!r}, 300, ['<|endoftext|>'], progress=False); print('numpy' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "False"
