@@ -26,11 +26,12 @@ import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterator, Sequence
-
-import numpy as np
+from typing import IO, TYPE_CHECKING, Any, Iterator, Sequence
 
 from lmforge.common import check_input_file
+
+if TYPE_CHECKING:  # numpy is imported where it is used: reading and counting text (train_bpe) never needs it
+    import numpy as np
 
 logger = logging.getLogger("lmforge")
 
@@ -229,6 +230,8 @@ class DocBatch:
 
     @classmethod
     def from_texts(cls, docs: Sequence[str], want_crc: bool = False) -> "DocBatch":
+        import numpy as np
+
         raw = [d.encode("utf-8", "surrogatepass") for d in docs]
         sizes = np.fromiter(map(len, raw), np.int64, len(raw))
         ends = np.cumsum(sizes)
@@ -238,6 +241,8 @@ class DocBatch:
     @classmethod
     def concat(cls, batches: Sequence["DocBatch"]) -> "DocBatch":
         """One batch holding ``batches`` in order (no copy for a single batch)."""
+        import numpy as np
+
         if len(batches) == 1:
             return batches[0]
         shift = np.cumsum([0] + [len(b.buf) for b in batches[:-1]])
@@ -259,6 +264,8 @@ class DocBatch:
 def split_documents_reference(buf: bytes, sep: bytes, final: bool, want_crc: bool
                               ) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray | None, int]:
     """Pure-Python :func:`split_documents` (the specification the C++ splitter is tested against)."""
+    import numpy as np
+
     data = bytes(buf)
     pieces = data.split(sep)
     if not final:
@@ -544,14 +551,16 @@ def iter_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], text_
 # --------------------------------------------------------------------------------------------------
 # Deterministic train / validation split
 # --------------------------------------------------------------------------------------------------
-_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def mix64(z: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser: a fast bijection of uint64 arrays whose output bits all depend on all
     input bits (arithmetic wraps). Used to turn checksums and counters into pseudo-random numbers."""
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    import numpy as np
+
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
     return z ^ (z >> np.uint64(31))
 
 
@@ -562,6 +571,8 @@ def val_mask(docs: Sequence[str], val_fraction: float, seed: int = 0) -> np.ndar
     deterministic on every machine, ~5x cheaper than a cryptographic hash, and an identical document
     always lands in the same split. Vectorised, because it runs once per document of the corpus.
     """
+    import numpy as np
+
     if val_fraction <= 0.0 or not docs:
         return np.zeros(len(docs), dtype=bool)
     raw = [d.encode("utf-8", "surrogatepass") for d in docs]
@@ -571,6 +582,8 @@ def val_mask(docs: Sequence[str], val_fraction: float, seed: int = 0) -> np.ndar
 
 def val_mask_from_crc(crc: np.ndarray, sizes: np.ndarray, val_fraction: float, seed: int = 0) -> np.ndarray:
     """:func:`val_mask` from each document's CRC-32 and UTF-8 byte length (what :class:`DocBatch` carries)."""
+    import numpy as np
+
     if val_fraction <= 0.0 or len(crc) == 0:
         return np.zeros(len(crc), dtype=bool)
     key = np.uint64(int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=8).digest(), "little"))

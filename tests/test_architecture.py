@@ -9,11 +9,11 @@ from pathlib import Path
 
 import lmforge
 
-# The order of docs/DESIGN.md: tokenizer -> data -> model -> train -> generate/serve, CLI on top.
+# The order of docs/DESIGN.md: corpus readers -> tokenizer -> data -> model -> train -> generate/serve, CLI on top.
 ORDER = [
-    "__init__", "common", "config",
-    "bpe", "_core", "tokenizer_train", "tokenizer_io", "tokenizer",
-    "corpora", "sources", "shards", "loader", "data",
+    "__init__", "common", "config", "_core", "corpora", "sources",
+    "bpe", "tokenizer_train", "tokenizer_io", "tokenizer",
+    "shards", "loader", "data",
     "layers", "losses", "model", "optim", "checkpoint", "rundir", "distributed", "metrics", "train",
     "hf", "decoder", "generate", "speedrun",
     "cli",
