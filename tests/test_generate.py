@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -299,3 +302,15 @@ def test_cli_generate(tmp_path, tiny_tokenizer, capsys):
     out, err = capsys.readouterr()
     assert "x" not in out  # bad sampling flags are refused before the prompt is echoed
     assert "top_p must be in (0, 1]" in err and "does not exist" in err and "context length" in err
+
+
+def test_cli_generate_on_one_thread(tmp_path, tiny_tokenizer):
+    """The real `lmforge generate` in a fresh process with PyTorch on one thread (as under OMP_NUM_THREADS=1,
+    `taskset -c 0` or a one-core container) prints the library's greedy text and exits 0."""
+    model = make_run_dir(tmp_path / "run", tiny_tokenizer)
+    want = Generator(model, tiny_tokenizer).generate("the king", 5, temperature=0)
+    r = subprocess.run([sys.executable, "-m", "lmforge.cli", "generate", "--run", str(tmp_path / "run"), "--prompt",
+                        "the king", "--max-new-tokens", "5", "--temperature", "0", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=120, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "the king" + want + "\n"
