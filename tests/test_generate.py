@@ -116,6 +116,23 @@ def test_top_p_keeps_smallest_set_reaching_p():
     assert _draws(flat, n=4000, top_p=1.0) == set(range(50))  # p = 1 keeps every token
 
 
+def test_top_p_boundary_is_inclusive():
+    """On the boundary: the kept set is the smallest whose total is >= top_p, so at top_p == 0.75 exactly with
+    probabilities 0.5, 0.25, 0.1875, 0.0625 (exact in float32, as is every partial sum) the first two are
+    kept and the third is not; a hair above 0.75 needs the third. The hair, 2**-20, is exact in float32 too."""
+    p = torch.tensor([[0.5, 0.25, 0.1875, 0.0625]])
+    logits = p.log()
+    assert torch.equal(torch.softmax(logits, -1), p)  # the premise: these are the probabilities sampled from
+    hair = 2.0**-20
+    assert _draws(logits, top_p=0.5) == {0}
+    assert _draws(logits, top_p=0.5 + hair) == {0, 1}
+    assert _draws(logits, top_p=0.75 - hair) == {0, 1}
+    assert _draws(logits, top_p=0.75) == {0, 1}
+    assert _draws(logits, top_p=0.75 + hair) == {0, 1, 2}
+    assert _draws(logits, top_p=0.9375) == {0, 1, 2}
+    assert _draws(logits, n=2000, top_p=0.9375 + hair) == {0, 1, 2, 3}
+
+
 def test_top_p_order_independent_of_token_ids():
     logits = torch.tensor([[0.2, 0.5, 0.3]]).log()  # the argmax is id 1
     assert _draws(logits, top_p=0.45) == {1}
