@@ -69,7 +69,9 @@ def set_global_state(s: dict[str, Any]) -> None:
         torch.set_num_threads(s["num_threads"])
     torch.set_default_dtype(s["default_dtype"])
     torch.set_grad_enabled(s["grad_enabled"])
-    torch.use_deterministic_algorithms(s["deterministic"][0], warn_only=s["deterministic"][1])
+    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != \
+            s["deterministic"]:  # only if changed: the first call takes seconds (it imports half of torch)
+        torch.use_deterministic_algorithms(s["deterministic"][0], warn_only=s["deterministic"][1])
     torch.set_float32_matmul_precision(s["matmul_precision"])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = s["cudnn"]
     torch.set_anomaly_enabled(s["anomaly"])
