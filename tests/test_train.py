@@ -209,37 +209,59 @@ def _start(cfg_path: Path, run_dir: Path, delay: float = 0.0) -> subprocess.Pope
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)  # 15-55 s measured on 2 shared cores; a hang must fail, not wait out the 300 s default
 def test_sigkill_and_restart_equals_uninterrupted(shards, tmp_path) -> None:
+    """Each wait has its own bound, so a run that hangs (say, a loader resume that never yields a batch) fails
+    within 75 s, naming the process, with its stderr; every child is killed on the way out."""
     cfg = _cfg_dict(shards, training={"max_steps": 30, "checkpoint_every": 5, "eval_every": 10})
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     full, killed = tmp_path / "full", tmp_path / "killed"
-    ref = _start(cfg_path, full)
+    procs = [_start(cfg_path, full)]
+    try:
+        ref = procs[0]
+        proc = _start(cfg_path, killed, delay=0.03)
+        procs.append(proc)
+        metrics = killed / "metrics.jsonl"
+        deadline = time.time() + 75
+        while time.time() < deadline:  # wait until step 13 is logged: between the checkpoints at 10 and 15
+            if metrics.exists() and any(json.loads(ln).get("step", 0) >= 13
+                                        for ln in metrics.read_text().splitlines() if ln.endswith("}")):
+                break
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.005)
+        else:
+            pytest.fail("the run to be killed logged no step 13 within 75 s")
+        assert proc.poll() is None, "the run finished before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        steps_before = [s for s, _ in _losses(killed)]
+        assert 13 <= steps_before[-1] < 30
 
-    proc = _start(cfg_path, killed, delay=0.03)
-    metrics = killed / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline:  # wait until step 13 is logged: between the checkpoints at 10 and 15
-        if metrics.exists() and any(json.loads(ln).get("step", 0) >= 13 for ln in metrics.read_text().splitlines()
-                                    if ln.endswith("}")):
-            break
-        assert proc.poll() is None, proc.stderr.read().decode()
-        time.sleep(0.005)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    steps_before = [s for s, _ in _losses(killed)]
-    assert 13 <= steps_before[-1] < 30
-
-    restart = _start(cfg_path, killed)
-    assert restart.wait(timeout=300) == 0, restart.stderr.read().decode()
-    assert ref.wait(timeout=300) == 0, ref.stderr.read().decode()
+        restart = _start(cfg_path, killed)
+        procs.append(restart)
+        assert _wait(restart, 75, "the restarted run") == 0, restart.stderr.read().decode()
+        assert _wait(ref, 30, "the uninterrupted run") == 0, ref.stderr.read().decode()  # no delays: done by now
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert [s for s, _ in _losses(killed)] == list(range(1, 31))
     assert _losses(killed) == _losses(full)  # bit for bit
     vals = lambda r: [(e["step"], e["val_loss"]) for e in _events(r) if "val_loss" in e]
     assert vals(killed) == vals(full)
     assert list(killed.rglob(".*.tmp")) == []
+
+
+def _wait(proc: subprocess.Popen, seconds: float, what: str) -> int:
+    """``proc``'s exit code, or a test failure with its stderr if it runs longer than ``seconds``."""
+    try:
+        return proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"{what} did not finish within {seconds} s (hung?); stderr:\n{err.decode()[-2000:]}")
 
 
 # --------------------------------------------------------------------------------------------------
