@@ -148,6 +148,53 @@ def test_resume_in_process_equals_uninterrupted(shards, tmp_path) -> None:
     assert vals(split) == vals(full)
 
 
+def _draw() -> tuple[list[float], float, list[float]]:
+    """One draw from each global generator a resume must restore: torch's, Python's, NumPy's."""
+    import random
+
+    import numpy as np
+    return torch.rand(4).tolist(), random.random(), np.random.rand(4).tolist()
+
+
+def test_rng_state_round_trips_through_a_checkpoint_file(tmp_path) -> None:
+    """What `train` saves as its RNG state, written to a checkpoint file and read back, replays the same draws."""
+    from lmforge.checkpoint import read_checkpoint, save_checkpoint
+    from lmforge.common import seed_everything
+    from lmforge.train import _rng_state, _set_rng_state
+
+    seed_everything(123)
+    _draw()  # somewhere in the middle of the streams, not at a seed
+    save_checkpoint(torch.nn.Linear(2, 2), None, 7, tmp_path / "c.safetensors",
+                    {"train": {"rng": _rng_state(torch.device("cpu"))}})
+    first, second = _draw(), _draw()
+    assert first != second  # the draws move the generators: a replay below is not a coincidence
+    _set_rng_state(read_checkpoint(tmp_path / "c.safetensors").extra["train"]["rng"], torch.device("cpu"))
+    assert _draw() == first and _draw() == second
+
+
+def test_resume_restores_the_global_rngs(shards, tmp_path, monkeypatch) -> None:
+    """The loop itself draws nothing from the global generators, so the other resume tests cannot see a
+    missing RNG restore. Here every training forward scales the loss by a draw from all three (as dropout
+    would draw), so a resume that skips the restore repeats the first steps' draws and the losses differ."""
+    from lmforge.model import TransformerLM
+
+    forward = TransformerLM.forward
+
+    def noisy(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if self.training:
+            t, p, n = _draw()
+            out = out * (1 + 1e-2 * (t[0] + p + n[0]))
+        return out
+
+    monkeypatch.setattr(TransformerLM, "forward", noisy)
+    full, split = tmp_path / "full", tmp_path / "split"
+    train(_cfg(shards, training={"max_steps": 8}), full, progress=False)
+    train(_cfg(shards, training={"max_steps": 4, "checkpoint_every": 4}), split, progress=False)
+    train(_cfg(shards, training={"max_steps": 8}), split, progress=False)  # resumes at 4
+    assert _losses(split) == _losses(full)
+
+
 def test_resume_skips_corrupt_newest_checkpoint(shards, tmp_path, caplog) -> None:
     full, run = tmp_path / "full", tmp_path / "run"
     train(_cfg(shards, training={"max_steps": 9}), full, progress=False)
