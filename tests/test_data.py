@@ -498,6 +498,7 @@ def test_permute_is_a_keyed_bijection():
     assert np.array_equal(permute(np.array([5, 999]), 1000, _round_keys(0, 0, 0)), a[[5, 999]])  # pointwise
 
 
+@pytest.mark.timeout(30)  # well under 1 s: a resume that loops must fail here, not hang for the 300 s default
 @pytest.mark.parametrize("n", [0, 1, 7, 16, 23])
 def test_block_loader_resume_is_exact(arange_dir, n):
     ds = TokenDataset(arange_dir)
@@ -532,6 +533,7 @@ def test_ranks_are_disjoint_and_cover_the_epoch(arange_dir):
         BlockLoader(ds, 2, 9, rank=3, world_size=3)
 
 
+@pytest.mark.timeout(30)  # well under 1 s
 def test_appended_shards_join_the_unseen_rest_of_the_epoch(arange_dir):
     ds = TokenDataset(arange_dir)
     a = BlockLoader(ds, 4, 9, seed=2)
@@ -603,6 +605,7 @@ def test_val_batches_are_fixed_and_sequential(arange_dir):
     assert len(val_batches(ds, 4, 9, 100)) == 16  # all 66 blocks -> 16 full batches
 
 
+@pytest.mark.timeout(90)  # about 5 s on 2 shared cores
 def test_resume_and_epoch_invariants_property(tmp_path_factory):
     """For random shard sizes, batch shapes, ranks and save points: resume is exact, epochs never repeat a block."""
     hypothesis = pytest.importorskip("hypothesis")

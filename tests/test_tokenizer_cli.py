@@ -154,17 +154,28 @@ def test_encode_decode_errors(trained_path, tmp_path, capsys):
 
 
 def test_stats_side_by_side(trained_path, tmp_path, capsys):
-    tok = Tokenizer.load(trained_path)
-    tok.save_gpt2(tmp_path / "vocab.json", tmp_path / "merges.txt")
+    """Two different tokenizers (the trained BPE and plain bytes, as a GPT-2 directory): every count is theirs."""
+    a = Tokenizer.load(trained_path)
+    b = Tokenizer({i: bytes([i]) for i in range(256)} | {256: EOT.encode()}, [], [EOT])  # one token per byte
+    (tmp_path / "bytes").mkdir()
+    b.save_gpt2(tmp_path / "bytes/vocab.json", tmp_path / "bytes/merges.txt")
     en, zh = tmp_path / "en.txt", tmp_path / "zh.txt"
     en.write_text(make_corpus_text(3, seed=1), encoding="utf-8")
     zh.write_text("你好，世界。这是一个测试。", encoding="utf-8")
-    assert main(["tokenizer", "stats", "--tokenizer", str(trained_path), "--compare", str(tmp_path), str(en),
-                 str(zh)]) == 0
+    assert main(["tokenizer", "stats", "--tokenizer", str(trained_path), "--compare", str(tmp_path / "bytes"),
+                 str(en), str(zh)]) == 0
     out = capsys.readouterr().out
-    for label in ("bytes / token", "tokens / word", "vocab used", "longest tokens", "1.000x the tokens"):
-        assert label in out
-    assert out.count("bytes / token") == 2
+    for label in ("bytes / token", "tokens / word", "vocab used", "longest tokens"):
+        assert out.count(label) == 2
+    for path, block in zip((en, zh), out.split(f"{zh}:")):
+        text = path.read_text(encoding="utf-8")
+        na, nb = len(a.encode(text, special="plain")), len(b.encode(text, special="plain"))
+        assert nb == len(text.encode()) and na < nb  # different tokenizers, different counts
+        rows = {line[2:18].strip(): line[18:].split() for line in block.splitlines() if line.startswith("  ")}
+        assert rows["tokens"] == [str(na), str(nb)] and rows["vocab size"] == ["350", "257"]
+        assert rows["bytes / token"] == [f"{nb / na:.3f}", "1.000"]
+        assert rows["tokens / word"] == [f"{na / len(text.split()):.3f}", f"{nb / len(text.split()):.3f}"]
+        assert f"tok.json uses {na / nb:.3f}x the tokens of bytes" in block
 
 
 def test_real_subprocess(trained_path, tmp_path):
