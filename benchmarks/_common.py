@@ -46,8 +46,8 @@ def synthetic_documents(n_bytes: int, seed: int = 0) -> list[str]:
 
 def shakespeare_documents() -> list[str]:
     """The works of Shakespeare (lmforge's built-in default corpus), one document per work."""
-    from lmforge.data.corpora import get_dataset
-    from lmforge.data.sources import iter_documents
+    from lmforge.corpus.datasets import get_dataset
+    from lmforge.corpus.sources import iter_documents
 
     return list(iter_documents(get_dataset("shakespeare"), delimiter=EOT))
 

@@ -33,8 +33,8 @@ EOT = "<|endoftext|>"
 
 
 def build_corpus(tmp: Path, mb: float, corpus: str | None) -> Path:
-    from lmforge.data.corpora import get_dataset
-    from lmforge.data.sources import iter_documents
+    from lmforge.corpus.datasets import get_dataset
+    from lmforge.corpus.sources import iter_documents
 
     src = Path(corpus) if corpus else get_dataset("shakespeare")[0]
     paragraphs = list(iter_documents(src, delimiter="blankline" if not corpus else "<|endoftext|>"))
@@ -81,7 +81,7 @@ def main() -> int:
 
     from lmforge.common import num_threads_default
     from lmforge.data.pipeline import BATCH_BYTES, prepare
-    from lmforge.data.sources import iter_documents
+    from lmforge.corpus.sources import iter_documents
     from lmforge.tokenizer import Tokenizer, train_bpe
 
     threads = args.threads or num_threads_default()

@@ -57,14 +57,22 @@ _TOKENIZER_HELP = "tokenizer: an lmforge .json file, a HF tokenizer.json, or a d
 
 
 def _tok_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="UTF-8 text files (each is one document)")
-    p.add_argument("--vocab-size", type=int, required=True, metavar="N", help="total ids: 256 bytes + specials + merges")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="files, directories or quoted globs: .txt, .jsonl, .parquet (+ .gz / .zst), read as by "
+                        "`data prepare`")
+    p.add_argument("--vocab-size", type=int, required=True, metavar="N",
+                   help="total ids: 256 bytes + specials + merges; if the corpus runs out of pairs first, a warning "
+                        "names the size reached and the smaller tokenizer is written")
     p.add_argument("--special-token", action="append", default=[], metavar="S", dest="special_tokens",
                    help="special token, e.g. '<|endoftext|>' (repeatable; never merged, splits documents)")
+    p.add_argument("--text-field", metavar="KEY", help="JSON key / Parquet column with the text (default: text)")
+    p.add_argument("--delimiter", default="<|endoftext|>",
+                   help="document separator in text files: a string (never counted), 'blankline' or 'line' "
+                        "(default <|endoftext|>)")
     p.add_argument("--pattern", default="gpt2", help="pre-tokenizer: gpt2, gpt4, cl100k, nanochat or a regex (default gpt2)")
     p.add_argument("--out", required=True, metavar="PATH", help="where to write the tokenizer (lmforge JSON)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    p.add_argument("--errors", choices=["strict", "replace"], default="strict",
+    p.add_argument("--errors", "--utf8-errors", choices=["strict", "replace"], default="strict", dest="errors",
                    help="invalid UTF-8: stop with its byte offset (strict) or read it as U+FFFD (replace)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="worker threads (default: all cores)")
 
@@ -75,7 +83,8 @@ def _tok_train(args: argparse.Namespace) -> int:
 
     check_output_path(args.out, args.force)  # fail before the work, not after
     vocab, merges = train_bpe(args.input, args.vocab_size, args.special_tokens, pattern=args.pattern,
-                              num_threads=args.threads, errors=args.errors, progress=not args.quiet)
+                              num_threads=args.threads, errors=args.errors, progress=not args.quiet,
+                              text_field=args.text_field, delimiter=args.delimiter)
     tok = Tokenizer(vocab, merges, args.special_tokens, args.pattern)
     tok.save(args.out, force=args.force)
     print(f"wrote {args.out}: vocab_size={tok.vocab_size} merges={len(merges)} fingerprint={tok.fingerprint()}",
@@ -247,8 +256,7 @@ def _data_get_args(p: argparse.ArgumentParser) -> None:
 
 
 def _data_get(args: argparse.Namespace) -> int:
-    from lmforge.data.corpora import copy_into
-    from lmforge.data.corpora import get_dataset
+    from lmforge.corpus import copy_into, get_dataset
 
     kwargs: dict = {}
     if args.name != "shakespeare":

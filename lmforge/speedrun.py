@@ -146,9 +146,8 @@ def _digest(*parts: Any) -> str:
 # ==================================================================================================
 def _resolve_corpus(corpus: str) -> list[Path]:
     """Input files of ``corpus``: a named dataset (``shakespeare``, ``tinystories``, ...) or a path/glob."""
-    from lmforge.data.corpora import DATASETS
-    from lmforge.data.corpora import get_dataset
-    from lmforge.data.sources import expand_inputs
+    from lmforge.corpus import DATASETS, get_dataset
+    from lmforge.corpus.sources import expand_inputs
 
     if corpus in DATASETS and not Path(corpus).exists():
         return get_dataset(corpus)
@@ -159,7 +158,7 @@ def _resolve_corpus(corpus: str) -> list[Path]:
 
 
 def _train_tokenizer(paths: list[Path], vocab_size: int, dest: Path, progress: bool) -> dict[str, Any]:
-    from lmforge.data.sources import iter_documents
+    from lmforge.corpus.sources import iter_documents
     from lmforge.tokenizer import Tokenizer, train_bpe_from_iterator
 
     vocab, merges = train_bpe_from_iterator(iter_documents(paths), vocab_size, ["<|endoftext|>"], progress=progress)

@@ -1,4 +1,9 @@
-"""Shared pytest fixtures: the optional CS336 fixture directory and tiny corpora written into tmp_path.
+"""Shared pytest fixtures: per-test restore of global state, the optional CS336 fixture directory and tiny
+corpora written into tmp_path.
+
+Every test starts from the same global state whatever ran before it (``_restore_global_state``), so the
+suite passes in any order: ``pytest --reverse`` runs it backwards, ``pytest --random-order`` shuffled
+(pytest-random-order, in the test extras; ``--random-order-seed=N`` repeats an order).
 
 The main suite is hermetic: it makes its own data. Tests that need the CS336 fixtures (GPT-2
 vocab/merges, corpus.en, ...) take the ``shared_fixtures`` fixture, which skips cleanly when the
@@ -7,16 +12,89 @@ directory beside the repository is absent (a user's clone has no ``../shared``).
 
 from __future__ import annotations
 
+import logging
+import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 SHARED_FIXTURES = Path(__file__).resolve().parents[1].parent / "shared/fixtures/cs336/fixtures"
 
 _WORDS = ("the a cat dog sat on mat and ran to house little big happy girl boy tree sun day "
           "said was it he she they we you I lower lowest newer wider don't it's we'll 42 2024 "
           "3.14 héllo naïve 世界 你好 ok!").split()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--reverse", action="store_true", help="run the collected tests in reverse order")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--reverse"):
+        items.reverse()
+
+
+def global_state() -> dict[str, Any]:
+    """The process-wide settings a test can change and leave behind: torch's threads, default dtype, grad
+    mode, numerics flags, the global RNGs, the ``lmforge`` logger (the CLI configures it), the working
+    directory and the environment."""
+    log = logging.getLogger("lmforge")
+    return {
+        "num_threads": torch.get_num_threads(),
+        "default_dtype": torch.get_default_dtype(),
+        "grad_enabled": torch.is_grad_enabled(),
+        "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled()),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn": (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark),
+        "anomaly": torch.is_anomaly_enabled(),
+        "rng_torch": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        "rng_python": random.getstate(),
+        "rng_numpy": np.random.get_state(),
+        "logger": (list(log.handlers), log.level, log.propagate),
+        "cwd": os.getcwd(),
+        "environ": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},  # pytest's own
+    }
+
+
+def set_global_state(s: dict[str, Any]) -> None:
+    """Put back what :func:`global_state` returned."""
+    if torch.get_num_threads() != s["num_threads"]:
+        torch.set_num_threads(s["num_threads"])
+    torch.set_default_dtype(s["default_dtype"])
+    torch.set_grad_enabled(s["grad_enabled"])
+    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != \
+            s["deterministic"]:  # only if changed: the first call takes seconds (it imports half of torch)
+        torch.use_deterministic_algorithms(s["deterministic"][0], warn_only=s["deterministic"][1])
+    torch.set_float32_matmul_precision(s["matmul_precision"])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = s["cudnn"]
+    torch.set_anomaly_enabled(s["anomaly"])
+    torch.set_rng_state(s["rng_torch"])
+    if s["rng_cuda"] is not None:
+        torch.cuda.set_rng_state_all(s["rng_cuda"])
+    random.setstate(s["rng_python"])
+    np.random.set_state(s["rng_numpy"])
+    log = logging.getLogger("lmforge")
+    log.handlers[:], log.propagate = s["logger"][0], s["logger"][2]
+    log.setLevel(s["logger"][1])
+    os.chdir(s["cwd"])
+    for k in [k for k in os.environ if k not in s["environ"] and k != "PYTEST_CURRENT_TEST"]:
+        del os.environ[k]
+    os.environ.update({k: v for k, v in s["environ"].items() if os.environ.get(k) != v})
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state() -> Iterator[None]:
+    """Each test leaves the process as it found it (see :func:`global_state`)."""
+    before = global_state()
+    yield
+    set_global_state(before)
 
 
 @pytest.fixture(scope="session")

@@ -16,10 +16,11 @@ SHARED = ["common", "config", "checkpoint", "run"]
 # Each stage (a subpackage) and the stages it may import. The model never sees text (no tokenizer, no data);
 # generation never sees training.
 STAGES = {
-    "tokenizer": set(),
-    "data": {"tokenizer"},
+    "corpus": set(),
+    "tokenizer": {"corpus"},
+    "data": {"corpus", "tokenizer"},
     "model": set(),
-    "train": {"tokenizer", "data", "model"},
+    "train": {"corpus", "tokenizer", "data", "model"},
     "generate": {"tokenizer", "model"},
     "interop": {"tokenizer", "model"},
 }

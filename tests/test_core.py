@@ -567,7 +567,7 @@ def _same_split(a: tuple, b: tuple) -> bool:
                                  "\x1c", "<|eot|>", "<|eo", "\xff", "\xc3", "\xed\xa0\x80"]), max_size=40),
        st.booleans(), st.booleans())
 def test_split_documents_matches_reference(parts: list[str], final: bool, want_crc: bool) -> None:
-    from lmforge.data.sources import split_documents_reference
+    from lmforge.corpus.sources import split_documents_reference
 
     # the last three items stand for invalid byte sequences
     raw = b"".join(p.encode("latin-1") if p in ("\xff", "\xc3", "\xed\xa0\x80") else p.encode() for p in parts)
@@ -579,7 +579,7 @@ def test_split_documents_matches_reference(parts: list[str], final: bool, want_c
 def test_split_documents_strips_exactly_python_whitespace() -> None:
     """C++ strips a character iff str.strip() does: every code point below U+4000 (all of Python's
     whitespace lies there) and every lead-byte pattern above it."""
-    from lmforge.data.sources import split_documents_reference
+    from lmforge.corpus.sources import split_documents_reference
 
     cps = [c for c in list(range(0x4000)) + list(range(0x4000, 0x110000, 97)) if c != ord("|") and not 0xD800 <= c <= 0xDFFF]
     assert all(not chr(c).isspace() for c in range(0x4000, 0x110000))

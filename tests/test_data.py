@@ -14,7 +14,7 @@ from lmforge.data import pipeline as data
 
 from lmforge.data import shards
 from lmforge.data import BlockLoader, TokenDataset, get_batch, prepare, val_batches
-from lmforge.data.sources import split_of
+from lmforge.corpus.splits import split_of
 from lmforge.tokenizer import Tokenizer
 
 EOT = "<|endoftext|>"
@@ -91,7 +91,7 @@ def test_fast_prepare_equals_the_pure_python_reference(tmp_path, tok, monkeypatc
     """C++ splitting + span encoding gives the very shards and manifest of the pure-Python path
     (Python splitter, Python tokenizer), through small read chunks, Unicode whitespace, empty and
     invalid-UTF-8 documents (replaced), a hash split and BOS+EOS."""
-    from lmforge.data import sources
+    from lmforge.corpus import sources
 
     docs = make_docs(150, seed=7)
     text = "".join(f"{d}\u3000\n{EOT}\x85 {EOT} \n{EOT}" if i % 7 else f"é{d}{EOT}" for i, d in enumerate(docs))
@@ -501,6 +501,7 @@ def test_permute_is_a_keyed_bijection():
     assert np.array_equal(permute(np.array([5, 999]), 1000, _round_keys(0, 0, 0)), a[[5, 999]])  # pointwise
 
 
+@pytest.mark.timeout(30)  # well under 1 s: a resume that loops must fail here, not hang for the 300 s default
 @pytest.mark.parametrize("n", [0, 1, 7, 16, 23])
 def test_block_loader_resume_is_exact(arange_dir, n):
     ds = TokenDataset(arange_dir)
@@ -535,6 +536,7 @@ def test_ranks_are_disjoint_and_cover_the_epoch(arange_dir):
         BlockLoader(ds, 2, 9, rank=3, world_size=3)
 
 
+@pytest.mark.timeout(30)  # well under 1 s
 def test_appended_shards_join_the_unseen_rest_of_the_epoch(arange_dir):
     ds = TokenDataset(arange_dir)
     a = BlockLoader(ds, 4, 9, seed=2)
@@ -606,6 +608,7 @@ def test_val_batches_are_fixed_and_sequential(arange_dir):
     assert len(val_batches(ds, 4, 9, 100)) == 16  # all 66 blocks -> 16 full batches
 
 
+@pytest.mark.timeout(90)  # about 5 s on 2 shared cores
 def test_resume_and_epoch_invariants_property(tmp_path_factory):
     """For random shard sizes, batch shapes, ranks and save points: resume is exact, epochs never repeat a block."""
     hypothesis = pytest.importorskip("hypothesis")
@@ -670,7 +673,7 @@ class _FlatOnly:
 def test_encode_batch_with_bos_eos_matches_per_document_reference(tok, bos, eos, first_offset, kind, dtype):
     """prepare's BOS/EOS placement (C++ spans, Python spans, or vectorised numpy) equals the plain
     per-document construction."""
-    from lmforge.data.sources import DocBatch
+    from lmforge.corpus.sources import DocBatch
 
     docs = make_docs(30, seed=5) + ["é ü", "x", "a<|endoftext|>b"]
     ids = {None: None, 0: tok.eot_id, 1: tok.eot_id - 1}

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lmforge.data import corpora
+from lmforge.corpus import datasets as corpora
 from lmforge.cli import main
 
 EOT = "<|endoftext|>"

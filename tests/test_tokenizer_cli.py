@@ -58,13 +58,62 @@ def test_train_bad_inputs(tmp_path, capsys):
     assert main(["tokenizer", "train", "--input", str(tmp_path / "nope.txt"), "--vocab-size", "300", "--out", out]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["tokenizer", "train", "--input", str(tmp_path), "--vocab-size", "300", "--out", out]) == 2
-    assert "is a directory" in capsys.readouterr().err
+    assert "holds no .txt/.jsonl/.parquet files" in capsys.readouterr().err
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"abc \xff def")
     assert main(["tokenizer", "train", "--input", str(bad), "--vocab-size", "300", "--out", out]) == 2
     assert "byte offset 4" in capsys.readouterr().err
     assert main(["-q", "tokenizer", "train", "--input", str(bad), "--vocab-size", "300", "--out", out,
                  "--errors", "replace"]) == 0
+
+
+def test_train_reads_jsonl_compressed_directories_and_globs(tmp_path, capsys):
+    import gzip
+
+    from conftest import make_documents
+
+    docs = make_documents(30, seed=5)
+    want = Tokenizer.load(_train_cli(tmp_path, "want.json", [], _write(tmp_path / "c.txt", EOT.join(docs))))
+    (tmp_path / "d").mkdir()
+    _write(tmp_path / "d" / "a.jsonl", "".join(json.dumps({"body": t}) + "\n" for t in docs[:10]))
+    (tmp_path / "d" / "b.txt.gz").write_bytes(gzip.compress(EOT.join(docs[10:]).encode()))
+    for i, inputs in enumerate([[str(tmp_path / "d")], [str(tmp_path / "d" / "*.jsonl"), str(tmp_path / "d" / "b*")]]):
+        got = Tokenizer.load(_train_cli(tmp_path, f"got{i}.json", ["--text-field", "body"], *inputs))
+        assert (got.vocab, got.merges) == (want.vocab, want.merges)
+    capsys.readouterr()
+    assert main(["-q", "tokenizer", "train", "--input", str(tmp_path / "d"), "--vocab-size", "400",
+                 "--out", str(tmp_path / "x.json")]) == 2  # field "text" missing: one line, exit 2
+    err = capsys.readouterr().err
+    assert "a.jsonl:1: no field 'text' (found ['body'])" in err and err.count("\n") == 1
+
+
+def _write(path, text: str):
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _train_cli(tmp_path, out: str, extra: list[str], *inputs, vocab: str = "400") -> str:
+    path = str(tmp_path / out)
+    assert main(["-q", "tokenizer", "train", "--input", *map(str, inputs), "--vocab-size", vocab,
+                 "--special-token", EOT, "--out", path, "--threads", "1", *extra]) == 0
+    return path
+
+
+def test_train_empty_corpus_and_unreachable_vocab(tmp_path, capsys):
+    empty = _write(tmp_path / "e.txt", f" {EOT}\n\n{EOT} ")
+    args = ["-q", "tokenizer", "train", "--input", str(empty), "--vocab-size", "300", "--special-token", EOT,
+            "--out", str(tmp_path / "e.json")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lmforge: error: the corpus holds no text") and err.count("\n") == 1
+    assert not (tmp_path / "e.json").exists()
+    small = _write(tmp_path / "s.txt", "hello hello")  # a real process: the warning as a user sees it
+    res = subprocess.run([sys.executable, "-m", "lmforge.cli", "-q", "tokenizer", "train", "--input", str(small),
+                          "--vocab-size", "5000", "--out", str(tmp_path / "s.json")], capture_output=True, text=True)
+    lines = res.stderr.splitlines()
+    assert res.returncode == 0 and len(lines) == 2 and lines[1].startswith("wrote "), res.stderr
+    assert "WARNING vocab_size=5000 cannot be reached" in lines[0]
+    assert f"the tokenizer has {Tokenizer.load(tmp_path / 's.json').vocab_size} ids" in lines[0]
 
 
 def test_encode_decode_roundtrip(trained_path, tmp_path, capsys):
@@ -105,17 +154,28 @@ def test_encode_decode_errors(trained_path, tmp_path, capsys):
 
 
 def test_stats_side_by_side(trained_path, tmp_path, capsys):
-    tok = Tokenizer.load(trained_path)
-    tok.save_gpt2(tmp_path / "vocab.json", tmp_path / "merges.txt")
+    """Two different tokenizers (the trained BPE and plain bytes, as a GPT-2 directory): every count is theirs."""
+    a = Tokenizer.load(trained_path)
+    b = Tokenizer({i: bytes([i]) for i in range(256)} | {256: EOT.encode()}, [], [EOT])  # one token per byte
+    (tmp_path / "bytes").mkdir()
+    b.save_gpt2(tmp_path / "bytes/vocab.json", tmp_path / "bytes/merges.txt")
     en, zh = tmp_path / "en.txt", tmp_path / "zh.txt"
     en.write_text(make_corpus_text(3, seed=1), encoding="utf-8")
     zh.write_text("你好，世界。这是一个测试。", encoding="utf-8")
-    assert main(["tokenizer", "stats", "--tokenizer", str(trained_path), "--compare", str(tmp_path), str(en),
-                 str(zh)]) == 0
+    assert main(["tokenizer", "stats", "--tokenizer", str(trained_path), "--compare", str(tmp_path / "bytes"),
+                 str(en), str(zh)]) == 0
     out = capsys.readouterr().out
-    for label in ("bytes / token", "tokens / word", "vocab used", "longest tokens", "1.000x the tokens"):
-        assert label in out
-    assert out.count("bytes / token") == 2
+    for label in ("bytes / token", "tokens / word", "vocab used", "longest tokens"):
+        assert out.count(label) == 2
+    for path, block in zip((en, zh), out.split(f"{zh}:")):
+        text = path.read_text(encoding="utf-8")
+        na, nb = len(a.encode(text, special="plain")), len(b.encode(text, special="plain"))
+        assert nb == len(text.encode()) and na < nb  # different tokenizers, different counts
+        rows = {line[2:18].strip(): line[18:].split() for line in block.splitlines() if line.startswith("  ")}
+        assert rows["tokens"] == [str(na), str(nb)] and rows["vocab size"] == ["350", "257"]
+        assert rows["bytes / token"] == [f"{nb / na:.3f}", "1.000"]
+        assert rows["tokens / word"] == [f"{na / len(text.split()):.3f}", f"{nb / len(text.split()):.3f}"]
+        assert f"tok.json uses {na / nb:.3f}x the tokens of bytes" in block
 
 
 def test_real_subprocess(trained_path, tmp_path):

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 
 from lmforge.data.shards import TokenDataset
-from lmforge.data.sources import mix64
+from lmforge.corpus.splits import mix64
 
 if TYPE_CHECKING:
     import torch

