@@ -65,7 +65,7 @@ def build_models(args: argparse.Namespace):
 
 
 class _Timeout(Exception):
-    pass
+    """Raised by :func:`within` when its time budget runs out."""
 
 
 def within(seconds: float, fn: Callable[[], object]) -> object:
