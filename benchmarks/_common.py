@@ -1,8 +1,12 @@
-"""Shared helpers for the tokenizer benchmarks: corpora, child-process runs, medians, tables.
+"""Shared helpers for the benchmarks: corpora, child-process runs, alternating rounds, medians, tables.
 
 Every tool runs in its own child process (``script --child TOOL ...``) so that its peak RSS is its
 own and one tool's caches cannot help another. The child times only the work (not interpreter start
 or imports) and prints one JSON line, which :func:`run_child` reads back.
+
+Timings: lmforge and its peers run alternately (``a, b, a, b, ...``, :func:`alternate`) for several
+rounds, so a shared machine's background load falls on both alike; every table gives the median, the
+range (fastest..slowest) and the ratio of medians (:func:`spread`, :func:`ratio`).
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 EOT = "<|endoftext|>"
 
@@ -121,16 +126,51 @@ def run_child(script: str, args: Sequence[str], threads: int, timeout: float = 1
 
 
 def median(xs: Sequence[float]) -> float:
+    """The median of ``xs`` (the statistic every table reports)."""
     return statistics.median(xs)
 
 
+def alternate(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall seconds of each of ``fns``, run in turn (``a, b, a, b, ...``) for ``rounds`` timed rounds.
+
+    ``warmup`` untimed rounds come first (lazy imports, thread pools, caches), for every function alike.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def spread(xs: Sequence[float], fmt: str = ".3f") -> str:
+    """``median (min..max)`` of ``xs``, e.g. ``1.234 (1.200..1.300)``."""
+    return f"{median(xs):{fmt}} ({min(xs):{fmt}}..{max(xs):{fmt}})"
+
+
+def ratio(peer: Sequence[float], ours: Sequence[float]) -> float:
+    """How many times longer the peer's median time is than lmforge's (> 1: lmforge is faster)."""
+    return median(peer) / median(ours)
+
+
 def print_table(title: str, rows: list[dict[str, Any]], mb: float) -> None:
-    """Markdown table: tool, median seconds, MB/s, peak RSS, time relative to lmforge."""
-    base = next(r["seconds"] for r in rows if r["tool"] == "lmforge")
+    """Markdown table: tool, median seconds (range), MB/s at the median, peak RSS, median time relative to lmforge.
+
+    Each row has ``tool``, ``times`` (seconds of every round) and optionally ``rss_mb`` and ``note``.
+    """
+    base = next(r["times"] for r in rows if r["tool"] == "lmforge")
     print(f"\n### {title}\n")
-    print("| tool | time (s) | MB/s | peak RSS (MB) | time / lmforge |")
+    print("| tool | time (s): median (range) | MB/s (median) | peak RSS (MB) | time / lmforge |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
         rss = f"{r['rss_mb']:.0f}" if r.get("rss_mb") is not None else "-"
-        print(f"| {r['tool']} | {r['seconds']:.3f} | {mb / r['seconds']:.1f} | {rss} | {r['seconds'] / base:.2f}x |")
+        name = r["tool"] + (f" ({r['note']})" if r.get("note") else "")
+        print(f"| {name} | {spread(r['times'])} | {mb / median(r['times']):.1f} | {rss} | "
+              f"{ratio(r['times'], base):.2f}x |")
     sys.stdout.flush()

@@ -12,7 +12,9 @@ Three ways to turn the same corpus into a uint16 token file, timed in one run on
                      documents in memory + numpy concatenation + file write (target: slower than 2.).
 
 The corpus is Shakespeare (``lmforge data get shakespeare``; one document per paragraph, like web
-text) repeated to ``--mb`` megabytes, or ``--corpus FILE``. Usage::
+text) repeated to ``--mb`` megabytes, or ``--corpus FILE``. The four run in turn for ``--repeat`` rounds after
+one untimed warm-up round of each (which also checks that they produce the same number of tokens); each is
+reported by its median and its range. Usage::
 
     python benchmarks/bench_data_prepare.py [--quick] [--mb 20] [--threads N]
 """
@@ -29,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-EOT = "<|endoftext|>"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import EOT, alternate, median, spread  # noqa: E402
 
 
 def build_corpus(tmp: Path, mb: float, corpus: str | None) -> Path:
@@ -72,10 +75,10 @@ def main() -> int:
     ap.add_argument("--corpus", help="a text file with <|endoftext|>-separated documents instead of Shakespeare")
     ap.add_argument("--vocab", type=int, default=4096, help="tokenizer vocabulary size (default 4096)")
     ap.add_argument("--threads", type=int, default=None, help="threads (default: all cores)")
-    ap.add_argument("--repeat", type=int, default=3, help="rounds of 1. and 2., best kept (default 3)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed rounds of all four, after a warm-up (default 3)")
     args = ap.parse_args()
     if args.quick:
-        args.mb, args.repeat = 2.0, 1
+        args.mb, args.repeat = 2.0, 2
 
     import tokenizers
 
@@ -105,33 +108,47 @@ def main() -> int:
         print(f"corpus: {mb:.1f} MB, {len(docs):,} documents, {len(batches)} batches; vocab {tok.vocab_size}; "
               f"{threads} threads; pid {os.getpid()}")
 
-        # 1. the tokenizer alone (documents already in memory) and 2. lmforge prepare, end to end from the
-        # file; interleaved, best of --repeat (the first round also warms the encoder's word cache for both).
-        t_tok = t_flat = t_prep = c_flat = c_prep = float("inf")
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            n_tok = sum(len(ids) for b in batches for ids in tok.encode_batch(b, num_threads=threads))
-            t_tok = min(t_tok, time.perf_counter() - t0)
-            t0, c0 = time.perf_counter(), time.process_time()
-            n_flat = sum(len(tok.encode_batch_flat(b, num_threads=threads)[0]) for b in batches)
-            t_flat, c_flat = min(t_flat, time.perf_counter() - t0), min(c_flat, time.process_time() - c0)
-            assert n_flat == n_tok
-            t0, c0 = time.perf_counter(), time.process_time()
-            m = prepare(tok, corpus, tmp / "shards", num_threads=threads, progress=False, force=True)
-            t_prep, c_prep = min(t_prep, time.perf_counter() - t0), min(c_prep, time.process_time() - c0)
-            assert m["splits"]["train"]["tokens"] == n_tok + len(docs), "prepare and the tokenizer disagree"
-
-        # 3. HF tokenizers encode_batch + numpy + write
+        # 1. the tokenizer alone (documents already in memory), 2. lmforge prepare, end to end from the file,
+        # 3. HF tokenizers encode_batch + numpy + write: in turn, after a warm-up round of each.
         os.environ["RAYON_NUM_THREADS"] = str(threads)
         eot = np.array([tok.eot_id], dtype=np.uint16)
-        t0 = time.perf_counter()
-        with open(tmp / "hf.bin", "wb") as f:
-            for b in batches:
-                encs = hf.encode_batch(b, add_special_tokens=False)
-                arr = np.concatenate([x for e in encs for x in (np.asarray(e.ids, dtype=np.uint16), eot)])
-                f.write(arr.tobytes())
-        t_hf = time.perf_counter() - t0
-        hf_tokens = (tmp / "hf.bin").stat().st_size // 2
+
+        def run_tok() -> int:
+            return sum(len(ids) for b in batches for ids in tok.encode_batch(b, num_threads=threads))
+
+        def run_flat() -> int:
+            return sum(len(tok.encode_batch_flat(b, num_threads=threads)[0]) for b in batches)
+
+        def run_prepare() -> int:
+            m = prepare(tok, corpus, tmp / "shards", num_threads=threads, progress=False, force=True)
+            return m["splits"]["train"]["tokens"]
+
+        def run_hf() -> int:
+            with open(tmp / "hf.bin", "wb") as f:
+                for b in batches:
+                    encs = hf.encode_batch(b, add_special_tokens=False)
+                    arr = np.concatenate([x for e in encs for x in (np.asarray(e.ids, dtype=np.uint16), eot)])
+                    f.write(arr.tobytes())
+            return (tmp / "hf.bin").stat().st_size // 2
+
+        n_tok = run_tok()
+        counts = {"encode_batch_flat": run_flat(), "prepare": run_prepare() - len(docs),
+                  "HF tokenizers": run_hf() - len(docs)}
+        wrong = {k: v for k, v in counts.items() if v != n_tok}
+        if wrong:
+            raise SystemExit(f"not the same work: encode_batch gives {n_tok:,} tokens, but {wrong}")
+        cpu: dict[str, list[float]] = {"flat": [], "prepare": []}
+
+        def cpu_timed(name: str, fn):
+            def run() -> None:
+                c0 = time.process_time()
+                fn()
+                cpu[name].append(time.process_time() - c0)
+            return run
+
+        times = alternate({"tok": run_tok, "flat": cpu_timed("flat", run_flat),
+                           "prepare": cpu_timed("prepare", run_prepare), "hf": run_hf}, args.repeat, warmup=0)
+        c_flat, c_prep = median(cpu["flat"]), median(cpu["prepare"])
 
         # 4. peak memory of prepare in a fresh process, for the corpus and for 4 copies of it
         peaks = {}
@@ -143,21 +160,24 @@ def main() -> int:
                     p.write_bytes(corpus.read_bytes() + f"{p.name}{EOT}".encode())  # distinct content
                 peaks[copies] = peak_rss_mb(tmp / "tok.json", inputs, tmp / f"mem{copies}", threads)
 
-    rows = [("tokenizer encode_batch (in memory)", t_tok), ("tokenizer encode_batch_flat (in memory)", t_flat),
-            ("lmforge prepare (file -> shards)", t_prep),
-            ("HF tokenizers encode_batch + numpy write", t_hf)]
-    for name, t in rows:
-        print(f"  {name:<42} {t:7.2f} s  {mb / t:7.2f} MB/s  {n_tok / t / 1e6:6.2f} M tok/s")
-    print(f"prepare glue overhead vs the tokenizer alone: {100 * (t_prep / t_tok - 1):+.1f}% vs encode_batch, "
+    rows = [("tokenizer encode_batch (in memory)", "tok"), ("tokenizer encode_batch_flat (in memory)", "flat"),
+            ("lmforge prepare (file -> shards)", "prepare"), ("HF tokenizers encode_batch + numpy write", "hf")]
+    print(f"{args.repeat} alternating rounds after a warm-up; identical token counts ({n_tok:,} + {len(docs):,} EOT)")
+    print(f"  {'':<42} {'seconds: median (range)':>26} {'MB/s':>7} {'M tok/s':>8}")
+    for name, key in rows:
+        t = median(times[key])
+        print(f"  {name:<42} {spread(times[key], '.2f'):>26} {mb / t:7.2f} {n_tok / t / 1e6:8.2f}")
+    t_tok, t_flat, t_prep, t_hf = (median(times[k]) for k in ("tok", "flat", "prepare", "hf"))
+    print(f"prepare glue overhead vs the tokenizer alone (medians): {100 * (t_prep / t_tok - 1):+.1f}% vs encode_batch, "
           f"{100 * (t_prep / t_flat - 1):+.1f}% vs encode_batch_flat  (target <= +10%)")
-    print(f"CPU time (all threads; robust to a busy machine): encode_batch_flat {c_flat:.2f} s, prepare {c_prep:.2f} s "
-          f"-> glue {100 * (c_prep / c_flat - 1):+.1f}% CPU")
+    print(f"CPU time (all threads, median; robust to a busy machine): encode_batch_flat {c_flat:.2f} s, prepare "
+          f"{c_prep:.2f} s -> glue {100 * (c_prep / c_flat - 1):+.1f}% CPU")
     if peaks:
         print(f"prepare peak RSS (fresh process): {peaks[1]:.0f} MiB for {mb:.0f} MB of text, {peaks[4]:.0f} MiB for "
               f"{4 * mb:.0f} MB (bounded: tokens fill one shard buffer per split, at most 128 MiB of uint16, "
               "then it is written out; plus a few 4 MiB read chunks)")
-    print(f"prepare speed-up over HF tokenizers + numpy: {t_hf / t_prep:.2f}x  (target > 1); "
-          f"HF token count {hf_tokens:,} vs lmforge {n_tok + len(docs):,}")
+    print(f"prepare speed-up over HF tokenizers + numpy (warmed, ratio of medians): {t_hf / t_prep:.2f}x  "
+          "(target > 1)")
     return 0
 
 

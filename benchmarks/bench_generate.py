@@ -2,11 +2,18 @@
 
 Both models get identical random weights (HF init, mapped into ours with ``lmforge.interop.hf``); the script first
 checks that their logits agree, then times greedy decoding of N new tokens at batch 1 and batch 8 (CPU
-unless --device says otherwise) and prints tokens/s and the ratio (best of --repeats runs, the two sides
-alternating) and whether both produced the same tokens. Prompt: 16 random tokens. HF runs in fp32 (its
-fastest on a CPU without bf16 hardware); lmforge runs in fp32 (the same weights, the same tokens) and, on
-CPU, with its decoder's weights stored as bf16, fp16 and int8 (rounded weights: faster, not the same
-model; the script prints how far their logits move).
+unless --device says otherwise). Prompt: 16 random tokens.
+
+HF runs in every configuration that may be its fastest, each a row: fp32 with its default dynamic cache,
+fp32 with a static cache (``cache_implementation="static"``), fp32 static cache with ``torch.compile`` on
+its forward (skipped, with the reason printed, if compiling fails or exceeds ``--compile-budget`` seconds;
+``--quick`` skips it) and bf16 weights (dynamic cache). The fp32 configurations must produce the same
+tokens as HF's default (else the script exits); bf16 prints how many of its tokens agree. lmforge runs in
+fp32 (the same weights: it must produce HF's tokens) and, on CPU, with its decoder's weights stored as
+bf16, fp16 and int8 (rounded weights: faster, not the same model; the script prints how far their logits
+move). All rows alternate (one run each per round, ``--repeats`` rounds after a warm-up run each); each is
+reported by its median tokens/s and range, and every lmforge ratio is against the fastest HF row by
+median.
 
 It also prints a floor: the same weight matrices multiplied in a chain with nothing else (no attention,
 norms or sampling), at 1 and at 8 rows, with MKL in fp32 and with lmforge's decode kernel in each storage
@@ -19,9 +26,17 @@ dtype, plus the machine's memory read bandwidth. At batch 1 the chain is bound b
 from __future__ import annotations
 
 import argparse
+import copy
+import os
+import signal
+import sys
 import time
+from typing import Callable
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import alternate, median  # noqa: E402
 
 
 def build_models(args: argparse.Namespace):
@@ -49,23 +64,34 @@ def build_models(args: argparse.Namespace):
     return cfg, ours, ref
 
 
-def timed_pair(fn_a, fn_b, repeats: int) -> tuple[float, float]:
-    """Best wall time of ``fn_a()`` and of ``fn_b()``, run alternately ``repeats`` times after one warm-up each.
+class _Timeout(Exception):
+    """Raised by :func:`within` when its time budget runs out."""
 
-    Alternating and keeping the minimum makes the ratio robust to other processes on a shared machine:
-    both sides see the same background load, and the best run is the one it disturbed least.
-    """
-    fn_a()
-    fn_b()
-    best_a = best_b = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn_a()
-        best_a = min(best_a, time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        fn_b()
-        best_b = min(best_b, time.perf_counter() - t0)
-    return best_a, best_b
+
+def within(seconds: float, fn: Callable[[], object]) -> object:
+    """``fn()``, or :class:`_Timeout` if it runs longer than ``seconds`` (SIGALRM; main thread, Unix)."""
+    def on_alarm(signum, frame):
+        raise _Timeout(f"over the {seconds:.0f} s budget")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def hf_configs(ref, args: argparse.Namespace) -> dict[str, tuple[object, dict]]:
+    """HF's candidate configurations: name -> (model, extra ``generate`` kwargs)."""
+    configs: dict[str, tuple[object, dict]] = {"HF fp32": (ref, {}),
+                                               "HF fp32 static": (ref, {"cache_implementation": "static"})}
+    if args.compile:
+        compiled = copy.deepcopy(ref)
+        compiled.forward = torch.compile(compiled.forward, fullgraph=True)
+        configs["HF fp32 static+compile"] = (compiled, {"cache_implementation": "static"})
+    configs["HF bf16"] = (copy.deepcopy(ref).to(torch.bfloat16), {})
+    return configs
 
 
 def _chain_shapes(cfg) -> list[tuple[int, int]]:
@@ -129,16 +155,22 @@ def print_floor(cfg) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small model, 64 new tokens, one repeat")
+    p.add_argument("--quick", action="store_true", help="small model, 32 new tokens, 2 rounds, no torch.compile")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds (every row once per round)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="skip the HF torch.compile row")
+    p.add_argument("--compile-budget", type=float, default=300.0,
+                   help="seconds the first (compiling) HF static+compile run may take before the row is skipped")
     args = p.parse_args()
     args.vocab, args.context, args.d_model, args.layers, args.heads, args.d_ff = 10_000, 512, 512, 4, 16, 1344
     if args.quick:
-        args.d_model, args.layers, args.heads, args.d_ff, args.new_tokens, args.repeats = 256, 2, 8, 672, 64, 1
+        args.d_model, args.layers, args.heads, args.d_ff, args.new_tokens, args.repeats = 256, 2, 8, 672, 32, 2
+        if args.compile:
+            print("--quick: HF static+compile row skipped (compiling takes minutes on a CPU); run without --quick")
+            args.compile = False
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -153,7 +185,7 @@ def main() -> None:
     prompt_len, n = 16, args.new_tokens
     print(f"model: d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, d_ff {cfg.d_ff}, "
           f"vocab {cfg.vocab_size}; prompt {prompt_len} tokens, {n} new tokens, greedy, {args.device}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads; {args.repeats} alternating rounds, median tok/s (range)")
     if args.device == "cpu":
         print_floor(cfg)
     probe = torch.randint(0, cfg.vocab_size, (2, 64)).tolist()
@@ -163,30 +195,53 @@ def main() -> None:
             diff = (gens[name].decoder.prefill(probe, 64) - exact).abs().max().item()
             print(f"lmforge with {name} weights: max |logit - fp32 logit| = {diff:.1e} (its tokens may differ from "
                   f"fp32's at near-ties; not the same weights)")
-    head = f"{'batch':>5} {'HF fp32 tok/s':>14}" + "".join(f" {'lmforge ' + name:>13} {'ratio':>6}" for name, _ in variants)
-    print(head + "  same tokens (fp32)")
+    configs = hf_configs(ref, args)
     for batch in args.batch:
+        print(f"\n### batch {batch}\n")
         prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=args.device)
-        with torch.inference_mode():
-            hf_out = ref.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)[:, prompt_len:]
-        same = hf_out.tolist() == gens["fp32"].generate_ids(prompt.tolist(), n, temperature=0, stop_ids=[])
 
-        def run_hf() -> None:
-            with torch.inference_mode():
-                ref.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        def hf_run(model, extra: dict) -> Callable[[], list]:
+            def run() -> list:
+                with torch.inference_mode():
+                    out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, **extra)
+                return out[:, prompt_len:].tolist()
+            return run
 
-        times, t_hf = {}, float("inf")
+        fns: dict[str, Callable[[], object]] = {}
+        hf_tokens = hf_run(ref, {})()  # HF's default: the reference every fp32 row must reproduce
+        for name, (model, extra) in configs.items():
+            run = hf_run(model, extra)
+            try:  # the first run is the warm-up (and, for the compiled row, the compile)
+                t0 = time.perf_counter()
+                toks = within(args.compile_budget, run) if "compile" in name else run()
+                first = time.perf_counter() - t0
+            except Exception as e:  # noqa: BLE001  (a failed compile skips its row, loudly)
+                print(f"{name}: skipped -- {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+                continue
+            if "fp32" in name and toks != hf_tokens:
+                raise SystemExit(f"{name} produced different tokens from HF's default generate: not the same work")
+            if "compile" in name:
+                print(f"{name}: first run (compiling) took {first:.1f} s; not part of the timing")
+            if "bf16" in name:
+                agree = sum(a == b for ra, rb in zip(toks, hf_tokens) for a, b in zip(ra, rb))
+                print(f"{name}: {agree}/{batch * n} tokens equal to HF fp32's (rounded weights: not the same model)")
+            fns[name] = run
         for name, _ in variants:
             gen = gens[name]
-
-            def run_ours() -> None:
-                gen.generate_ids(prompt.tolist(), n, temperature=0, stop_ids=[])
-
-            t_h, times[name] = timed_pair(run_hf, run_ours, args.repeats)
-            t_hf = min(t_hf, t_h)  # HF's best over all its runs in this row
-        row = f"{batch:>5} {batch * n / t_hf:>14.0f}"
-        row += "".join(f" {batch * n / times[name]:>13.0f} {t_hf / times[name]:>5.2f}x" for name, _ in variants)
-        print(f"{row}  {same}")
+            fns[f"lmforge {name}"] = (lambda g: lambda: g.generate_ids(prompt.tolist(), n, temperature=0,
+                                                                       stop_ids=[]))(gen)
+        same = fns["lmforge fp32"]() == hf_tokens  # also the warm-up of the lmforge rows
+        for name, _ in variants[1:]:
+            fns[f"lmforge {name}"]()
+        times = alternate(fns, args.repeats, warmup=0)
+        hf_names = [k for k in fns if k.startswith("HF")]
+        fastest = min(hf_names, key=lambda k: median(times[k]))
+        print(f"| row | tok/s (median) | tok/s range | vs fastest HF ({fastest}) |")
+        print("|---|---:|---:|---:|")
+        for name, t in times.items():
+            print(f"| {name} | {batch * n / median(t):,.0f} | {batch * n / max(t):,.0f}..{batch * n / min(t):,.0f} "
+                  f"| {median(times[fastest]) / median(t):.2f}x |")
+        print(f"lmforge fp32 produced HF's tokens: {same}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Encoding speed: lmforge ``Tokenizer`` vs tiktoken with the same vocabulary, side by side in one run.
 
-Five workloads on the same text, each tool in a fresh child process (median of ``--reps``):
+Five workloads on the same text, each in a fresh child process that holds both tools:
 
 1. ``string``  -- one big string, one thread (``encode``);
 2. ``docs1``   -- the text as a batch of documents (the works, split at ``<|endoftext|>``) on 1 thread
@@ -9,10 +9,17 @@ Five workloads on the same text, each tool in a fresh child process (median of `
 4. ``paras1``  -- many small documents (paragraphs, like short web texts) on 1 thread;
 5. ``paras2``  -- the same on 2 threads.
 
+tiktoken runs each workload two ways and the ratio is taken against the faster: its batch API
+(``encode_batch(num_threads=N)``; ``encode`` for the string) and a plain Python loop of
+``encode_ordinary`` (for the string: over its ``<|endoftext|>``-separated pieces, with the special id
+between them), which on many short texts at one thread beats ``encode_batch`` by avoiding its thread
+pool. The three runs alternate (lmforge, tiktoken batch, tiktoken loop, lmforge, ...) for ``--reps``
+rounds after one warm-up round; the table gives median, range and the ratio of medians.
+
 The vocabulary is GPT-2's (``--vocab-json``/``--merges-txt``, default: the CS336 fixtures beside the
 repo); ``--quick`` trains a small tokenizer on a synthetic corpus instead, so the smoke test needs no
-files. The corpus is Shakespeare repeated to ``--mb`` MB. Token ids must be identical between the
-tools (checked via a digest of every run's output). Target: lmforge >= 2x tiktoken on all three.
+files. The corpus is Shakespeare repeated to ``--mb`` MB. Token ids must be identical between lmforge
+and both tiktoken ways (checked via a digest of every way's output). Target: lmforge >= 2x tiktoken.
 
     python benchmarks/bench_tokenizer_encode.py [--quick] [--mb 10] [--reps 5]
 """
@@ -26,7 +33,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import EOT, child_report, corpus_file, default_cache_dir, median, print_table, run_child  # noqa: E402
+from _common import (EOT, alternate, child_report, corpus_file, default_cache_dir, median, print_table,  # noqa: E402
+                     run_child)
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared/fixtures/cs336/fixtures"
 WORKLOADS = {"string": 1, "docs1": 1, "docs2": 2, "paras1": 1, "paras2": 2}
@@ -58,29 +66,35 @@ def digest(ids_lists) -> str:
     return h.hexdigest()[:16]
 
 
-def encode_once(tool: str, spec: str, corpus: str, workload: str, reps: int) -> dict:
-    """Child side: time `reps` runs of one workload; return the median and a digest of the ids."""
+def encode_ways(spec: str, corpus: str, workload: str, reps: int) -> dict:
+    """Child side: alternate lmforge and both tiktoken ways for ``reps`` rounds; times and id digests of each."""
     tok = load_tokenizer(spec)
+    enc = tok.to_tiktoken()
     text = Path(corpus).read_text(encoding="utf-8")
-    docs = documents(text, workload)
     threads = WORKLOADS[workload]
-    if tool == "lmforge":
-        run_string = lambda: [tok.encode(text)]  # noqa: E731
-        run_batch = lambda: tok.encode_batch(docs, num_threads=threads)  # noqa: E731
-    elif tool == "tiktoken":
-        enc = tok.to_tiktoken()
-        run_string = lambda: [enc.encode(text, allowed_special="all")]  # noqa: E731
-        run_batch = lambda: enc.encode_batch(docs, num_threads=threads, allowed_special="all")  # noqa: E731
+    if workload == "string":
+        pieces = text.split(EOT)
+        eot = enc.encode_single_token(EOT)
+
+        def tiktoken_loop() -> list[list[int]]:
+            ids = enc.encode_ordinary(pieces[0])
+            for piece in pieces[1:]:
+                ids.append(eot)
+                ids.extend(enc.encode_ordinary(piece))
+            return [ids]
+
+        fns = {"lmforge": lambda: [tok.encode(text)],
+               "tiktoken encode": lambda: [enc.encode(text, allowed_special="all")],
+               "tiktoken loop of encode_ordinary": tiktoken_loop}
     else:
-        raise ValueError(f"unknown tool {tool!r}")
-    fn = run_string if workload == "string" else run_batch
-    fn()  # warm-up (lazy imports, thread pools)
-    times, out = [], None
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return {"seconds": median(times), "digest": digest(out), "tokens": sum(len(x) for x in out)}
+        docs = documents(text, workload)
+        fns = {"lmforge": lambda: tok.encode_batch(docs, num_threads=threads),
+               "tiktoken encode_batch": lambda: enc.encode_batch(docs, num_threads=threads),
+               "tiktoken loop of encode_ordinary": lambda: [enc.encode_ordinary(d) for d in docs]}
+    out = {name: fn() for name, fn in fns.items()}  # the ids each way produces (also a warm-up)
+    times = alternate(fns, reps, warmup=0)
+    return {"times": times, "digests": {name: digest(ids) for name, ids in out.items()},
+            "tokens": sum(len(x) for x in out["lmforge"])}
 
 
 def main() -> int:
@@ -91,12 +105,12 @@ def main() -> int:
     ap.add_argument("--vocab-json", type=Path, default=FIXTURES / "gpt2_vocab.json")
     ap.add_argument("--merges-txt", type=Path, default=FIXTURES / "gpt2_merges.txt")
     ap.add_argument("--cache-dir", type=Path, default=None, help="where corpora are cached (default: temp dir)")
-    ap.add_argument("--child", nargs=5, metavar=("TOOL", "SPEC", "CORPUS", "WORKLOAD", "REPS"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=4, metavar=("SPEC", "CORPUS", "WORKLOAD", "REPS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.child:
-        tool, spec, corpus, workload, reps = args.child
-        child_report(**encode_once(tool, spec, corpus, workload, int(reps)))
+        spec, corpus, workload, reps = args.child
+        child_report(**encode_ways(spec, corpus, workload, int(reps)))
         return 0
 
     cache = args.cache_dir or default_cache_dir()
@@ -108,23 +122,28 @@ def main() -> int:
         if not tok_path.exists():
             vocab, merges = train_bpe(path, 1000, [EOT], progress=False)
             Tokenizer(vocab, merges, [EOT]).save(tok_path, force=True)
-        spec, reps, label = f"lmforge::{tok_path}", 1, "small trained vocab (quick)"
+        spec, reps, label = f"lmforge::{tok_path}", 2, "small trained vocab (quick)"
     else:
         if not args.vocab_json.exists() or not args.merges_txt.exists():
             raise SystemExit(f"GPT-2 vocab/merges not found ({args.vocab_json}); pass --vocab-json and --merges-txt")
         path = corpus_file(args.mb, "shakespeare", cache)
         spec, reps, label = f"gpt2::{args.vocab_json}::{args.merges_txt}", args.reps, "GPT-2 vocab"
     size_mb = path.stat().st_size / 1e6
-    print(f"Encoding {size_mb:.1f} MB ({path.name}) with the {label}; median of {reps}")
+    print(f"Encoding {size_mb:.1f} MB ({path.name}) with the {label}; {reps} alternating rounds, median (range)")
+    summary = []
     for workload, threads in WORKLOADS.items():
-        rows = []
-        for tool in ("lmforge", "tiktoken"):
-            r = run_child(__file__, [tool, spec, str(path), workload, str(reps)], threads)
-            rows.append({"tool": tool, **r})
-        if len({r["digest"] for r in rows}) != 1:
-            raise SystemExit(f"{workload}: token ids differ between lmforge and tiktoken")
-        print_table(f"{workload} ({threads} thread{'s' if threads > 1 else ''}; {rows[0]['tokens']} tokens, "
+        r = run_child(__file__, [spec, str(path), workload, str(reps)], threads)
+        if len(set(r["digests"].values())) != 1:
+            raise SystemExit(f"{workload}: token ids differ between lmforge and tiktoken: {r['digests']}")
+        rows = [{"tool": name, "times": t} for name, t in r["times"].items()]
+        best = min(rows[1:], key=lambda row: median(row["times"]))
+        print_table(f"{workload} ({threads} thread{'s' if threads > 1 else ''}; {r['tokens']} tokens, "
                     "identical ids)", rows, size_mb)
+        x = median(best["times"]) / median(r["times"]["lmforge"])
+        print(f"faster tiktoken way: {best['tool']}; lmforge is {x:.2f}x it (ratio of medians)")
+        summary.append((workload, best["tool"], x))
+    print("\nsummary (lmforge vs the faster tiktoken way): "
+          + "; ".join(f"{w} {x:.2f}x vs {t.removeprefix('tiktoken ')}" for w, t, x in summary))
     return 0
 
 

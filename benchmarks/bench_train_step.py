@@ -1,9 +1,13 @@
 """Training speed and memory: lmforge's TransformerLM + AdamW vs Hugging Face ``LlamaForCausalLM`` +
-``torch.optim.AdamW``, same shapes, random init, side by side in one run.
+``torch.optim.AdamW``, same shapes, the same random weights, side by side in one run.
 
+* Same work: HF's random init is copied into lmforge (``lmforge.interop.hf.from_hf_state_dict``) and both predict
+  the same targets (HF through its ``shift_labels``), so the first step's losses must agree to
+  ``LOSS_TOL`` (fp32; ``LOSS_TOL_BF16`` under bf16 autocast) before anything is timed; the script exits
+  with an error otherwise. The second step's losses (after one optimizer update each) are printed too.
 * Speed: both models live in this process and their training steps are *interleaved* (lmforge step,
   HF step, lmforge step, ...), so both see the same machine load; a shared machine slows both alike.
-  Reported per implementation: median and best step; the ratio of each.
+  Reported per implementation: median, range and best step; the ratio of medians and of bests.
 * Memory: each implementation runs a few steps alone in a child process that reports its peak RSS, and
   the growth of RSS over the state right before the model was built ("step RSS").
 * MFU = tokens/s · FLOPs/token / measured 4096² matmul peak; FLOPs/token = 6·N + 12·L·d·T for both.
@@ -23,6 +27,9 @@ import subprocess
 import sys
 import time
 
+LOSS_TOL = 1e-4  # |loss_lmforge - loss_HF| on the first step, fp32, same weights and batch
+LOSS_TOL_BF16 = 2e-2  # the same under bf16 autocast (different op orders round differently)
+
 
 def _rss_mb() -> float:
     """Current resident set size in MiB (Linux /proc)."""
@@ -30,35 +37,52 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _build(impl: str, a: argparse.Namespace):
-    """(model, step function) for ``impl``; ``step(x, y)`` does forward, backward, optimizer update."""
+def _model_config(a: argparse.Namespace):
+    """The lmforge ``ModelConfig`` of the benchmarked shapes."""
+    from lmforge.model import ModelConfig
+
+    return ModelConfig(vocab_size=a.vocab, context_length=a.context, d_model=a.d_model, n_layers=a.layers,
+                       n_heads=a.heads, d_ff=a.d_ff, fast=not a.reference)
+
+
+def _build(impl: str, a: argparse.Namespace, hf_state: dict | None = None):
+    """(model, step function) for ``impl``; ``step(x, y)`` does forward, backward, optimizer update.
+
+    ``hf_state``: an HF ``LlamaForCausalLM`` state dict to start from (lmforge maps it into its names);
+    ``None`` keeps the implementation's own random init.
+    """
     import torch
 
+    cfg = _model_config(a)
     if impl == "lmforge":
-        from lmforge.model import ModelConfig, TransformerLM
+        from lmforge.interop import hf
+        from lmforge.model import TransformerLM
         from lmforge.train.optim import AdamW, param_groups_for
 
-        cfg = ModelConfig(vocab_size=a.vocab, context_length=a.context, d_model=a.d_model, n_layers=a.layers,
-                          n_heads=a.heads, d_ff=a.d_ff, fast=not a.reference)
         model = TransformerLM(cfg)
+        if hf_state is not None:
+            model.load_state_dict(hf.from_hf_state_dict(hf_state, cfg))
         opt = AdamW(param_groups_for(model, 0.1), lr=3e-4, betas=(0.9, 0.95))
 
         def loss_fn(x, y):
             return model(x, targets=y)
     else:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
 
-        hcfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.d_model, intermediate_size=a.d_ff,
-                           num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.heads,
-                           max_position_embeddings=a.context, rope_theta=10000.0, rms_norm_eps=1e-5,
-                           tie_word_embeddings=False, attn_implementation="sdpa")
+        from lmforge.interop import hf
+
+        hcfg = hf.hf_config(cfg)
+        hcfg._attn_implementation = "sdpa"
         model = LlamaForCausalLM(hcfg)
+        if hf_state is not None:
+            model.load_state_dict(hf_state)
         # torch's defaults: on CPU that is the per-tensor loop; --hf-fused gives HF the fused kernel too
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                 fused=True if a.hf_fused else None)
 
-        def loss_fn(x, y):  # standard HF usage: labels are shifted inside, logits upcast to float32
-            return model(input_ids=x, labels=x).loss
+        def loss_fn(x, y):  # HF's loss (logits upcast to float32); shift_labels: the same targets as lmforge's
+            y = y.contiguous()  # HF views the labels flat
+            return model(input_ids=x, labels=y, shift_labels=y).loss
     model.train()
     fwd = torch.compile(loss_fn) if a.compile else loss_fn
 
@@ -100,9 +124,20 @@ def memory_child(impl: str, a: argparse.Namespace) -> dict:
     return {"peak_rss_mb": peak, "step_rss_mb": peak - rss_before}
 
 
+def check_losses(ours: list[float], theirs: list[float], tol: float) -> None:
+    """Exit with an error unless the first step's losses agree within ``tol``; print both steps' losses."""
+    print(f"same weights, same batch: step 1 loss lmforge {ours[0]:.6f} vs HF {theirs[0]:.6f} "
+          f"(|diff| {abs(ours[0] - theirs[0]):.1e}, tolerance {tol:g}); after one update: {ours[1]:.6f} vs "
+          f"{theirs[1]:.6f} (|diff| {abs(ours[1] - theirs[1]):.1e})")
+    if not abs(ours[0] - theirs[0]) <= tol:
+        sys.exit(f"lmforge and HF disagree on the first loss from the same weights ({ours[0]:.6f} vs "
+                 f"{theirs[0]:.6f}, tolerance {tol:g}): they are not doing the same work, so the timing would "
+                 "compare different computations; check the weight mapping (lmforge.interop.hf) and the loss targets")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1 warm-up + 3 timed steps each")
+    ap.add_argument("--quick", action="store_true", help="a small model, 2 warm-up + 3 timed steps each")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per implementation (interleaved)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--d-model", dest="d_model", type=int, default=512)
@@ -127,10 +162,12 @@ def main() -> None:
         return
     if a.quick:
         a.steps, a.warmup = 3, 1
+        a.d_model, a.layers, a.heads, a.d_ff, a.context, a.batch, a.vocab = 128, 2, 4, 352, 64, 2, 1000
+    peak_n = 1024 if a.quick else 4096
 
     import torch
 
-    from lmforge.model import ModelConfig, flops_per_token
+    from lmforge.model import flops_per_token
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_matmul_peak import matmul_peak_gflops
@@ -138,8 +175,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     impls = a.impls.split(",")
-    cfg = ModelConfig(vocab_size=a.vocab, context_length=a.context, d_model=a.d_model, n_layers=a.layers,
-                      n_heads=a.heads, d_ff=a.d_ff)
+    cfg = _model_config(a)
     fpt = flops_per_token(cfg, a.context)
     tokens = a.batch * a.context
     print(f"shapes: d_model {a.d_model}, {a.layers} layers, {a.heads} heads, d_ff {a.d_ff}, T {a.context}, "
@@ -149,7 +185,7 @@ def main() -> None:
     # ---- memory: each implementation alone in a child process ----------------------------------------
     mem: dict[str, dict] = {}
     if a.memory:
-        argv = [s for s in sys.argv[1:] if s != "--quick"]
+        argv = sys.argv[1:]
         for impl in impls:
             out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--memory-child", impl],
                                  capture_output=True, text=True)
@@ -159,32 +195,39 @@ def main() -> None:
 
     # ---- speed: interleaved steps in this process, bracketed by matmul-peak measurements -------------
     dt = torch.float32 if a.dtype == "fp32" else torch.bfloat16
-    peaks = [matmul_peak_gflops(4096, dt, repeats=3)]
+    peaks = [matmul_peak_gflops(peak_n, dt, repeats=3)]
     torch.manual_seed(0)
-    steps = {impl: _build(impl, a)[1] for impl in impls}
+    hf_state = _build("hf", a)[0].state_dict()  # HF's init: both models start from these weights
+    steps = {impl: _build(impl, a, hf_state)[1] for impl in impls}
+    del hf_state
     batches = _batches(a)
     times: dict[str, list[float]] = {impl: [] for impl in impls}
-    for i in range(a.warmup + a.steps):
+    losses: dict[str, list[float]] = {impl: [] for impl in impls}
+    for i in range(max(a.warmup, 2) + a.steps):
         b = batches[i % len(batches)]
         for impl in impls:
             t0 = time.perf_counter()
-            steps[impl](b[:, :-1], b[:, 1:])
-            if i >= a.warmup:
+            losses[impl].append(steps[impl](b[:, :-1], b[:, 1:]))
+            if i >= max(a.warmup, 2):
                 times[impl].append(time.perf_counter() - t0)
-    peaks.append(matmul_peak_gflops(4096, dt, repeats=3))
+        if i == 1 and "lmforge" in impls and "hf" in impls:
+            check_losses(losses["lmforge"][:2], losses["hf"][:2], LOSS_TOL if a.dtype == "fp32" else LOSS_TOL_BF16)
+    peaks.append(matmul_peak_gflops(peak_n, dt, repeats=3))
     peak = max(peaks)
-    print(f"matmul peak (4096², {a.dtype}): {peak:.1f} GFLOP/s (before {peaks[0]:.0f}, after {peaks[1]:.0f}); "
+    print(f"matmul peak ({peak_n}², {a.dtype}): {peak:.1f} GFLOP/s (before {peaks[0]:.0f}, after {peaks[1]:.0f}); "
           f"FLOPs/token {fpt / 1e6:.1f} M")
 
-    print("\n| impl | tokens/s (median step) | tokens/s (best step) | GFLOP/s (best) | MFU (best) "
+    print(f"\n{a.steps} interleaved steps each after {max(a.warmup, 2)} warm-up steps\n")
+    print("| impl | tokens/s (median step) | tokens/s range | tokens/s (best step) | GFLOP/s (best) | MFU (best) "
           "| peak RSS MiB | step RSS MiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for impl in impls:
         med, best = tokens / statistics.median(times[impl]), tokens / min(times[impl])
         m = mem.get(impl, {})
         rss = f"{m['peak_rss_mb']:.0f} | {m['step_rss_mb']:.0f}" if m else "- | -"
         gflops = best * fpt / 1e9
-        print(f"| {impl} | {med:,.0f} | {best:,.0f} | {gflops:.0f} | {100 * gflops / peak:.0f}% | {rss} |")
+        print(f"| {impl} | {med:,.0f} | {tokens / max(times[impl]):,.0f}..{best:,.0f} | {best:,.0f} | {gflops:.0f} "
+              f"| {100 * gflops / peak:.0f}% | {rss} |")
     if "lmforge" in times and "hf" in times:
         med = statistics.median(times["hf"]) / statistics.median(times["lmforge"])
         best = min(times["hf"]) / min(times["lmforge"])
