@@ -190,9 +190,9 @@ def main() -> None:
         print_floor(cfg)
     probe = torch.randint(0, cfg.vocab_size, (2, 64)).tolist()
     with torch.inference_mode():
-        exact = gens["fp32"].decoder.prefill(probe, 64)
+        exact = gens["fp32"].engine.prefill(probe, 64)
         for name, _ in variants[1:]:
-            diff = (gens[name].decoder.prefill(probe, 64) - exact).abs().max().item()
+            diff = (gens[name].engine.prefill(probe, 64) - exact).abs().max().item()
             print(f"lmforge with {name} weights: max |logit - fp32 logit| = {diff:.1e} (its tokens may differ from "
                   f"fp32's at near-ties; not the same weights)")
     configs = hf_configs(ref, args)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from lmforge.generate.engine import CachedDecoder, PackedLinear, _attend, kernel_available, weight_dtype_of
+from lmforge.generate.engine import Engine, _attend
+from lmforge.generate.packed import PackedLinear, kernel_available, weight_dtype_of
 from lmforge.generate import Generator
 from lmforge.model import ModelConfig, TransformerLM
 
@@ -126,14 +127,14 @@ def test_low_precision_weights_match_the_rounded_model(dtype):
     """With bf16/fp16/int8 weights the decoder computes the model whose matrices are stored that way."""
     model = _model(n_kv_heads=2)
     rounded = _rounded(model, weight_dtype_of(dtype))
-    dec = CachedDecoder(model, weight_dtype=dtype)
+    dec = Engine(model, weight_dtype=dtype)
     seq = torch.randint(0, 97, (3, 30))
     with torch.inference_mode():
         full = rounded(seq)
         got = [dec.prefill(seq[:, :10].tolist(), 30)] + [dec.step(seq[:, t]) for t in range(10, 29)]
         torch.testing.assert_close(torch.stack(got, 1), full[:, 9:29], rtol=1e-4, atol=1e-4)
         assert (full - model(seq)).abs().max() > 1e-4  # the rounding is visible: the check above means something
-    exact = CachedDecoder(model)
+    exact = Engine(model)
     with torch.inference_mode():
         assert (exact.prefill(seq.tolist(), 30) - model(seq)[:, -1]).abs().max() < 1e-4
 
@@ -141,43 +142,46 @@ def test_low_precision_weights_match_the_rounded_model(dtype):
 def test_generator_weight_dtype_and_refresh():
     model = _model()
     gen = Generator(model, weight_dtype="bf16")
-    assert gen.decoder.weight_dtype == torch.bfloat16
+    assert gen.engine.weight_dtype == torch.bfloat16
     out = gen.generate_ids([1, 2, 3], 20, temperature=0)
     assert len(out) == 20
     gen.refresh()
-    assert gen.decoder.weight_dtype == torch.bfloat16
+    assert gen.engine.weight_dtype == torch.bfloat16
     assert gen.generate_ids([1, 2, 3], 20, temperature=0) == out
 
 
 def test_weight_dtype_errors():
     with pytest.raises(ValueError, match="unknown weight dtype"):
-        CachedDecoder(_model(), weight_dtype="int4")
+        Engine(_model(), weight_dtype="int4")
     with pytest.raises(ValueError, match="float32, bfloat16, float16 or int8"):
-        CachedDecoder(_model(), weight_dtype=torch.float64)
+        Engine(_model(), weight_dtype=torch.float64)
     with pytest.raises(ValueError, match="needs the CPU decode kernel"):
-        CachedDecoder(_model().double(), weight_dtype="bf16")
+        Engine(_model().double(), weight_dtype="bf16")
 
 
 def test_decoder_restores_torch_threads():
-    """prefill/step run PyTorch on one thread (the kernel has its own pool) and put the count back."""
+    """A kernel step runs PyTorch on one thread (the kernel has its own pool) and puts the count back;
+    prefill is the model's forward and keeps PyTorch's threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        dec = CachedDecoder(_model())
+        dec = Engine(_model())
         seen = []
-        original = torch.nn.functional.silu
+        original = torch.nn.functional.embedding  # the kernel step's only embedding lookup
 
         def spy(x, *a, **k):
             seen.append(torch.get_num_threads())
             return original(x, *a, **k)
 
-        torch.nn.functional.silu = spy
+        torch.nn.functional.embedding = spy
         try:
             with torch.inference_mode():
-                dec.step(dec.prefill([[1, 2], [3, 4]], 10).argmax(-1))
+                logits = dec.prefill([[1, 2], [3, 4]], 10)
+                assert not seen and torch.get_num_threads() == 2
+                dec.step(logits.argmax(-1))
         finally:
-            torch.nn.functional.silu = original
-        assert seen and set(seen) == {1}
+            torch.nn.functional.embedding = original
+        assert seen == [1]
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -189,7 +193,7 @@ def test_kernel_decoder_on_one_thread():
     The thread count is put back by conftest's autouse fixture."""
     torch.set_num_threads(1)
     model = _model(seed=5)
-    fast, ref = CachedDecoder(model), CachedDecoder(model, use_kernel=False)
+    fast, ref = Engine(model), Engine(model, use_kernel=False)
     assert fast._kernel
     with torch.inference_mode():
         a, b = fast.prefill([[1, 2, 3], [4, 5]], 20), ref.prefill([[1, 2, 3], [4, 5]], 20)
@@ -228,7 +232,7 @@ def test_kernel_decoder_equals_pytorch_path(kw, isa):
     """Prefill + steps with the C++ kernels give the PyTorch path's logits, with rows of different lengths
     and through a slide past the context (the window re-prefill)."""
     model = _model(seed=3, context_length=24, **kw)
-    fast, ref = CachedDecoder(model, window_drop=5), CachedDecoder(model, window_drop=5, use_kernel=False)
+    fast, ref = Engine(model, window_drop=5), Engine(model, window_drop=5, use_kernel=False)
     rows = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [4] * 12]
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -244,7 +248,7 @@ def test_kernel_decoder_equals_pytorch_path(kw, isa):
 
 def test_use_kernel_needs_cpu_float32():
     with pytest.raises(ValueError, match="use_kernel=True needs"):
-        CachedDecoder(_model().double(), use_kernel=True)
+        Engine(_model().double(), use_kernel=True)
 
 
 def test_small_decode_ops_equal_pytorch():

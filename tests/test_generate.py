@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from lmforge.generate.generator import CachedDecoder, Generator, _TextStream, check_sampling, sample_next
+from lmforge.generate.engine import Engine
+from lmforge.generate.generator import Generator, _TextStream, check_sampling, sample_next
 from lmforge.model import ModelConfig, TransformerLM
 
 VOCAB = 400  # the conftest tiny_tokenizer's size
@@ -51,7 +52,7 @@ def test_cached_greedy_equals_naive_recompute(kw):
 
 def test_cached_logits_match_full_forward():
     model = tiny_model(n_kv_heads=2)
-    dec = CachedDecoder(model)
+    dec = Engine(model)
     seq = torch.randint(0, VOCAB, (2, 20))
     with torch.inference_mode():
         full = model(seq)  # (B, T, V)

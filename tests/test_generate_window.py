@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmforge.generate import CachedDecoder, Generator
+from lmforge.generate import Engine, Generator
 from lmforge.model import ModelConfig, TransformerLM
 
 VOCAB, CTX = 400, 48
@@ -52,20 +52,25 @@ def test_window_drop_sizes(drop):
     cached = gen.generate_ids(prompts, 70, temperature=0, stop_ids=[])
     assert cached == [naive_window(model, p, 70, drop) for p in prompts]
     gen.refresh()
-    assert gen.decoder.window_drop == drop
+    assert gen.engine.window_drop == drop
 
 
 def test_slides_are_amortized(monkeypatch):
     """Each slide re-prefills CTX - drop tokens, once per ``drop`` generated tokens."""
     gen = Generator(tiny_model())
     calls = []
-    original = CachedDecoder._forward
+    prefill, refill = Engine.prefill, Engine._refill
 
-    def counting(self, tokens, rows, last):
-        calls.append(tuple(tokens.shape))
-        return original(self, tokens, rows, last)
+    def counting_prefill(self, rows, capacity):
+        calls.append((len(rows), max(map(len, rows))))
+        return prefill(self, rows, capacity)
 
-    monkeypatch.setattr(CachedDecoder, "_forward", counting)
+    def counting_refill(self, rows, kept):
+        calls.append(tuple(kept.shape))
+        return refill(self, rows, kept)
+
+    monkeypatch.setattr(Engine, "prefill", counting_prefill)
+    monkeypatch.setattr(Engine, "_refill", counting_refill)
     gen.generate_ids([list(range(1, 41))] * 2, 200, temperature=0, stop_ids=[])
     drop = CTX // 4
     # prompt prefill, then a slide when the cache first fills (after 8 new tokens) and every `drop` tokens after
@@ -78,7 +83,7 @@ def test_slides_are_amortized(monkeypatch):
 def test_ragged_rows_step_logits_match_full_forward():
     """Rows of different lengths (right-padded prefill, per-row cache columns) against the model on each row."""
     model = tiny_model(n_kv_heads=2)
-    dec = CachedDecoder(model)
+    dec = Engine(model)
     seqs = [torch.randint(0, VOCAB, (n,)) for n in (30, 12, 25)]
     starts = [9, 3, 14]
     with torch.inference_mode():

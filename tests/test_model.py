@@ -321,9 +321,9 @@ def test_kv_cache_decode_equals_full_forward(kw):
         with torch.no_grad():
             full = model(x)
             cache = KVCache.for_model(model, batch_size=3)
-            parts = [model(x[:, :7], kv_cache=cache), model(x[:, 7:10], kv_cache=cache)]  # prefill, then a chunk
-            parts += [model(x[:, t:t + 1], kv_cache=cache) for t in range(10, 18)]  # one token at a time
-        assert cache.pos == 18
+            parts = [model(x[:, :7], cache=cache), model(x[:, 7:10], cache=cache)]  # prefill, then a chunk
+            parts += [model(x[:, t:t + 1], cache=cache) for t in range(10, 18)]  # one token at a time
+        assert cache.lengths.tolist() == [18, 18, 18]
         torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=2e-5, rtol=1e-4)
 
 
@@ -332,42 +332,71 @@ def test_decoding_sees_weight_updates():
     model, _ = model_pair()
     x = torch.randint(0, 97, (1, 6))
     with torch.no_grad():
-        model(x, kv_cache=KVCache.for_model(model, 1))
+        model(x, cache=KVCache.for_model(model, 1))
         for p in model.parameters():
             p.mul_(1.1)
         cache = KVCache.for_model(model, 1)
-        torch.testing.assert_close(model(x, kv_cache=cache), model(x), atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(model(x, cache=cache), model(x), atol=2e-5, rtol=1e-4)
 
 
-def test_kv_cache_left_padding_decodes_rows_independently():
-    for model in model_pair():
+@pytest.mark.parametrize("kw", [{}, {"n_kv_heads": 1}])
+def test_kv_cache_rows_of_different_lengths_decode_independently(kw):
+    """Right-padded prompts: each row continues after its own length, as if it were alone, in both paths."""
+    for model in model_pair(**kw):
         a, b = torch.randint(0, 97, (1, 9)), torch.randint(0, 97, (1, 5))
-        batch = torch.cat([a, torch.cat([torch.zeros(1, 4, dtype=torch.long), b], 1)])  # (2, 9)
-        nxt = torch.randint(0, 97, (2, 1))
+        batch = torch.cat([a, torch.cat([b, torch.zeros(1, 4, dtype=torch.long)], 1)])  # (2, 9), b right-padded
+        nxt = torch.randint(0, 97, (2, 3))
         with torch.no_grad():
-            cache = KVCache.for_model(model, 2, left_pad=torch.tensor([0, 4]))
-            out = model(batch, kv_cache=cache)
-            step = model(nxt, kv_cache=cache)
+            cache = KVCache.for_model(model, 2)
+            out = model(batch, cache=cache)
+            cache.lengths[1] = 5  # the pads are forgotten: row 1 goes on after its 5 real tokens
+            step = model(nxt, cache=cache)  # rows start at columns 9 and 5: a (B, 1, T, S) mask
+            one = model(nxt[:, :1], cache=cache)  # one query per row, different lengths
             torch.testing.assert_close(out[0], model(a)[0], atol=2e-5, rtol=1e-4)
-            torch.testing.assert_close(out[1, 4:], model(b)[0], atol=2e-5, rtol=1e-4)
-            torch.testing.assert_close(step[1, 0], model(torch.cat([b, nxt[1:]], 1))[0, -1], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(out[1, :5], model(b)[0], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(step[0], model(torch.cat([a, nxt[:1]], 1))[0, 9:], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(step[1], model(torch.cat([b, nxt[1:]], 1))[0, 5:], atol=2e-5, rtol=1e-4)
+            want = model(torch.cat([b, nxt[1:], nxt[1:, :1]], 1))[0, -1]
+            torch.testing.assert_close(one[1, 0], want, atol=2e-5, rtol=1e-4)
+        assert cache.lengths.tolist() == [13, 9]
+
+
+def test_kv_cache_row_views_share_storage():
+    model, _ = model_pair()
+    x = torch.randint(0, 97, (2, 6))
+    with torch.no_grad():
+        cache = KVCache.for_model(model, 2)
+        model(x, cache=cache)
+        row = cache.rows(1)
+        row.reset()  # row 1 empties; row 0 keeps its 6 tokens
+        model(x[1:, 3:], cache=row)  # refill row 1 alone with 3 tokens
+        assert cache.lengths.tolist() == [6, 3]
+        nxt = torch.randint(0, 97, (2, 1))
+        out = model(nxt, cache=cache)
+        torch.testing.assert_close(out[1, 0], model(torch.cat([x[1:, 3:], nxt[1:]], 1))[0, -1], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(out[0, 0], model(torch.cat([x[:1], nxt[:1]], 1))[0, -1], atol=2e-5, rtol=1e-4)
 
 
 def test_context_length_and_cache_errors():
     model = TransformerLM(tiny_cfg())
-    with pytest.raises(ValueError, match="context_length=32"):
+    with pytest.raises(ValueError, match=r"the input has 33 tokens but the model's context length is 32; shorten it"):
         model(torch.zeros(1, 33, dtype=torch.long))
     with pytest.raises(ValueError, match="batch dimension"):
         model(torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="integer token ids"):
         model(torch.zeros(1, 5))
-    cache = KVCache.for_model(model, 1, max_seq_len=8)
+    cache = KVCache.for_model(model, 1, capacity=8)
     with torch.no_grad():
-        model(torch.zeros(1, 8, dtype=torch.long), kv_cache=cache)
-        with pytest.raises(ValueError, match="KV cache is full"):
-            model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
-    with pytest.raises(ValueError, match="batch of 2 rows"):
-        model(torch.zeros(2, 1, dtype=torch.long), kv_cache=KVCache.for_model(model, 1))
+        model(torch.zeros(1, 8, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match=r"a cached row \(8 cached \+ 1 new tokens\) has 9 tokens but the KV "
+                                             r"cache's capacity is 8"):
+            model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="a batch of 2 rows does not fit a KV cache of 1 rows"):
+        model(torch.zeros(2, 1, dtype=torch.long), cache=KVCache.for_model(model, 1))
+    with pytest.raises(ValueError, match=r"cache capacity must be in \[1, context_length=32\]"):
+        KVCache.for_model(model, 1, capacity=33)
+    with pytest.raises(ValueError, match="not both"):
+        model(torch.zeros(1, 2, dtype=torch.long), torch.arange(2), KVCache.for_model(model, 1))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ attention and small ops run in the C++ decode kernels); ``generator`` samples fr
 Generation sees models and tokenizers, never training.
 """
 
-from lmforge.generate.engine import CachedDecoder
+from lmforge.generate.engine import Engine
 from lmforge.generate.generator import Generator, check_sampling, sample_next
 
-__all__ = ["Generator", "CachedDecoder", "sample_next", "check_sampling"]
+__all__ = ["Generator", "Engine", "sample_next", "check_sampling"]

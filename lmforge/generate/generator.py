@@ -4,7 +4,7 @@ Layers, bottom up:
 
 * :func:`sample_next` turns a ``(B, V)`` logits row into token ids: greedy (temperature 0), temperature,
   top-k, top-p (nucleus), drawing from an explicit ``torch.Generator`` so a seed reproduces the output.
-* :class:`CachedDecoder` (in :mod:`lmforge.generate.engine`) is the inference engine. It speaks only token ids: it
+* :class:`Engine` (in :mod:`lmforge.generate.engine`) is the inference engine. It speaks only token ids: it
   packs the model's weights once (fused QKV and gate|up projections; on CPU in panels for the C++ decode
   kernel, optionally as bfloat16/float16), preallocates a static KV cache for the whole generation,
   prefills the prompts in one forward and then decodes one token per step with a handful of operations
@@ -33,14 +33,15 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import torch
 
 from lmforge.common import token_ids
-from lmforge.generate.engine import CachedDecoder, model_config
+from lmforge.checkpoint import unwrap_model
+from lmforge.generate.engine import Engine
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.tokenizer import Tokenizer
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["Generator", "CachedDecoder", "sample_next", "check_sampling"]
+__all__ = ["Generator", "Engine", "sample_next", "check_sampling"]
 
 
 # ==================================================================================================
@@ -152,7 +153,7 @@ class Generator:
         if device is not None:
             model = model.to(resolve_device(device) if isinstance(device, str) else device)
         self.model = model.eval()
-        self.cfg = model_config(model)
+        self.cfg = unwrap_model(model).cfg
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.vocab_limit = self.cfg.vocab_size
@@ -162,7 +163,7 @@ class Generator:
                 raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {self.cfg.vocab_size}; "
                                  "load the tokenizer the model was trained with (the run's tokenizer.json)")
             self.vocab_limit = tokenizer.vocab_size  # never sample the model's padding ids
-        self.decoder = CachedDecoder(model, window_drop, weight_dtype)
+        self.engine = Engine(model, window_drop, weight_dtype)
 
     @classmethod
     def from_run(cls, run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
@@ -198,7 +199,7 @@ class Generator:
 
     def refresh(self) -> None:
         """Re-read the model's weights (call after changing them; the decoder packs a copy)."""
-        self.decoder = CachedDecoder(self.model, self.decoder.window_drop, self.decoder.weight_dtype)
+        self.engine = Engine(self.model, self.engine.window_drop, self.engine.weight_dtype)
 
     # ---------------------------------------------------------------------------------------------
     # ids in, ids out
@@ -233,7 +234,7 @@ class Generator:
                      top_p: float | None, seed: int | None, naive: bool) -> Iterator[list[int]]:
         """Yield the next token of every row, ``n_new`` times (rows that have stopped keep going; callers ignore them).
 
-        A row that outgrows the context slides (:class:`CachedDecoder`); the naive path applies the same
+        A row that outgrows the context slides (:class:`Engine`); the naive path applies the same
         policy to its window: after appending a token, a window longer than the context drops its
         oldest ``window_drop`` tokens.
         """
@@ -250,7 +251,7 @@ class Generator:
 
         ctx = self.cfg.context_length
         if naive:
-            keep = ctx + 1 - self.decoder.window_drop
+            keep = ctx + 1 - self.engine.window_drop
             seqs = [list(r) for r in rows]
             for _ in range(n_new):
                 with torch.inference_mode():
@@ -263,15 +264,15 @@ class Generator:
                 yield nxt
             return
         longest = max(len(r) for r in rows)
-        capacity = min(ctx, longest + n_new - 1)  # a full cache (capacity == ctx) slides, see CachedDecoder
-        dec = self.decoder
-        with torch.inference_mode(), dec.serial_torch():  # sampling too: see CachedDecoder.serial_torch
-            nxt = pick(dec.prefill(rows, max(capacity, longest)))
+        capacity = min(ctx, longest + n_new - 1)  # a full cache (capacity == ctx) slides, see Engine
+        engine = self.engine
+        with torch.inference_mode():
+            nxt = pick(engine.prefill(rows, max(capacity, longest)))
         for i in range(n_new):
             out = nxt.tolist()
             if i + 1 < n_new:
-                with torch.inference_mode(), dec.serial_torch():
-                    nxt = pick(dec.step(nxt))
+                with torch.inference_mode(), engine.serial_torch():  # sampling too: see Engine.serial_torch
+                    nxt = pick(engine.step(nxt))
             yield out
 
     def generate_ids(self, prompt_ids: Sequence[int] | Sequence[Sequence[int]], max_new_tokens: int = 128,

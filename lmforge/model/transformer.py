@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from lmforge.model.layers import (Device, DType, Embedding, Linear, RMSNorm, RotaryPositionalEmbedding, SwiGLU, default_d_ff,
                             scaled_dot_product_attention, silu, softmax)
+from lmforge.model.cache import KVCache, check_context
 from lmforge.model.losses import cross_entropy, linear_cross_entropy
 
 __all__ = ["ModelConfig", "TransformerLM", "TransformerBlock", "CausalSelfAttention", "KVCache", "Linear",
@@ -106,103 +107,6 @@ def _divisors(n: int) -> list[int]:
 
 def _divisors_near(n: int, k: int) -> list[int]:
     return sorted(_divisors(n), key=lambda d: abs(d - k))[:3]
-
-
-# --------------------------------------------------------------------------------------------------
-# KV cache
-# --------------------------------------------------------------------------------------------------
-class KVCache:
-    """Keys and values of past tokens, so decoding runs the prompt once and then one token per step.
-
-    Storage is preallocated: ``k, v (n_layers, B, n_kv_heads, max_seq_len, head_dim)``; ``pos`` counts the
-    cached tokens (the same for every row). Prompts of different lengths: left-pad them to one length and
-    pass ``left_pad (B,)`` (pad tokens per row). Pad slots are then never attended to, and each row's
-    positions start at 0 at its first real token, so every row decodes as if it were alone.
-    """
-
-    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_seq_len: int,
-                 device: Device = None, dtype: DType = None,
-                 left_pad: Tensor | None = None) -> None:
-        shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype or torch.float32)
-        self.v = torch.zeros_like(self.k)
-        self.max_seq_len, self.batch_size = max_seq_len, batch_size
-        self.pos = 0
-        if left_pad is not None:
-            left_pad = torch.as_tensor(left_pad, dtype=torch.long, device=self.k.device).reshape(-1)
-            if left_pad.shape[0] != batch_size or bool((left_pad < 0).any()) or bool((left_pad >= max_seq_len).any()):
-                raise ValueError(f"left_pad must hold {batch_size} counts in [0, {max_seq_len}), "
-                                 f"got {left_pad.tolist()}")
-        self.left_pad = left_pad
-        self._masks: dict[tuple[int, int], Tensor] = {}
-
-    @classmethod
-    def for_model(cls, model: "TransformerLM", batch_size: int, max_seq_len: int | None = None,
-                  dtype: DType = None, device: Device = None,
-                  left_pad: Tensor | None = None) -> "KVCache":
-        """A cache shaped for ``model`` (defaults: its context length, device and parameter dtype)."""
-        cfg = model.cfg
-        p = model.lm_head.weight
-        max_seq_len = cfg.context_length if max_seq_len is None else max_seq_len
-        if not 0 < max_seq_len <= cfg.context_length:
-            raise ValueError(f"max_seq_len must be in [1, context_length={cfg.context_length}], got {max_seq_len}")
-        return cls(cfg.n_layers, batch_size, cfg.n_kv_heads, cfg.head_dim, max_seq_len,
-                   device=device or p.device, dtype=dtype or p.dtype, left_pad=left_pad)
-
-    def reset(self) -> None:
-        """Forget all cached tokens (storage is kept)."""
-        self.pos = 0
-        self._masks.clear()
-
-    def positions(self, T: int) -> Tensor:
-        """RoPE positions of the next ``T`` tokens: ``(T,)``, or ``(B, T)`` with left padding."""
-        slots = torch.arange(self.pos, self.pos + T, device=self.k.device)  # (T,)
-        if self.left_pad is None:
-            return slots
-        return (slots[None, :] - self.left_pad[:, None]).clamp(min=0)  # (B, T)
-
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store ``k, v (B, KV, T, D)`` of the new tokens of ``layer``; return all keys/values ``(B, KV, pos+T, D)``."""
-        B, _, T, _ = k.shape
-        if B != self.batch_size:
-            raise ValueError(f"batch of {B} rows does not match the KV cache built for {self.batch_size}; "
-                             "build a new cache with KVCache.for_model(model, batch_size)")
-        end = self.pos + T
-        if end > self.max_seq_len:
-            raise ValueError(f"KV cache is full: {self.pos} cached + {T} new tokens > max_seq_len={self.max_seq_len}; "
-                             "build the cache with a larger max_seq_len (at most the model's context_length)")
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
-        ks, vs = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-        if ks.dtype != k.dtype:  # e.g. float32 cache under bf16 autocast
-            ks, vs = ks.to(k.dtype), vs.to(k.dtype)
-        return ks, vs
-
-    def mask(self, T: int, device, allow_none: bool = True) -> Tensor | None:
-        """Boolean attention mask (``True`` = attend) of the next ``T`` queries over all ``pos + T`` keys.
-
-        ``(T, S)``, or ``(B, 1, T, S)`` with left padding. With ``allow_none`` returns ``None`` when plain
-        causal attention (fresh cache) or full attention (a single query) is exact.
-        """
-        if allow_none and self.left_pad is None and (self.pos == 0 or T == 1):
-            return None
-        key = (self.pos, T)
-        m = self._masks.get(key)
-        if m is None:
-            S = self.pos + T
-            q_slot = torch.arange(self.pos, S, device=device)[:, None]  # (T, 1)
-            k_slot = torch.arange(S, device=device)[None, :]  # (1, S)
-            m = k_slot <= q_slot  # (T, S)
-            if self.left_pad is not None:
-                real = k_slot[None] >= self.left_pad[:, None, None]  # (B, 1, S)
-                # A pad query sees only itself, so no row is fully masked (that would give NaN).
-                m = (m[None] & (real | (k_slot == q_slot)[None]))[:, None]  # (B, 1, T, S)
-            self._masks = {key: m}
-        return m
-
-    def advance(self, T: int) -> None:
-        """Mark ``T`` more tokens as cached (the model calls this after all layers stored them)."""
-        self.pos += T
 
 
 # --------------------------------------------------------------------------------------------------
@@ -349,35 +253,35 @@ class CausalSelfAttention(nn.Module):
             rope = RotaryPositionalEmbedding(theta, self.head_dim, max_seq_len, device=device)
         self.rope = rope
 
-    def forward(self, x: Tensor, token_positions: Tensor | None = None, kv_cache: KVCache | None = None,
+    def forward(self, x: Tensor, token_positions: Tensor | None = None, cache: KVCache | None = None,
                 layer_idx: int = 0) -> Tensor:
-        """``x (B, T, d_model) -> (B, T, d_model)``; positions default to ``start .. start+T-1`` where
-        ``start`` is the number of tokens already in ``kv_cache`` (0 without a cache)."""
+        """``x (B, T, d_model) -> (B, T, d_model)``; positions default to ``0 .. T-1``.
+
+        With ``cache`` (planned by :meth:`KVCache.begin`, whose positions the model passes as
+        ``token_positions``) the new keys/values are stored in layer ``layer_idx`` and each row attends over
+        its cached prefix.
+        """
         if self.fast:
-            return self._forward_fast(x, token_positions, kv_cache, layer_idx)
-        return self._forward_reference(x, token_positions, kv_cache, layer_idx)
+            return self._forward_fast(x, token_positions, cache, layer_idx)
+        return self._forward_reference(x, token_positions, cache, layer_idx)
 
-    def _positions(self, x: Tensor, token_positions: Tensor | None, kv_cache: KVCache | None) -> Tensor:
-        T = x.shape[-2]
-        if token_positions is not None:
-            return token_positions
-        if kv_cache is not None:
-            return kv_cache.positions(T)  # (B, T) or (T,)
-        return torch.arange(T, device=x.device)
-
-    def _forward_reference(self, x: Tensor, token_positions, kv_cache, layer_idx) -> Tensor:
+    def _forward_reference(self, x: Tensor, token_positions: Tensor | None, cache: KVCache | None,
+                           layer_idx: int) -> Tensor:
         *lead, T, _ = x.shape
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x).unflatten(-1, (H, D)).transpose(-3, -2)  # (..., H, T, D)
         k = self.k_proj(x).unflatten(-1, (KV, D)).transpose(-3, -2)  # (..., KV, T, D)
         v = self.v_proj(x).unflatten(-1, (KV, D)).transpose(-3, -2)  # (..., KV, T, D)
         if self.rope is not None:
-            pos = self._positions(x, token_positions, kv_cache)
-            pos = pos.unsqueeze(-2) if pos.dim() >= 2 else pos  # (B, 1, T): broadcast over heads
+            pos = token_positions
+            pos = pos.unsqueeze(-2) if pos is not None and pos.dim() >= 2 else pos  # (B, 1, T): broadcast over heads
             q, k = self.rope(q, pos), self.rope(k, pos)
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer_idx, k, v)  # (B, KV, S, D) with S = cached + T
-            mask = kv_cache.mask(T, x.device, allow_none=False)  # (B, 1, T, S) or (T, S)
+        if cache is not None:
+            k, v = cache.write(layer_idx, k, v)  # (B, KV, S, D) with S = cached + T
+            mask = cache.mask(T)  # None, (T, S) or (B, 1, T, S)
+            if mask is None:  # plain causal over the last T of S columns (S == T, or one query that sees all)
+                S = k.shape[-2]
+                mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
         else:
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
         if KV != H:
@@ -386,29 +290,28 @@ class CausalSelfAttention(nn.Module):
         y = scaled_dot_product_attention(q, k, v, mask)  # (..., H, T, D)
         return self.output_proj(y.transpose(-3, -2).flatten(-2))  # (..., T, H*D) -> (..., T, d_model)
 
-    def _forward_fast(self, x: Tensor, token_positions, kv_cache, layer_idx) -> Tensor:
+    def _forward_fast(self, x: Tensor, token_positions: Tensor | None, cache: KVCache | None,
+                      layer_idx: int) -> Tensor:
         B, T, _ = x.shape
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = _project(self, x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])  # (B, T, h·D)
         q, k, v = q.unflatten(-1, (H, D)), k.unflatten(-1, (KV, D)), v.unflatten(-1, (KV, D))  # (B, T, h, D)
         if self.rope is not None:
-            if token_positions is None and kv_cache is None:
+            if token_positions is None:
+                check_context(T, self.rope.max_seq_len)
                 cos, sin = self.rope.cos[:T, None, :], self.rope.sin[:T, None, :]  # (T, 1, D/2)
-                if T > self.rope.max_seq_len:
-                    raise ValueError(f"sequence length {T} exceeds the RoPE table size {self.rope.max_seq_len}; "
-                                     "shorten the input or build the model with a larger context_length")
             else:
-                pos = self._positions(x, token_positions, kv_cache)
-                if token_positions is not None:
-                    self.rope.check_positions(pos)
-                cos, sin = self.rope.cos[pos].unsqueeze(-2), self.rope.sin[pos].unsqueeze(-2)  # (B|1, T, 1, D/2)
+                if cache is None:  # the cache checked its columns already
+                    self.rope.check_positions(token_positions)
+                cos = self.rope.cos[token_positions].unsqueeze(-2)  # (B|1, T, 1, D/2)
+                sin = self.rope.sin[token_positions].unsqueeze(-2)
             q, k = _rope_fast(q, cos, sin), _rope_fast(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, h, T, D)
-        if kv_cache is None:
+        if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KV != H)
         else:
-            k, v = kv_cache.update(layer_idx, k, v)  # (B, KV, S, D)
-            mask = kv_cache.mask(T, x.device)
+            k, v = cache.write(layer_idx, k, v)  # (B, KV, S, D)
+            mask = cache.mask(T)
             if mask is None:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=KV != H)
             else:
@@ -446,9 +349,9 @@ class TransformerBlock(nn.Module):
         self.ffn = FeedForward(d_model, d_ff, fast=fast, device=device, dtype=dtype)
         self.ln2 = Norm(d_model, eps, fast=fast, device=device, dtype=dtype)
 
-    def forward(self, x: Tensor, token_positions: Tensor | None = None, kv_cache: KVCache | None = None,
+    def forward(self, x: Tensor, token_positions: Tensor | None = None, cache: KVCache | None = None,
                 layer_idx: int = 0) -> Tensor:
-        x = x + self.attn(self.ln1(x), token_positions, kv_cache, layer_idx)
+        x = x + self.attn(self.ln1(x), token_positions, cache, layer_idx)
         return x + self.ffn(self.ln2(x))
 
 
@@ -515,13 +418,11 @@ class TransformerLM(nn.Module):
                 m.fast = fast
         return self
 
-    def forward(self, idx: Tensor, token_positions: Tensor | None = None, kv_cache: KVCache | None = None, *,
-                targets: Tensor | None = None, ignore_index: int | None = None, reduction: str = "mean") -> Tensor:
-        """``idx (B, T)`` int64 -> logits ``(B, T, vocab_size)``.
+    def hidden(self, idx: Tensor, token_positions: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        """``idx (B, T)`` int64 -> the final-normed hidden states ``(B, T, d_model)`` (what the LM head reads).
 
-        With ``kv_cache`` the new tokens attend to the cached ones and are appended to the cache. With
-        ``targets (B, T)`` the cross-entropy loss (``reduction`` ``"mean"``/``"sum"``/``"none"``) is
-        returned instead of the logits; the fast path then never builds the full logits tensor.
+        With ``cache`` the new tokens go after each row's cached ones (positions = cache columns), attend to
+        them, and are appended to the cache.
         """
         if idx.dim() != 2 or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
             raise ValueError(f"idx must be integer token ids of shape (batch, seq), got {idx.dtype} "
@@ -532,17 +433,27 @@ class TransformerLM(nn.Module):
                 raise ValueError(f"token id {lo if lo < 0 else hi} is out of range [0, {self.cfg.vocab_size}) for "
                                  "this model; the ids come from another tokenizer or the model's vocab_size is too small")
         T = idx.shape[1]
-        start = kv_cache.pos if kv_cache is not None else 0
-        if start + T > self.cfg.context_length:
-            raise ValueError(f"sequence of {start + T} tokens ({start} cached + {T} new) exceeds "
-                             f"context_length={self.cfg.context_length}; crop the input to the last "
-                             f"{self.cfg.context_length} tokens or train a model with a longer context")
+        if cache is not None:
+            if token_positions is not None:
+                raise ValueError("give token_positions or a cache, not both: with a cache, positions are cache columns")
+            token_positions = cache.begin(T)  # checks the context
+        elif token_positions is None:
+            check_context(T, self.cfg.context_length)
         x = self.token_embeddings(idx)  # (B, T, d_model)
         for i, layer in enumerate(self.layers):
-            x = layer(x, token_positions, kv_cache, i)
-        if kv_cache is not None:
-            kv_cache.advance(T)
-        x = self.ln_final(x)  # (B, T, d_model)
+            x = layer(x, token_positions, cache, i)
+        if cache is not None:
+            cache.advance(T)
+        return self.ln_final(x)  # (B, T, d_model)
+
+    def forward(self, idx: Tensor, token_positions: Tensor | None = None, cache: KVCache | None = None, *,
+                targets: Tensor | None = None, ignore_index: int | None = None, reduction: str = "mean") -> Tensor:
+        """``idx (B, T)`` int64 -> logits ``(B, T, vocab_size)``; see :meth:`hidden` for ``cache``.
+
+        With ``targets (B, T)`` the cross-entropy loss (``reduction`` ``"mean"``/``"sum"``/``"none"``) is
+        returned instead of the logits; the fast path then never builds the full logits tensor.
+        """
+        x = self.hidden(idx, token_positions, cache)
         if targets is None:
             return self.lm_head(x)  # (B, T, V)
         if self.cfg.fast:

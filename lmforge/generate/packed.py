@@ -1,0 +1,97 @@
+"""Weights packed for the C++ decode kernel: one matrix ``(N, K)`` stored in panels of 8 output rows.
+
+``packed[p, k, j] = W[8p + j, k]``, so one product streams the weights once, sequentially, whatever the number
+of rows. The weights may be stored in float32 (exact), bfloat16 / float16 (half the bytes) or as int8 codes with
+one float32 scale per output row (a quarter; ``w ~ code * max|row| / 127``); activations and sums stay float32.
+At batch 1 a decode step is bound by reading the weights, so smaller weights make it faster; the outputs then
+follow a model whose matrices were rounded that way (:meth:`PackedLinear.weight`), not the float32 model.
+:meth:`PackedLinear.reference` is the pure-PyTorch twin the tests hold the kernel to.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["PackedLinear", "WEIGHT_DTYPES", "weight_dtype_of", "kernel_available"]
+
+PANEL = 8  # output rows per panel of a packed weight (one AVX2 vector of float32 outputs)
+# Weight storage the decode kernel reads, with the kernel's code for each.
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
+WEIGHT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "int8": torch.int8}
+
+
+def kernel_available() -> bool:
+    """Whether the C++ decode kernel (``lmforge._core.linear_rows``) is built."""
+    try:
+        from lmforge import _core
+    except ImportError:
+        return False
+    return hasattr(_core, "linear_rows")
+
+
+def weight_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:
+    """``None``, a ``torch.dtype`` or a name (``"bf16"``, ``"float16"``, ...) as a dtype the kernel reads."""
+    if value is None or isinstance(value, torch.dtype):
+        dtype = value
+    else:
+        dtype = WEIGHT_DTYPES.get(str(value).lower())
+        if dtype is None:
+            raise ValueError(f"unknown weight dtype {value!r}; use one of float32, bfloat16, float16, int8")
+    if dtype is not None and dtype not in _KINDS:
+        raise ValueError(f"weights can be stored as float32, bfloat16, float16 or int8 for decoding, not {dtype}")
+    return dtype
+
+
+class PackedLinear:
+    """A weight ``W (N, K)`` packed for the decode kernel; ``lin(x)`` is ``x @ W.T`` for ``x (M, K)`` float32.
+
+    ``dtype`` is the storage precision (float32, bfloat16, float16, or int8 with a scale per output row:
+    ``scale[n] = max|W[n]| / 127``, codes ``round(W / scale)``); products accumulate in float32. The packed
+    copy is independent of ``W`` (later changes to ``W`` are not seen).
+    """
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        if weight.dim() != 2:
+            raise ValueError(f"expected a 2-D weight (out, in), got shape {tuple(weight.shape)}")
+        self.n, self.k = (int(s) for s in weight.shape)
+        self.dtype = dtype
+        self.kind = _KINDS[dtype]
+        if dtype == torch.float16 and bool(((weight.detach().abs() > 65504.0) & weight.detach().isfinite()).any()):
+            raise ValueError("weights exceed float16's range (|w| > 65504); store them as bfloat16 instead")
+        w = weight.detach().to("cpu", torch.float32)
+        self.scales: torch.Tensor | None = None
+        if dtype == torch.int8:
+            if not bool(w.isfinite().all()):
+                raise ValueError("int8 weights need finite values; store them as float32 instead")
+            peak = w.abs().amax(1)
+            self.scales = torch.where(peak > 0, peak / 127, torch.ones_like(peak))  # (N,)
+            w = torch.round(w / self.scales[:, None]).clamp_(-127, 127)
+        panels = -(-self.n // PANEL)
+        padded = torch.zeros(panels * PANEL, self.k, dtype=dtype)
+        padded[: self.n] = w.to(dtype)
+        self.packed = padded.view(panels, PANEL, self.k).transpose(1, 2).contiguous()  # (P, K, 8)
+        # what the kernel reads: float32 or int8, or the 16-bit patterns as uint16 (numpy has no bfloat16)
+        self._array = (self.packed.view(torch.int16).numpy().view(np.uint16) if dtype in (torch.bfloat16, torch.float16)
+                       else self.packed.numpy())
+        self._scales = None if self.scales is None else self.scales.numpy()
+
+    def weight(self) -> torch.Tensor:
+        """The stored weight as ``(N, K)`` float32 (rounded to ``dtype``; int8 codes times their row scale)."""
+        w = self.packed.transpose(1, 2).reshape(-1, self.k)[: self.n].float()
+        return w if self.scales is None else w * self.scales[:, None]
+
+    def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """``x @ W.T`` on ``threads`` threads of the kernel's own pool (default: ``torch.get_num_threads()``)."""
+        from lmforge import _core
+
+        x = x.float().contiguous()
+        y = torch.empty(x.shape[0], self.n)
+        _core.linear_rows(x.numpy(), self._array, self.kind, y.numpy(), threads or torch.get_num_threads(),
+                          self._scales)
+        return y
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` in PyTorch from the same stored weights (the kernel's test oracle)."""
+        return x.float() @ self.weight().T
