@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from lmforge.generate.engine import Engine
-from lmforge.generate.generator import Generator, _TextStream, check_sampling, sample_next
+from lmforge.generate.generator import Generator, _TextStream
+from lmforge.generate.sampling import check_sampling, sample_next
 from lmforge.model import ModelConfig, TransformerLM
 
 VOCAB = 400  # the conftest tiny_tokenizer's size

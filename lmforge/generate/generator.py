@@ -2,15 +2,14 @@
 
 Layers, bottom up:
 
-* :func:`sample_next` turns a ``(B, V)`` logits row into token ids: greedy (temperature 0), temperature,
+* :func:`~lmforge.generate.sampling.sample_next` turns a ``(B, V)`` logits row into token ids: greedy (temperature 0), temperature,
   top-k, top-p (nucleus), drawing from an explicit ``torch.Generator`` so a seed reproduces the output.
 * :class:`Engine` (in :mod:`lmforge.generate.engine`) is the inference engine. It speaks only token ids: it
-  packs the model's weights once (fused QKV and gate|up projections; on CPU in panels for the C++ decode
-  kernel, optionally as bfloat16/float16), preallocates a static KV cache for the whole generation,
-  prefills the prompts in one forward and then decodes one token per step with a handful of operations
-  per layer (on CPU, calls into the C++ decode kernels). Several prompts run as one batch: right padding and a length per row, so each row attends
-  to its own tokens only. A row that fills the context slides: it drops its oldest quarter (by default)
-  and re-prefills the rest, so generation goes on at an amortized cost.
+  prefills the prompts through the model's own forward into the model's KV cache, then decodes one token per
+  step (on CPU, one call into the C++ decode kernels per operation, on weights packed once, optionally as
+  bfloat16/float16/int8). Several prompts run as one batch: right padding and a length per row, so each row
+  attends to its own tokens only. A row that fills the context slides: it drops its oldest quarter (by
+  default) and re-prefills the rest, so generation goes on at an amortized cost.
 * :class:`Generator` is the user API: ``generate_ids`` (ids in, ids out) and ``generate`` (text in, text
   out, optionally streamed) with stop tokens and stop strings. ``naive=True`` recomputes the full
   forward of the model itself at every step (no cache); it is the oracle the cached path is tested
@@ -25,63 +24,23 @@ from __future__ import annotations
 
 import codecs
 import logging
-import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
-from lmforge.common import token_ids
 from lmforge.checkpoint import unwrap_model
+from lmforge.common import token_ids
 from lmforge.generate.engine import Engine
+from lmforge.generate.sampling import check_sampling, sample_next
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.tokenizer import Tokenizer
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["Generator", "Engine", "sample_next", "check_sampling"]
-
-
-# ==================================================================================================
-# Sampling
-# ==================================================================================================
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Validate sampling parameters (``ValueError`` saying which one is wrong and what is allowed)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
-        raise ValueError(f"temperature must be a finite number >= 0 (got {temperature!r}); use 0 for greedy decoding, "
-                         "around 1 for plain sampling")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive integer or None (got {top_k!r})")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1] (got {top_p}); 1 keeps every token, small values keep few")
-
-
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick the next token of each row of ``logits`` ``(B, V)``; returns ``(B,)`` int64.
-
-    ``temperature == 0`` is greedy (argmax; ties go to the lowest id). Otherwise the logits are divided by
-    the temperature, then restricted to the ``top_k`` largest, then to the smallest set of tokens whose
-    probabilities add up to at least ``top_p`` (never empty: the most likely token is always kept; ``top_p
-    = 1`` keeps every token), and one token is drawn with ``generator``.
-    """
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1) smallest kept logit
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above
-        drop = mass_before >= top_p  # rank 0 has mass_before 0 < top_p: never dropped
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+__all__ = ["Generator"]
 
 
 # ==================================================================================================

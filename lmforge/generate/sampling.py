@@ -1,0 +1,46 @@
+"""Sampling the next token from logits: greedy, temperature, top-k, top-p (nucleus), reproducible by seed."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["check_sampling", "sample_next"]
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Validate sampling parameters (``ValueError`` saying which one is wrong and what is allowed)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0 (got {temperature!r}); use 0 for greedy decoding, "
+                         "around 1 for plain sampling")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive integer or None (got {top_k!r})")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1] (got {top_p}); 1 keeps every token, small values keep few")
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick the next token of each row of ``logits`` ``(B, V)``; returns ``(B,)`` int64.
+
+    ``temperature == 0`` is greedy (argmax; ties go to the lowest id). Otherwise the logits are divided by
+    the temperature, then restricted to the ``top_k`` largest, then to the smallest set of tokens whose
+    probabilities add up to at least ``top_p`` (never empty: the most likely token is always kept; ``top_p
+    = 1`` keeps every token), and one token is drawn with ``generator``.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1) smallest kept logit
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above
+        drop = mass_before >= top_p  # rank 0 has mass_before 0 < top_p: never dropped
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
