@@ -28,6 +28,10 @@ import struct
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
+import torch
+from safetensors.torch import load, load_file, save
+
 from lmforge.common import atomic_open, check_input_file, remove_stale_temporaries
 
 logger = logging.getLogger("lmforge")
@@ -45,9 +49,6 @@ __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "read_metada
 # --------------------------------------------------------------------------------------------------
 def _encode(obj: Any, prefix: str, tensors: dict[str, Any]) -> Any:
     """Replace tensors / arrays inside ``obj`` by references, collecting them in ``tensors``."""
-    import numpy as np
-    import torch
-
     if isinstance(obj, torch.Tensor):
         key = f"{prefix}{len(tensors)}"
         tensors[key] = obj.detach().cpu().contiguous()
@@ -90,8 +91,6 @@ def _decode(obj: Any, tensors: dict[str, Any]) -> Any:
 
 def _digest(tensors: dict[str, Any], meta_json: str) -> str:
     """SHA-256 over (name, dtype, shape, raw bytes) of every tensor in name order, then the meta JSON."""
-    import torch
-
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name]
@@ -115,8 +114,6 @@ def unwrap_model(model: Any) -> Any:
 # save / load
 # --------------------------------------------------------------------------------------------------
 def _checkpoint_bytes(model: Any, optimizer: Any, iteration: int, extra: dict[str, Any] | None) -> bytes:
-    from safetensors.torch import save
-
     tensors: dict[str, Any] = {}
     aliases: dict[str, str] = {}  # tied weights: store the shared tensor once
     seen: dict[tuple, str] = {}
@@ -218,8 +215,6 @@ def read_checkpoint(src: str | os.PathLike | IO[bytes]) -> Checkpoint:
 
     A path is memory-mapped (peak memory ~ one copy of the tensors); a file object is read whole.
     """
-    from safetensors.torch import load, load_file
-
     try:
         if isinstance(src, (str, os.PathLike)):
             name = str(src)

@@ -9,6 +9,7 @@ are recognised by a checkpoint written by ``lmforge train``; they get the marker
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -16,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from lmforge import __version__
-from lmforge.checkpoint import CheckpointManager, read_metadata
+from lmforge.checkpoint import Checkpoint, CheckpointManager, read_checkpoint, read_metadata
 from lmforge.common import atomic_write_text
+from lmforge.config import load_yaml
 
 MARKER = "lmforge-run.json"
 """File name of the marker that makes a directory an lmforge run."""
@@ -106,3 +108,36 @@ def read_marker(path: str | os.PathLike) -> dict[str, Any] | None:
         return json.loads(p.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{p} is not valid JSON ({e}); restore it or delete it") from None
+
+
+@dataclasses.dataclass
+class Run:
+    """An opened run directory: its resolved config (as saved), its tokenizer file and one verified checkpoint."""
+
+    path: Path
+    config: dict[str, Any]
+    """``config.yaml`` as a dict (``config["model"]`` builds the ``ModelConfig``)."""
+    tokenizer_path: Path
+    checkpoint_path: Path
+    checkpoint: Checkpoint
+
+
+def open_run(path: str | os.PathLike, checkpoint: str | os.PathLike | None = None) -> Run:
+    """Open a run directory for reading: the one place that checks it and finds its checkpoint.
+
+    ``checkpoint``: a file, ``"best"`` (``checkpoints/best.safetensors``) or None for the newest step checkpoint
+    that verifies (a corrupt newer one is skipped with a warning). ``ValueError`` with what to do for a missing
+    or foreign directory, a missing ``config.yaml``/``tokenizer.json``, or no checkpoint.
+    """
+    p = require_run(path, needs=("config.yaml", "tokenizer.json"))
+    ckpts = CheckpointManager(p)
+    if checkpoint is None:
+        found = ckpts.load_latest()
+        if found is None:
+            raise ValueError(f"no checkpoint in {ckpts.dir}; train first, or pass --checkpoint FILE")
+        ckpt_path, ckpt = found
+    else:
+        ckpt_path = ckpts.best_path if str(checkpoint) == "best" else Path(checkpoint)
+        ckpt = read_checkpoint(ckpt_path)
+    return Run(path=p, config=load_yaml(p / "config.yaml"), tokenizer_path=p / "tokenizer.json",
+               checkpoint_path=ckpt_path, checkpoint=ckpt)

@@ -14,6 +14,7 @@ exist as far as readers are concerned; the manifest is written last.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -25,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from lmforge.common import atomic_write_text, human_bytes, sha256_file
+from lmforge.common import atomic_open, atomic_write_text, human_bytes, sha256_file
+from lmforge.tokenizer import Tokenizer
 
 logger = logging.getLogger("lmforge")
 
@@ -92,10 +94,6 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
 def write_shard(path: str | os.PathLike, tokens: np.ndarray, doc_starts: np.ndarray, vocab_size: int,
                 fingerprint: str) -> str:
     """Write one shard atomically; return its SHA-256 (computed from the bytes written)."""
-    import hashlib
-
-    from lmforge.common import atomic_open
-
     header = pack_header(tokens.dtype.itemsize, len(tokens), len(doc_starts), vocab_size, fingerprint)
     starts = np.ascontiguousarray(doc_starts, dtype="<u4")
     h = hashlib.sha256()
@@ -319,8 +317,6 @@ def inspect(directory: str | os.PathLike, tokenizer: Any = None, sample_tokens: 
         n = len(m["pending"]["shards"])
         lines.append(f"  an interrupted prepare is pending ({n} shards written); re-run the same command to resume")
     if tokenizer is None and (d / "tokenizer.json").exists():
-        from lmforge.tokenizer.tokenizer import Tokenizer
-
         tokenizer = Tokenizer.load(d / "tokenizer.json")
     for split, info in sorted(m["splits"].items()):
         bpt = info.get("text_bytes", 0) / max(1, info["tokens"])

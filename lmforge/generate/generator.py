@@ -25,18 +25,18 @@ from __future__ import annotations
 import codecs
 import logging
 import os
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-from lmforge.checkpoint import unwrap_model
-from lmforge.common import token_ids
+from lmforge.checkpoint import apply_checkpoint, unwrap_model
+from lmforge.common import resolve_device, token_ids
+from lmforge.config import from_dict
 from lmforge.generate.engine import Engine
 from lmforge.generate.sampling import check_sampling, sample_next
-
-if TYPE_CHECKING:  # pragma: no cover
-    from lmforge.tokenizer import Tokenizer
+from lmforge.model import ModelConfig, TransformerLM
+from lmforge.run import open_run
+from lmforge.tokenizer import Tokenizer
 
 logger = logging.getLogger("lmforge")
 
@@ -107,8 +107,6 @@ class Generator:
         path then matches the model with its matrices rounded that way, and ``naive=True`` still runs the
         float32 model. Default: the model's own dtype.
         """
-        from lmforge.common import resolve_device
-
         if device is not None:
             model = model.to(resolve_device(device) if isinstance(device, str) else device)
         self.model = model.eval()
@@ -133,28 +131,12 @@ class Generator:
         newest step checkpoint that verifies (a corrupt newest one is skipped with a warning).
         ``weight_dtype`` as in the constructor.
         """
-        from lmforge.checkpoint import CheckpointManager, apply_checkpoint, read_checkpoint
-        from lmforge.common import resolve_device
-        from lmforge.config import from_dict, load_yaml
-        from lmforge.model import ModelConfig, TransformerLM
-        from lmforge.run import require_run
-        from lmforge.tokenizer import Tokenizer
-
-        run = require_run(run_dir, needs=("config.yaml", "tokenizer.json"))
-        model_cfg = from_dict(ModelConfig, load_yaml(run / "config.yaml").get("model"), path="model")
+        run = open_run(run_dir, checkpoint)
         dev = resolve_device(device)
-        if checkpoint is not None:
-            ckpt_path = CheckpointManager(run).best_path if str(checkpoint) == "best" else Path(checkpoint)
-            ckpt = read_checkpoint(ckpt_path)
-        else:
-            found = CheckpointManager(run).load_latest()
-            if found is None:
-                raise ValueError(f"no checkpoint in {run / 'checkpoints'}; train first, or pass --checkpoint FILE")
-            ckpt_path, ckpt = found
-        model = TransformerLM(model_cfg)
-        step = apply_checkpoint(ckpt, model)
-        logger.info("loaded %s (step %d) on %s", ckpt_path, step, dev)
-        return cls(model.to(dev), Tokenizer.load(run / "tokenizer.json"), weight_dtype=weight_dtype)
+        model = TransformerLM(from_dict(ModelConfig, run.config.get("model"), path="model"))
+        step = apply_checkpoint(run.checkpoint, model)
+        logger.info("loaded %s (step %d) on %s", run.checkpoint_path, step, dev)
+        return cls(model.to(dev), Tokenizer.load(run.tokenizer_path), weight_dtype=weight_dtype)
 
     def refresh(self) -> None:
         """Re-read the model's weights (call after changing them; the decoder packs a copy)."""

@@ -14,6 +14,15 @@ import logging
 import os
 from typing import Any, Literal
 
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lmforge.common import resolve_device
+
 logger = logging.getLogger("lmforge")
 
 __all__ = ["DistInfo", "setup_distributed", "cleanup_distributed", "is_main_process", "get_rank", "get_world_size",
@@ -23,7 +32,6 @@ __all__ = ["DistInfo", "setup_distributed", "cleanup_distributed", "is_main_proc
 @dataclasses.dataclass(frozen=True)
 class DistInfo:
     """Where this process sits: global rank, rank on this machine, number of processes, its device."""
-
     rank: int
     local_rank: int
     world_size: int
@@ -36,8 +44,6 @@ class DistInfo:
     @property
     def enabled(self) -> bool:
         """True when a process group is active (more than one rank, or an explicit group of one)."""
-        import torch.distributed as dist
-
         return dist.is_available() and dist.is_initialized()
 
 
@@ -58,11 +64,6 @@ def setup_distributed(device: str = "auto", backend: str | None = None, init_met
     ``env://`` (tests pass ``file://...`` or ``tcp://127.0.0.1:PORT``). On CUDA each rank takes
     ``cuda:LOCAL_RANK``. With no torchrun variables this is a plain single-process run.
     """
-    import torch
-    import torch.distributed as dist
-
-    from lmforge.common import resolve_device
-
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", rank)
@@ -87,29 +88,22 @@ def setup_distributed(device: str = "auto", backend: str | None = None, init_met
 
 def cleanup_distributed() -> None:
     """Leave the process group if one is active."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def _active() -> bool:
-    import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
 
 
 def get_rank() -> int:
     """Global rank of this process (0 without a process group)."""
-    import torch.distributed as dist
-
     return dist.get_rank() if _active() else 0
 
 
 def get_world_size() -> int:
     """Number of processes (1 without a process group)."""
-    import torch.distributed as dist
-
     return dist.get_world_size() if _active() else 1
 
 
@@ -120,17 +114,12 @@ def is_main_process() -> bool:
 
 def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
-    import torch.distributed as dist
-
     if _active():
         dist.barrier()
 
 
 def all_reduce_sum(values: list[float], device: Any = None) -> list[float]:
     """Element-wise sum of ``values`` over all ranks (unchanged in a single process)."""
-    import torch
-    import torch.distributed as dist
-
     if not _active():
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
@@ -151,12 +140,9 @@ def wrap_model(model: Any, mode: Literal["none", "ddp", "fsdp"], info: DistInfo,
     With ``fsdp`` build the optimizer *after* wrapping, and save/load through :func:`full_state_dicts`
     and :func:`load_full_optimizer_state`. Checkpoints always hold the full, unwrapped weights.
     """
-    import torch
-
     if mode not in ("none", "ddp", "fsdp"):
         raise ValueError(f"training.parallel must be none, ddp or fsdp, got {mode!r}")
     if mode == "fsdp" and _active():
-        from torch.distributed.fsdp import fully_shard
 
         for block in getattr(model, "layers", []):
             fully_shard(block)
@@ -165,7 +151,6 @@ def wrap_model(model: Any, mode: Literal["none", "ddp", "fsdp"], info: DistInfo,
     if compile:
         model = torch.compile(model)
     if mode == "ddp" and _active():
-        from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [info.device.index] if info.device.type == "cuda" else None
         return DDP(model, device_ids=ids)
@@ -174,7 +159,6 @@ def wrap_model(model: Any, mode: Literal["none", "ddp", "fsdp"], info: DistInfo,
 
 class _StateView:
     """Something with a ``state_dict()`` method, for passing gathered state dicts to ``save_checkpoint``."""
-
     def __init__(self, state: dict[str, Any]) -> None:
         self._state = state
 
@@ -188,9 +172,6 @@ def full_state_dicts(model: Any, optimizer: Any) -> tuple[_StateView, _StateView
     A collective: every rank must call it; the tensors are complete on rank 0, which writes the checkpoint.
     The optimizer state is keyed by parameter name (what :func:`load_full_optimizer_state` expects).
     """
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return (_StateView(get_model_state_dict(model, options=opts)),
             _StateView(get_optimizer_state_dict(model, optimizer, options=opts)))
@@ -198,8 +179,6 @@ def full_state_dicts(model: Any, optimizer: Any) -> tuple[_StateView, _StateView
 
 def load_full_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
     """Load a full optimizer state written by :func:`full_state_dicts` into an FSDP model's optimizer."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     if any(not isinstance(k, str) for k in state.get("state", {})):
         raise ValueError("this checkpoint's optimizer state was saved without FSDP; resume with the same "
                          "training.parallel it was trained with")

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from lmforge.checkpoint import CheckpointManager, apply_checkpoint, read_checkpoint
+from lmforge.checkpoint import apply_checkpoint
 from lmforge.common import resolve_device
 from lmforge.data import TokenDataset, val_batches
 from lmforge.model import TransformerLM
-from lmforge.run import require_run
+from lmforge.run import open_run
 from lmforge.train.config import load_run_config
 from lmforge.train.distributed import all_reduce_sum
 
@@ -63,18 +63,10 @@ def evaluate_run(run_dir: str | Path, checkpoint: str | Path | None = None, spli
                                     or max_batches < 1):
         raise ValueError(f"the number of eval batches must be a positive integer, got {max_batches!r} "
                          "(leave it unset for the run's training.eval_batches)")
-    run = require_run(run_dir)
-    cfg = load_run_config(run / "config.yaml")
+    run = open_run(run_dir, checkpoint)
+    cfg = load_run_config(base=run.config)
     split = split or cfg.data.val_split or cfg.data.train_split
-    ckpts = CheckpointManager(run, cfg.training.keep_last)
-    if checkpoint is None:
-        latest = ckpts.load_latest()
-        if latest is None:
-            raise ValueError(f"no checkpoint in {ckpts.dir}; train first")
-        path, ck = latest
-    else:
-        path = ckpts.best_path if str(checkpoint) == "best" else Path(checkpoint)
-        ck = read_checkpoint(path)
+    path, ck = run.checkpoint_path, run.checkpoint
     dev = resolve_device(device)
     model = TransformerLM(cfg.model).to(dev)
     step = apply_checkpoint(ck, model)
