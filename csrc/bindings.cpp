@@ -1,4 +1,6 @@
-// lmforge._core: Python bindings of the C++ tokenizer hot paths (contract: docs/DESIGN.md).
+// lmforge._core: the Python bindings of the whole C++ core, and the only file that includes nanobind.
+// Serves lmforge.tokenizer (tokenizer/), lmforge.corpus (corpus/) and lmforge.generate (decode/), which
+// load it through lmforge/_native.py. Contract: docs/DESIGN.md; signatures: lmforge/_core.pyi.
 // Bytes in, ints out: no file I/O, no configuration, no policy. Heavy work runs with the GIL released.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -10,11 +12,12 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "counter.h"
-#include "docsplit.h"
-#include "encoder.h"
-#include "linear.h"
-#include "train.h"
+#include "corpus/docsplit.h"
+#include "decode/kernels.h"
+#include "tokenizer/bpe_training.h"
+#include "tokenizer/counter.h"
+#include "tokenizer/encoder.h"
+#include "utf8.h"
 
 namespace nb = nanobind;
 using namespace lmforge;
