@@ -1,4 +1,5 @@
-// BPE training (Python: lmforge.tokenizer.training.train_bpe), incremental: pair counts + pair -> words index + a max-heap with lazy invalidation.
+// BPE training (Python: lmforge.tokenizer.training.train_bpe), incremental: pair counts + pair -> words
+// index + a max-heap with lazy invalidation.
 //
 // Each merge touches only the words that contain the merged pair; within a word only the pairs
 // that overlap a merged position change, so the update is local and exact. Heap entries are
