@@ -1,4 +1,5 @@
-// UTF-8 validation and decoding, plus the character classes of the pre-tokenizer regexes.
+// UTF-8 validation and decoding, plus the character classes of the pre-tokenizer regexes. Shared by the
+// document splitter (corpus/), the pre-tokenizers (tokenizer/) and the bindings (_core.utf8_error_offset).
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Iterator, Sequence
 
+from lmforge import _native
 from lmforge.common import check_input_file
 
 if TYPE_CHECKING:  # numpy is imported where it is used: reading and counting text (train_bpe) never needs it
@@ -302,12 +303,8 @@ def split_documents(buf: bytes, sep: bytes, final: bool, want_crc: bool = False
     spans of the non-empty documents, their CRC-32 (if ``want_crc``), and the index of the first piece
     that is not valid UTF-8 (-1 if none; the scan stops there). C++ when built, else the reference.
     """
-    try:
-        from lmforge import _core
-    except ImportError:
-        _core = None
-    if _core is not None and hasattr(_core, "split_documents"):
-        return _core.split_documents(buf, sep, final, want_crc)
+    if _native.available("split_documents"):
+        return _native.core().split_documents(buf, sep, final, want_crc)
     return split_documents_reference(buf, sep, final, want_crc)
 
 

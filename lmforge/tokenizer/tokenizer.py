@@ -27,6 +27,7 @@ import regex
 from lmforge.tokenizer import reference as bpe
 
 from lmforge.tokenizer import formats as tokenizer_io
+from lmforge import _native
 from lmforge.common import token_ids
 from lmforge.tokenizer.training import _threads, train_bpe, train_bpe_from_iterator
 
@@ -48,11 +49,7 @@ _STREAM_CHUNK = 1 << 13  # characters buffered by encode_iterable before it look
 
 def _core_encoder_class() -> Any:
     """``lmforge._core.Encoder`` when the C++ extension is built with it, else None."""
-    try:
-        from lmforge import _core
-    except ImportError:
-        return None
-    return getattr(_core, "Encoder", None)
+    return _native.core().Encoder if _native.available("Encoder") else None
 
 
 class Tokenizer:
@@ -105,9 +102,9 @@ class Tokenizer:
         if cls is None:
             if backend == "cpp":
                 raise ValueError("backend='cpp' requested but lmforge._core.Encoder is not built; "
-                                 "run `pip install --no-build-isolation -e .` or use backend='python'")
+                                 f"run `{_native.REBUILD_COMMAND}` or use backend='python'")
             return None
-        from lmforge import _core
+        _core = _native.core()
 
         # Custom regexes are pre-tokenized here and passed to encode_words.
         pat = getattr(_core, _CORE_PATTERNS.get(self.pattern, "PATTERN_CUSTOM"), None)

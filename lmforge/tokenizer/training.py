@@ -31,6 +31,7 @@ from typing import Any, Iterable, Sequence
 
 import regex
 
+from lmforge import _native
 from lmforge.common import num_threads_default
 from lmforge.corpus import sources
 from lmforge.tokenizer import reference as bpe
@@ -69,11 +70,7 @@ class _PyCounter:
 
 
 def _core() -> Any:
-    try:
-        from lmforge import _core
-    except ImportError:
-        return None
-    return _core if hasattr(_core, "PretokenCounter") and hasattr(_core, "train_bpe") else None
+    return _native.core() if _native.available("PretokenCounter") and _native.available("train_bpe") else None
 
 
 _CORE_PATTERN_ATTR = {"gpt2": "PATTERN_GPT2", "gpt4": "PATTERN_GPT4", "cl100k": "PATTERN_GPT4",

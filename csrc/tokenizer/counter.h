@@ -1,12 +1,13 @@
-// PretokenCounter: counts unique pre-tokens of a stream of text, in parallel, with bounded memory.
+// PretokenCounter: counts unique pre-tokens of a stream of text, in parallel, with bounded memory
+// (Python: lmforge.tokenizer.training, the input of BPE training).
 #pragma once
 #include <cstdint>
 #include <mutex>
 #include <string>
 #include <vector>
 
-#include "hash.h"
-#include "pretokenize.h"
+#include "tokenizer/hash.h"
+#include "tokenizer/pretokenize.h"
 
 namespace lmforge {
 

@@ -1,5 +1,6 @@
 // Hand-written pre-tokenizers equivalent to regex.findall with the gpt2 / gpt4 / nanochat patterns,
-// working on valid UTF-8 bytes, plus special-token splitting and thread-safe split points.
+// working on valid UTF-8 bytes, plus special-token splitting and thread-safe split points. Used by the
+// counter and the encoder (Python: lmforge.tokenizer) and bound as _core.pretokenize for the tests.
 //
 // How findall runs these patterns (tried in order at each position; every character is one of
 // letter L, number N, whitespace S or "other" O, so some alternative always matches):

@@ -1,5 +1,7 @@
-// Documents of a delimited text buffer: split, strip, validate and checksum in one pass over the bytes.
-// This is the byte-level twin of lmforge.sources.split_documents_reference (the tests hold them equal).
+// Documents of a delimited text buffer: split, strip, validate and checksum in one pass over the bytes,
+// for the corpus readers (Python: lmforge.corpus.sources.split_documents, read by tokenizer training and
+// data prepare). The byte-level twin of lmforge.corpus.sources.split_documents_reference (the tests
+// hold them equal).
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -1,5 +1,5 @@
 // PretokenCounter: split on specials, cut the input at safe points, count per thread, merge.
-#include "counter.h"
+#include "tokenizer/counter.h"
 
 #include <stdexcept>
 #include <thread>

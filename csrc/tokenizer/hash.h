@@ -1,4 +1,5 @@
-// Hashing and the small open-addressing hash maps used by the counter, the trainer and the encoder.
+// Hashing and the small open-addressing hash maps used by the counter, the BPE trainer and the encoder
+// (tokenizer/ only).
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -1,9 +1,10 @@
-// Decode-time kernels: skinny matrix products y (M, N) = x (M, K) . W^T for a few rows M, with W (N, K)
-// pre-packed in panels of 8 rows and stored as fp32, bf16, fp16 or int8 with a scale per row (fp32
-// accumulation), and one-query
-// attention over a KV cache. Both run on a small persistent thread pool of their own.
-// Pure-PyTorch twins: lmforge.decoder.PackedLinear.reference and CachedDecoder.step's matmul path; the
-// tests hold them equal.
+// The decode kernels' contract (Python: lmforge.generate.engine, through the bindings): skinny matrix
+// products y (M, N) = x (M, K) . W^T for a few rows M, with W (N, K) pre-packed in panels of 8 rows and
+// stored as fp32, bf16, fp16 or int8 with a scale per row, fp32 accumulation (products.cpp); one-query
+// attention over a KV cache (attention.cpp), both on a small persistent thread pool of their own
+// (pool.h); the per-token RMSNorm, RoPE and SwiGLU rows (rows.cpp).
+// Pure-PyTorch twins: lmforge.generate.engine.PackedLinear.reference and CachedDecoder.step's PyTorch
+// path; tests/test_decoder.py holds them equal.
 #pragma once
 #include <cstddef>
 #include <cstdint>

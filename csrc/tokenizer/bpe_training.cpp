@@ -1,10 +1,11 @@
-// Incremental BPE training: pair counts + pair -> words index + a max-heap with lazy invalidation.
+// BPE training (Python: lmforge.tokenizer.training.train_bpe), incremental: pair counts + pair -> words
+// index + a max-heap with lazy invalidation.
 //
 // Each merge touches only the words that contain the merged pair; within a word only the pairs
 // that overlap a merged position change, so the update is local and exact. Heap entries are
 // (count, pair); an entry whose count differs from the pair's current count is stale. Increases
 // push a fresh entry; decreases are found lazily when the stale (higher) entry is popped.
-#include "train.h"
+#include "tokenizer/bpe_training.h"
 
 #include <algorithm>
 #include <stdexcept>

@@ -1,4 +1,4 @@
-// BPE training on the pre-token counts of a PretokenCounter.
+// BPE training on the pre-token counts of a PretokenCounter (Python: lmforge.tokenizer.training).
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "counter.h"
+#include "tokenizer/counter.h"
 
 namespace lmforge {
 

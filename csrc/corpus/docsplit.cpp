@@ -1,5 +1,5 @@
-// Splitting delimited text into documents for `prepare` (see docsplit.h).
-#include "docsplit.h"
+// Splitting delimited text into documents (see docsplit.h).
+#include "corpus/docsplit.h"
 
 #include <cstring>
 

@@ -1,4 +1,6 @@
-// lmforge._core: Python bindings of the C++ tokenizer hot paths (contract: docs/DESIGN.md).
+// lmforge._core: the Python bindings of the whole C++ core, and the only file that includes nanobind.
+// Serves lmforge.tokenizer (tokenizer/), lmforge.corpus (corpus/) and lmforge.generate (decode/), which
+// load it through lmforge/_native.py. Contract: docs/DESIGN.md; signatures: lmforge/_core.pyi.
 // Bytes in, ints out: no file I/O, no configuration, no policy. Heavy work runs with the GIL released.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -10,11 +12,12 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "counter.h"
-#include "docsplit.h"
-#include "encoder.h"
-#include "linear.h"
-#include "train.h"
+#include "corpus/docsplit.h"
+#include "decode/kernels.h"
+#include "tokenizer/bpe_training.h"
+#include "tokenizer/counter.h"
+#include "tokenizer/encoder.h"
+#include "utf8.h"
 
 namespace nb = nanobind;
 using namespace lmforge;
@@ -123,7 +126,7 @@ constexpr size_t kReleaseGilBytes = 4096;  // below this, releasing the GIL cost
 
 NB_MODULE(_core, m) {
     m.doc() = "lmforge C++ core: pre-tokenization, pre-token counting, BPE training and encoding, document splitting, decode-time matrix products and attention";
-    m.attr("ABI_VERSION") = 3;
+    m.attr("ABI_VERSION") = 3;  // checked by lmforge._native.core(): bump both when a binding changes
     m.attr("PATTERN_GPT2") = (int)kGPT2;
     m.attr("PATTERN_GPT4") = (int)kGPT4;
     m.attr("PATTERN_NANOCHAT") = (int)kNanochat;

@@ -1,5 +1,5 @@
 // Encoder: pre-tokenize, then apply merges by rank to each pre-token (cached), on C++ threads.
-#include "encoder.h"
+#include "tokenizer/encoder.h"
 
 #include <algorithm>
 #include <atomic>

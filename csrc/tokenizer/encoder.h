@@ -1,4 +1,5 @@
-// Encoder: text -> token ids with a BPE vocabulary (merge ranks), special tokens and a cache.
+// Encoder: text -> token ids with a BPE vocabulary (merge ranks), special tokens and a cache
+// (Python: lmforge.tokenizer.tokenizer.Tokenizer, its C++ backend).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -8,8 +9,8 @@
 #include <utility>
 #include <vector>
 
-#include "hash.h"
-#include "pretokenize.h"
+#include "tokenizer/hash.h"
+#include "tokenizer/pretokenize.h"
 
 namespace lmforge {
 

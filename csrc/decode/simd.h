@@ -1,0 +1,56 @@
+// CPU dispatch shared by the decode kernels in csrc/decode/ (Python: lmforge.generate.engine): whether
+// the AVX2 code may run, the switch that forces the scalar code (tests), and two AVX2 helpers, hsum and exp8.
+#pragma once
+#include <atomic>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define LMFORGE_X86 1
+#endif
+
+namespace lmforge {
+
+inline std::atomic<bool> g_force_scalar{false};  // tests: run the scalar kernels on an AVX2 machine too
+
+#ifdef LMFORGE_X86
+// AVX2 + FMA (+ F16C for fp16) code is compiled for those instructions whatever the build flags and
+// used only when the CPU reports them.
+#define LMFORGE_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+inline bool cpu_has_avx2() {
+    static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+    return ok;
+}
+
+// The sum of the 8 lanes.
+LMFORGE_AVX2 inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// e^x for 8 floats within 2 ulp of std::exp: x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial
+// (Cephes' expf coefficients), 2^n put into the exponent bits. Inputs are clamped to the finite
+// range of float (e^-87.3 ~ 1e-38 stands for 0, which a softmax or a sigmoid cannot tell apart); NaN stays NaN.
+LMFORGE_AVX2 inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(_mm256_set1_ps(-87.3365478515625f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: n * hi is exact
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    // The clamp keeps n in [-126, 127], so 2^n is a normal float built directly from its exponent bits.
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif  // LMFORGE_X86
+
+}  // namespace lmforge
