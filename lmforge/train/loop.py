@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from lmforge.checkpoint import CheckpointManager, apply_checkpoint, unwrap_model
 from lmforge.common import remove_stale_temporaries, seed_everything
 from lmforge.config import diff_dicts, dump_yaml, load_yaml, to_dict
 from lmforge.data import BlockLoader, TokenDataset, val_batches
 from lmforge.model import TransformerLM, flops_per_token
+from lmforge.progress import progress as progress_bar
 from lmforge.run import MARKER, check_new_or_run
 from lmforge.run import mark as mark_run_dir
 from lmforge.tokenizer import Tokenizer, load_tokenizer
@@ -265,12 +265,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
                     f"{sum(p.numel() for p in raw_model.parameters()):,}", tc.max_steps, tokens_per_step, device,
                     run_dir)
 
-        bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not (progress and main))
-        if not bar.disable and any(isinstance(h, logging.StreamHandler) for h in logger.handlers):
-            from tqdm.contrib.logging import logging_redirect_tqdm
-
-            cleanup.enter_context(logging_redirect_tqdm([logger]))  # log lines above the bar, not through it
+        bar = cleanup.enter_context(progress_bar(tc.max_steps, "train", "step", progress and main, initial=step))
         elapsed, interval_time, interval_tokens = 0.0, 0.0, 0
         model.train()
         while step < tc.max_steps:
@@ -310,7 +305,6 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
             elapsed += dt
             interval_time += dt
             interval_tokens += tokens_per_step
-            bar.update(1)
 
             # ---- log ------------------------------------------------------------------------------------------
             if step % tc.log_every == 0 or step == tc.max_steps:
@@ -323,6 +317,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
                     postfix["mfu"] = f"{100 * mfu:.1f}%"
                 bar.set_postfix(postfix, refresh=False)
                 interval_time, interval_tokens = 0.0, 0
+            bar.update(1)  # after the postfix, so a plain progress line shows this step's figures
 
             # ---- evaluate ------------------------------------------------------------------------------------
             if val_set and (step % tc.eval_every == 0 or step == tc.max_steps):
