@@ -143,6 +143,7 @@ def _lr_at(step: int, oc: OptimConfig, max_steps: int) -> float:
 
 
 def _build_optimizer(model: Any, oc: OptimConfig) -> Any:
+    """The configured optimizer over ``model``'s parameter groups (matrices decay, vectors and norms don't)."""
     groups = param_groups_for(model, oc.weight_decay)
     if oc.name == "sgd":
         return SGD(groups, lr=oc.lr)
@@ -150,6 +151,7 @@ def _build_optimizer(model: Any, oc: OptimConfig) -> Any:
 
 
 def _rng_state(device: Any) -> dict[str, Any]:
+    """The Python, NumPy, torch (and CUDA) RNG states, for the checkpoint."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -157,6 +159,7 @@ def _rng_state(device: Any) -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any], device: Any) -> None:
+    """Restore the RNG states saved by :func:`_rng_state`."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
