@@ -50,13 +50,13 @@ def progress(total: float | None, desc: str, unit: str = "it", enabled: bool = T
              leave: bool = True) -> Any:
     """A progress reporter for ``total`` units (None: unknown) of ``unit`` (``"B"`` is shown as bytes).
 
-    On a terminal (stderr is a TTY and ``TQDM_DISABLE`` is not set): a tqdm bar, with ``lmforge`` log lines
-    printed above it rather than through it. Otherwise: a :class:`LineProgress` logging one plain line every
-    ``LMFORGE_PROGRESS_SECONDS``. ``enabled=False`` or the ``lmforge`` logger's own level set above INFO
-    (``--quiet``): a reporter that shows nothing.
+    On a terminal (stderr is a TTY, or in a Jupyter kernel: tqdm's widget) with ``TQDM_DISABLE`` unset: a tqdm
+    bar, with ``lmforge`` log lines printed above it rather than through it. Otherwise: a :class:`LineProgress`
+    logging one plain line every ``LMFORGE_PROGRESS_SECONDS``. ``enabled=False``, or the ``lmforge`` logger's
+    own level set above INFO (``--quiet``): a reporter that shows nothing.
     """
     enabled = enabled and logger.level <= logging.INFO  # NOTSET (a library caller's default) shows progress
-    if enabled and not _env_true("TQDM_DISABLE") and sys.stderr.isatty():
+    if enabled and not _env_true("TQDM_DISABLE") and (sys.stderr.isatty() or "ipykernel" in sys.modules):
         return _Bar(total=total, initial=initial, desc=desc, unit=unit, unit_scale=unit == "B", leave=leave,
                     dynamic_ncols=True)
     return LineProgress(total, desc, unit, enabled=enabled, initial=initial, every=_seconds())

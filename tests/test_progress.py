@@ -10,7 +10,6 @@ import fcntl
 import io
 import logging
 import os
-import pty
 import re
 import select
 import struct
@@ -84,7 +83,8 @@ def test_line_progress_bytes_unknown_total_and_resumed_start(caplog) -> None:
         resumed.close()  # nothing happened in this session: no line
         clock.t = 3.0
         LineProgress(10, "quiet", "step", enabled=False, every=0.0, clock=clock).update(5)
-    assert _lines(caplog) == ["counting: 3.0 MiB, 1.5 MiB/s, 12,000 tok/s", "counting: 3.0 MiB, 1.5 MiB/s, 13,000 tok/s"]
+    assert _lines(caplog) == ["counting: 3.0 MiB, 1.5 MiB/s, 12,000 tok/s",
+                              "counting: 3.0 MiB, 1.5 MiB/s, 13,000 tok/s"]
 
 
 def test_progress_picks_a_bar_only_on_a_terminal(monkeypatch) -> None:
@@ -109,6 +109,10 @@ def test_progress_picks_a_bar_only_on_a_terminal(monkeypatch) -> None:
     monkeypatch.setattr(logging.getLogger("lmforge"), "level", logging.NOTSET)
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # redirected
     assert isinstance(progress(8, "train", "step"), LineProgress)
+    monkeypatch.setitem(sys.modules, "ipykernel", sys)  # in a Jupyter kernel: tqdm.auto's widget or bar
+    bar = progress(8, "train", "step")
+    assert isinstance(bar, tqdm)
+    bar.close()
 
 
 def test_bad_period_is_a_clear_error(monkeypatch) -> None:
