@@ -346,6 +346,26 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(shards, tmp_path, monkeyp
     assert train(cfg, run, progress=False)["step"] == 10  # the run continues from the last good checkpoint
 
 
+def test_train_restores_the_callers_thread_count(shards, tmp_path, monkeypatch) -> None:
+    """training.num_threads holds while training only: on return and when train() raises."""
+    from lmforge.model import TransformerLM
+
+    torch.set_num_threads(3)  # conftest restores the session's count after the test
+    seen = []
+    forward = TransformerLM.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransformerLM, "forward", spy)
+    train(_cfg(shards, training={"max_steps": 2, "num_threads": 1}), tmp_path / "ok", progress=False)
+    assert set(seen) == {1} and torch.get_num_threads() == 3
+    with pytest.raises(ValueError, match="model.vocab_size"):  # raises after num_threads was applied
+        train(_cfg(shards, model={"vocab_size": 64}, training={"num_threads": 2}), tmp_path / "bad", progress=False)
+    assert torch.get_num_threads() == 3
+
+
 def test_token_ids_beyond_model_vocab(shards, tmp_path) -> None:
     with pytest.raises(ValueError, match=r"holds token id \d+, which does not exist .*model\.vocab_size=200"):
         train(_cfg(shards, model={"vocab_size": 200}), tmp_path / "run", progress=False)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from lmforge.common import atomic_write_text, sha256_file
+from lmforge.progress import progress as progress_bar
 
 logger = logging.getLogger("lmforge")
 
@@ -104,8 +105,6 @@ def download_file(url: str, dest: str | os.PathLike, headers: dict[str, str] | N
     saying what to do (``mirror_hint``: how to point at another server). ``context``: TLS settings
     (e.g. a CA bundle) for HTTPS.
     """
-    from tqdm.auto import tqdm
-
     dest = Path(dest)
     if dest.exists() and not force:
         return dest
@@ -148,8 +147,7 @@ def download_file(url: str, dest: str | os.PathLike, headers: dict[str, str] | N
             total = int(length) if length is not None else None
             mode, have = "wb", 0
         try:
-            with open(part, mode) as f, tqdm(total=total, initial=have, unit="B", unit_scale=True,
-                                             desc=dest.name, disable=not progress) as bar:
+            with open(part, mode) as f, progress_bar(total, dest.name, "B", progress, initial=have) as bar:
                 while chunk := resp.read(chunk_size):
                     f.write(chunk)
                     bar.update(len(chunk))

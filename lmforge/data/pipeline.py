@@ -43,6 +43,7 @@ from lmforge.data.shards import (MANIFEST, SHARD_NAME, dtype_for_vocab, load_man
                                  save_manifest, shard_name, write_shard)
 from lmforge.corpus.sources import DocBatch, ReadStats, expand_inputs, file_format, iter_file_spans
 from lmforge.corpus.splits import check_val_fraction, val_mask_from_crc
+from lmforge.progress import progress as progress_bar
 
 logger = logging.getLogger("lmforge")
 
@@ -272,8 +273,6 @@ def _hash_sources(paths: list[Path], m: Manifest, progress: bool) -> list[dict[s
     """SHA-256 of every input; duplicates (of committed sources or of each other) are reported and dropped."""
     import hashlib
 
-    from tqdm.auto import tqdm
-
     sizes = [p.stat().st_size for p in paths]
     for p, size in zip(paths, sizes):
         if size == 0:
@@ -281,8 +280,7 @@ def _hash_sources(paths: list[Path], m: Manifest, progress: bool) -> list[dict[s
     known = {s["sha256"]: s["path"] for s in m["sources"]}
     out = []
     seen: dict[str, str] = {}
-    with tqdm(total=sum(sizes), desc="hashing inputs", unit="B", unit_scale=True,
-              disable=not progress or sum(sizes) < 1 << 28) as bar:
+    with progress_bar(sum(sizes), "hashing inputs", "B", progress and sum(sizes) >= 1 << 28) as bar:
         for p, size in zip(paths, sizes):
             h = hashlib.sha256()
             with open(p, "rb") as f:
@@ -440,13 +438,11 @@ class _Run:
 
     def run(self, progress: bool) -> int:
         """Tokenize everything not yet on disk; return the number of tokens written."""
-        from tqdm.auto import tqdm
-
         first_src = min([p[0] for p in self.pend["positions"].values()] + [len(self.sources)]) \
             if self.pend["positions"] else 0
         plain = all(s["format"] != "parquet" and not s["path"].endswith((".gz", ".zst")) for s in self.sources)
         total = sum(s["size"] for s in self.sources[first_src:]) if plain else None
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"prepare {self.out_dir.name}", disable=not progress)
+        bar = progress_bar(total, f"prepare {self.out_dir.name}", "B", progress)
         t0, n_tokens = time.perf_counter(), 0
         try:
             for item in _prefetch(self._encoded(first_src), depth=2):
@@ -457,8 +453,8 @@ class _Run:
                 self.writer(name).add(toks, lengths, is_start, text_bytes, si, np.asarray(doc_ids), first_off,
                                       self.checkpoint)
                 n_tokens += len(toks)
-                bar.update(int(text_bytes.sum()))
                 bar.set_postfix_str(f"{n_tokens / (time.perf_counter() - t0):,.0f} tok/s", refresh=False)
+                bar.update(int(text_bytes.sum()))
             for w in self.writers.values():
                 w.finish(len(self.sources))
             self.checkpoint()

@@ -35,6 +35,7 @@ from lmforge import _native
 from lmforge.common import num_threads_default
 from lmforge.corpus import sources
 from lmforge.tokenizer import reference as bpe
+from lmforge.progress import progress as progress_bar
 
 logger = logging.getLogger("lmforge")
 
@@ -123,9 +124,7 @@ class _Counting:
 
 
 def _bar(total: int | None, desc: str, enabled: bool, unit: str = "B") -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", disable=not enabled, leave=False)
+    return progress_bar(total, desc, unit, enabled, leave=False)
 
 
 def _utf8_error_offset(data: bytes | memoryview) -> int:

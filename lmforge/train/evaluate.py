@@ -29,6 +29,8 @@ __all__ = ["Evaluation", "evaluate", "evaluate_run"]
 
 @dataclasses.dataclass
 class Evaluation:
+    """Mean loss (nats per target token), perplexity, and bits per byte (None if the split's bytes are unknown)."""
+
     loss: float
     ppl: float
     bpb: float | None

@@ -1,8 +1,9 @@
 """The training loop: ``train(cfg, run_dir)`` with exact resume.
 
-``train`` reads top to bottom: check everything (config, data, run directory) before writing anything, build
-(model, optimizer, loader), resume from the newest valid checkpoint in ``run_dir``, then loop over steps, each in
-labelled sections -- step, log, evaluate, save. Everything that moves is checkpointed together (model,
+``train`` reads top to bottom in named steps: ``_check`` (config, data, run directory; nothing is written before
+every check passed), ``_build`` (model, optimizer), ``_resume`` (the newest valid checkpoint in ``run_dir``),
+``_wrap`` (compile, DDP/FSDP), then per step ``_train_step``, ``_log``, ``_maybe_evaluate``, ``_maybe_checkpoint``,
+and ``_finish``. They share one :class:`_Run`. Everything that moves is checkpointed together (model,
 optimizer, step, RNG states of Python/NumPy/torch, data-loader position), so a run killed at any moment and
 started again logs the same losses, bit for bit on CPU, as one that never stopped.
 
@@ -13,6 +14,7 @@ the marker ``lmforge-run.json``; see ``docs/DESIGN.md``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import random
@@ -23,13 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from lmforge.checkpoint import CheckpointManager, apply_checkpoint, unwrap_model
 from lmforge.common import remove_stale_temporaries, seed_everything
 from lmforge.config import diff_dicts, dump_yaml, load_yaml, to_dict
 from lmforge.data import BlockLoader, TokenDataset, val_batches
 from lmforge.model import TransformerLM, flops_per_token
+from lmforge.progress import progress as progress_bar
 from lmforge.run import MARKER, check_new_or_run
 from lmforge.run import mark as mark_run_dir
 from lmforge.tokenizer import Tokenizer, load_tokenizer
@@ -141,6 +143,7 @@ def _lr_at(step: int, oc: OptimConfig, max_steps: int) -> float:
 
 
 def _build_optimizer(model: Any, oc: OptimConfig) -> Any:
+    """The configured optimizer over ``model``'s parameter groups (matrices decay, vectors and norms don't)."""
     groups = param_groups_for(model, oc.weight_decay)
     if oc.name == "sgd":
         return SGD(groups, lr=oc.lr)
@@ -148,6 +151,7 @@ def _build_optimizer(model: Any, oc: OptimConfig) -> Any:
 
 
 def _rng_state(device: Any) -> dict[str, Any]:
+    """The Python, NumPy, torch (and CUDA) RNG states, for the checkpoint."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -155,6 +159,7 @@ def _rng_state(device: Any) -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any], device: Any) -> None:
+    """Restore the RNG states saved by :func:`_rng_state`."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -166,12 +171,47 @@ def _set_rng_state(state: dict[str, Any], device: Any) -> None:
 # ==================================================================================================
 # The loop
 # ==================================================================================================
+@dataclasses.dataclass
+class _Run:
+    """What the loop's steps share: the run's inputs, what ``_build``/``_resume`` made, and the moving counters."""
+
+    cfg: RunConfig
+    run_dir: Path
+    info: Any  # distributed.DistInfo: device, rank, world size, is_main
+    loader: BlockLoader
+    val_ds: TokenDataset | None
+    val_set: list
+    ckpts: CheckpointManager
+    log: MetricsLog
+    model: Any = None  # as trained: compiled and/or wrapped for data parallelism
+    raw_model: Any = None  # the bare TransformerLM under ``model``
+    optimizer: Any = None
+    step: int = 0
+    last_ckpt: Path | None = None
+    best_val: float | None = None
+    elapsed: float = 0.0  # step time of this session, excluding eval and saves
+    interval_time: float = 0.0  # step time and tokens since the last logged step
+    interval_tokens: int = 0
+    flops_per_token: float = 0.0  # for MFU, with ``peak`` (None: unknown, MFU not reported)
+    peak: float | None = None
+
+    @property
+    def fsdp(self) -> bool:
+        return self.cfg.training.parallel == "fsdp" and self.info.enabled
+
+    @property
+    def tokens_per_step(self) -> int:
+        tc = self.cfg.training
+        return tc.batch_size * self.cfg.context_length * tc.grad_accum_steps * self.info.world_size
+
+
 def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: bool = False) -> dict[str, Any]:
     """Train ``cfg`` in ``run_dir``, resuming from its newest valid checkpoint; returns the final metrics.
 
     ``run_dir`` must not exist, be empty, or be an lmforge run; ``force`` also accepts a non-empty folder that is
     not a run (lmforge's files are then written beside what is there). Every check on the config and the data
-    runs before anything is written.
+    runs before anything is written. ``training.num_threads`` applies while training; the caller's torch thread
+    count is restored on return.
 
     The returned dict holds ``step``, ``loss`` (last logged train loss), ``val_loss``, ``val_ppl``,
     ``val_bpb`` (last evaluation, None without a validation split), ``best_val_loss``, ``tokens``,
@@ -179,185 +219,219 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
     ``checkpoint`` (path of the last one saved).
     Raises ``ValueError`` for bad configs or data and :class:`NonFiniteLossError` if the loss diverges.
     """
-    tc, oc = cfg.training, cfg.optimizer
-    run_dir = Path(run_dir)
+    tc = cfg.training
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = setup_distributed(tc.device)
-    device, main = info.device, info.is_main
-    cleanup = contextlib.ExitStack()
+    threads = torch.get_num_threads()
     try:
-        # ---- data, tokenizer, run directory: check everything before writing anything --------------------
         if tc.num_threads:
             torch.set_num_threads(tc.num_threads)
-        T, B, A = cfg.context_length, tc.batch_size, tc.grad_accum_steps
-        train_ds = TokenDataset(cfg.data.dir, cfg.data.train_split)
-        val_ds = TokenDataset(cfg.data.dir, cfg.data.val_split) if cfg.data.val_split else None
-        check_new_or_run(run_dir, force)
-        ckpts = CheckpointManager(run_dir, tc.keep_last)
-        started = bool(ckpts.steps())
-        _check_run_dir(cfg, run_dir, write=False, started=started)
-        tokenizer = _resolve_tokenizer(cfg.data, train_ds, run_dir, write=False, started=started)
-        _check_data(cfg, train_ds, val_ds, tokenizer)
-        loader = BlockLoader(train_ds, B, T, seed=tc.seed, rank=info.rank, world_size=info.world_size,
-                             bos_aligned=cfg.data.bos_aligned)
-        val_set = val_batches(val_ds, tc.eval_batch_size or B, T, tc.eval_batches) if val_ds is not None else []
-        if tc.wandb and main:
-            require_wandb()
-        if main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            mark_run_dir(run_dir)
-            _resolve_tokenizer(cfg.data, train_ds, run_dir, write=True, started=started)
-            _check_run_dir(cfg, run_dir, write=True, started=started)
-
-        # ---- model, optimizer ----------------------------------------------------------------------------
-        seed_everything(tc.seed)
-        model = TransformerLM(cfg.model).to(device)
-        fsdp = tc.parallel == "fsdp" and info.enabled  # FSDP: the optimizer is built on the sharded model below
-        optimizer = None if fsdp else _build_optimizer(model, oc)
-
-        # ---- resume from the newest checkpoint that verifies -----------------------------------------------
-        log = MetricsLog(run_dir, enabled=main)
-        step, last_ckpt, fsdp_optim_state = 0, None, None
-        if main:  # half-written temporaries of a killed run (checkpoints, loss.png, metrics rewrite)
-            ckpts.remove_stale_temporaries()
-            remove_stale_temporaries(run_dir, _RUN_FILES)
-        latest = ckpts.load_latest(quarantine=main)
-        if latest is not None:
-            path, ck = latest
-            del latest  # the tensors are copied into the model/optimizer below; do not keep a second copy
-            state = ck.extra.get("train")
-            if not isinstance(state, dict):
-                raise ValueError(f"{path} holds no training state (not written by `lmforge train`); move it out of "
-                                 f"{ckpts.dir} or use a new --run-dir")
-            step = apply_checkpoint(ck, model, optimizer)
-            loader.load_state_dict(state["loader"])
-            _set_rng_state(state["rng"], device)
-            last_ckpt, fsdp_optim_state = path, ck.optimizer if fsdp else None
-            del ck
-            logger.info("resumed from %s at step %d", path, step)
-        log.rewind(step)  # drop events logged after the checkpoint: the loop logs them again, identically
-        best_val = ckpts.best_val_loss()
-
-        def train_state() -> dict[str, Any]:
-            return {"train": {"loader": loader.state_dict(), "rng": _rng_state(device)},
-                    "config": to_dict(cfg)}
-
-        # ---- wrap from outside: compile, data parallelism (the model code stays single-device) ----------
-        model = wrap_model(model, tc.parallel, info, compile=tc.compile)
-        raw_model = unwrap_model(model)
-        if fsdp:
-            optimizer = _build_optimizer(raw_model, oc)
-            if fsdp_optim_state is not None:
-                load_full_optimizer_state(raw_model, optimizer, fsdp_optim_state)
-                fsdp_optim_state = None
-
-        def snapshot() -> tuple[Any, Any]:
-            """What a checkpoint saves (under FSDP gathered from all ranks: every rank must call this)."""
-            return full_state_dicts(raw_model, optimizer) if fsdp else (raw_model, optimizer)
-
-        autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16")
-        tokens_per_step = B * T * A * info.world_size
-        flops_tok = flops_per_token(cfg.model, T)
-        peak = peak_flops_for(device, tc.peak_flops)
-        if tc.wandb:
-            log.start_wandb(tc.wandb_project, tc.wandb_mode, to_dict(cfg))
-        logger.info("training %s params for %d steps (%d tokens/step) on %s, run dir %s",
-                    f"{sum(p.numel() for p in raw_model.parameters()):,}", tc.max_steps, tokens_per_step, device,
-                    run_dir)
-
-        bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not (progress and main))
-        if not bar.disable and any(isinstance(h, logging.StreamHandler) for h in logger.handlers):
-            from tqdm.contrib.logging import logging_redirect_tqdm
-
-            cleanup.enter_context(logging_redirect_tqdm([logger]))  # log lines above the bar, not through it
-        elapsed, interval_time, interval_tokens = 0.0, 0.0, 0
-        model.train()
-        while step < tc.max_steps:
-            # ---- step: schedule, micro-batches, forward, backward, clip, update -------------------------
-            t0 = time.perf_counter()
-            lr = _lr_at(step, oc, tc.max_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batches = [loader.next_batch() for _ in range(A)]
-            n_targets = sum(y.numel() for _, y in batches)  # the loss is a mean over *all* targets of the step
-            loss_sum = torch.zeros((), device=device)
-            for i, (x, y) in enumerate(batches):
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                last_micro = i == A - 1
-                no_sync = model.no_sync() if not last_micro and hasattr(model, "no_sync") else contextlib.nullcontext()
-                with no_sync:
-                    with torch.autocast(**autocast):
-                        micro = model(x, targets=y, reduction="sum")
-                    (micro / n_targets).backward()
-                loss_sum += micro.detach()
-            loss = all_reduce_mean(loss_sum.item() / n_targets, device)
-            # the norm is taken before any update, so a NaN/inf loss or gradient never reaches the weights
-            grad_norm = float(clip_grad_norm(model.parameters(), oc.grad_clip) if oc.grad_clip > 0
-                              else global_grad_norm(model.parameters()))
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                bar.close()
-                what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
-                kept = f"the last good checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was saved yet"
-                raise NonFiniteLossError(
-                    f"{what} at step {step + 1} (lr {lr:.3g}); stopped without saving this state ({kept}). "
-                    "Try a lower optimizer.lr or longer optimizer.warmup_steps, optimizer.grad_clip=1.0, "
-                    "training.dtype=fp32, and check the data for corrupt shards")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            dt = time.perf_counter() - t0
-            elapsed += dt
-            interval_time += dt
-            interval_tokens += tokens_per_step
-            bar.update(1)
-
-            # ---- log ------------------------------------------------------------------------------------------
-            if step % tc.log_every == 0 or step == tc.max_steps:
-                tps = interval_tokens / max(interval_time, 1e-9)
-                mfu = tps / info.world_size * flops_tok / peak if peak else None
-                log.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "mfu": mfu,
-                         "tokens": step * tokens_per_step})
-                postfix = {"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"}
-                if mfu is not None:
-                    postfix["mfu"] = f"{100 * mfu:.1f}%"
-                bar.set_postfix(postfix, refresh=False)
-                interval_time, interval_tokens = 0.0, 0
-
-            # ---- evaluate ------------------------------------------------------------------------------------
-            if val_set and (step % tc.eval_every == 0 or step == tc.max_steps):
-                ev = evaluate(raw_model, val_set, val_ds.bytes_per_token, tc.dtype, device)
-                log.log({"step": step, "val_loss": ev.loss, "val_ppl": ev.ppl, "val_bpb": ev.bpb})
-                bpb = f", bpb {ev.bpb:.4f}" if ev.bpb is not None else ""
-                logger.info("step %d: val loss %.4f, ppl %.2f%s", step, ev.loss, ev.ppl, bpb)
-                better = best_val is None or ev.loss < best_val
-                if better or fsdp:
-                    state = snapshot()
-                    if main and better:
-                        ckpts.save_best(*state, step, ev.loss, train_state())
-                best_val = ev.loss if better else best_val
-                log.plot()
-
-            # ---- save -----------------------------------------------------------------------------------------
-            if step % tc.checkpoint_every == 0 or step == tc.max_steps:
-                state = snapshot()
-                if main:
-                    last_ckpt = ckpts.save(*state, step, train_state())
-                barrier()
-        bar.close()
-
-        # ---- report -------------------------------------------------------------------------------------------
-        log.plot()
-        log.close()
-        last_train = next((r for r in reversed(log.records) if "loss" in r), {})
-        last_val = next((r for r in reversed(log.records) if "val_loss" in r), {})
-        return {"step": step, "loss": last_train.get("loss"), "val_loss": last_val.get("val_loss"),
-                "val_ppl": last_val.get("val_ppl"), "val_bpb": last_val.get("val_bpb"), "best_val_loss": best_val,
-                "tokens": step * tokens_per_step, "tokens_per_s": last_train.get("tokens_per_s"),
-                "mfu": last_train.get("mfu"), "train_seconds": elapsed,
-                "checkpoint": str(last_ckpt) if last_ckpt else None, "run_dir": str(run_dir)}
+        run = _check(cfg, Path(run_dir), force, info)
+        _build(run)
+        fsdp_optim_state = _resume(run)
+        _wrap(run, fsdp_optim_state)
+        with progress_bar(tc.max_steps, "train", "step", progress and info.is_main, initial=run.step) as bar:
+            run.model.train()
+            while run.step < tc.max_steps:
+                loss, lr, grad_norm = _train_step(run)
+                if run.step % tc.log_every == 0 or run.step == tc.max_steps:
+                    bar.set_postfix(_log(run, loss, lr, grad_norm), refresh=False)
+                bar.update(1)  # after the postfix, so a plain progress line shows this step's figures
+                _maybe_evaluate(run)
+                _maybe_checkpoint(run)
+        return _finish(run)
     finally:
-        cleanup.close()
+        torch.set_num_threads(threads)
         if owns_group:
             cleanup_distributed()
 
+
+def _check(cfg: RunConfig, run_dir: Path, force: bool, info: Any) -> _Run:
+    """Open and check the data, tokenizer and run directory; only once all is valid, write the run's files."""
+    tc = cfg.training
+    train_ds = TokenDataset(cfg.data.dir, cfg.data.train_split)
+    val_ds = TokenDataset(cfg.data.dir, cfg.data.val_split) if cfg.data.val_split else None
+    check_new_or_run(run_dir, force)
+    ckpts = CheckpointManager(run_dir, tc.keep_last)
+    started = bool(ckpts.steps())
+    _check_run_dir(cfg, run_dir, write=False, started=started)
+    tokenizer = _resolve_tokenizer(cfg.data, train_ds, run_dir, write=False, started=started)
+    _check_data(cfg, train_ds, val_ds, tokenizer)
+    loader = BlockLoader(train_ds, tc.batch_size, cfg.context_length, seed=tc.seed, rank=info.rank,
+                         world_size=info.world_size, bos_aligned=cfg.data.bos_aligned)
+    val_set = (val_batches(val_ds, tc.eval_batch_size or tc.batch_size, cfg.context_length, tc.eval_batches)
+               if val_ds is not None else [])
+    if tc.wandb and info.is_main:
+        require_wandb()
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        mark_run_dir(run_dir)
+        _resolve_tokenizer(cfg.data, train_ds, run_dir, write=True, started=started)
+        _check_run_dir(cfg, run_dir, write=True, started=started)
+    return _Run(cfg, run_dir, info, loader, val_ds, val_set, ckpts, MetricsLog(run_dir, enabled=info.is_main))
+
+
+def _build(run: _Run) -> None:
+    """The model, seeded, and its optimizer (under FSDP the optimizer is built on the sharded model by ``_wrap``)."""
+    seed_everything(run.cfg.training.seed)
+    run.model = TransformerLM(run.cfg.model).to(run.info.device)
+    run.optimizer = None if run.fsdp else _build_optimizer(run.model, run.cfg.optimizer)
+
+
+def _resume(run: _Run) -> Any:
+    """Load the newest checkpoint that verifies (model, optimizer, step, loader, RNG); forget later metrics.
+
+    Returns the checkpoint's full optimizer state under FSDP (loaded by ``_wrap`` once the model is sharded).
+    """
+    main, device = run.info.is_main, run.info.device
+    if main:  # half-written temporaries of a killed run (checkpoints, loss.png, metrics rewrite)
+        run.ckpts.remove_stale_temporaries()
+        remove_stale_temporaries(run.run_dir, _RUN_FILES)
+    fsdp_optim_state = None
+    latest = run.ckpts.load_latest(quarantine=main)
+    if latest is not None:
+        path, ck = latest
+        del latest  # the tensors are copied into the model/optimizer below; do not keep a second copy
+        state = ck.extra.get("train")
+        if not isinstance(state, dict):
+            raise ValueError(f"{path} holds no training state (not written by `lmforge train`); move it out of "
+                             f"{run.ckpts.dir} or use a new --run-dir")
+        run.step = apply_checkpoint(ck, run.model, run.optimizer)
+        run.loader.load_state_dict(state["loader"])
+        _set_rng_state(state["rng"], device)
+        run.last_ckpt, fsdp_optim_state = path, ck.optimizer if run.fsdp else None
+        del ck
+        logger.info("resumed from %s at step %d", path, run.step)
+    run.log.rewind(run.step)  # drop events logged after the checkpoint: the loop logs them again, identically
+    run.best_val = run.ckpts.best_val_loss()
+    return fsdp_optim_state
+
+
+def _wrap(run: _Run, fsdp_optim_state: Any) -> None:
+    """Compile and wrap for data parallelism from outside (the model code stays single-device); start wandb."""
+    tc, info = run.cfg.training, run.info
+    run.model = wrap_model(run.model, tc.parallel, info, compile=tc.compile)
+    run.raw_model = unwrap_model(run.model)
+    if run.fsdp:
+        run.optimizer = _build_optimizer(run.raw_model, run.cfg.optimizer)
+        if fsdp_optim_state is not None:
+            load_full_optimizer_state(run.raw_model, run.optimizer, fsdp_optim_state)
+    run.flops_per_token = flops_per_token(run.cfg.model, run.cfg.context_length)
+    run.peak = peak_flops_for(info.device, tc.peak_flops)
+    if tc.wandb:
+        run.log.start_wandb(tc.wandb_project, tc.wandb_mode, to_dict(run.cfg))
+    logger.info("training %s params for %d steps (%d tokens/step) on %s, run dir %s",
+                f"{sum(p.numel() for p in run.raw_model.parameters()):,}", tc.max_steps, run.tokens_per_step,
+                info.device, run.run_dir)
+
+
+def _train_step(run: _Run) -> tuple[float, float, float]:
+    """One optimizer step: schedule, micro-batches, backward, clip, update. Returns ``(loss, lr, grad_norm)``.
+
+    The loss is the mean over *all* target tokens of the step (every micro-batch, every rank), so gradient
+    accumulation and data parallelism give the same gradient. A non-finite loss or gradient norm raises
+    :class:`NonFiniteLossError` before the weights change.
+    """
+    tc, oc, device, model = run.cfg.training, run.cfg.optimizer, run.info.device, run.model
+    t0 = time.perf_counter()
+    lr = _lr_at(run.step, oc, tc.max_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    batches = [run.loader.next_batch() for _ in range(tc.grad_accum_steps)]
+    n_targets = sum(y.numel() for _, y in batches)
+    loss_sum = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(batches):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        last_micro = i == tc.grad_accum_steps - 1
+        no_sync = model.no_sync() if not last_micro and hasattr(model, "no_sync") else contextlib.nullcontext()
+        with no_sync:
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16"):
+                micro = model(x, targets=y, reduction="sum")
+            (micro / n_targets).backward()
+        loss_sum += micro.detach()
+    loss = all_reduce_mean(loss_sum.item() / n_targets, device)
+    # the norm is taken before any update, so a NaN/inf loss or gradient never reaches the weights
+    grad_norm = float(clip_grad_norm(model.parameters(), oc.grad_clip) if oc.grad_clip > 0
+                      else global_grad_norm(model.parameters()))
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
+        kept = f"the last good checkpoint is {run.last_ckpt}" if run.last_ckpt else "no checkpoint was saved yet"
+        raise NonFiniteLossError(
+            f"{what} at step {run.step + 1} (lr {lr:.3g}); stopped without saving this state ({kept}). "
+            "Try a lower optimizer.lr or longer optimizer.warmup_steps, optimizer.grad_clip=1.0, "
+            "training.dtype=fp32, and check the data for corrupt shards")
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    dt = time.perf_counter() - t0
+    run.elapsed += dt
+    run.interval_time += dt
+    run.interval_tokens += run.tokens_per_step
+    return loss, lr, grad_norm
+
+
+def _log(run: _Run, loss: float, lr: float, grad_norm: float) -> dict[str, str]:
+    """Log the step to ``metrics.jsonl`` (and wandb) with the throughput since the last log; returns the
+    figures for the progress display."""
+    info = run.info
+    tps = run.interval_tokens / max(run.interval_time, 1e-9)
+    mfu = tps / info.world_size * run.flops_per_token / run.peak if run.peak else None
+    run.log.log({"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "mfu": mfu,
+                 "tokens": run.step * run.tokens_per_step})
+    run.interval_time, run.interval_tokens = 0.0, 0
+    shown = {"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"}
+    if mfu is not None:
+        shown["mfu"] = f"{100 * mfu:.1f}%"
+    return shown
+
+
+def _maybe_evaluate(run: _Run) -> None:
+    """Every ``eval_every`` steps and at the end: validation loss; a new best is saved as ``best``."""
+    tc = run.cfg.training
+    if not run.val_set or not (run.step % tc.eval_every == 0 or run.step == tc.max_steps):
+        return
+    ev = evaluate(run.raw_model, run.val_set, run.val_ds.bytes_per_token, tc.dtype, run.info.device)
+    run.log.log({"step": run.step, "val_loss": ev.loss, "val_ppl": ev.ppl, "val_bpb": ev.bpb})
+    bpb = f", bpb {ev.bpb:.4f}" if ev.bpb is not None else ""
+    logger.info("step %d: val loss %.4f, ppl %.2f%s", run.step, ev.loss, ev.ppl, bpb)
+    better = run.best_val is None or ev.loss < run.best_val
+    if better or run.fsdp:  # under FSDP every rank takes part in gathering the state
+        state = _snapshot(run)
+        if run.info.is_main and better:
+            run.ckpts.save_best(*state, run.step, ev.loss, _train_state(run))
+    run.best_val = ev.loss if better else run.best_val
+    run.log.plot()
+
+
+def _maybe_checkpoint(run: _Run) -> None:
+    """Every ``checkpoint_every`` steps and at the end: save everything that moves, together."""
+    tc = run.cfg.training
+    if run.step % tc.checkpoint_every == 0 or run.step == tc.max_steps:
+        state = _snapshot(run)
+        if run.info.is_main:
+            run.last_ckpt = run.ckpts.save(*state, run.step, _train_state(run))
+        barrier()
+
+
+def _snapshot(run: _Run) -> tuple[Any, Any]:
+    """What a checkpoint saves (under FSDP gathered from all ranks: every rank must call this)."""
+    return full_state_dicts(run.raw_model, run.optimizer) if run.fsdp else (run.raw_model, run.optimizer)
+
+
+def _train_state(run: _Run) -> dict[str, Any]:
+    """The checkpoint's extra: data-loader position and RNG states, and the resolved config."""
+    return {"train": {"loader": run.loader.state_dict(), "rng": _rng_state(run.info.device)},
+            "config": to_dict(run.cfg)}
+
+
+def _finish(run: _Run) -> dict[str, Any]:
+    """Draw the loss curve, close the logs, and sum the run up (see :func:`train`)."""
+    run.log.plot()
+    run.log.close()
+    last_train = next((r for r in reversed(run.log.records) if "loss" in r), {})
+    last_val = next((r for r in reversed(run.log.records) if "val_loss" in r), {})
+    return {"step": run.step, "loss": last_train.get("loss"), "val_loss": last_val.get("val_loss"),
+            "val_ppl": last_val.get("val_ppl"), "val_bpb": last_val.get("val_bpb"), "best_val_loss": run.best_val,
+            "tokens": run.step * run.tokens_per_step, "tokens_per_s": last_train.get("tokens_per_s"),
+            "mfu": last_train.get("mfu"), "train_seconds": run.elapsed,
+            "checkpoint": str(run.last_ckpt) if run.last_ckpt else None, "run_dir": str(run.run_dir)}
