@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import torch
 import torch.nn.functional as F
 
+from lmforge._native import core
 from lmforge.checkpoint import unwrap_model
 from lmforge.generate.packed import PackedLinear, kernel_available, weight_dtype_of
 from lmforge.model import KVCache
@@ -41,11 +42,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Te
             threads: int | None) -> torch.Tensor:
     """One decode step's attention in the C++ kernel: ``q (B, H, D)`` over caches ``(B, Hkv, S, D)``, row ``b``
     over its first ``lengths[b]`` columns; returns ``(B, H, D)`` (the tests hold it to a direct formula)."""
-    from lmforge import _core
-
     q = q.contiguous()
     out = torch.empty_like(q)
-    _core.attend_rows(q.numpy(), k.numpy(), v.numpy(), lengths.numpy(), scale, out.numpy(),
+    core().attend_rows(q.numpy(), k.numpy(), v.numpy(), lengths.numpy(), scale, out.numpy(),
                       threads or torch.get_num_threads())
     return out
 
@@ -223,8 +222,7 @@ class Engine:
 
     def _step_kernel(self, tokens: torch.Tensor) -> torch.Tensor:
         """``step`` on CPU: each operation one call into the C++ kernels, on the cache's own tensors."""
-        from lmforge import _core
-
+        _core = core()
         cache = self.cache
         B, C = tokens.shape[0], self.cfg.d_model
         H, D, th = self.cfg.n_heads, self.cfg.head_dim, self._threads

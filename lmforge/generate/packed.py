@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from lmforge._native import available, core
+
 __all__ = ["PackedLinear", "WEIGHT_DTYPES", "weight_dtype_of", "kernel_available"]
 
 PANEL = 8  # output rows per panel of a packed weight (one AVX2 vector of float32 outputs)
@@ -23,12 +25,8 @@ WEIGHT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": to
 
 
 def kernel_available() -> bool:
-    """Whether the C++ decode kernel (``lmforge._core.linear_rows``) is built."""
-    try:
-        from lmforge import _core
-    except ImportError:
-        return False
-    return hasattr(_core, "linear_rows")
+    """Whether the C++ decode kernels (``lmforge._core.linear_rows`` and friends) are built."""
+    return available("linear_rows")
 
 
 def weight_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:
@@ -84,11 +82,9 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         """``x @ W.T`` on ``threads`` threads of the kernel's own pool (default: ``torch.get_num_threads()``)."""
-        from lmforge import _core
-
         x = x.float().contiguous()
         y = torch.empty(x.shape[0], self.n)
-        _core.linear_rows(x.numpy(), self._array, self.kind, y.numpy(), threads or torch.get_num_threads(),
+        core().linear_rows(x.numpy(), self._array, self.kind, y.numpy(), threads or torch.get_num_threads(),
                           self._scales)
         return y
 
