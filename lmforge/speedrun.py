@@ -67,6 +67,7 @@ PRESETS: dict[str, Preset] = {
     "medium": Preset(d_model=384, n_layers=6, n_heads=6, context_length=256, batch_size=32, lr=1.5e-3),
 }
 
+DEFAULT_CORPUS = "shakespeare"
 SAMPLE_PROMPTS = ["ROMEO:\n", "To be, or not to be", "KING HENRY.\n", "The "]
 STATE_FILE = "speedrun.json"
 _STAGES = ("tokenizer", "data", "plan", "train", "eval", "samples")
@@ -294,7 +295,7 @@ def _samples(run_dir: Path, device: Any, max_new_tokens: int) -> dict[str, Any]:
 # ==================================================================================================
 # The pipeline
 # ==================================================================================================
-def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = "shakespeare", model_size: str = "small",
+def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_CORPUS, model_size: str = "small",
              budget: str | int | float = "8min", device: str = "auto", vocab_size: int = 4096,
              val_fraction: float = 0.1, sample_tokens: int = 200, force: bool = False,
              progress: bool = True) -> dict[str, Any]:
