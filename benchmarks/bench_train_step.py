@@ -130,10 +130,8 @@ def main() -> None:
 
     import torch
 
+    from lmforge.hardware import matmul_peak_flops
     from lmforge.model import ModelConfig, flops_per_token
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_matmul_peak import matmul_peak_gflops
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -159,7 +157,7 @@ def main() -> None:
 
     # ---- speed: interleaved steps in this process, bracketed by matmul-peak measurements -------------
     dt = torch.float32 if a.dtype == "fp32" else torch.bfloat16
-    peaks = [matmul_peak_gflops(4096, dt, repeats=3)]
+    peaks = [matmul_peak_flops("cpu", 4096, dt, repeats=3, max_seconds=10.0) / 1e9]
     torch.manual_seed(0)
     steps = {impl: _build(impl, a)[1] for impl in impls}
     batches = _batches(a)
@@ -171,7 +169,7 @@ def main() -> None:
             steps[impl](b[:, :-1], b[:, 1:])
             if i >= a.warmup:
                 times[impl].append(time.perf_counter() - t0)
-    peaks.append(matmul_peak_gflops(4096, dt, repeats=3))
+    peaks.append(matmul_peak_flops("cpu", 4096, dt, repeats=3, max_seconds=10.0) / 1e9)
     peak = max(peaks)
     print(f"matmul peak (4096², {a.dtype}): {peak:.1f} GFLOP/s (before {peaks[0]:.0f}, after {peaks[1]:.0f}); "
           f"FLOPs/token {fpt / 1e6:.1f} M")

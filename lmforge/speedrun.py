@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lmforge.common import atomic_write_text, resolve_device, sha256_file
+from lmforge.hardware import matmul_peak_flops
 
 logger = logging.getLogger("lmforge")
 
@@ -184,27 +185,6 @@ def _data_stats(data_dir: Path) -> dict[str, Any]:
     return out
 
 
-def _matmul_peak_flops(device: Any, reps: int = 30) -> float:
-    """fp32 matmul FLOP/s of ``device``: the fastest of ``reps`` 2048² products (the MFU denominator on CPU).
-
-    The best run, not the mean, so that other processes on a shared machine do not make the peak look
-    low (and the MFU impossibly high); ~30 products (a few seconds on a CPU) give the machine's quiet moments
-    a chance to show.
-    """
-    import torch
-
-    n = 2048
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    best = float("inf")
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
 def _step_seconds(cfg: Any, device: Any, steps: int = 4) -> float:
     """Wall time of one training step (forward, backward, AdamW) at ``cfg``'s shapes, on random tokens.
 
@@ -258,7 +238,7 @@ def _run_config(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path
 def _plan(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, device: Any,
           budget: tuple[str, float]) -> dict[str, Any]:
     """Decide ``max_steps``: the budget in steps, or minutes divided by a measured step time."""
-    peak = None if device.type == "cuda" else float(f"{_matmul_peak_flops(device):.4g}")
+    peak = None if device.type == "cuda" else float(f"{matmul_peak_flops(device):.4g}")  # CUDA: datasheet figure
     kind, amount = budget
     if kind == "steps":
         logger.info("plan: %d steps as asked", int(amount))

@@ -12,7 +12,7 @@ import lmforge
 PKG = Path(lmforge.__file__).parent
 
 # Shared root modules: any stage may import them; they import only each other.
-SHARED = ["common", "config", "checkpoint", "run"]
+SHARED = ["common", "config", "checkpoint", "run", "hardware"]
 # Each stage (a subpackage) and the stages it may import. The model never sees text (no tokenizer, no data);
 # generation never sees training.
 STAGES = {
