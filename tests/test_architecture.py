@@ -24,8 +24,9 @@ STAGES = {
     "generate": {"tokenizer", "model"},
     "interop": {"tokenizer", "model"},
 }
-# On top: they may import everything below; nothing but the CLI imports them, and nothing imports the CLI.
-TOP = ["speedrun", "report", "cli"]
+# On top: each may import everything below and the top units named here; nothing imports the CLI.
+# report.py owns run reports (it may import any stage); the speedrun writes its report.md through it.
+TOP = {"report": set(), "speedrun": {"report"}, "cli": {"report", "speedrun"}}
 MAX_LINES = 600
 
 
@@ -73,8 +74,8 @@ def test_imports_flow_one_way():
             elif unit in STAGES:
                 if dep not in SHARED and dep not in STAGES[unit]:
                     errors.append(f"{path.relative_to(PKG)} ({unit}) imports {dep}")
-            elif unit == "speedrun" and dep in TOP:
-                errors.append(f"{path.relative_to(PKG)} imports {dep}")
+            elif unit in TOP and dep in TOP and dep not in TOP[unit]:
+                errors.append(f"{path.relative_to(PKG)} ({unit}) imports {dep}")
     assert not errors, "\n".join(errors)
 
 
