@@ -125,3 +125,14 @@ def test_importing_lmforge_has_no_side_effects():
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_one_owner_per_fact():
+    """The end-of-text token is spelled out once (lmforge.corpus.specials.EOT); everything else imports it."""
+    eot = "<|endoftext|>"
+    owners = [str(p.relative_to(PKG)) for p in _files() if eot in p.read_text(encoding="utf-8")]
+    assert owners == ["corpus/specials.py"], f"import EOT from lmforge.corpus / lmforge.tokenizer instead: {owners}"
+    from lmforge.corpus import EOT
+    from lmforge.tokenizer import EOT as TOKENIZER_EOT
+
+    assert EOT == TOKENIZER_EOT == eot

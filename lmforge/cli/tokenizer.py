@@ -12,8 +12,7 @@ from typing import Iterator, TextIO
 
 from lmforge.cli import Command
 from lmforge.common import check_input_file, check_output_path
-from lmforge.corpus import EOT
-from lmforge.tokenizer import Tokenizer, load_tokenizer, text_stats, train_bpe
+from lmforge.tokenizer import EOT, Tokenizer, load_tokenizer, text_stats, train_bpe
 
 _TOKENIZER_HELP = "tokenizer: an lmforge .json file, a HF tokenizer.json, or a directory with vocab.json + merges.txt"
 
