@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 
 from lmforge.cli import Command, positive_int
 from lmforge.corpus import DATASETS, EOT, copy_into, get_dataset
-from lmforge.data import DEFAULT_SHARD_TOKENS, inspect, prepare, prepare_dataset
+from lmforge.data import DEFAULT_SHARD_TOKENS, prepare, prepare_dataset
+from lmforge.data import inspect as inspect_shards
 from lmforge.tokenizer import load_tokenizer
 
 _NAMES = list(DATASETS)  # the one registry of named corpora
@@ -22,11 +24,9 @@ def _get_args(p: argparse.ArgumentParser) -> None:
 
 
 def _get(args: argparse.Namespace) -> int:
-    kwargs: dict = {}
-    if args.name != "shakespeare":
-        kwargs = {"endpoint": args.endpoint, "progress": not args.quiet}
-        if args.name == "fineweb-edu":
-            kwargs["shards"] = args.shards
+    options = {"endpoint": args.endpoint, "progress": not args.quiet, "shards": args.shards}
+    accepted = inspect.signature(DATASETS[args.name]).parameters  # e.g. only fineweb-edu comes in shards
+    kwargs = {k: v for k, v in options.items() if k in accepted}
     paths = get_dataset(args.name, cache_dir=args.cache_dir, force=args.force, **kwargs)
     if args.out:
         paths = copy_into(paths, args.out, force=args.force)
@@ -91,7 +91,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
-    print(inspect(args.dir, tokenizer=tok, sample_tokens=args.sample_tokens, verify=args.verify))
+    print(inspect_shards(args.dir, tokenizer=tok, sample_tokens=args.sample_tokens, verify=args.verify))
     return 0
 
 
