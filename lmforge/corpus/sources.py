@@ -4,7 +4,7 @@ Everything here streams: a text file is read in chunks, JSON Lines line by line,
 at a time, so memory stays flat however large the corpus is. Compressed variants (``.gz``, ``.zst``)
 are decompressed on the fly.
 
-Documents in plain text files are separated by a delimiter: ``"<|endoftext|>"`` (the default, as in
+Documents in plain text files are separated by a delimiter: ``EOT`` (the default, as in
 TinyStories and OpenWebText dumps), any other string, ``"blankline"`` (paragraphs) or ``"line"`` (one
 document per line). Leading and trailing whitespace of each document is stripped and empty documents
 are dropped.
@@ -29,6 +29,7 @@ from typing import IO, TYPE_CHECKING, Any, Iterator, Sequence
 
 from lmforge import _native
 from lmforge.common import check_input_file
+from lmforge.corpus.specials import EOT
 
 if TYPE_CHECKING:  # numpy is imported where it is used: reading and counting text (train_bpe) never needs it
     import numpy as np
@@ -325,7 +326,7 @@ def _check_runaway(path: Path, rest: bytes, doc_number: int, delimiter: str) -> 
     if len(rest) > MAX_DOCUMENT_BYTES:
         raise ValueError(f"{path}: document {doc_number} is longer than {MAX_DOCUMENT_BYTES >> 20} MiB "
                          f"without a {delimiter!r} delimiter; is the delimiter right? (CLI: --delimiter "
-                         "'<|endoftext|>' | blankline | line | any string)")
+                         f"'{EOT}' | blankline | line | any string)")
 
 
 def _text_batches(path: Path, delimiter: str, errors: str, stats: ReadStats) -> Iterator[list[str]]:
@@ -483,7 +484,7 @@ def _read_errors_named(p: Path, batches: Iterator[Any]) -> Iterator[Any]:
                          f"{''.join(p.suffixes) or 'text'}?") from None
 
 
-def iter_file_batches(path: str | os.PathLike, text_field: str | None = None, delimiter: str = "<|endoftext|>",
+def iter_file_batches(path: str | os.PathLike, text_field: str | None = None, delimiter: str = EOT,
                       errors: str = "error", stats: ReadStats | None = None) -> Iterator[list[str]]:
     """Like :func:`iter_file_documents`, but yields lists of documents (a chunk / row group at a time)."""
     p, st = _checked_open(path, errors, stats)
@@ -497,7 +498,7 @@ def iter_file_batches(path: str | os.PathLike, text_field: str | None = None, de
     yield from _read_errors_named(p, batches)
 
 
-def iter_file_spans(path: str | os.PathLike, text_field: str | None = None, delimiter: str = "<|endoftext|>",
+def iter_file_spans(path: str | os.PathLike, text_field: str | None = None, delimiter: str = EOT,
                     errors: str = "error", stats: ReadStats | None = None,
                     want_crc: bool = False) -> Iterator[DocBatch]:
     """The documents of :func:`iter_file_batches` as :class:`DocBatch` es (UTF-8 spans of one buffer).
@@ -520,7 +521,7 @@ def iter_file_spans(path: str | os.PathLike, text_field: str | None = None, deli
 
 
 def iter_file_documents(path: str | os.PathLike, text_field: str | None = None,
-                        delimiter: str = "<|endoftext|>", errors: str = "error",
+                        delimiter: str = EOT, errors: str = "error",
                         stats: ReadStats | None = None) -> Iterator[str]:
     """Stream the documents of one file (text, JSON Lines or Parquet; ``.gz``/``.zst`` allowed).
 
@@ -534,7 +535,7 @@ def iter_file_documents(path: str | os.PathLike, text_field: str | None = None,
 
 
 def iter_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], text_field: str | None = None,
-                   delimiter: str = "<|endoftext|>", errors: str = "error",
+                   delimiter: str = EOT, errors: str = "error",
                    stats: ReadStats | None = None) -> Iterator[str]:
     """Stream the documents of files, directories and globs in a deterministic order.
 

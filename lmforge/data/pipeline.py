@@ -42,6 +42,7 @@ from lmforge.common import human_bytes, num_threads_default, temporary_target
 from lmforge.data.shards import (MANIFEST, SHARD_NAME, dtype_for_vocab, load_manifest, new_manifest,
                                  save_manifest, shard_name, write_shard)
 from lmforge.corpus.sources import DocBatch, ReadStats, expand_inputs, file_format, iter_file_spans
+from lmforge.corpus.specials import EOT
 from lmforge.corpus.splits import check_val_fraction, val_mask_from_crc
 from lmforge.progress import progress as progress_bar
 
@@ -301,7 +302,7 @@ def _hash_sources(paths: list[Path], m: Manifest, progress: bool) -> list[dict[s
 
 def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLike], out_dir: str | os.PathLike, *,
             split: str | None = None, val_fraction: float = 0.0, split_seed: int = 0, text_field: str | None = None,
-            delimiter: str = "<|endoftext|>", utf8_errors: str = "error", bos: str | None = None,
+            delimiter: str = EOT, utf8_errors: str = "error", bos: str | None = None,
             eos: str | None = "auto", dtype: str | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
             num_threads: int | None = None, append: bool = False, force: bool = False, restart: bool = False,
             progress: bool = True) -> Manifest:
@@ -309,7 +310,7 @@ def prepare(tokenizer: Any, inputs: str | os.PathLike | Sequence[str | os.PathLi
 
     ``split=None`` routes each document by a seeded hash (``val_fraction`` of them to ``"val"``,
     the rest to ``"train"``); ``split="val"`` (any name) puts all inputs in that split, for corpora
-    with explicit train/valid files. ``eos="auto"`` appends ``<|endoftext|>`` after each document
+    with explicit train/valid files. ``eos="auto"`` appends ``EOT`` after each document
     when the tokenizer has it; ``bos`` / ``eos`` may name any special token, or be ``None``.
     ``dtype`` defaults to uint16 when the vocabulary fits. ``append`` adds new sources to an existing
     directory; ``force`` deletes its shards first. Re-running after a crash resumes exactly;

@@ -36,7 +36,7 @@ from lmforge.generate.engine import Engine
 from lmforge.generate.sampling import check_sampling, sample_next
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.run import open_run
-from lmforge.tokenizer import Tokenizer
+from lmforge.tokenizer import EOT, Tokenizer
 
 logger = logging.getLogger("lmforge")
 
@@ -158,7 +158,7 @@ class Generator:
         ctx = self.cfg.context_length
         for i, r in enumerate(rows):
             if len(r) == 0:
-                raise ValueError(f"prompt {i} is empty; give at least one token (e.g. <|endoftext|> to start a document)")
+                raise ValueError(f"prompt {i} is empty; give at least one token (e.g. {EOT} to start a document)")
             if len(r) > ctx:
                 raise ValueError(f"prompt {i} has {len(r)} tokens but the model's context length is {ctx}; "
                                  "shorten the prompt")
@@ -223,7 +223,7 @@ class Generator:
         """Generate token ids after one prompt (a list of ids) or several (a list of lists).
 
         Returns the new ids (a list, or a list of lists), without the prompt and without the stop token
-        that ended a row. ``stop_ids`` defaults to the tokenizer's ``<|endoftext|>``. ``stream=True``
+        that ended a row. ``stop_ids`` defaults to the tokenizer's ``EOT``. ``stream=True``
         returns an iterator instead: of ids for one prompt, of ``(row, id)`` pairs for several.
         ``naive=True`` recomputes the model's full forward at every step (slow; the test oracle).
 
@@ -285,7 +285,7 @@ class Generator:
                  overflow: str = "slide") -> Any:
         """Continue one prompt (``str``) or several (``list[str]``, batched) and return the new text.
 
-        Generation of a row ends at ``<|endoftext|>``, at the first of the ``stop`` strings (which is not
+        Generation of a row ends at ``EOT``, at the first of the ``stop`` strings (which is not
         returned, even when it spans several tokens), or after ``max_new_tokens`` tokens. Past the context
         length the oldest tokens are dropped a block at a time (``overflow``: see :meth:`generate_ids`). ``stream=True`` returns an iterator of text pieces
         (for several prompts: ``(row, piece)`` pairs); a piece never ends inside a UTF-8 character.

@@ -5,7 +5,8 @@ the fast ``train_bpe`` over the C++ counter; ``formats`` reads and writes lmforg
 ``vocab.json``/``merges.txt``, HF ``tokenizer.json`` and tiktoken; ``tokenizer`` holds :class:`Tokenizer`.
 """
 
+from lmforge.corpus.specials import EOT  # defined in stage 0, where the corpus readers meet it first
 from lmforge.tokenizer.tokenizer import Tokenizer, load_tokenizer, text_stats
 from lmforge.tokenizer.training import train_bpe, train_bpe_from_iterator
 
-__all__ = ["Tokenizer", "load_tokenizer", "text_stats", "train_bpe", "train_bpe_from_iterator"]
+__all__ = ["EOT", "Tokenizer", "load_tokenizer", "text_stats", "train_bpe", "train_bpe_from_iterator"]

@@ -10,7 +10,7 @@ The lmforge format is one human-readable, versioned JSON file::
      "format": "lmforge-bpe",
      "version": 1,
      "pattern": "gpt2",
-     "special_tokens": {"<|endoftext|>": 256},
+     "special_tokens": {"<|pad|>": 256},
      "vocab_size": 259,
      "vocab": [
       "\\\\x00",            <- id 0: byte 0x00, escaped

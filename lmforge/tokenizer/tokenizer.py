@@ -6,11 +6,11 @@ pure-Python reference (:mod:`lmforge.tokenizer.reference`). Both give identical 
 reference so tests can hold the fast path to it.
 
 >>> from lmforge.tokenizer.reference import train_bpe_reference
->>> vocab, merges = train_bpe_reference(["low lower lowest"] * 3, 270, ["<|endoftext|>"])
->>> tok = Tokenizer(vocab, merges, ["<|endoftext|>"])
->>> ids = tok.encode("lower<|endoftext|>")
->>> ids[-1] == tok.eot_id, tok.decode(ids)
-(True, 'lower<|endoftext|>')
+>>> vocab, merges = train_bpe_reference(["low lower lowest"] * 3, 270, [EOT])
+>>> tok = Tokenizer(vocab, merges, [EOT])
+>>> ids = tok.encode("lower" + EOT)
+>>> ids[-1] == tok.eot_id, tok.decode(ids) == "lower" + EOT
+(True, True)
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from lmforge.tokenizer import reference as bpe
 from lmforge.tokenizer import formats as tokenizer_io
 from lmforge import _native
 from lmforge.common import token_ids
+from lmforge.corpus.specials import EOT
 from lmforge.tokenizer.training import _threads, train_bpe, train_bpe_from_iterator
 
 if TYPE_CHECKING:
@@ -128,8 +129,8 @@ class Tokenizer:
 
     @property
     def eot_id(self) -> int | None:
-        """Id of ``<|endoftext|>`` (the document separator), or None when it is not a special token."""
-        return self._special_ids.get("<|endoftext|>")
+        """Id of ``EOT`` (the document separator), or None when it is not a special token."""
+        return self._special_ids.get(EOT)
 
     def id_to_token(self, i: int) -> bytes:
         """The bytes of token ``i`` (``ValueError`` when out of range)."""
@@ -391,7 +392,7 @@ class Tokenizer:
 def load_tokenizer(path: str | os.PathLike, *, backend: str = "auto") -> Tokenizer:
     """Load any supported tokenizer: lmforge JSON, HF ``tokenizer.json``, or a directory with GPT-2 files.
 
-    For a directory, ``<|...|>`` entries of ``vocab.json`` (e.g. GPT-2's ``<|endoftext|>``) become
+    For a directory, ``<|...|>`` entries of ``vocab.json`` (e.g. GPT-2's end-of-text token, ``EOT``) become
     special tokens.
     """
     p = Path(path)

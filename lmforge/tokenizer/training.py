@@ -34,6 +34,7 @@ import regex
 from lmforge import _native
 from lmforge.common import num_threads_default
 from lmforge.corpus import sources
+from lmforge.corpus.specials import EOT
 from lmforge.tokenizer import reference as bpe
 from lmforge.progress import progress as progress_bar
 
@@ -286,7 +287,7 @@ def _count_documents(counting: _Counting, texts: Iterable[str], errors: str, joi
 def train_bpe(input_path: PathLike | Sequence[PathLike], vocab_size: int, special_tokens: list[str] | None = None,
               *, pattern: str = "gpt2", num_threads: int | None = None, errors: str = "strict",
               progress: bool = True, chunk_bytes: int = CHUNK_BYTES, text_field: str | None = None,
-              delimiter: str = "<|endoftext|>", batch_bytes: int = 1 << 20) -> tuple[Vocab, Merges]:
+              delimiter: str = EOT, batch_bytes: int = 1 << 20) -> tuple[Vocab, Merges]:
     """Train byte-level BPE on files, directories or globs (the CS336 ``train_bpe`` interface).
 
     Inputs are read as by ``data prepare`` (see the module docstring): ``.txt`` documents separated

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.checkpoint import CheckpointManager, apply_checkpoint, unwrap_model
+from lmforge.hardware import peak_flops_for
 from lmforge.common import remove_stale_temporaries, seed_everything
 from lmforge.config import diff_dicts, dump_yaml, load_yaml, to_dict
 from lmforge.data import BlockLoader, TokenDataset, val_batches
@@ -39,7 +40,7 @@ from lmforge.train.config import _HARMLESS, _INCOMPATIBLE, DataConfig, OptimConf
 from lmforge.train.distributed import (all_reduce_mean, barrier, cleanup_distributed, full_state_dicts,
                                        load_full_optimizer_state, setup_distributed, wrap_model)
 from lmforge.train.evaluate import evaluate
-from lmforge.train.metrics import MetricsLog, peak_flops_for, require_wandb
+from lmforge.train.metrics import MetricsLog, require_wandb
 from lmforge.train.optim import SGD, AdamW, clip_grad_norm, cosine_lr, global_grad_norm, param_groups_for
 
 logger = logging.getLogger("lmforge")

@@ -1,4 +1,6 @@
-"""What a training run reports: ``metrics.jsonl``, the ``loss.png`` curve, optional Weights & Biases, MFU.
+"""What a training run reports: ``metrics.jsonl``, the ``loss.png`` curve, optional Weights & Biases.
+
+MFU divides by the device's peak FLOP/s from :mod:`lmforge.hardware`.
 
 Only the main process writes; every method is a no-op on other ranks (``enabled=False``).
 """
@@ -12,29 +14,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lmforge.common import atomic_open, atomic_write_text
 
 logger = logging.getLogger("lmforge")
-
-# Dense bf16 tensor-core peak FLOP/s by GPU name (vendor datasheets), for MFU when not configured.
-_GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "A6000": 155e12,
-                  "4090": 165e12, "3090": 71e12, "A10G": 70e12, "A10": 125e12, "L4": 121e12, "V100": 125e12,
-                  "T4": 65e12}
-
-
-def peak_flops_for(device: Any, configured: float | None) -> float | None:
-    """Peak FLOP/s to divide by for MFU: ``configured`` if set, else a known GPU's bf16 peak, else None."""
-    if configured:
-        return float(configured)
-    if getattr(device, "type", None) == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, flops in _GPU_PEAK_BF16.items():
-            if key in name:
-                return flops
-        logger.info("unknown GPU %r: set training.peak_flops to report MFU", name)
-    return None
 
 
 def plot_losses(records: list[dict[str, Any]], path: str | Path) -> None:

@@ -1,0 +1,122 @@
+"""The ``lmforge`` command line: a table of subcommands, each parsing flags and calling one library function.
+
+One module per command group: :mod:`~lmforge.cli.tokenizer`, :mod:`~lmforge.cli.data`, :mod:`~lmforge.cli.train`
+(train, eval), :mod:`~lmforge.cli.generate`, :mod:`~lmforge.cli.speedrun`. The table below names the module of
+each top-level command; only the module of the command being run is imported, so ``lmforge --help`` does not
+load torch (or the library at all).
+
+Errors in user input (``ValueError``, missing files, bad flags) print one line and exit with code 2;
+no traceback. Nothing in the library imports this package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Callable, NoReturn, Sequence
+
+from lmforge import __version__
+from lmforge.common import setup_logging
+
+
+class CLIError(Exception):
+    """A user-facing error raised by a command handler (printed as one line, exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line (what is wrong, and where the help is), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+AddArgs = Callable[[argparse.ArgumentParser], None]
+Handler = Callable[[argparse.Namespace], int]  # takes the parsed namespace, returns an exit code
+# A group module's SUBCOMMANDS: its own table of (name, help, function adding the arguments, handler).
+Command = tuple[str, str, AddArgs, Handler]
+
+# The table: top-level name -> (help, module). A group's module lists its subcommands in SUBCOMMANDS
+# (``lmforge data get``); a command's module maps the command's name to (add arguments, handler) in COMMANDS.
+GROUPS = {
+    "tokenizer": ("train, apply and inspect byte-level BPE tokenizers", "lmforge.cli.tokenizer"),
+    "data": ("download corpora, prepare token shards, inspect them", "lmforge.cli.data"),
+}
+COMMANDS = {
+    "train": ("pretrain a model from a YAML config (resumes automatically)", "lmforge.cli.train"),
+    "eval": ("loss, perplexity and bits/byte of a run's checkpoint on its validation data", "lmforge.cli.train"),
+    "generate": ("generate text with a trained model (KV cache, sampling, streaming)", "lmforge.cli.generate"),
+    "speedrun": ("the whole pipeline on one corpus: tokenizer, shards, training, eval, samples, report.md",
+                 "lmforge.cli.speedrun"),
+}
+
+
+def _add(sub: argparse._SubParsersAction, name: str, help_: str, add_args: AddArgs | None = None,
+         handler: Handler | None = None) -> argparse.ArgumentParser:
+    """Add subcommand ``name``; without ``add_args`` it is only listed (its module is not loaded)."""
+    p = sub.add_parser(name, help=help_, description=help_)
+    if add_args is not None:
+        add_args(p)
+        p.set_defaults(_handler=handler)
+    return p
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser (also used by the tests that run ``--help`` on every command).
+
+    ``only``: build the arguments of this top-level command alone (the others are listed, not loaded);
+    ``None`` builds them all.
+    """
+    parser = _Parser(
+        prog="lmforge",
+        description="Build a language model from scratch: tokenizer -> token shards -> pretraining -> generation.",
+        epilog="Run `lmforge COMMAND --help` for the options of each command.",
+    )
+    parser.add_argument("--version", action="version", version=f"lmforge {__version__}")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
+    for group, (help_text, module) in GROUPS.items():
+        gp = _add(sub, group, help_text)
+        if only in (None, group):
+            gsub = gp.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True, parser_class=_Parser)
+            for name, help_, add_args, handler in importlib.import_module(module).SUBCOMMANDS:
+                _add(gsub, name, help_, add_args, handler)
+    for name, (help_, module) in COMMANDS.items():
+        _add(sub, name, help_, *(importlib.import_module(module).COMMANDS[name] if only in (None, name) else ()))
+    return parser
+
+
+def _command_in(argv: Sequence[str]) -> str | None:
+    """The top-level command named in ``argv`` (its first word that is not an option), if it is one we know."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in GROUPS or word in COMMANDS else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lmforge`` console script."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(only=_command_in(argv) or "").parse_args(argv)
+    setup_logging(logging.WARNING if args.quiet else logging.INFO)
+    try:
+        return int(args._handler(args) or 0)
+    except (CLIError, ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+            PermissionError) as e:
+        print(f"lmforge: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lmforge: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `lmforge tokenizer encode ... | head`
+        return 0

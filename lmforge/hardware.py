@@ -1,0 +1,87 @@
+"""What a device can compute: its peak FLOP/s, the denominator of MFU, from one place.
+
+Two sources, used in this order by :func:`peak_flops_for`: a figure the user configured
+(``training.peak_flops``), else the datasheet bf16 peak of a known GPU. On a CPU there is no datasheet figure
+worth dividing by, so :func:`matmul_peak_flops` measures the practical peak instead: the best of a few large
+square products (the speedrun does this to report MFU, ``benchmarks/`` to put their figures in scale).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("lmforge")
+
+__all__ = ["GPU_PEAK_BF16", "peak_flops_for", "matmul_peak_flops", "fit_matmul_size"]
+
+# Dense bf16 tensor-core peak FLOP/s by GPU name (vendor datasheets), for MFU when not configured.
+GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "A6000": 155e12,
+                 "4090": 165e12, "3090": 71e12, "A10G": 70e12, "A10": 125e12, "L4": 121e12, "V100": 125e12,
+                 "T4": 65e12}
+
+
+def peak_flops_for(device: Any, configured: float | None) -> float | None:
+    """Peak FLOP/s to divide by for MFU: ``configured`` if set, else a known GPU's bf16 peak, else None."""
+    if configured:
+        return float(configured)
+    if getattr(device, "type", None) == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in GPU_PEAK_BF16.items():
+            if key in name:
+                return flops
+        logger.info("unknown GPU %r: set training.peak_flops to report MFU", name)
+    return None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fit_matmul_size(n: int, dtype: torch.dtype, device: str | torch.device = "cpu", max_seconds: float = 10.0) -> int:
+    """``n`` halved until one ``(n, n) @ (n, n)`` in ``dtype`` should take under ``max_seconds`` (floor 256).
+
+    Some torch builds multiply bf16 on AVX2-only CPUs with a reference GEMM at ~1 GFLOP/s; this keeps a
+    measurement in such a dtype from running for an hour.
+    """
+    device = torch.device(device)
+    p = 256
+    a = torch.randn(p, p, device=device).to(dtype)
+    a @ a
+    _sync(device)
+    t0 = time.perf_counter()
+    a @ a
+    _sync(device)
+    rate = 2 * p**3 / max(time.perf_counter() - t0, 1e-9)  # a small product underestimates the peak: safe side
+    while n > p and 2 * n**3 / rate > max_seconds:
+        n //= 2
+    return n
+
+
+def matmul_peak_flops(device: str | torch.device = "cpu", n: int = 2048, dtype: torch.dtype = torch.float32,
+                      repeats: int = 30, max_seconds: float | None = None) -> float:
+    """FLOP/s of the fastest of ``repeats`` timed ``(n, n) @ (n, n)`` products in ``dtype`` (after one warm-up).
+
+    The best run, not the mean, so that other processes on a shared machine do not make the peak look low
+    (and the MFU impossibly high); ~30 products of 2048² (a few seconds on a CPU) give the machine's quiet
+    moments a chance to show. ``max_seconds``: shrink ``n`` first (:func:`fit_matmul_size`) so that one
+    product takes at most this long; ``None`` takes ``n`` as given.
+    """
+    device = torch.device(device)
+    if max_seconds is not None:
+        n = fit_matmul_size(n, dtype, device, max_seconds)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    c = a @ b  # warm-up: thread pool, kernels
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.matmul(a, b, out=c)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
