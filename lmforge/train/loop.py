@@ -264,6 +264,7 @@ def _check(cfg: RunConfig, run_dir: Path, force: bool, info: Any) -> _Run:
                if val_ds is not None else [])
     if tc.wandb and info.is_main:
         require_wandb()
+    barrier()  # every rank has checked the directory before rank 0 writes into it (else a late rank sees a non-run)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         mark_run_dir(run_dir)
