@@ -21,6 +21,7 @@ Validation of *values* (ranges, divisibility, ...) belongs to each dataclass's `
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -182,8 +183,6 @@ def apply_overrides(d: dict[str, Any], overrides: Iterable[str]) -> dict[str, An
     and the value has the right type is checked later by :func:`from_dict`, which names the nearest
     valid key for a typo.
     """
-    import copy
-
     out = copy.deepcopy(d)
     for item in overrides:
         if "=" not in item:

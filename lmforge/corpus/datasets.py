@@ -35,7 +35,9 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
-from lmforge.common import atomic_write_text, sha256_file
+import platformdirs
+
+from lmforge.common import atomic_open, atomic_write_text, check_output_path, sha256_file
 from lmforge.corpus.specials import EOT
 from lmforge.progress import progress as progress_bar
 
@@ -57,8 +59,6 @@ def resolve_cache_dir(override: str | os.PathLike | None = None) -> Path:
     env = os.environ.get("LMFORGE_CACHE")
     if env:
         return Path(env)
-    import platformdirs
-
     return Path(platformdirs.user_cache_dir("lmforge"))
 
 
@@ -170,7 +170,7 @@ def download_file(url: str, dest: str | os.PathLike, headers: dict[str, str] | N
 def hub_download(repo_id: str, filename: str, dest_dir: Path, endpoint: str | None = None,
                  force: bool = False, progress: bool = True) -> Path:
     """Download one file of a Hugging Face *dataset* repo into ``dest_dir`` (resumable)."""
-    from huggingface_hub import hf_hub_url
+    from huggingface_hub import hf_hub_url  # here: only hub downloads need it (~0.5 s to import)
     from huggingface_hub.utils import build_hf_headers
 
     endpoint = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
@@ -389,8 +389,6 @@ def get_dataset(name: str, cache_dir: str | os.PathLike | None = None, force: bo
 
 def copy_into(paths: list[Path], out_dir: str | os.PathLike, force: bool = False) -> list[Path]:
     """Copy downloaded files into ``out_dir`` (refusing to overwrite unless ``force``)."""
-    from lmforge.common import atomic_open, check_output_path
-
     out = []
     for p in paths:
         dest = check_output_path(Path(out_dir) / p.name, force=force)

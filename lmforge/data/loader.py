@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -37,7 +38,7 @@ from lmforge.data.shards import TokenDataset
 from lmforge.corpus.splits import mix64
 
 if TYPE_CHECKING:
-    import torch
+    import torch  # here: data prepare/inspect never need torch (~1 s to import)
 
 logger = logging.getLogger("lmforge")
 
@@ -52,7 +53,7 @@ def get_batch(tokens: np.ndarray, batch_size: int, context_length: int, device: 
     ``y = tokens[i+1:i+T+1]``, both int64 ``(B, T)`` on ``device``. Only the selected windows are
     read. On CUDA the batch is pinned and copied asynchronously.
     """
-    import torch
+    import torch  # here: data prepare/inspect never need torch (~1 s to import)
 
     for name, v in (("batch_size", batch_size), ("context_length", context_length)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -74,8 +75,6 @@ def get_batch(tokens: np.ndarray, batch_size: int, context_length: int, device: 
 _WINDOW = 4096  # epoch positions whose block ids are computed together
 def _round_keys(*key: int) -> list[np.uint64]:
     """Four 64-bit round keys derived from integers (seed, epoch, layer)."""
-    import hashlib
-
     raw = "/".join(map(str, key)).encode()
     return [np.uint64(int.from_bytes(hashlib.blake2b(raw + bytes([r]), digest_size=8).digest(), "little"))
             for r in range(4)]
@@ -247,7 +246,7 @@ class BlockLoader:
 
     def next_batch(self) -> tuple["torch.Tensor", ...]:
         """This rank's next ``(x, y)`` (int64 CPU tensors ``(B, T)``), plus positions if requested."""
-        import torch
+        import torch  # here: data prepare/inspect never need torch (~1 s to import)
 
         gb = self.batch_size * self.world_size
         if self.consumed + gb > self._length:
@@ -325,7 +324,7 @@ class BlockLoader:
 def val_batches(dataset: TokenDataset, batch_size: int, context_length: int,
                 max_batches: int) -> list[tuple["torch.Tensor", "torch.Tensor"]]:
     """A fixed, deterministic list of validation batches: the split's first blocks, in order."""
-    import torch
+    import torch  # here: data prepare/inspect never need torch (~1 s to import)
 
     block = context_length + 1
     n_blocks = [len(s) // block for s in dataset.shards]

@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import queue
@@ -39,6 +40,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from lmforge.common import human_bytes, num_threads_default, temporary_target
+from lmforge.corpus.datasets import get_dataset
 from lmforge.data.shards import (MANIFEST, SHARD_NAME, dtype_for_vocab, load_manifest, new_manifest,
                                  save_manifest, shard_name, write_shard)
 from lmforge.corpus.sources import DocBatch, ReadStats, expand_inputs, file_format, iter_file_spans
@@ -272,8 +274,6 @@ def _open_out_dir(out_dir: Path, tok_info: dict[str, Any], dtype: str, shard_tok
 
 def _hash_sources(paths: list[Path], m: Manifest, progress: bool) -> list[dict[str, Any]]:
     """SHA-256 of every input; duplicates (of committed sources or of each other) are reported and dropped."""
-    import hashlib
-
     sizes = [p.stat().st_size for p in paths]
     for p, size in zip(paths, sizes):
         if size == 0:
@@ -472,7 +472,7 @@ def _exclusive(out_dir: Path) -> Iterator[None]:
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / LOCK, "w") as f:
         try:
-            import fcntl
+            import fcntl  # here: POSIX only; elsewhere the lock is skipped
         except ImportError:  # pragma: no cover - Windows: no advisory locks, run one prepare at a time
             yield
             return
@@ -494,8 +494,6 @@ def prepare_dataset(tokenizer: Any, name: str, out_dir: str | os.PathLike, *,
     resumes an interrupted run and skips sources already in ``out_dir``. Other keyword arguments go
     to :func:`prepare`.
     """
-    from lmforge.corpus.datasets import get_dataset
-
     progress = kwargs.get("progress", True)
     if name == "tinystories":
         train, valid = get_dataset(name, cache_dir=cache_dir, endpoint=endpoint, progress=progress)

@@ -110,7 +110,7 @@ def from_hf_state_dict(sd: dict[str, "torch.Tensor"], cfg: Any) -> dict[str, "to
 
 def hf_config(cfg: Any) -> Any:
     """A ``transformers.LlamaConfig`` with the same architecture as our ``ModelConfig`` ``cfg``."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # here: an optional dependency (the test extras install it)
 
     return LlamaConfig(
         vocab_size=cfg.vocab_size,

@@ -336,7 +336,7 @@ def to_tiktoken(vocab: Mapping[int, bytes], special_tokens: Mapping[str, int], p
     hand-made merge list can break it: with merges ``(b,c), (a,b), (ab,c)``, BPE encodes ``"abc"``
     as ``[a, bc]`` but tiktoken joins ``a+bc`` into ``abc``. :class:`Tokenizer` is always exact.
     """
-    import tiktoken
+    import tiktoken  # here: an optional dependency (pip install tiktoken)
 
     special_ids = set(special_tokens.values())
     ranks: dict[bytes, int] = {}
