@@ -23,6 +23,7 @@ STAGES = {
     "train": {"corpus", "tokenizer", "data", "model"},
     "generate": {"tokenizer", "model"},
     "interop": {"tokenizer", "model"},
+    "chat": {"tokenizer", "model", "generate"},
 }
 # On top: they may import everything below; nothing but the CLI imports them, and nothing imports the CLI.
 TOP = ["speedrun", "cli"]
