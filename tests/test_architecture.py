@@ -121,7 +121,7 @@ def test_importing_lmforge_has_no_side_effects():
     import sys
 
     code = ("import logging, sys; import lmforge, lmforge.tokenizer, lmforge.data, lmforge.model, lmforge.train, "
-            "lmforge.generate; assert not logging.getLogger().handlers; assert not logging.getLogger('lmforge').handlers;"
+            "lmforge.generate, lmforge.chat; assert not logging.getLogger().handlers; assert not logging.getLogger('lmforge').handlers;"
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -141,6 +141,14 @@ class ChatFormat:
     """Renders conversations with ``tokenizer``, which must hold :data:`CHAT_SPECIAL_TOKENS`.
 
     ``self.ids`` maps each chat special token to its id; ``assistant_end_id`` is where generation stops.
+
+    >>> from lmforge.tokenizer import Tokenizer
+    >>> tok = add_chat_tokens(Tokenizer({i: bytes([i]) for i in range(256)}, []))  # bytes only, no merges
+    >>> ids, mask = ChatFormat(tok).render([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}])
+    >>> tok.decode(ids)
+    '<|endoftext|><|user_start|>2+2?<|user_end|><|assistant_start|>4<|assistant_end|>'
+    >>> mask
+    [0, 0, 0, 0, 0, 0, 0, 0, 1, 1]
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:

@@ -1,6 +1,9 @@
 """Show which tokens of a rendered conversation are trained: ANSI colour on a terminal, ``[[...]]`` otherwise.
 
->>> # trained runs in brackets, e.g.  <|user_start|>2+2?<|user_end|><|assistant_start|>[[4<|assistant_end|>]]
+>>> from lmforge.tokenizer import Tokenizer
+>>> tok = Tokenizer({i: bytes([i]) for i in range(256)}, [])  # bytes only: one token per character here
+>>> render_preview(tok.encode("Q? A."), [0, 0, 0, 1, 1], tok, color=False)
+'Q? [[A.]]'
 """
 
 from __future__ import annotations
