@@ -194,3 +194,28 @@ def test_preview_colours_or_brackets_the_trained_tokens(tok, fmt, tmp_path):
     n = len(fmt.render(SIMPLE)[0])
     assert text.startswith(f"--- line 1: {n} tokens, {sum(fmt.render(SIMPLE)[1])} trained ---\n")
     assert f"--- line 3: {len(ids)} tokens, {sum(mask)} trained ---\n{plain}\n" in text
+
+
+def test_a_grown_model_trains_on_a_rendered_conversation(tiny_tokenizer):
+    import torch
+
+    from lmforge.model import ModelConfig, TransformerLM
+
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(vocab_size=tiny_tokenizer.vocab_size, context_length=128, d_model=32,
+                                      n_layers=1, n_heads=2))
+    tok = add_chat_tokens(tiny_tokenizer)
+    model.resize_vocab(tok.vocab_size)
+    ids, mask = ChatFormat(tok).render(TOOL)
+    x = torch.tensor([ids[:-1]])
+    y = torch.tensor([[t if m else -100 for t, m in zip(ids[1:], mask[1:])]])  # (1, T): untrained -> ignored
+    loss = model(x, targets=y, ignore_index=-100)
+    with torch.no_grad():
+        logp = model(x)[0].log_softmax(-1)  # (T, V)
+    trained = [t for t in range(len(ids) - 1) if mask[t + 1]]
+    want = -torch.stack([logp[t, ids[t + 1]] for t in trained]).mean()
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-5)  # the mean over trained targets only
+    loss.backward()
+    end = tok.special_tokens["<|assistant_end|>"]
+    assert model.token_embeddings.weight.grad[end].abs().sum() == 0, "<|assistant_end|> is last: never an input"
+    assert model.token_embeddings.weight.grad[tok.special_tokens["<|output_end|>"]].abs().sum() > 0
