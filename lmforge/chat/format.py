@@ -106,7 +106,7 @@ def check_conversation(messages: Any, for_training: bool = True) -> list[Message
             raise ValueError(f"{where} ({role}) has key {bad!r}; messages hold role and content, and an assistant "
                              "message may add tool_call: \"EXPR\" (a calculator call)")
         content, call = m.get("content"), m.get("tool_call")
-        if not isinstance(content, str) or (call is not None and not isinstance(call, str)):
+        if not isinstance(content, str) or ("tool_call" in m and not isinstance(call, str)):
             raise ValueError(f"{where} ({role}): content and tool_call must be strings, got {content!r:.60}")
         if call is not None and not call.strip():
             raise ValueError(f"{where} (assistant) has an empty tool_call; give the expression or drop the key")
