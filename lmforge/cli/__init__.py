@@ -1,7 +1,7 @@
 """The ``lmforge`` command line: a table of subcommands, each parsing flags and calling one library function.
 
-One module per command group: :mod:`~lmforge.cli.tokenizer`, :mod:`~lmforge.cli.data`, :mod:`~lmforge.cli.train`
-(train, eval), :mod:`~lmforge.cli.generate`, :mod:`~lmforge.cli.speedrun`. The table below names the module of
+One module per command group: :mod:`~lmforge.cli.tokenizer`, :mod:`~lmforge.cli.data`, :mod:`~lmforge.cli.chat`,
+:mod:`~lmforge.cli.train` (train, eval), :mod:`~lmforge.cli.generate`, :mod:`~lmforge.cli.speedrun`. The table below names the module of
 each top-level command; only the module of the command being run is imported, so ``lmforge --help`` does not
 load torch (or the library at all).
 
@@ -53,6 +53,7 @@ Command = tuple[str, str, AddArgs, Handler]
 GROUPS = {
     "tokenizer": ("train, apply and inspect byte-level BPE tokenizers", "lmforge.cli.tokenizer"),
     "data": ("download corpora, prepare token shards, inspect them", "lmforge.cli.data"),
+    "chat": ("the chat format: render conversations to tokens", "lmforge.cli.chat"),
 }
 COMMANDS = {
     "train": ("pretrain a model from a YAML config (resumes automatically)", "lmforge.cli.train"),

@@ -410,6 +410,36 @@ class TransformerLM(nn.Module):
         if self.cfg.tie_embeddings:
             self.lm_head.reset_parameters()
 
+    def resize_vocab(self, vocab_size: int) -> TransformerLM:
+        """Grow the token embeddings and the LM head to ``vocab_size`` rows (for special tokens appended to
+        the tokenizer, e.g. the chat tokens); call it before building the optimizer, since it makes new tensors.
+
+        The existing rows are kept, so the logits of the old ids do not change. Each new embedding row is the
+        mean of the old embedding rows, and each new head row the mean of the old head rows: a new token's
+        logit is then the mean of the old logits, below the top ones, so the distribution over old tokens
+        moves little (Hewitt 2021, "Initializing new word embeddings"); a zero head row would give logit 0,
+        which can beat every old token. Tied embeddings stay one matrix (the mean row serves both).
+        """
+        old = self.cfg.vocab_size
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < old:
+            raise ValueError(f"resize_vocab can only grow the vocabulary ({old} ids) and needs an integer, got "
+                             f"{vocab_size!r}; shrinking would drop trained rows")
+        if vocab_size == old:
+            return self
+
+        def grown(weight: Tensor) -> nn.Parameter:
+            with torch.no_grad():
+                mean = weight.float().mean(dim=0, keepdim=True).to(weight.dtype)  # (1, d_model)
+                rows = torch.cat([weight, mean.expand(vocab_size - old, -1)], dim=0)  # (vocab_size, d_model)
+            return nn.Parameter(rows, requires_grad=weight.requires_grad)
+
+        emb = grown(self.token_embeddings.weight)
+        self.token_embeddings.weight, self.token_embeddings.num_embeddings = emb, vocab_size
+        self.lm_head.weight = emb if self.cfg.tie_embeddings else grown(self.lm_head.weight)
+        self.lm_head.out_features = vocab_size
+        self.cfg = dataclasses.replace(self.cfg, vocab_size=vocab_size)
+        return self
+
     def set_fast(self, fast: bool) -> TransformerLM:
         """Switch every block between the fast and the reference path (same weights)."""
         self.cfg = dataclasses.replace(self.cfg, fast=fast)  # a copy: the caller's config is not touched

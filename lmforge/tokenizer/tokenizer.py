@@ -159,6 +159,21 @@ class Tokenizer:
                "pattern": bpe.resolve_pattern(self.pattern)}
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
+    def with_special_tokens(self, tokens: Sequence[str]) -> "Tokenizer":
+        """A copy that also has the special ``tokens``, each new one appended with id ``vocab_size``, ``+1``, ...
+
+        No retraining: every existing id, merge and special keeps its meaning, so ids encoded before still
+        decode the same and a model only needs new embedding rows. Tokens that are already special are
+        skipped (adding the same tokens twice is a no-op). A token whose bytes are an ordinary token still
+        gets a new id: text keeps encoding to the ordinary one, and only the special id means the special.
+        """
+        tokens = [t for t in bpe.check_special_tokens(tokens) if t not in self._special_ids]
+        vocab = dict(self.vocab)
+        for t in tokens:
+            vocab[len(vocab)] = t.encode("utf-8")
+        specials = sorted(self._special_ids, key=self._special_ids.__getitem__) + tokens
+        return Tokenizer(vocab, self.merges, specials, self.pattern, backend=self.backend)
+
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
                 f"special_tokens={list(self._special_ids)}, pattern={self.pattern!r}, backend={self.backend!r})")

@@ -1,0 +1,71 @@
+"""The calculator tool (lmforge.chat.tools): arithmetic only, bounded, no eval."""
+
+import ast
+import doctest
+import inspect
+
+import pytest
+
+import lmforge.chat.format
+import lmforge.chat.preview
+import lmforge.chat.tools as tools
+from lmforge.chat.tools import MAX_CHARS, calculate
+
+
+@pytest.mark.parametrize("expr, want", [
+    ("12*7", "84"), (" 12 * 7 ", "84"), ("(1 + 2) / 4", "0.75"), ("2**10 - -3", "1027"), ("7 // 2", "3"),
+    ("7 % 3", "1"), ("-7 // 2", "-4"), ("+5", "5"), ("0.1 + 0.2", "0.3"), ("2 ** 0.5", "1.41421356237"),
+    ("123456789 * 987654321", "121932631112635269"), ("10**99 // 10**98", "10"), ("2**-2", "0.25"),
+    ("(-1) ** 10**9", "1"), ("1_000 + 1", "1001"),
+])
+def test_arithmetic(expr, want):
+    assert calculate(expr) == want
+
+
+@pytest.mark.parametrize("expr, match", [
+    ("__import__('os').system('true')", "uses Call"),
+    ("a + 1", "uses Name"),
+    ("(1).real", "uses Attribute"),
+    ("'x' * 3", "uses 'x', which is not a number"),
+    ("True + 1", "uses True, which is not a number"),
+    ("1j * 1j", "uses 1j, which is not a number"),
+    ("[1, 2]", "uses List"),
+    ("1 if 1 else 2", "uses IfExp"),
+    ("1 < 2", "uses Compare"),
+    ("1 << 3", "uses LShift"),
+    ("~1", "uses Invert"),
+    ("x = 1", "is not an expression"),
+    ("1 +", "is not an expression"),
+    ("1/0", "divides by zero"),
+    ("5 % 0", "divides by zero"),
+    ("0 ** -1", "divides by zero"),
+    ("(-8) ** 0.5", "complex number"),
+    ("9**9**9", r"beyond 10\*\*100"),
+    ("10**100", r"beyond 10\*\*100"),
+    ("2.0 ** 2000", r"beyond 10\*\*100"),
+    ("0.5 ** -1000", r"beyond 10\*\*100"),
+    ("1e308 * 10", r"beyond 10\*\*100"),
+    ("10**60 * 10**60", r"beyond 10\*\*100"),
+    ("+".join(["1"] * 40), "syntax nodes"),
+    ("1" * (MAX_CHARS + 1), "characters long"),
+])
+def test_anything_else_is_refused_with_the_reason(expr, match):
+    with pytest.raises(ValueError, match=f"calculator: .*{match}.*; a tool call must be arithmetic"):
+        calculate(expr)
+
+
+def test_non_string_is_refused():
+    with pytest.raises(ValueError, match="expected the expression as a string"):
+        calculate(12)  # type: ignore[arg-type]
+
+
+def test_the_calculator_never_calls_eval_or_exec():
+    called = {n.func.id for n in ast.walk(ast.parse(inspect.getsource(tools)))
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert not called & {"eval", "exec", "compile", "__import__"}
+
+
+@pytest.mark.parametrize("module", [lmforge.chat.format, lmforge.chat.preview, tools])
+def test_doctests_hold(module):
+    failures, tried = doctest.testmod(module)
+    assert failures == 0 and tried > 0
