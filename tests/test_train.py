@@ -80,6 +80,11 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
     (["optimizer.betas=[0.9, 1.5]"], r"optimizer\.betas must be two numbers in \[0, 1\)"),
     (["optimizer.warmup_steps=50", "optimizer.decay_steps=null"], r"warmup_steps=50 must be < training\.max_steps"),
     (["data.dir="], r"data\.dir is empty"),
+    (["optimizer.name=lion"], r"'optimizer\.name' must be one of 'adamw', 'sgd', 'muon', got 'lion'"),
+    (["optimizer.muon_lr=0"], r"optimizer\.muon_lr must be > 0"),
+    (["optimizer.muon_momentum=1.0"], r"optimizer\.muon_momentum must be in \[0, 1\)"),
+    (["optimizer.muon_ns_steps=0"], r"optimizer\.muon_ns_steps must be in \[1, 100\)"),
+    (["optimizer.muon_adjust_lr=spectral"], r"'optimizer\.muon_adjust_lr' must be one of 'original', 'match_rms_adamw'"),
 ])
 def test_invalid_config_values(tmp_path, over, msg) -> None:
     with pytest.raises(ValueError, match=msg):
@@ -146,6 +151,25 @@ def test_resume_in_process_equals_uninterrupted(shards, tmp_path) -> None:
     assert list(split.rglob(".*.tmp")) == []
     vals = lambda r: [(e["step"], e["val_loss"]) for e in _events(r) if "val_loss" in e and e["step"] != 5]
     assert vals(split) == vals(full)
+
+
+def test_muon_resume_in_process_equals_uninterrupted(shards, tmp_path, caplog) -> None:
+    muon = {"name": "muon", "muon_lr": 0.02}
+    full, split, adamw = tmp_path / "full", tmp_path / "split", tmp_path / "adamw"
+    with caplog.at_level(logging.INFO, logger="lmforge"):
+        train(_cfg(shards, optimizer=muon, training={"max_steps": 8}), full, progress=False)
+    groups = [r.getMessage() for r in caplog.records if r.getMessage().startswith("optimizer groups:")]
+    assert groups == ["optimizer groups: muon: 14 tensors (0.0205M params, lr x6.67); adamw_embeddings_head: 2 "
+                      "tensors (0.0205M params, lr x1); adamw_norms_biases: 5 tensors (0.00016M params, lr x1)"]
+    train(_cfg(shards, optimizer=muon, training={"max_steps": 5}), split, progress=False)  # checkpoints at 3, 5
+    train(_cfg(shards, optimizer=muon, training={"max_steps": 8}), split, progress=False)
+    assert _losses(split) == _losses(full)  # float equality, every step
+    train(_cfg(shards, training={"max_steps": 8}), adamw, progress=False)
+    assert _losses(full) != _losses(adamw) and _losses(full)[-1][1] < _losses(full)[0][1]  # another optimizer; learns
+    from lmforge.checkpoint import read_checkpoint
+    groups = read_checkpoint(full / "checkpoints" / "step_00000008.safetensors").optimizer["param_groups"]
+    lrs = {g["name"]: g["lr"] for g in groups}  # the schedule scaled every group by the same factor
+    assert lrs["muon"] == pytest.approx(lrs["adamw_norms_biases"] * 0.02 / 3e-3) and lrs["adamw_norms_biases"] < 3e-3
 
 
 def _draw() -> tuple[list[float], float, list[float]]:
