@@ -615,6 +615,46 @@ def test_torchrun_two_ranks_cpu_matches_one_process_with_double_batch(shards, tm
         "step_00000003.safetensors", "step_00000004.safetensors"]
 
 
+@pytest.mark.slow
+def test_muon_fsdp_world_size_one_resumes_exactly(shards, tmp_path) -> None:
+    import torch.distributed as dist
+
+    from lmforge.train.distributed import setup_distributed
+
+    muon = {"name": "muon"}
+    single, full, split = tmp_path / "single", tmp_path / "full", tmp_path / "split"
+    train(_cfg(shards, optimizer=muon, training={"max_steps": 5}), single, progress=False)
+    setup_distributed("cpu", init_method=f"file://{tmp_path / 'pg'}")
+    try:
+        fsdp = {"parallel": "fsdp"}  # DTensor parameters: Muon gathers each matrix, orthogonalises, keeps its shard
+        train(_cfg(shards, optimizer=muon, training={"max_steps": 5, **fsdp}), full, progress=False)
+        train(_cfg(shards, optimizer=muon, training={"max_steps": 3, **fsdp}), split, progress=False)
+        train(_cfg(shards, optimizer=muon, training={"max_steps": 5, **fsdp}), split, progress=False)
+    finally:
+        dist.destroy_process_group()
+    assert _losses(split) == _losses(full)
+    assert [v for _, v in _losses(full)] == pytest.approx([v for _, v in _losses(single)], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_torchrun_two_ranks_fsdp_muon_matches_one_process(shards, tmp_path) -> None:
+    # FSDP2 shards every matrix over 2 ranks: Muon must orthogonalise the whole matrix, not each half
+    muon = {"name": "muon"}
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(_cfg_dict(shards, optimizer=muon,
+                                                 training={"max_steps": 4, "num_threads": 1, "parallel": "fsdp"})))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lmforge.cli",
+           "-q", "train", str(cfg_path), "--run-dir", str(tmp_path / "fsdp"), "--no-progress"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr
+    train(_cfg(shards, optimizer=muon, training={"max_steps": 4, "batch_size": 8}), tmp_path / "single",
+          progress=False)
+    fsdp, single = _losses(tmp_path / "fsdp"), _losses(tmp_path / "single")
+    assert [s for s, _ in fsdp] == [1, 2, 3, 4]
+    assert [v for _, v in fsdp] == pytest.approx([v for _, v in single], rel=1e-5)
+
+
 def test_distributed_helpers_without_a_process_group(monkeypatch) -> None:
     from lmforge.train import distributed as D
 
