@@ -1,8 +1,10 @@
-"""Optimizers and schedules written out: ``SGD``, ``AdamW``, the cosine learning-rate schedule, gradient
-clipping and the weight-decay parameter groups.
+"""Optimizers and schedules written out: ``SGD``, ``AdamW``, ``Muon``, the cosine learning-rate schedule,
+gradient clipping and the parameter groups (weight decay; Muon's matrices vs AdamW's rest).
 
 ``AdamW`` gives the same numbers as ``torch.optim.AdamW`` (to float rounding) and updates every tensor
 of a parameter group with a handful of ``torch._foreach_*`` calls instead of a Python loop over tensors.
+``Muon``'s reference step gives the same numbers as ``torch.optim.Muon`` bit for bit; its batched step
+orthogonalises all same-shape matrices at once.
 Optimizer state holds only tensors and plain numbers, so ``state_dict()`` can be stored with safetensors
 + JSON and ``load_state_dict()`` restores it exactly.
 """
