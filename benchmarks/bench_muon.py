@@ -14,6 +14,7 @@ process: lmforge AdamW, lmforge Muon (batched and reference), and ``torch.optim.
 on the same groups (the equal-update test is ``tests/test_optim.py::test_muon_reference_equals_torch_optim_muon``).
 
     python benchmarks/bench_muon.py              # d_model 192, 4 layers, T 128, B 16, 90 s per run, 3 rounds
+    python benchmarks/bench_muon.py --steps 150  # equal steps instead (a loaded machine cannot skew it)
     python benchmarks/bench_muon.py --quick      # seconds: a smoke run
 """
 
@@ -77,7 +78,7 @@ def state_bytes(optimizer) -> int:
 
 
 def train_child(a: argparse.Namespace) -> dict:
-    """Train ``a.child`` for ``a.seconds`` of step time; return val loss/bpb, steps, median step time, state bytes."""
+    """Train ``a.child`` for ``a.seconds`` of step time (or ``a.steps`` steps); return val loss/bpb, steps, median step time, state bytes."""
     import torch
 
     from lmforge.data import BlockLoader, TokenDataset, val_batches
@@ -93,7 +94,7 @@ def train_child(a: argparse.Namespace) -> dict:
     loader = BlockLoader(train_ds, a.batch, a.context, seed=0)
     val = val_batches(val_ds, a.batch, a.context, a.eval_batches)
     step, elapsed, times = 0, 0.0, []
-    while elapsed < a.seconds or step < 2:
+    while (step < a.steps) if a.steps else (elapsed < a.seconds or step < 2):
         t0 = time.perf_counter()
         lr = _lr_at(step, oc, 10**9)
         for g in opt.param_groups:
@@ -153,6 +154,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, synthetic corpus, 3 s per run (or --seconds), 1 round")
     ap.add_argument("--seconds", type=float, default=None, help="wall time of training per (optimizer, round); 90")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="train this many steps instead of --seconds (equal steps: immune to machine load)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--corpus", choices=("shakespeare", "synthetic"), default="shakespeare")
     ap.add_argument("--d-model", dest="d_model", type=int, default=192)
@@ -177,21 +180,22 @@ def main() -> None:
         a.seconds, a.rounds, a.corpus, a.eval_batches, a.warmup = a.seconds, 1, "synthetic", 2, 5
         a.d_model, a.layers, a.heads, a.context, a.batch, a.vocab = 64, 2, 2, 64, 8, 300
     print(f"model: d_model {a.d_model}, {a.layers} layers, {a.heads} heads, T {a.context}, B {a.batch}, V {a.vocab}; "
-          f"{a.corpus}; {a.seconds:g} s per run, {a.rounds} rounds, {a.threads} threads; AdamW lr {a.lr:g}, "
+          f"{a.corpus}; {f'{a.steps} steps' if a.steps else f'{a.seconds:g} s'} per run, {a.rounds} rounds, {a.threads} threads; AdamW lr {a.lr:g}, "
           f"Muon lr {a.muon_lr:g} (+ AdamW lr {a.lr:g} for embeddings, head, norms); warmup {a.warmup}, then constant")
     results: dict[str, list[dict]] = {o: [] for o in OPTIMIZERS}
     with tempfile.TemporaryDirectory() as tmp:
         shards = make_shards(Path(tmp), a.vocab, a.corpus)
         forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-                     if k in ("seconds", "d_model", "layers", "heads", "context", "batch", "vocab", "lr", "muon_lr",
-                              "warmup", "eval_batches", "threads")]
+                     if v is not None and k in ("seconds", "steps", "d_model", "layers", "heads", "context", "batch",
+                                                "vocab", "lr", "muon_lr", "warmup", "eval_batches", "threads")]
         for r in range(a.rounds):
             for name in OPTIMIZERS:
                 res = run_child(__file__, [name, "--shards", str(shards), *forwarded], a.threads)
                 results[name].append(res)
                 print(f"round {r + 1}: {name:5s} val bpb {res['val_bpb']:.4f}, val loss {res['val_loss']:.4f}, "
                       f"{res['steps']} steps, {res['step_ms']:.1f} ms/step", flush=True)
-    print(f"\n### Equal wall time ({a.seconds:g} s of training per run), median (range) over {a.rounds} rounds\n")
+    budget = f"Equal steps ({a.steps} per run)" if a.steps else f"Equal wall time ({a.seconds:g} s of training per run)"
+    print(f"\n### {budget}, median (range) over {a.rounds} rounds\n")
     print("| optimizer | val bits/byte | val loss | steps | step time (ms) | optimizer state (MiB) |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, rs in results.items():
