@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lmforge.model import ModelConfig, TransformerLM
-from lmforge.train.optim import SGD, AdamW, clip_grad_norm, cosine_lr, param_groups_for
+from lmforge.train.optim import (SGD, AdamW, Muon, clip_grad_norm, cosine_lr, describe_groups, muon_lr_ratio,
+                                 muon_param_groups, newton_schulz, newton_schulz_batched, param_groups_for)
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -142,3 +143,139 @@ def test_param_groups_rule():
     assert len(ids) == len(set(ids)) == len({id(p) for p in model.parameters()})
     assert len(no_decay["params"]) == 2 * 2 + 1  # ln1, ln2 per layer + ln_final
     AdamW(param_groups_for(model, 0.1), lr=1e-3)  # accepted by the optimizer
+
+
+# --------------------------------------------------------------------------------------------------
+# Muon
+# --------------------------------------------------------------------------------------------------
+def _muon_run(make_opt, shapes=((8, 5), (5, 8), (8, 5), (6, 6)), steps=5, seed=0):
+    """Parameters of ``shapes`` after ``steps`` updates by ``make_opt(params)`` on seeded random gradients."""
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    opt = make_opt(ps)
+    for _ in range(steps):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return ps, opt
+
+
+@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_reference_equals_torch_optim_muon(adjust, nesterov):
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
+    for seed in range(3):
+        ours, _ = _muon_run(lambda ps: Muon([{"params": ps, "use_muon": True}], adjust_lr=adjust, impl="reference",
+                                            **kw), seed=seed)
+        theirs, _ = _muon_run(lambda ps: torch.optim.Muon(ps, adjust_lr_fn=adjust, **kw), seed=seed)
+        start, _ = _muon_run(lambda ps: torch.optim.SGD(ps, lr=0.0), seed=seed)
+        for a, b, s in zip(ours, theirs, start):
+            assert not torch.equal(a, s)
+            assert torch.equal(a, b)  # same ops in the same order: bit for bit
+
+
+@pytest.mark.parametrize("ns_dtype, tol", [("fp32", 1e-6), ("bf16", 2e-3)])
+def test_muon_batched_equals_reference(ns_dtype, tol):
+    shapes = ((8, 5), (5, 8), (8, 5), (6, 6), (8, 5), (3, 7))
+    make = lambda impl: (lambda ps: Muon([{"params": ps[:5], "use_muon": True},
+                                          {"params": ps[5:], "use_muon": True, "lr": 0.05, "weight_decay": 0.0}],
+                                         lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, impl=impl))
+    fast, opt_fast = _muon_run(make("batched"), shapes=shapes, steps=6)
+    ref, opt_ref = _muon_run(make("reference"), shapes=shapes, steps=6)
+    for a, b in zip(fast, ref):
+        torch.testing.assert_close(a, b, atol=tol, rtol=0)
+        torch.testing.assert_close(opt_fast.state[a]["momentum_buffer"], opt_ref.state[b]["momentum_buffer"],
+                                   atol=tol, rtol=0)
+
+
+def test_newton_schulz_orthogonalises_and_batches():
+    g = torch.Generator().manual_seed(0)
+    for shape in ((32, 16), (16, 32), (24, 24)):
+        k = min(shape)  # singular values spread over 1..30 (condition number 30)
+        u = torch.linalg.qr(torch.randn(3, shape[0], k, generator=g)).Q
+        v = torch.linalg.qr(torch.randn(3, shape[1], k, generator=g)).Q
+        x = u @ torch.diag_embed(torch.logspace(0, math.log10(30), k).expand(3, k)) @ v.mT
+        o = newton_schulz_batched(x, dtype="fp32")
+        assert o.shape == x.shape and o.dtype == torch.float32
+        s = torch.linalg.svdvals(o)  # the quintic brings them near 1 (not exactly: ~[0.7, 1.2])
+        assert s.min() > 0.5 and s.max() < 1.5
+        assert (o - u @ v.mT).norm() / (u @ v.mT).norm() < 0.3  # close to the orthogonal factor U·Vᵀ
+        for i in range(3):
+            torch.testing.assert_close(newton_schulz(x[i], dtype="fp32"), o[i], atol=1e-6, rtol=0)
+    assert newton_schulz(torch.randn(4, 6), dtype="bf16").dtype == torch.bfloat16
+    assert newton_schulz(torch.zeros(4, 6), dtype="fp32").abs().sum() == 0  # eps guards the normalisation
+
+
+def test_muon_lr_ratio():
+    assert muon_lr_ratio((64, 16), "original") == 2.0 and muon_lr_ratio((16, 64), "original") == 1.0
+    assert muon_lr_ratio((16, 64), "match_rms_adamw") == pytest.approx(0.2 * 8)
+    with pytest.raises(ValueError, match="adjust_lr must be 'original' or 'match_rms_adamw'"):
+        muon_lr_ratio((2, 2), "spectral")
+
+
+def test_muon_adamw_groups_equal_adamw():
+    shapes = ((8, 5), (7,), (4, 3))
+    groups = lambda ps: [{"params": ps[:1], "use_muon": True}, {"params": ps[1:], "use_muon": False, "lr": 3e-3,
+                                                                "weight_decay": 0.05}]
+    ours, _ = _muon_run(lambda ps: Muon(groups(ps), lr=0.02, betas=(0.9, 0.95), eps=1e-8), shapes=shapes)
+    theirs, _ = _muon_run(lambda ps: torch.optim.AdamW(ps[1:], lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
+                                                       weight_decay=0.05), shapes=shapes)
+    for a, b in zip(ours[1:], theirs[1:]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_muon_validation():
+    with pytest.raises(ValueError, match=r"2-D matrices only.*\[\(7,\)\].*use_muon=False"):
+        Muon([{"params": [torch.nn.Parameter(torch.ones(7))], "use_muon": True}])
+    with pytest.raises(ValueError, match="momentum"):
+        Muon(_params(), momentum=1.0)
+    with pytest.raises(ValueError, match="ns_dtype"):
+        Muon(_params(), ns_dtype="fp8")
+    with pytest.raises(ValueError, match="impl"):
+        Muon(_params(), impl="fused")
+
+
+def test_muon_param_groups_rule():
+    for tie in (False, True):
+        model = TransformerLM(ModelConfig(vocab_size=50, context_length=8, d_model=16, n_layers=2, n_heads=2,
+                                          tie_embeddings=tie))
+        muon, embed_head, other = groups = muon_param_groups(model, 1e-3, 0.02, 0.1)
+        names = {id(p): n for n, p in model.named_parameters()}
+        assert sorted(names[id(p)].split(".", 2)[2] for p in muon["params"]) == sorted(
+            ["attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight", "attn.output_proj.weight",
+             "ffn.w1.weight", "ffn.w2.weight", "ffn.w3.weight"] * 2)
+        assert {names[id(p)] for p in embed_head["params"]} == (
+            {"token_embeddings.weight"} if tie else {"token_embeddings.weight", "lm_head.weight"})
+        assert all(p.dim() == 1 for p in other["params"]) and len(other["params"]) == 5
+        assert (muon["lr"], muon["lr_scale"], embed_head["lr"], embed_head["lr_scale"]) == (0.02, 20.0, 1e-3, 1.0)
+        assert (muon["weight_decay"], embed_head["weight_decay"], other["weight_decay"]) == (0.0, 0.1, 0.0)
+        ids = [id(p) for g in groups for p in g["params"]]
+        assert len(ids) == len(set(ids)) == len({id(p) for p in model.parameters()})
+        Muon(groups)  # accepted
+    assert describe_groups(groups).startswith("muon: 14 tensors (0.00819M params, lr x20); adamw_embeddings_head: 1 ")
+
+
+def test_muon_state_dict_round_trip_is_exact():
+    model = TransformerLM(ModelConfig(vocab_size=50, context_length=8, d_model=16, n_layers=1, n_heads=2))
+    twin = TransformerLM(ModelConfig(vocab_size=50, context_length=8, d_model=16, n_layers=1, n_heads=2))
+    opt = Muon(muon_param_groups(model, 1e-3, 0.02, 0.1))
+    x = torch.randint(0, 50, (2, 8))
+    for _ in range(2):
+        model(x, targets=x).backward()
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    for st in sd["state"].values():  # only tensors and plain numbers: storable as safetensors + JSON
+        assert all(isinstance(v, (torch.Tensor, int, float)) for v in st.values())
+    for g in sd["param_groups"]:
+        assert all(isinstance(v, (bool, int, float, str, tuple, list)) for v in g.values())
+    sd = {"state": {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in st.items()}
+                    for k, st in sd["state"].items()}, "param_groups": sd["param_groups"]}
+    twin.load_state_dict(model.state_dict())
+    opt2 = Muon(muon_param_groups(twin, 1e-3, 0.02, 0.1))
+    opt2.load_state_dict(sd)
+    for m, o in ((model, opt), (twin, opt2)):
+        m(x, targets=x).backward()
+        o.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)

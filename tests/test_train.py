@@ -80,6 +80,11 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
     (["optimizer.betas=[0.9, 1.5]"], r"optimizer\.betas must be two numbers in \[0, 1\)"),
     (["optimizer.warmup_steps=50", "optimizer.decay_steps=null"], r"warmup_steps=50 must be < training\.max_steps"),
     (["data.dir="], r"data\.dir is empty"),
+    (["optimizer.name=lion"], r"'optimizer\.name' must be one of 'adamw', 'sgd', 'muon', got 'lion'"),
+    (["optimizer.muon_lr=0"], r"optimizer\.muon_lr must be > 0"),
+    (["optimizer.muon_momentum=1.0"], r"optimizer\.muon_momentum must be in \[0, 1\)"),
+    (["optimizer.muon_ns_steps=0"], r"optimizer\.muon_ns_steps must be in \[1, 100\)"),
+    (["optimizer.muon_adjust_lr=spectral"], r"'optimizer\.muon_adjust_lr' must be one of 'original', 'match_rms_adamw'"),
 ])
 def test_invalid_config_values(tmp_path, over, msg) -> None:
     with pytest.raises(ValueError, match=msg):
@@ -146,6 +151,25 @@ def test_resume_in_process_equals_uninterrupted(shards, tmp_path) -> None:
     assert list(split.rglob(".*.tmp")) == []
     vals = lambda r: [(e["step"], e["val_loss"]) for e in _events(r) if "val_loss" in e and e["step"] != 5]
     assert vals(split) == vals(full)
+
+
+def test_muon_resume_in_process_equals_uninterrupted(shards, tmp_path, caplog) -> None:
+    muon = {"name": "muon", "muon_lr": 0.02}
+    full, split, adamw = tmp_path / "full", tmp_path / "split", tmp_path / "adamw"
+    with caplog.at_level(logging.INFO, logger="lmforge"):
+        train(_cfg(shards, optimizer=muon, training={"max_steps": 8}), full, progress=False)
+    groups = [r.getMessage() for r in caplog.records if r.getMessage().startswith("optimizer groups:")]
+    assert groups == ["optimizer groups: muon: 14 tensors (0.0205M params, lr x6.67); adamw_embeddings_head: 2 "
+                      "tensors (0.0205M params, lr x1); adamw_norms_biases: 5 tensors (0.00016M params, lr x1)"]
+    train(_cfg(shards, optimizer=muon, training={"max_steps": 5}), split, progress=False)  # checkpoints at 3, 5
+    train(_cfg(shards, optimizer=muon, training={"max_steps": 8}), split, progress=False)
+    assert _losses(split) == _losses(full)  # float equality, every step
+    train(_cfg(shards, training={"max_steps": 8}), adamw, progress=False)
+    assert _losses(full) != _losses(adamw) and _losses(full)[-1][1] < _losses(full)[0][1]  # another optimizer; learns
+    from lmforge.checkpoint import read_checkpoint
+    groups = read_checkpoint(full / "checkpoints" / "step_00000008.safetensors").optimizer["param_groups"]
+    lrs = {g["name"]: g["lr"] for g in groups}  # the schedule scaled every group by the same factor
+    assert lrs["muon"] == pytest.approx(lrs["adamw_norms_biases"] * 0.02 / 3e-3) and lrs["adamw_norms_biases"] < 3e-3
 
 
 def _draw() -> tuple[list[float], float, list[float]]:
@@ -589,6 +613,46 @@ def test_torchrun_two_ranks_cpu_matches_one_process_with_double_batch(shards, tm
     assert [v for _, v in ddp] == pytest.approx([v for _, v in single], rel=1e-5)
     assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints").glob("step_*")) == [
         "step_00000003.safetensors", "step_00000004.safetensors"]
+
+
+@pytest.mark.slow
+def test_muon_fsdp_world_size_one_resumes_exactly(shards, tmp_path) -> None:
+    import torch.distributed as dist
+
+    from lmforge.train.distributed import setup_distributed
+
+    muon = {"name": "muon"}
+    single, full, split = tmp_path / "single", tmp_path / "full", tmp_path / "split"
+    train(_cfg(shards, optimizer=muon, training={"max_steps": 5}), single, progress=False)
+    setup_distributed("cpu", init_method=f"file://{tmp_path / 'pg'}")
+    try:
+        fsdp = {"parallel": "fsdp"}  # DTensor parameters: Muon gathers each matrix, orthogonalises, keeps its shard
+        train(_cfg(shards, optimizer=muon, training={"max_steps": 5, **fsdp}), full, progress=False)
+        train(_cfg(shards, optimizer=muon, training={"max_steps": 3, **fsdp}), split, progress=False)
+        train(_cfg(shards, optimizer=muon, training={"max_steps": 5, **fsdp}), split, progress=False)
+    finally:
+        dist.destroy_process_group()
+    assert _losses(split) == _losses(full)
+    assert [v for _, v in _losses(full)] == pytest.approx([v for _, v in _losses(single)], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_torchrun_two_ranks_fsdp_muon_matches_one_process(shards, tmp_path) -> None:
+    # FSDP2 shards every matrix over 2 ranks: Muon must orthogonalise the whole matrix, not each half
+    muon = {"name": "muon"}
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(_cfg_dict(shards, optimizer=muon,
+                                                 training={"max_steps": 4, "num_threads": 1, "parallel": "fsdp"})))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lmforge.cli",
+           "-q", "train", str(cfg_path), "--run-dir", str(tmp_path / "fsdp"), "--no-progress"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr
+    train(_cfg(shards, optimizer=muon, training={"max_steps": 4, "batch_size": 8}), tmp_path / "single",
+          progress=False)
+    fsdp, single = _losses(tmp_path / "fsdp"), _losses(tmp_path / "single")
+    assert [s for s, _ in fsdp] == [1, 2, 3, 4]
+    assert [v for _, v in fsdp] == pytest.approx([v for _, v in single], rel=1e-5)
 
 
 def test_distributed_helpers_without_a_process_group(monkeypatch) -> None:

@@ -8,7 +8,7 @@ learning-rate schedule; ``distributed`` DDP/FSDP from the ``torchrun`` environme
 from lmforge.train.config import DataConfig, OptimConfig, RunConfig, TrainingConfig, load_run_config
 from lmforge.train.evaluate import evaluate_run
 from lmforge.train.loop import NonFiniteLossError, train
-from lmforge.train.optim import SGD, AdamW, clip_grad_norm, cosine_lr
+from lmforge.train.optim import SGD, AdamW, Muon, clip_grad_norm, cosine_lr
 
 __all__ = ["OptimConfig", "DataConfig", "TrainingConfig", "RunConfig", "load_run_config", "train", "evaluate_run",
-           "NonFiniteLossError", "SGD", "AdamW", "cosine_lr", "clip_grad_norm"]
+           "NonFiniteLossError", "SGD", "AdamW", "Muon", "cosine_lr", "clip_grad_norm"]

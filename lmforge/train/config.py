@@ -24,10 +24,11 @@ __all__ = ["OptimConfig", "DataConfig", "TrainingConfig", "RunConfig", "load_run
 class OptimConfig:
     """Optimizer and learning-rate schedule."""
 
-    name: Literal["adamw", "sgd"] = "adamw"
-    """``adamw`` (decoupled weight decay) or plain ``sgd``."""
+    name: Literal["adamw", "sgd", "muon"] = "adamw"
+    """``adamw`` (decoupled weight decay), plain ``sgd``, or ``muon`` (Muon for the blocks' matrices, AdamW for
+    embeddings, head, norms and biases)."""
     lr: float = 3e-4
-    """Peak learning rate (reached after warmup)."""
+    """Peak learning rate (reached after warmup); with ``muon``, of the AdamW groups."""
     min_lr: float = 3e-5
     """Learning rate at the end of the cosine decay (and after it)."""
     warmup_steps: int = 100
@@ -44,6 +45,23 @@ class OptimConfig:
     """AdamW denominator epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient L2 norm to this value; 0 disables clipping."""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate; the schedule scales it like ``lr`` (its floor is ``min_lr * muon_lr / lr``)."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (an EMA of gradients)."""
+    muon_nesterov: bool = True
+    """Muon updates with Nesterov momentum."""
+    muon_weight_decay: float = 0.0
+    """Decoupled weight decay of the Muon matrices (nanochat: 0; ``weight_decay`` covers the AdamW matrices)."""
+    muon_ns_steps: int = 5
+    """Newton–Schulz iterations per step."""
+    muon_ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+    """Coefficients (a, b, c) of the quintic Newton–Schulz iteration (Keller Jordan's)."""
+    muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Precision of the Newton–Schulz iteration: ``bf16`` as Keller Jordan, nanochat and torch.optim.Muon."""
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = "original"
+    """Per-matrix LR multiplier: ``original`` sqrt(max(1, rows/cols)); ``match_rms_adamw`` 0.2*sqrt(max(rows, cols))
+    (then ``muon_lr`` near AdamW's ``lr`` is the usual choice)."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -63,6 +81,18 @@ class OptimConfig:
             raise ValueError(f"optimizer.eps must be > 0, got {self.eps}")
         if self.grad_clip < 0:
             raise ValueError(f"optimizer.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        if not self.muon_lr > 0:
+            raise ValueError(f"optimizer.muon_lr must be > 0, got {self.muon_lr}; typical: 0.02 (muon_adjust_lr: "
+                             "original) or near optimizer.lr (match_rms_adamw)")
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"optimizer.muon_momentum must be in [0, 1), got {self.muon_momentum}; e.g. 0.95")
+        if self.muon_weight_decay < 0:
+            raise ValueError(f"optimizer.muon_weight_decay must be >= 0, got {self.muon_weight_decay}")
+        if not 1 <= self.muon_ns_steps < 100:
+            raise ValueError(f"optimizer.muon_ns_steps must be in [1, 100), got {self.muon_ns_steps}; 5 is usual")
+        if len(self.muon_ns_coefficients) != 3:
+            raise ValueError(f"optimizer.muon_ns_coefficients must be three numbers (a, b, c), got "
+                             f"{list(self.muon_ns_coefficients)}; e.g. [3.4445, -4.7750, 2.0315]")
 
 
 @dataclasses.dataclass

@@ -38,10 +38,11 @@ from lmforge.run import mark as mark_run_dir
 from lmforge.tokenizer import Tokenizer, load_tokenizer
 from lmforge.train.config import _HARMLESS, _INCOMPATIBLE, DataConfig, OptimConfig, RunConfig
 from lmforge.train.distributed import (all_reduce_mean, barrier, cleanup_distributed, full_state_dicts,
-                                       load_full_optimizer_state, setup_distributed, wrap_model)
+                                       is_main_process, load_full_optimizer_state, setup_distributed, wrap_model)
 from lmforge.train.evaluate import evaluate
 from lmforge.train.metrics import MetricsLog, require_wandb
-from lmforge.train.optim import SGD, AdamW, clip_grad_norm, cosine_lr, global_grad_norm, param_groups_for
+from lmforge.train.optim import (SGD, AdamW, Muon, clip_grad_norm, cosine_lr, describe_groups, global_grad_norm,
+                                 muon_param_groups, param_groups_for)
 
 logger = logging.getLogger("lmforge")
 
@@ -144,7 +145,15 @@ def _lr_at(step: int, oc: OptimConfig, max_steps: int) -> float:
 
 
 def _build_optimizer(model: Any, oc: OptimConfig) -> Any:
-    """The configured optimizer over ``model``'s parameter groups (matrices decay, vectors and norms don't)."""
+    """The configured optimizer over ``model``'s parameter groups (matrices decay, vectors and norms don't;
+    with ``muon``: the blocks' matrices to Muon, the rest to AdamW, see :func:`muon_param_groups`)."""
+    if oc.name == "muon":
+        groups = muon_param_groups(model, oc.lr, oc.muon_lr, oc.weight_decay, oc.muon_weight_decay)
+        if is_main_process():
+            logger.info("optimizer groups: %s", describe_groups(groups))
+        return Muon(groups, lr=oc.muon_lr, momentum=oc.muon_momentum, nesterov=oc.muon_nesterov,
+                    ns_coefficients=tuple(oc.muon_ns_coefficients), ns_steps=oc.muon_ns_steps,
+                    ns_dtype=oc.muon_ns_dtype, adjust_lr=oc.muon_adjust_lr, betas=tuple(oc.betas), eps=oc.eps)
     groups = param_groups_for(model, oc.weight_decay)
     if oc.name == "sgd":
         return SGD(groups, lr=oc.lr)
@@ -337,8 +346,8 @@ def _train_step(run: _Run) -> tuple[float, float, float]:
     tc, oc, device, model = run.cfg.training, run.cfg.optimizer, run.info.device, run.model
     t0 = time.perf_counter()
     lr = _lr_at(run.step, oc, tc.max_steps)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
+    for group in run.optimizer.param_groups:  # every group follows the schedule; Muon's at muon_lr / lr times it
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     batches = [run.loader.next_batch() for _ in range(tc.grad_accum_steps)]
     n_targets = sum(y.numel() for _, y in batches)
     loss_sum = torch.zeros((), device=device)

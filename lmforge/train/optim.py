@@ -1,8 +1,10 @@
-"""Optimizers and schedules written out: ``SGD``, ``AdamW``, the cosine learning-rate schedule, gradient
-clipping and the weight-decay parameter groups.
+"""Optimizers and schedules written out: ``SGD``, ``AdamW``, ``Muon``, the cosine learning-rate schedule,
+gradient clipping and the parameter groups (weight decay; Muon's matrices vs AdamW's rest).
 
 ``AdamW`` gives the same numbers as ``torch.optim.AdamW`` (to float rounding) and updates every tensor
 of a parameter group with a handful of ``torch._foreach_*`` calls instead of a Python loop over tensors.
+``Muon``'s reference step gives the same numbers as ``torch.optim.Muon`` bit for bit; its batched step
+orthogonalises all same-shape matrices at once.
 Optimizer state holds only tensors and plain numbers, so ``state_dict()`` can be stored with safetensors
 + JSON and ``load_state_dict()`` restores it exactly.
 """
@@ -11,12 +13,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["SGD", "AdamW", "cosine_lr", "clip_grad_norm", "param_groups_for", "global_grad_norm"]
+__all__ = ["SGD", "AdamW", "Muon", "newton_schulz", "newton_schulz_batched", "muon_lr_ratio", "muon_param_groups", "describe_groups", "cosine_lr", "clip_grad_norm", "param_groups_for", "global_grad_norm"]
 
 
 def _buckets(tensors_by_param: list[tuple[Tensor, ...]], key) -> dict[Any, list[tuple[Tensor, ...]]]:
@@ -104,40 +107,216 @@ class AdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = _evaluate(closure)
         for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            rows = []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("AdamW does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                rows.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"]))
-            # Tensors at the same step share the bias corrections, so one foreach call updates them all.
-            for (_, _, step), bucket in _buckets(rows, key=lambda r: r[4]).items():
-                ps, gs, ms, vs = ([r[i] for r in bucket] for i in range(4))
-                if self._use_fused(ps[0].device, ps[0].dtype):
-                    steps = [torch.full((), float(step), dtype=torch.float32, device=ps[0].device)] * len(ps)
-                    torch._fused_adamw_(ps, gs, ms, vs, [], steps, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
-                                        weight_decay=wd, eps=eps, maximize=False, grad_scale=None, found_inf=None)
-                    continue
-                bc1 = 1.0 - beta1**step
-                bc2_sqrt = math.sqrt(1.0 - beta2**step)
-                if wd != 0:
-                    torch._foreach_mul_(ps, 1.0 - lr * wd)
-                torch._foreach_lerp_(ms, gs, 1.0 - beta1)  # m = β1 m + (1-β1) g
-                torch._foreach_mul_(vs, beta2)
-                torch._foreach_addcmul_(vs, gs, gs, 1.0 - beta2)  # v = β2 v + (1-β2) g²
-                # m / (sqrt(v)/c + eps) == c·m / (sqrt(v) + eps·c) with c = sqrt(1-β2ᵗ): one pass fewer.
-                denom = torch._foreach_sqrt(vs)
-                torch._foreach_add_(denom, eps * bc2_sqrt)
-                torch._foreach_addcdiv_(ps, ms, denom, -lr * bc2_sqrt / bc1)
+            self._adamw_group(group)
         return loss
+
+    def _adamw_group(self, group: dict[str, Any]) -> None:
+        """The AdamW update of one parameter group (also used by :class:`Muon` for its AdamW groups)."""
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        rows = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError("AdamW does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            rows.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"]))
+        # Tensors at the same step share the bias corrections, so one foreach call updates them all.
+        for (_, _, step), bucket in _buckets(rows, key=lambda r: r[4]).items():
+            ps, gs, ms, vs = ([r[i] for r in bucket] for i in range(4))
+            if self._use_fused(ps[0].device, ps[0].dtype):
+                steps = [torch.full((), float(step), dtype=torch.float32, device=ps[0].device)] * len(ps)
+                torch._fused_adamw_(ps, gs, ms, vs, [], steps, amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
+                                    weight_decay=wd, eps=eps, maximize=False, grad_scale=None, found_inf=None)
+                continue
+            bc1 = 1.0 - beta1**step
+            bc2_sqrt = math.sqrt(1.0 - beta2**step)
+            if wd != 0:
+                torch._foreach_mul_(ps, 1.0 - lr * wd)
+            torch._foreach_lerp_(ms, gs, 1.0 - beta1)  # m = β1 m + (1-β1) g
+            torch._foreach_mul_(vs, beta2)
+            torch._foreach_addcmul_(vs, gs, gs, 1.0 - beta2)  # v = β2 v + (1-β2) g²
+            # m / (sqrt(v)/c + eps) == c·m / (sqrt(v) + eps·c) with c = sqrt(1-β2ᵗ): one pass fewer.
+            denom = torch._foreach_sqrt(vs)
+            torch._foreach_add_(denom, eps * bc2_sqrt)
+            torch._foreach_addcdiv_(ps, ms, denom, -lr * bc2_sqrt / bc1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Muon: orthogonalised momentum for the hidden matrices, AdamW for the rest
+# --------------------------------------------------------------------------------------------------
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: steepest slope at 0, 5 steps suffice
+_NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def newton_schulz(g: Tensor, coefficients: tuple[float, float, float] = NS_COEFFICIENTS, steps: int = 5,
+                  eps: float = 1e-7, dtype: str = "bf16") -> Tensor:
+    """Approximately orthogonalise ``g`` (rows, cols): ``≈ U·S'·Vᵀ`` for ``g = U·S·Vᵀ``, ``S'ᵢᵢ`` in ~[0.5, 1.5].
+
+    The reference (one matrix): in ``dtype``, transpose a tall matrix so ``X`` is wide (rows <= cols),
+    ``X ← X / max(‖X‖_F, eps)`` (spectral norm <= 1), then ``steps`` times, with ``A = X·Xᵀ`` (rows, rows):
+    ``X ← a·X + (b·A + c·A·A)·X``; transpose back. Same ops in the same order as ``torch.optim.Muon``.
+    Returns a tensor of ``dtype`` and ``g``'s shape.
+    """
+    a, b, c = coefficients
+    x = g.to(_NS_DTYPES[dtype])
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T  # (r, r)
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A·A
+        x = torch.addmm(x, poly, x, beta=a)  # a·X + poly·X
+    return x.T if tall else x
+
+
+def newton_schulz_batched(g: Tensor, coefficients: tuple[float, float, float] = NS_COEFFICIENTS, steps: int = 5,
+                          eps: float = 1e-7, dtype: str = "bf16") -> Tensor:
+    """:func:`newton_schulz` of a stack of same-shape matrices ``g`` (N, rows, cols) with batched matmuls."""
+    a, b, c = coefficients
+    x = g.to(_NS_DTYPES[dtype])
+    tall = g.size(-2) > g.size(-1)
+    if tall:
+        x = x.mT  # (N, cols, rows): wide
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT  # (N, r, r)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
+    return x.mT if tall else x
+
+
+def muon_lr_ratio(shape: Sequence[int], adjust_lr: str) -> float:
+    """Muon's per-matrix LR multiplier: ``original`` (Keller Jordan) ``sqrt(max(1, rows/cols))``;
+    ``match_rms_adamw`` (Moonshot) ``0.2·sqrt(max(rows, cols))``, which lets Muon reuse AdamW's lr and decay."""
+    rows, cols = shape[0], shape[1]
+    if adjust_lr == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    if adjust_lr == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"Muon adjust_lr must be 'original' or 'match_rms_adamw', got {adjust_lr!r}")
+
+
+def _full(t: Tensor) -> Tensor:
+    """The whole matrix of ``t``: all-gathered if it is an FSDP2 shard (a DTensor), else ``t`` itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _like(full: Tensor, ref: Tensor) -> Tensor:
+    """``full`` laid out like ``ref``: this rank's shard of it when ``ref`` is a DTensor. Every rank holds the
+    same ``full`` (same gathered input, same deterministic iteration), so each keeps its slice, no communication."""
+    if isinstance(ref, DTensor):
+        return distribute_tensor(full, ref.device_mesh, ref.placements, src_data_rank=None)
+    return full
+
+
+class Muon(AdamW):
+    """Muon (Keller Jordan; ``torch.optim.Muon`` semantics) for groups with ``use_muon=True``, AdamW for the others.
+
+    Muon groups hold 2-D matrices only. Per matrix ``p`` (rows, cols), gradient ``g``, momentum buffer ``m``:
+    ``m ← μ·m + (1−μ)·g``; ``u = (1−μ)·g + μ·m`` (Nesterov; ``u = m`` without); ``o = newton_schulz(u)``;
+    ``p ← p·(1 − lr·wd)``; ``p ← p − lr·muon_lr_ratio(p.shape)·o``. State: ``momentum_buffer`` (like ``p``).
+
+    The Newton–Schulz iteration runs in bf16 by default (``ns_dtype``), as in Keller Jordan's Muon, nanochat and
+    ``torch.optim.Muon``: it only has to bring singular values to ~[0.5, 1.5], bf16 does that, and halves the
+    matmul cost on GPUs; ``fp32`` gives closer agreement between the reference and the batched path.
+
+    ``impl="batched"`` (default) stacks same-shape matrices into one (N, rows, cols) tensor per shape and runs
+    the iteration with batched matmuls, momentum and weight decay with ``torch._foreach_*``; ``"reference"``
+    is a per-matrix Python loop written as the formula above. Both give the same updates (to bf16 rounding).
+
+    Data parallel: with DDP the gradients are all-reduced before ``step``, so every rank computes the same update.
+    With FSDP2 the parameters, gradients and momentum are DTensor shards; the orthogonalisation needs the whole
+    matrix, so each rank all-gathers every Muon update (``full_tensor()``), orthogonalises it (the same result on
+    every rank) and keeps its own shard of the result; momentum and weight decay stay sharded. This costs one
+    all-gather of the Muon matrices per step and world-size-fold redundant Newton–Schulz work (not spread
+    over ranks as nanochat's distributed Muon does).
+    """
+
+    def __init__(self, params: Iterable, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
+                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_steps: int = 5, ns_eps: float = 1e-7,
+                 ns_dtype: str = "bf16", adjust_lr: str = "original", weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, impl: str = "batched",
+                 adamw_impl: str = "auto") -> None:
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Muon momentum must be in [0, 1), got {momentum}")
+        if len(ns_coefficients) != 3 or not 1 <= ns_steps < 100:
+            raise ValueError(f"Muon needs 3 ns_coefficients and 1 <= ns_steps < 100, got {ns_coefficients}, {ns_steps}")
+        if ns_dtype not in _NS_DTYPES:
+            raise ValueError(f"Muon ns_dtype must be 'bf16' or 'fp32', got {ns_dtype!r}")
+        muon_lr_ratio((1, 1), adjust_lr)  # validates adjust_lr
+        if impl not in ("batched", "reference"):
+            raise ValueError(f"Muon impl must be 'batched' or 'reference', got {impl!r}")
+        self.muon_impl = impl
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, impl=adamw_impl)
+        muon_defaults = dict(use_muon=False, momentum=momentum, nesterov=nesterov,
+                             ns_coefficients=tuple(ns_coefficients), ns_steps=ns_steps, ns_eps=ns_eps,
+                             ns_dtype=ns_dtype, adjust_lr=adjust_lr)
+        self.defaults.update(muon_defaults)
+        for group in self.param_groups:
+            for k, v in muon_defaults.items():
+                group.setdefault(k, v)
+            bad = [tuple(p.shape) for p in group["params"] if group["use_muon"] and p.dim() != 2]
+            if bad:
+                raise ValueError(f"Muon orthogonalises 2-D matrices only, but a use_muon group holds shapes {bad}; "
+                                 "put them in a group with use_muon=False (AdamW), as muon_param_groups does")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = _evaluate(closure)
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                self._adamw_group(group)
+            elif self.muon_impl == "reference":
+                self._muon_group_reference(group)
+            else:
+                self._muon_group_batched(group)
+        return loss
+
+    def _momentum(self, p: Tensor) -> Tensor:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["momentum_buffer"]
+
+    def _muon_group_reference(self, group: dict[str, Any]) -> None:
+        """The spec: one matrix at a time, exactly the formula in the class docstring."""
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g, m = p.grad, self._momentum(p)
+            m.lerp_(g, 1.0 - mu)  # m = μ m + (1-μ) g
+            u = g.lerp(m, mu) if group["nesterov"] else m  # (1-μ) g + μ m
+            o = _like(newton_schulz(_full(u), group["ns_coefficients"], group["ns_steps"], group["ns_eps"],
+                                    group["ns_dtype"]), p)
+            p.mul_(1.0 - lr * wd)
+            p.add_(o, alpha=-lr * muon_lr_ratio(p.shape, group["adjust_lr"]))
+
+    def _muon_group_batched(self, group: dict[str, Any]) -> None:
+        """The same update: foreach momentum and decay, one batched Newton–Schulz per matrix shape."""
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        ps = [p for p in group["params"] if p.grad is not None]
+        if not ps:
+            return
+        gs, ms = [p.grad for p in ps], [self._momentum(p) for p in ps]
+        for bucket in _buckets(list(zip(ps, gs, ms)), key=lambda r: tuple(r[0].shape)).values():
+            bp, bg, bm = ([r[i] for r in bucket] for i in range(3))
+            torch._foreach_lerp_(bm, bg, 1.0 - mu)
+            us = torch._foreach_lerp(bg, bm, mu) if group["nesterov"] else bm
+            full = torch.stack([_full(u) for u in us])  # (N, rows, cols)
+            os_ = newton_schulz_batched(full, group["ns_coefficients"], group["ns_steps"], group["ns_eps"],
+                                        group["ns_dtype"]).unbind(0)
+            if wd != 0:
+                torch._foreach_mul_(bp, 1.0 - lr * wd)
+            alpha = -lr * muon_lr_ratio(bp[0].shape, group["adjust_lr"])
+            torch._foreach_add_(bp, [_like(o, p) for o, p in zip(os_, bp)], alpha=alpha)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,3 +386,41 @@ def param_groups_for(model: nn.Module, weight_decay: float) -> list[dict[str, An
     assert len(grouped) == len(set(grouped)) == len(seen), "a parameter landed in zero or two groups"
     return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
             {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+
+
+def muon_param_groups(model: nn.Module, lr: float, muon_lr: float, weight_decay: float,
+                      muon_weight_decay: float = 0.0) -> list[dict[str, Any]]:
+    """Three groups for :class:`Muon` from one rule (nanochat's split): the 2-D matrices inside the Transformer
+    blocks (``model.layers``: attention q/k/v/output, FFN w1/w2/w3) go to Muon at ``muon_lr``; everything else
+    goes to AdamW at ``lr``: the embeddings and LM head (matrices that map tokens, not hidden states) with
+    ``weight_decay``, and 1-D tensors (norm gains, biases) and any block tensor that is not 2-D without decay.
+
+    Each group carries a ``name`` and ``lr_scale`` (its learning rate over ``lr``), which the
+    training loop multiplies with the scheduled ``lr``. Every parameter (tied ones once) lands in exactly one group.
+    """
+    hidden = {id(p) for p in model.layers.parameters()} if hasattr(model, "layers") else set()
+    muon, embed_head, other, seen = [], [], [], set()
+    for _, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if id(p) in hidden and p.dim() == 2:
+            muon.append(p)
+        elif id(p) not in hidden and p.dim() >= 2:
+            embed_head.append(p)
+        else:
+            other.append(p)
+    grouped = [id(p) for p in muon + embed_head + other]
+    assert len(grouped) == len(set(grouped)) == len(seen), "a parameter landed in zero or two groups"
+    return [{"params": muon, "use_muon": True, "lr": muon_lr, "lr_scale": muon_lr / lr,
+             "weight_decay": muon_weight_decay, "name": "muon"},
+            {"params": embed_head, "use_muon": False, "lr": lr, "lr_scale": 1.0, "weight_decay": weight_decay,
+             "name": "adamw_embeddings_head"},
+            {"params": other, "use_muon": False, "lr": lr, "lr_scale": 1.0, "weight_decay": 0.0,
+             "name": "adamw_norms_biases"}]
+
+
+def describe_groups(groups: list[dict[str, Any]]) -> str:
+    """One line naming each group's tensor count and size, e.g. ``muon: 8 tensors (0.03M params); ...``."""
+    return "; ".join(f"{g['name']}: {len(g['params'])} tensors ({sum(p.numel() for p in g['params']) / 1e6:.3g}M "
+                     f"params, lr x{g.get('lr_scale', 1.0):.3g})" for g in groups)
