@@ -25,12 +25,19 @@ ABI_VERSION = 3
 REBUILD_COMMAND = "pip install --no-build-isolation -e ."
 
 
+_loaded: ModuleType | None = None  # set once the extension has loaded and its ABI checked
+
+
 def core() -> ModuleType:
     """The ``lmforge._core`` module, built from these sources.
 
     Raises ``ImportError`` with the command that builds it when the extension is missing, does not load,
-    or was built from other sources (its ``ABI_VERSION`` differs).
+    or was built from other sources (its ``ABI_VERSION`` differs). After the first success this is one global
+    read: the decode kernels call it on every product.
     """
+    global _loaded
+    if _loaded is not None:
+        return _loaded
     try:
         mod = importlib.import_module("lmforge._core")
     except ImportError as e:
@@ -41,6 +48,7 @@ def core() -> ModuleType:
     if built != ABI_VERSION:
         raise ImportError(f"lmforge._core was built from other sources (ABI_VERSION {built}, these sources "
                           f"need {ABI_VERSION}); rebuild it from the repository root with `{REBUILD_COMMAND}`")
+    _loaded = mod
     return mod
 
 

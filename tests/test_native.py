@@ -45,6 +45,7 @@ def test_every_feature_asked_for_is_a_name_of_the_extension():
 
 
 def test_a_missing_extension_says_how_to_build_it(monkeypatch):
+    monkeypatch.setattr(_native, "_loaded", None)  # forget the loaded module, as in a fresh process
     monkeypatch.setitem(sys.modules, "lmforge._core", None)  # the import fails as if never built
     with pytest.raises(ImportError, match=re.escape(f"`{_native.REBUILD_COMMAND}`")):
         _native.core()
@@ -55,6 +56,7 @@ def test_a_stale_extension_says_to_rebuild(monkeypatch):
     stale = types.ModuleType("lmforge._core")
     stale.ABI_VERSION = _native.ABI_VERSION - 1
     stale.Encoder = object
+    monkeypatch.setattr(_native, "_loaded", None)
     monkeypatch.setitem(sys.modules, "lmforge._core", stale)
     with pytest.raises(ImportError, match=rf"ABI_VERSION {_native.ABI_VERSION - 1}.*rebuild"):
         _native.core()
@@ -67,6 +69,7 @@ def test_callers_take_the_python_path_without_the_extension(monkeypatch, tmp_pat
     buf = b"  one \n\ntwo\n\n\n\nthree"
     fast = train_bpe(corpus, 300, ["<|endoftext|>"], progress=False), split_documents(buf, b"\n\n", True, want_crc=True)
 
+    monkeypatch.setattr(_native, "_loaded", None)  # forget the loaded module, as in a fresh process
     monkeypatch.setitem(sys.modules, "lmforge._core", None)
     assert Tokenizer(tiny_tokenizer.vocab, tiny_tokenizer.merges).backend == "python"
     with pytest.raises(ValueError, match=re.escape(_native.REBUILD_COMMAND)):

@@ -211,9 +211,8 @@ class Engine:
         """
         assert self.cache is not None, "prefill not called"
         lengths = self.cache.lengths
-        full = (lengths == self.cache.capacity).nonzero().flatten().tolist()
-        if full:
-            self._slide(full)
+        if int(lengths.max()) == self.cache.capacity:  # one cheap check per step; the row list only when needed
+            self._slide((lengths == self.cache.capacity).nonzero().flatten().tolist())
         B = tokens.shape[0]
         self.tokens[torch.arange(B, device=self.device), lengths] = tokens
         if self._kernel:
