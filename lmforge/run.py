@@ -99,17 +99,6 @@ def require_run(path: str | os.PathLike, needs: tuple[str, ...] = ("config.yaml"
     return p
 
 
-def read_marker(path: str | os.PathLike) -> dict[str, Any] | None:
-    """The marker's contents, or None for a directory without one."""
-    p = Path(path) / MARKER
-    if not p.is_file():
-        return None
-    try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{p} is not valid JSON ({e}); restore it or delete it") from None
-
-
 @dataclasses.dataclass
 class Run:
     """An opened run directory: its resolved config (as saved), its tokenizer file and one verified checkpoint."""

@@ -8,13 +8,23 @@ import numpy as np
 import pytest
 import torch
 
-from lmforge.generate.engine import Engine, _attend
+from lmforge._native import core
+from lmforge.generate.engine import Engine
 from lmforge.generate.packed import PackedLinear, kernel_available, weight_dtype_of
 from lmforge.generate import Generator
 from lmforge.model import ModelConfig, TransformerLM
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="C++ extension not built")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
+            threads: int) -> torch.Tensor:
+    """The engine's one-query attention kernel (``_core.attend_rows``) as a function returning ``(B, H, D)``."""
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    core().attend_rows(q.numpy(), k.numpy(), v.numpy(), lengths.numpy(), scale, out.numpy(), threads)
+    return out
 
 
 @pytest.fixture(params=["native", "scalar"])

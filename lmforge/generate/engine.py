@@ -38,17 +38,6 @@ def _serial_torch(method: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
-            threads: int | None) -> torch.Tensor:
-    """One decode step's attention in the C++ kernel: ``q (B, H, D)`` over caches ``(B, Hkv, S, D)``, row ``b``
-    over its first ``lengths[b]`` columns; returns ``(B, H, D)`` (the tests hold it to a direct formula)."""
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    core().attend_rows(q.numpy(), k.numpy(), v.numpy(), lengths.numpy(), scale, out.numpy(),
-                      threads or torch.get_num_threads())
-    return out
-
-
 class Engine:
     """Prefill + one-token-per-step decoding of a ``TransformerLM`` over a preallocated KV cache.
 
