@@ -43,7 +43,7 @@ from lmforge.model.layers import Linear
 
 __all__ = ["LoraConfig", "LoraLinear", "DEFAULT_TARGETS", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "apply_lora",
            "has_lora", "lora_modules", "lora_parameters", "lora_state_dict", "load_lora_state_dict", "merge_lora",
-           "merged_copy", "base_fingerprint", "save_adapters", "load_adapters", "read_adapter_config",
+           "merged_copy", "check_adapters_fit", "base_fingerprint", "save_adapters", "write_adapter_files", "load_adapters", "read_adapter_config",
            "target_matches"]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3")
@@ -297,25 +297,33 @@ def save_adapters(directory: str | os.PathLike, model: nn.Module, cfg: LoraConfi
 
     Refuses (``ValueError``) to overwrite existing adapter files unless ``force``. Returns the directory.
     """
-    d = Path(directory)
-    if d.exists() and not d.is_dir():
-        raise ValueError(f"{d} is a file; give a directory for the adapters")
     sd = lora_state_dict(model)
     if not sd:
         raise ValueError("the model has no LoRA adapters to save; call apply_lora(model, cfg) first")
     if not isinstance(base_fingerprint, str) or len(base_fingerprint) != 64:
         raise ValueError("base_fingerprint must be the 64-hex-digit string from lmforge.model.lora.base_fingerprint(model)")
+    meta = {"format": _FORMAT, "version": _VERSION, "lora": dataclasses.asdict(cfg),
+            "modules": list(lora_modules(model)), "base_fingerprint": base_fingerprint}
+    return write_adapter_files(directory, sd, meta, {"format": _FORMAT}, force)
+
+
+def write_adapter_files(directory: str | os.PathLike, tensors: dict[str, Tensor], config: dict[str, Any],
+                        metadata: dict[str, str] | None = None, force: bool = False) -> Path:
+    """Write ``tensors`` to ``directory/adapter_model.safetensors`` and ``config`` to
+    ``directory/adapter_config.json``, each atomically; ``ValueError`` if ``directory`` is a file or either
+    file exists and not ``force``. Returns the directory."""
+    d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"{d} is a file; give a directory for the adapters")
     for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
         if (d / name).exists() and not force:
             raise ValueError(f"{d / name} already exists; pass force=True (CLI: --force) to overwrite it")
-    meta = {"format": _FORMAT, "version": _VERSION, "lora": dataclasses.asdict(cfg),
-            "modules": list(lora_modules(model)), "base_fingerprint": base_fingerprint}
-    data = save_safetensors({k: v.contiguous().cpu() for k, v in sd.items()}, metadata={"format": _FORMAT})
+    data = save_safetensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
     d.mkdir(parents=True, exist_ok=True)
     with atomic_open(d / ADAPTER_WEIGHTS, "wb") as f:
         f.write(data)
     with atomic_open(d / ADAPTER_CONFIG) as f:
-        f.write(json.dumps(meta, indent=2) + "\n")
+        f.write(json.dumps(config, indent=2) + "\n")
     return d
 
 
@@ -360,17 +368,23 @@ def load_adapters(directory: str | os.PathLike, model: nn.Module) -> LoraConfig:
         sd = load_safetensors(weights.read_bytes())
     except Exception as e:  # safetensors raises its own error type on a damaged header
         raise ValueError(f"{weights} is not a readable safetensors file ({e}); re-save the adapters") from None
-    names = _targets(unwrap_model(model), cfg)
+    names = check_adapters_fit(model, cfg, sd)
     if names != meta.get("modules"):
         raise ValueError(f"the saved targets {cfg.targets} select {names} on this model, but the adapters were "
                          f"saved for {meta.get('modules')}")
-    _check_fits(sd, {k: s for n in names for k, s in _factor_shapes(model, n, cfg.rank).items()})
     apply_lora(model, cfg)
     load_lora_state_dict(model, sd)
     return cfg
 
 
-def _factor_shapes(model: nn.Module, name: str, rank: int) -> dict[str, tuple[int, int]]:
-    """Shapes of the factors :func:`apply_lora` gives the ``Linear`` ``name`` at ``rank``."""
-    m = unwrap_model(model).get_submodule(name)
-    return {f"{name}.lora_A": (rank, m.in_features), f"{name}.lora_B": (m.out_features, rank)}
+def check_adapters_fit(model: nn.Module, cfg: LoraConfig, sd: dict[str, Tensor]) -> list[str]:
+    """Check, without changing the plain ``model``, that :func:`apply_lora` with ``cfg`` would give adapters
+    whose names and shapes are those of ``sd``; returns the module names it would wrap (``ValueError`` if not)."""
+    root = unwrap_model(model)
+    names = _targets(root, cfg)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for n in names:
+        m = root.get_submodule(n)
+        shapes[f"{n}.lora_A"], shapes[f"{n}.lora_B"] = (cfg.rank, m.in_features), (m.out_features, cfg.rank)
+    _check_fits(sd, shapes)
+    return names
