@@ -368,10 +368,11 @@ def load_adapters(directory: str | os.PathLike, model: nn.Module) -> LoraConfig:
         sd = load_safetensors(weights.read_bytes())
     except Exception as e:  # safetensors raises its own error type on a damaged header
         raise ValueError(f"{weights} is not a readable safetensors file ({e}); re-save the adapters") from None
-    names = check_adapters_fit(model, cfg, sd)
+    names = _targets(unwrap_model(model), cfg)
     if names != meta.get("modules"):
         raise ValueError(f"the saved targets {cfg.targets} select {names} on this model, but the adapters were "
                          f"saved for {meta.get('modules')}")
+    check_adapters_fit(model, cfg, sd)
     apply_lora(model, cfg)
     load_lora_state_dict(model, sd)
     return cfg
