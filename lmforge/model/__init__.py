@@ -2,7 +2,8 @@
 
 ``layers`` holds the reference building blocks written from tensor primitives (the spec); ``losses`` the fast
 cross-entropy and the fused LM-head loss; ``transformer`` the ``ModelConfig`` and ``TransformerLM`` with its
-reference and fast paths. The model sees token ids only, never text.
+reference and fast paths; ``lora`` the LoRA adapters (import ``lmforge.model.lora``). The model sees token ids
+only, never text.
 """
 
 from lmforge.model.layers import (Embedding, Linear, RMSNorm, RotaryPositionalEmbedding, SwiGLU,
