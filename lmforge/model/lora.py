@@ -37,14 +37,14 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import Tensor, nn
 
-from lmforge.checkpoint import _digest, unwrap_model
+from lmforge.checkpoint import _digest, unwrap_model  # _digest: the checkpoint's hash over named tensors
 from lmforge.common import atomic_open, check_input_file
 from lmforge.model.layers import Linear
 
-__all__ = ["LoraConfig", "LoraLinear", "DEFAULT_TARGETS", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "apply_lora",
-           "has_lora", "lora_modules", "lora_parameters", "lora_state_dict", "load_lora_state_dict", "merge_lora",
-           "merged_copy", "check_adapters_fit", "base_fingerprint", "save_adapters", "write_adapter_files", "load_adapters", "read_adapter_config",
-           "target_matches"]
+__all__ = ["LoraConfig", "LoraLinear", "DEFAULT_TARGETS", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG", "target_matches",
+           "apply_lora", "has_lora", "lora_modules", "lora_parameters", "lora_state_dict", "load_lora_state_dict",
+           "check_adapters_fit", "merge_lora", "merged_copy", "base_fingerprint", "save_adapters",
+           "write_adapter_files", "read_adapter_config", "load_adapters"]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3")
 """Every attention and feed-forward projection of a block (not the embeddings, not the LM head)."""

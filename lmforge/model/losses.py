@@ -61,7 +61,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(cdtype), w.to(cdtype)  # no copy when already cdtype
             grad_h = torch.empty_like(hc)  # (N, d)
-            grad_w = torch.empty(w.shape, dtype=torch.float32, device=w.device)  # (V, d)
+            # a frozen head (LoRA) gets no gradient: skip its (V, d) GEMM per chunk
+            grad_w = torch.empty(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
             # Two chunk buffers reused by every chunk: a fresh 16 MB tensor per chunk costs page faults
             # that made the logits GEMM ~25% slower on CPU.
             logits_buf = torch.empty(min(chunk, N), w.shape[0], dtype=cdtype, device=h.device)
@@ -89,17 +90,18 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 losses.append(nll.sum())
                 if f32:  # scale and accumulate inside the GEMMs: no extra pass, no (V, d) temporary
                     torch.addmm(grad_h[s:e], p, wc, beta=0.0, alpha=scale, out=grad_h[s:e])  # (n, d)
-                    grad_w.addmm_(p.T, hc[s:e], beta=0.0 if s == 0 else 1.0, alpha=scale)
+                    if grad_w is not None:
+                        grad_w.addmm_(p.T, hc[s:e], beta=0.0 if s == 0 else 1.0, alpha=scale)
                 else:
                     if scale != 1.0:
                         p.mul_(scale)
                     p = p.to(cdtype)
                     torch.mm(p, wc, out=grad_h[s:e])
-                    if s == 0:
+                    if grad_w is not None and s == 0:
                         grad_w.copy_(p.T @ hc[s:e])
-                    else:
+                    elif grad_w is not None:
                         grad_w.add_(p.T @ hc[s:e])
-        ctx.save_for_backward(grad_h, grad_w)
+        ctx.save_for_backward(grad_h, grad_w)  # None is saved as None
         ctx.dtypes = (h.dtype, w.dtype)
         ctx.used = False
         return torch.stack(losses).sum() * scale
@@ -114,8 +116,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         if not (g.device.type == "cpu" and float(g) == 1.0):  # loss.backward(): already scaled
             grad_h.mul_(g)
-            grad_w.mul_(g)
-        return grad_h.to(h_dtype), grad_w.to(w_dtype), None, None, None, None, None
+            if grad_w is not None:
+                grad_w.mul_(g)
+        return grad_h.to(h_dtype), None if grad_w is None else grad_w.to(w_dtype), None, None, None, None, None
 
 
 def _valid_rows(targets: Tensor, ignore_index: int | None) -> tuple[Tensor, Tensor | None, Tensor | int]:
