@@ -17,10 +17,8 @@ import logging
 import os
 import sys
 import time
+import functools
 from typing import Any, Callable
-
-from tqdm.auto import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from lmforge.common import human_bytes
 
@@ -57,25 +55,34 @@ def progress(total: float | None, desc: str, unit: str = "it", enabled: bool = T
     """
     enabled = enabled and logger.level <= logging.INFO  # NOTSET (a library caller's default) shows progress
     if enabled and not _env_true("TQDM_DISABLE") and (sys.stderr.isatty() or "ipykernel" in sys.modules):
-        return _Bar(total=total, initial=initial, desc=desc, unit=unit, unit_scale=unit == "B", leave=leave,
+        return _bar_class()(total=total, initial=initial, desc=desc, unit=unit, unit_scale=unit == "B", leave=leave,
                     dynamic_ncols=True)
     return LineProgress(total, desc, unit, enabled=enabled, initial=initial, every=_seconds())
 
 
-class _Bar(tqdm):
-    """A tqdm bar that routes the ``lmforge`` logger's console lines above itself while it is open."""
+@functools.cache
+def _bar_class() -> type:
+    """The tqdm bar class, built on first use: tqdm (and the asyncio it pulls in) costs ~20 ms to import, which
+    a command run with its output redirected, or with ``--quiet``, never needs."""
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._redirect = contextlib.ExitStack()
-        if any(isinstance(h, logging.StreamHandler) for h in logger.handlers):
-            self._redirect.enter_context(logging_redirect_tqdm([logger]))
+    class _Bar(tqdm):
+        """A tqdm bar that routes the ``lmforge`` logger's console lines above itself while it is open."""
 
-    def close(self) -> None:
-        super().close()
-        redirect = getattr(self, "_redirect", None)  # tqdm may call close() from __del__ after a failed __init__
-        if redirect is not None:
-            redirect.close()
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._redirect = contextlib.ExitStack()
+            if any(isinstance(h, logging.StreamHandler) for h in logger.handlers):
+                self._redirect.enter_context(logging_redirect_tqdm([logger]))
+
+        def close(self) -> None:
+            super().close()
+            redirect = getattr(self, "_redirect", None)  # tqdm may call close() from __del__ after a failed __init__
+            if redirect is not None:
+                redirect.close()
+
+    return _Bar
 
 
 class LineProgress:

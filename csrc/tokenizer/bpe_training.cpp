@@ -23,9 +23,29 @@ struct PairInfo {
     std::vector<uint32_t> words;  // words that contain (or once contained) the pair
 };
 
+// A heap entry carries its own tie-break keys (the first 8 bytes of each side, big-endian, zero-padded,
+// plus the lengths), so ordering two entries rarely reads the token strings: the heap was memory-latency
+// bound on the pairs_ -> tok_ indirections.
 struct HeapEntry {
     int64_t count;
-    uint32_t pair;  // index into pairs
+    uint64_t ka, kb;     // prefix keys of the left and right token
+    uint32_t pair;       // index into pairs
+    uint32_t la, lb;     // byte lengths of the left and right token
+};
+
+inline uint64_t prefix_key(const std::string& s) {
+    uint64_t k = 0;
+    const size_t n = std::min<size_t>(s.size(), 8);
+    for (size_t i = 0; i < n; ++i) k |= (uint64_t)(uint8_t)s[i] << (56 - 8 * i);
+    return k;
+}
+
+// One pre-token: where its symbols start in syms_, how many there are now, and its count (one cache line
+// for the fields the merge loop reads together).
+struct Word {
+    uint64_t off;
+    uint32_t len;
+    int64_t count;
 };
 
 class Trainer {
@@ -37,21 +57,19 @@ public:
         }
         counter.for_each([&](const uint8_t* p, uint32_t len, int64_t count) {
             if (len < 2 || count <= 0) return;  // no pairs in a single byte
-            woff_.push_back(syms_.size());
-            wlen_.push_back(len);
-            wcount_.push_back(count);
+            words_.push_back({(uint64_t)syms_.size(), len, count});
             for (uint32_t k = 0; k < len; ++k) syms_.push_back(p[k]);
         });
-        for (uint32_t w = 0; w < wlen_.size(); ++w) {
-            const uint32_t* s = &syms_[woff_[w]];
-            for (uint32_t k = 0; k + 1 < wlen_[w]; ++k) {
+        for (uint32_t w = 0; w < words_.size(); ++w) {
+            const uint32_t* s = &syms_[words_[w].off];
+            for (uint32_t k = 0; k + 1 < words_[w].len; ++k) {
                 uint32_t id = pair_id(s[k], s[k + 1]);
-                count_[id] += wcount_[w];
+                count_[id] += words_[w].count;
                 std::vector<uint32_t>& ws = pairs_[id].words;
                 if (ws.empty() || ws.back() != w) ws.push_back(w);
             }
         }
-        for (uint32_t i = 0; i < pairs_.size(); ++i) heap_.push_back({count_[i], i});
+        for (uint32_t i = 0; i < pairs_.size(); ++i) heap_.push_back(entry(i));
         std::make_heap(heap_.begin(), heap_.end(), cmp());
     }
 
@@ -67,7 +85,7 @@ public:
             if (cur != top.count) {
                 // Stale. A lower current count has no entry yet (decreases are lazy): add it.
                 if (cur > 0 && cur < top.count) {
-                    heap_.push_back({cur, top.pair});
+                    heap_.push_back(entry(top.pair));
                     std::push_heap(heap_.begin(), heap_.end(), c);
                 }
                 continue;
@@ -87,13 +105,25 @@ private:
         const Trainer* t;
         bool operator()(const HeapEntry& x, const HeapEntry& y) const {
             if (x.count != y.count) return x.count < y.count;
-            const PairInfo& px = t->pairs_[x.pair];
-            const PairInfo& py = t->pairs_[y.pair];
-            int c = t->tok_[px.a].compare(t->tok_[py.a]);
-            if (c != 0) return c < 0;
-            return t->tok_[px.b].compare(t->tok_[py.b]) < 0;
+            // Keys differ: the first differing byte is within 8 bytes (or the shorter side ran out): exact.
+            if (x.ka != y.ka) return x.ka < y.ka;
+            if (x.la > 8 || y.la > 8) {
+                int c = t->tok_[t->pairs_[x.pair].a].compare(t->tok_[t->pairs_[y.pair].a]);
+                if (c != 0) return c < 0;
+            } else if (x.la != y.la) {
+                return x.la < y.la;  // same first bytes, one is a prefix of the other
+            }
+            if (x.kb != y.kb) return x.kb < y.kb;
+            if (x.lb > 8 || y.lb > 8)
+                return t->tok_[t->pairs_[x.pair].b].compare(t->tok_[t->pairs_[y.pair].b]) < 0;
+            return x.lb < y.lb;
         }
     };
+    HeapEntry entry(uint32_t p) const {
+        const std::string& a = tok_[pairs_[p].a];
+        const std::string& b = tok_[pairs_[p].b];
+        return {count_[p], prefix_key(a), prefix_key(b), p, (uint32_t)a.size(), (uint32_t)b.size()};
+    }
     Cmp cmp() const { return Cmp{this}; }
 
     // Index of the pair (a, b) in pairs_ / count_, created with count 0 if new.
@@ -125,9 +155,10 @@ private:
         words.swap(pairs_[pidx].words);
         std::vector<uint32_t> increased;
         for (uint32_t w : words) {
-            uint32_t* s = &syms_[woff_[w]];
-            const uint32_t L = wlen_[w];
-            const int64_t cnt = wcount_[w];
+            Word& word = words_[w];
+            uint32_t* s = &syms_[word.off];
+            const uint32_t L = word.len;
+            const int64_t cnt = word.count;
             // Find non-overlapping occurrences, left to right.
             covered_.assign(L, 0);
             bool any = false;
@@ -155,7 +186,7 @@ private:
                     s[k++] = s[i++];
                 }
             }
-            wlen_[w] = k;
+            word.len = k;
             for (uint32_t j = 0; j + 1 < k; ++j) {
                 if (!produced_[j] && !produced_[j + 1]) continue;
                 const uint32_t id = pair_id(s[j], s[j + 1]);  // may grow pairs_: no references kept
@@ -173,7 +204,7 @@ private:
         auto c = cmp();
         for (uint32_t p : increased) {
             if (count_[p] <= 0) continue;
-            heap_.push_back({count_[p], p});
+            heap_.push_back(entry(p));
             std::push_heap(heap_.begin(), heap_.end(), c);
         }
     }
@@ -181,9 +212,7 @@ private:
     std::vector<std::string> tok_;
     std::unordered_map<std::string, uint32_t> tok_id_;
     std::vector<uint32_t> syms_;
-    std::vector<uint64_t> woff_;
-    std::vector<uint32_t> wlen_;
-    std::vector<int64_t> wcount_;
+    std::vector<Word> words_;
     U64Map pair_index_;
     std::vector<PairInfo> pairs_;
     std::vector<int64_t> count_;  // count_[i]: current count of pairs_[i] (dense: the hot field)

@@ -43,7 +43,8 @@ def _train(args: argparse.Namespace) -> int:
     vocab, merges = train_bpe(args.input, args.vocab_size, args.special_tokens, pattern=args.pattern,
                               num_threads=args.threads, errors=args.errors, progress=not args.quiet,
                               text_field=args.text_field, delimiter=args.delimiter)
-    tok = Tokenizer(vocab, merges, args.special_tokens, args.pattern)
+    # Only saved here, never used to encode: no C++ encoder to build (backend="python" skips it).
+    tok = Tokenizer(vocab, merges, args.special_tokens, args.pattern, backend="python")
     tok.save(args.out, force=args.force)
     print(f"wrote {args.out}: vocab_size={tok.vocab_size} merges={len(merges)} fingerprint={tok.fingerprint()}",
           file=sys.stderr)

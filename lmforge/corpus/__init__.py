@@ -6,8 +6,21 @@ documents from txt/jsonl/parquet files (``.gz``/``.zst``, directories, globs) an
 Tokenizer training and ``data prepare`` both read their inputs through here.
 """
 
-from lmforge.corpus.datasets import DATASETS, copy_into, get_dataset
-from lmforge.corpus.sources import expand_inputs, iter_documents
+from typing import Any
+
 from lmforge.corpus.specials import EOT
 
 __all__ = ["DATASETS", "EOT", "copy_into", "get_dataset", "expand_inputs", "iter_documents"]
+
+# Loaded on first use (PEP 562): ``datasets`` pulls in urllib, ssl, tarfile and platformdirs (~80 ms), which
+# training a tokenizer on local files (``from lmforge.corpus import sources``) never needs.
+_LAZY = {"DATASETS": "datasets", "copy_into": "datasets", "get_dataset": "datasets",
+         "expand_inputs": "sources", "iter_documents": "sources"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"lmforge.corpus.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'lmforge.corpus' has no attribute {name!r}")

@@ -58,15 +58,13 @@ def escape_token(tok: bytes) -> str:
     >>> escape_token(b" the"), escape_token(b"\n"), escape_token(b"\\"), escape_token("é".encode())
     (' the', '\\x0a', '\\\\', '\\xc3\\xa9')
     """
-    out = []
-    for b in tok:
-        if b == 0x5C:
-            out.append("\\\\")
-        elif 0x20 <= b <= 0x7E:
-            out.append(chr(b))
-        else:
-            out.append(f"\\x{b:02x}")
-    return "".join(out)
+    return tok.decode("latin-1").translate(_ESCAPE_TABLE)  # byte b -> chr(b) -> its escape (C loops, no Python)
+
+
+# chr(b) -> what escape_token writes for byte b, for the bytes not written as themselves.
+_ESCAPE_TABLE = {b: "\\\\" if b == 0x5C else f"\\x{b:02x}" for b in range(256) if b == 0x5C or not 0x20 <= b <= 0x7E}
+# json.dumps(s) for a str s, without json.dumps's per-call Python overhead (the same C encoder it uses).
+_json_str = json.encoder.encode_basestring_ascii
 
 
 _WELL_FORMED = re.compile(r"(?:[ -\[\]-~]|\\\\|\\x[0-9a-fA-F]{2})*")
@@ -124,10 +122,10 @@ def dumps_lmforge(vocab: Mapping[int, bytes], merges: Sequence[tuple[bytes, byte
     lines = ["{"]
     lines += [f" {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}," for k, v in head.items()]
     lines.append(' "vocab": [')
-    lines.append(",\n".join(f"  {json.dumps(escape_token(vocab[i]))}" for i in range(n)))
+    lines.append(",\n".join(f"  {_json_str(escape_token(vocab[i]))}" for i in range(n)))
     lines.append(" ],")
     lines.append(' "merges": [')
-    lines.append(",\n".join(f"  [{json.dumps(escape_token(a))}, {json.dumps(escape_token(b))}]" for a, b in merges))
+    lines.append(",\n".join(f"  [{_json_str(escape_token(a))}, {_json_str(escape_token(b))}]" for a, b in merges))
     lines.append(" ]")
     lines.append("}")
     return "\n".join(lines) + "\n"

@@ -36,10 +36,12 @@ rank first), which reproduces exactly how the training corpus was segmented.
 from __future__ import annotations
 
 import functools
+import re
 from collections import Counter
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
-import regex
+if TYPE_CHECKING:
+    import regex  # imported where a pattern is compiled: ~10 ms that training a tokenizer in C++ never needs
 
 # GPT-2's pre-tokenizer (also the CS336 pattern): contractions, letter runs, number runs,
 # punctuation runs, each optionally with one leading space, and whitespace.
@@ -57,7 +59,7 @@ PATTERNS: dict[str, str] = {
     "nanochat": _GPT4.replace(r"\p{N}{1,3}", r"\p{N}{1,2}"),  # nanochat: numbers in groups of <= 2
 }
 
-_NAME_LIKE = regex.compile(r"[A-Za-z][A-Za-z0-9_.\-]*")
+_NAME_LIKE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]*")
 
 
 def resolve_pattern(pattern: str) -> str:
@@ -80,6 +82,8 @@ def resolve_pattern(pattern: str) -> str:
 
 @functools.lru_cache(maxsize=32)
 def _compile(regex_str: str) -> "regex.Pattern[str]":
+    import regex
+
     try:
         return regex.compile(regex_str)
     except regex.error as e:
@@ -130,6 +134,8 @@ def special_splitter(special_tokens: Sequence[str]) -> "regex.Pattern[str] | Non
     """A regex that matches any special token, longest first (so ``<|a|><|a|>`` beats ``<|a|>``)."""
     if not special_tokens:
         return None
+    import regex
+
     alts = sorted(set(special_tokens), key=lambda s: (-len(s), s))
     return regex.compile("(" + "|".join(regex.escape(s) for s in alts) + ")")
 

@@ -15,14 +15,13 @@ reference so tests can hold the fast path to it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping, Sequence
-
-import regex
 
 from lmforge.tokenizer import reference as bpe
 
@@ -34,6 +33,7 @@ from lmforge.tokenizer.training import _threads, train_bpe, train_bpe_from_itera
 
 if TYPE_CHECKING:
     import numpy as np  # here: encoding and training need no numpy (~13 MB)
+    import regex  # compiled on first use: the C++ encoder needs no Python regex
 
 __all__ = ["Tokenizer", "load_tokenizer", "text_stats", "train_bpe", "train_bpe_from_iterator"]
 
@@ -42,9 +42,16 @@ logger = logging.getLogger("lmforge")
 Special = Literal["allowed", "disallowed", "plain"]
 _CORE_PATTERNS = {"gpt2": "PATTERN_GPT2", "gpt4": "PATTERN_GPT4", "cl100k": "PATTERN_GPT4",
                   "nanochat": "PATTERN_NANOCHAT"}
-# A cut point for streaming: a single ASCII space after a printable ASCII char and before a letter.
-# Every built-in pattern ends a pre-token before such a space and starts the next one at it.
-_SAFE_CUT = regex.compile(r"(?<=[!-~]) (?=[A-Za-z])", regex.REVERSE)
+
+
+@functools.cache
+def _safe_cut() -> "regex.Pattern[str]":
+    """A cut point for streaming: a single ASCII space after a printable ASCII char and before a letter.
+    Every built-in pattern ends a pre-token before such a space and starts the next one at it."""
+    import regex
+
+    return regex.compile(r"(?<=[!-~]) (?=[A-Za-z])", regex.REVERSE)
+
 _STREAM_CHUNK = 1 << 13  # characters buffered by encode_iterable before it looks for a cut point
 
 
@@ -65,7 +72,7 @@ class Tokenizer:
                  special_tokens: Sequence[str] | None = None, pattern: str = "gpt2", *, backend: str = "auto"):
         specials = bpe.check_special_tokens(special_tokens)
         self.pattern = pattern
-        self._regex = bpe.compile_pattern(pattern)
+        bpe.resolve_pattern(pattern)  # ValueError now for a bad pattern; compiled on first use (_regex)
         vocab = dict(vocab)
         for i, tok in vocab.items():
             if not isinstance(i, int) or not isinstance(tok, bytes):
@@ -89,7 +96,6 @@ class Tokenizer:
                 if part not in self._to_id:
                     raise ValueError(f"merge {r} ({a!r}, {b!r}) uses token {part!r}, which is not in the vocab")
         self._ranks = {pair: r for r, pair in enumerate(self.merges)}
-        self._splitter = bpe.special_splitter(specials)
         self._cache: dict[str, list[int]] = {}
         self._core = self._make_core(backend)
         self.backend = "cpp" if self._core is not None else "python"
@@ -113,6 +119,16 @@ class Tokenizer:
             return None
         merges = [(self._to_id[a], self._to_id[b]) for a, b in self.merges]
         return cls([self.vocab[i] for i in range(len(self.vocab))], merges, dict(self._special_ids), pat)
+
+    @functools.cached_property
+    def _regex(self) -> "regex.Pattern[str]":
+        """The compiled pre-tokenization regex (the Python paths only; built on first use)."""
+        return bpe.compile_pattern(self.pattern)
+
+    @functools.cached_property
+    def _splitter(self) -> "regex.Pattern[str] | None":
+        """The regex matching any special token, or None (built on first use)."""
+        return bpe.special_splitter(list(self._special_ids))
 
     # ----------------------------------------------------------------------------------------------
     # Properties
@@ -305,7 +321,7 @@ class Tokenizer:
         The cut is before a single space that follows printable ASCII and precedes a letter, and no
         special token may straddle it (including one that more text could still complete).
         """
-        for m in _SAFE_CUT.finditer(buf):
+        for m in _safe_cut().finditer(buf):
             c = m.start()
             if not any(self._straddles(buf, c, s) for s in self._special_ids):
                 return c

@@ -23,13 +23,12 @@ merging fall back to the reference implementation (same results, slower).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from collections import Counter
-from typing import Any, Iterable, Sequence
-
-import regex
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from lmforge import _native
 from lmforge.common import num_threads_default
@@ -38,6 +37,9 @@ from lmforge.corpus.specials import EOT
 from lmforge.tokenizer import reference as bpe
 from lmforge.progress import progress as progress_bar
 
+if TYPE_CHECKING:
+    import regex
+
 logger = logging.getLogger("lmforge")
 
 Vocab = dict[int, bytes]
@@ -45,7 +47,15 @@ Merges = list[tuple[bytes, bytes]]
 PathLike = str | os.PathLike
 
 CHUNK_BYTES = 4 << 20  # bytes read per step (cut back to a safe boundary); peak memory is a few chunks
-_WS_CUT = regex.compile(rb"(?<=[!-~]) (?=[A-Za-z])", regex.REVERSE)
+
+
+@functools.cache
+def _ws_cut() -> "regex.Pattern[bytes]":
+    """The safe space cut (see the module docstring), searched from the end; compiled on first use (a file
+    whose chunks all end at a special token never needs the ``regex`` module)."""
+    import regex
+
+    return regex.compile(rb"(?<=[!-~]) (?=[A-Za-z])", regex.REVERSE)
 
 
 class _PyCounter:
@@ -168,7 +178,7 @@ def _cut_point(buf: bytes, specials: list[bytes]) -> int:
                     best, changed = j, True
         if best > 0 or any(b" " in s for s in specials):
             return max(best, 0)
-    m = _WS_CUT.search(buf)
+    m = _ws_cut().search(buf)
     return m.start() if m else 0
 
 

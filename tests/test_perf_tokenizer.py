@@ -1,0 +1,60 @@
+"""The tokenizer's fast paths hold their spec: heap tie-breaks on long tokens, no heavy imports for training."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lmforge import _native
+from lmforge.tokenizer import reference as bpe
+from lmforge.tokenizer.formats import escape_token
+
+needs_core = pytest.mark.skipif(not _native.available("train_bpe"), reason="lmforge._core not built")
+
+
+def _core_merges(counts: dict[bytes, int], n: int) -> list[tuple[bytes, bytes]]:
+    core = _native.core()
+    c = core.PretokenCounter(core.PATTERN_CUSTOM, [])
+    c.add_counts(list(counts), list(counts.values()))
+    return core.train_bpe(c, n)
+
+
+@needs_core
+def test_ties_between_long_tokens_sharing_eight_bytes_follow_the_reference() -> None:
+    """The heap orders ties by an 8-byte prefix key first: tokens that share 8 leading bytes, that are
+    prefixes of each other or that differ only by a trailing NUL must still break ties like the spec."""
+    stem = b"abcdefgh"
+    counts = {stem + b"ij": 3, stem + b"i\x00": 3, stem + b"ik": 3, stem + b"i": 3, stem: 3,
+              b"\x00" * 10 + b"z": 3, b"\x00" * 9 + b"y": 3, b"zz": 3}
+    n = 60
+    assert _core_merges(counts, n) == bpe.learn_merges(counts, n)
+
+
+def test_escape_token_is_its_spec_on_every_byte() -> None:
+    """escape_token (a translate table) equals the per-byte rule of its docstring."""
+    def rule(tok: bytes) -> str:
+        return "".join("\\\\" if b == 0x5C else chr(b) if 0x20 <= b <= 0x7E else f"\\x{b:02x}" for b in tok)
+
+    every = bytes(range(256))
+    assert escape_token(every) == rule(every)
+    assert escape_token(b"") == ""
+    assert json.loads(json.dumps(escape_token(every))) == rule(every)
+
+
+@needs_core
+def test_tokenizer_train_command_imports_no_heavy_module(tmp_path) -> None:
+    """`lmforge tokenizer train` on text files loads neither torch, numpy, tqdm, the regex module nor the
+    dataset registry (its fixed cost is what users wait for on small corpora)."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(("the quick brown fox jumps over the lazy dog. " * 200 + "<|endoftext|>") * 5)
+    out = tmp_path / "tok.json"
+    code = ("import sys\nfrom lmforge.cli import main\n"
+            f"rc = main(['-q', 'tokenizer', 'train', '--input', {str(corpus)!r}, '--vocab-size', '270', "
+            f"'--special-token', '<|endoftext|>', '--out', {str(out)!r}])\n"
+            "heavy = ('torch', 'numpy', 'tqdm', 'regex', 'lmforge.corpus.datasets', 'urllib.request')\n"
+            "print(sorted(m for m in sys.modules if m in heavy))\nsys.exit(rc)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+    assert json.loads(out.read_text())["vocab_size"] == 270
