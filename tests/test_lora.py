@@ -317,6 +317,17 @@ def test_load_adapters_refuses_wrong_base_and_mismatches(tmp_path):
     with pytest.raises(ValueError, match=r"saved targets \['q_proj'\] select"):
         load_adapters(tmp_path, fresh)
     assert not has_lora(fresh) and all(p.requires_grad for p in fresh.parameters())
+    (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**meta, "version": 99}))
+    with pytest.raises(ValueError, match="adapter format version 99; this lmforge reads version 1"):
+        load_adapters(tmp_path, fresh)
+    (tmp_path / ADAPTER_CONFIG).write_text('{"format": ')
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        load_adapters(tmp_path, fresh)
+    (tmp_path / ADAPTER_CONFIG).write_text(json.dumps(meta))
+    (tmp_path / ADAPTER_WEIGHTS).write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="is not a readable safetensors file"):
+        load_adapters(tmp_path, fresh)
+    assert not has_lora(fresh)
     (tmp_path / ADAPTER_CONFIG).write_text('{"format": "something else"}')
     with pytest.raises(ValueError, match="not an lmforge LoRA adapter config"):
         load_adapters(tmp_path, fresh)
@@ -324,6 +335,10 @@ def test_load_adapters_refuses_wrong_base_and_mismatches(tmp_path):
         load_adapters(tmp_path / "nope", fresh)
     with pytest.raises(ValueError, match="no LoRA adapters to save"):
         save_adapters(tmp_path / "x", fresh, LoraConfig(), fp)
+    with pytest.raises(ValueError, match="is a file; give a directory"):
+        save_adapters(tmp_path / ADAPTER_CONFIG, src, LoraConfig(rank=4, alpha=8.0), fp)
+    with pytest.raises(ValueError, match="base_fingerprint must be the 64-hex-digit string"):
+        save_adapters(tmp_path / "y", src, LoraConfig(rank=4, alpha=8.0), "abc")
 
 
 def test_adapter_file_is_small_for_the_demo_model(tmp_path):
