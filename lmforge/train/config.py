@@ -14,7 +14,7 @@ from typing import Any, Literal, Sequence
 from lmforge.config import apply_overrides, from_dict, load_yaml
 from lmforge.model import ModelConfig
 
-__all__ = ["OptimConfig", "DataConfig", "TrainingConfig", "RunConfig", "load_run_config"]
+__all__ = ["OptimConfig", "DataConfig", "TrainingConfig", "SFTConfig", "RunConfig", "load_run_config"]
 
 
 # ==================================================================================================
@@ -109,6 +109,9 @@ class DataConfig:
     """Split to evaluate on; ``null`` disables validation."""
     bos_aligned: bool = False
     """Start every training block at a document start (needs a BOS/EOT token in the shards)."""
+    kind: Literal["tokens", "conversations"] = "tokens"
+    """``tokens``: token shards (pretraining); ``conversations``: rendered conversations with loss masks, packed
+    whole into rows (``lmforge.data.conversations``; written by ``lmforge sft``)."""
 
     def __post_init__(self) -> None:
         if not self.dir:
@@ -176,6 +179,32 @@ class TrainingConfig:
 
 
 @dataclasses.dataclass
+class SFTConfig:
+    """Fine-tuning from a base run (written by ``lmforge sft``; the base fields are filled in, not typed)."""
+
+    base_run: str = ""
+    """The base run directory."""
+    base_checkpoint: str = ""
+    """The base checkpoint file the weights start from."""
+    base_sha256: str = ""
+    """sha256 of ``base_checkpoint``: a different file is refused (and a LoRA run cannot load onto it)."""
+    base_vocab_size: int = 1
+    """Rows of the base model's embedding; the model grows to ``model.vocab_size`` with mean rows."""
+    pretrain_mix: float = 0.0
+    """Fraction of each batch's rows taken from the base run's token shards (``pretrain_dir``), in [0, 1)."""
+    pretrain_dir: str | None = None
+    """Token shards for ``pretrain_mix``; ``null`` = the base run's ``data.dir``."""
+
+    def __post_init__(self) -> None:
+        if not self.base_run or not self.base_checkpoint:
+            raise ValueError("sft.base_run and sft.base_checkpoint are empty; start fine-tuning with "
+                             "`lmforge sft --base RUN`, which fills them in")
+        if not 0 <= self.pretrain_mix < 1:
+            raise ValueError(f"sft.pretrain_mix must be in [0, 1) (a fraction of each batch's rows), got "
+                             f"{self.pretrain_mix}")
+
+
+@dataclasses.dataclass
 class RunConfig:
     """Everything a run needs; saved as ``config.yaml`` in the run directory."""
 
@@ -183,6 +212,8 @@ class RunConfig:
     data: DataConfig
     optimizer: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    sft: SFTConfig | None = None
+    """Fine-tuning from a base run (``lmforge sft``); ``null`` for pretraining."""
 
     def __post_init__(self) -> None:
         T = self.training.context_length
@@ -212,6 +243,6 @@ def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = (
 
 # Changing these between runs in one directory would make the checkpoints meaningless.
 _INCOMPATIBLE = ("model.", "data.dir", "data.train_split", "data.bos_aligned", "training.batch_size",
-                 "training.grad_accum_steps", "training.context_length", "training.seed")
+                 "training.grad_accum_steps", "training.context_length", "training.seed", "data.kind", "sft.")
 _HARMLESS = ("model.fast",)  # the fast path computes the same function with the same weights
 # data.tokenizer may move (its fingerprint must still match the shards); data.val_split only changes evaluation.
