@@ -1,0 +1,233 @@
+"""Supervised fine-tuning (``lmforge sft``): masks, packing, the global target count, resume, the base record."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_documents
+from lmforge import cli
+from lmforge.chat import CHAT_SPECIAL_TOKENS, ChatFormat, add_chat_tokens
+from lmforge.chat.sft import sft
+from lmforge.data.conversations import (IGNORE_INDEX, ConversationDataset, ConversationLoader,
+                                        conversation_val_batches, write_conversations)
+from lmforge.tokenizer import EOT, Tokenizer
+
+
+# --------------------------------------------------------------------------------------------------
+# A tiny base run (its model has exactly the tokenizer's 300 ids: the chat tokens make it grow)
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory) -> Path:
+    from lmforge.data import prepare
+    from lmforge.tokenizer import train_bpe
+    from lmforge.train import load_run_config, train
+
+    d = tmp_path_factory.mktemp("sft_base")
+    corpus = d / "corpus.txt"
+    corpus.write_text(EOT.join(make_documents(300, seed=3)), encoding="utf-8")
+    tok = Tokenizer(*train_bpe(corpus, 300, [EOT], progress=False), [EOT])
+    prepare(tok, corpus, d / "shards", val_fraction=0.1, progress=False)
+    cfg = load_run_config(base={
+        "model": {"vocab_size": 300, "context_length": 48, "d_model": 32, "n_layers": 2, "n_heads": 2},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 1},
+        "training": {"max_steps": 4, "batch_size": 4, "device": "cpu", "eval_every": 4, "eval_batches": 2,
+                     "checkpoint_every": 4, "num_threads": 1},
+        "data": {"dir": str(d / "shards")}})
+    train(cfg, d / "run", progress=False)
+    return d / "run"
+
+
+def _conv(q: str, a: str, system: str | None = None) -> dict:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return {"messages": msgs}
+
+
+def _write_jsonl(path: Path, n: int, seed: int, long_every: int = 0) -> Path:
+    """Addition questions with answers of uneven length (and every ``long_every``-th one too long to fit)."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for k in range(n):
+            a, b = rng.randint(0, 999), rng.randint(0, 99)
+            conv = _conv(f"{a}+{b}?", f"{a} plus {b} is {a + b}." if k % 3 else str(a + b),
+                         system="Be brief." if k % 4 == 0 else None)
+            if long_every and k % long_every == long_every - 1:
+                conv = _conv("tell me a long story " * 10, "no " * 40)
+            f.write(json.dumps(conv) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def convs(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("convs")
+    return {"train": _write_jsonl(d / "train.jsonl", 80, 0, long_every=20), "val": _write_jsonl(d / "val.jsonl", 12, 1)}
+
+
+SMALL = ("training.max_steps=8", "training.eval_every=4", "training.checkpoint_every=3", "training.log_every=1",
+         "optimizer.lr=3e-3", "optimizer.warmup_steps=2", "optimizer.decay_steps=40", "training.batch_size=4")
+
+
+def _losses(run: Path) -> list[tuple[int, float]]:
+    return [(e["step"], e["loss"]) for e in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in e]
+
+
+# --------------------------------------------------------------------------------------------------
+# Masks and packing
+# --------------------------------------------------------------------------------------------------
+def _tok() -> Tokenizer:
+    return add_chat_tokens(Tokenizer({i: bytes([i]) for i in range(256)}, []))
+
+
+def test_packed_rows_train_exactly_the_assistant_tokens(tmp_path) -> None:
+    """Hand-made conversations: every target is the next id where the renderer's mask is 1, else -100; whole
+    conversations only, padding ignored."""
+    tok = _tok()
+    fmt = ChatFormat(tok)
+    convs = [_conv("2+2?", "4"), _conv("hi", "hello there", system="Be nice."), _conv("x", "yz")]
+    rendered = [fmt.render(c["messages"]) for c in convs]
+    write_conversations(tmp_path, "train", rendered, {}, tok.fingerprint(), tok.special_tokens[EOT])
+    ds = ConversationDataset(tmp_path, "train")
+    T = 40  # rows of 41 tokens: conversations 0 (16) + 2 (15) fit one row, 1 (48) is longer: see the skip test
+    rows = ds.rows(T, np.array([0, 2]))
+    assert [r.tolist() for r in rows] == [[0, 2]]
+    x, y = ds.fill(rows, T)
+    ids = rendered[0][0] + rendered[2][0]
+    mask = rendered[0][1] + rendered[2][1]
+    n = len(ids)
+    assert x[0, :n].tolist() == ids[:n] and (x[0, n:] == tok.special_tokens[EOT]).all()  # padded with EOT
+    want = [ids[i + 1] if mask[i + 1] else IGNORE_INDEX for i in range(n - 1)] + [IGNORE_INDEX] * (T - n + 1)
+    assert y[0].tolist() == want
+    trained = tok.decode([t for t in y[0].tolist() if t != IGNORE_INDEX])
+    assert trained == "4<|assistant_end|>yz<|assistant_end|>"
+
+
+def test_loader_resumes_exactly_and_covers_each_epoch(tmp_path) -> None:
+    tok = _tok()
+    fmt = ChatFormat(tok)
+    rendered = [fmt.render(_conv(f"q{i}", "a" * (i % 7 + 1))["messages"]) for i in range(30)]
+    write_conversations(tmp_path, "train", rendered, {}, tok.fingerprint(), 0)
+    ds = ConversationDataset(tmp_path, "train")
+    a = ConversationLoader(ds, 2, 40, seed=3)
+    first = [a.next_batch() for _ in range(a.steps_per_epoch + 3)]  # into the second epoch
+    b = ConversationLoader(ds, 2, 40, seed=3)
+    for _ in range(4):
+        b.next_batch()
+    c = ConversationLoader(ds, 2, 40, seed=3)
+    c.load_state_dict(json.loads(json.dumps(b.state_dict())))
+    for (x1, y1), (x2, y2) in zip(first[4:], [c.next_batch() for _ in range(len(first) - 4)]):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    # two ranks split each global batch: together they are the single-rank batch
+    r0, r1 = (ConversationLoader(ds, 1, 40, seed=3, rank=r, world_size=2) for r in (0, 1))
+    x0, x1 = r0.next_batch()[0], r1.next_batch()[0]
+    assert torch.equal(torch.cat([x0, x1]), first[0][0])
+    with pytest.raises(ValueError, match="batch_size=4 but this loader has 2"):
+        c.load_state_dict({**b.state_dict(), "batch_size": 4})
+    val = conversation_val_batches(ds, 4, 40, max_batches=2)
+    assert len(val) == 2 and all(x.shape == (4, 40) for x, _ in val)
+
+
+# --------------------------------------------------------------------------------------------------
+# End to end
+# --------------------------------------------------------------------------------------------------
+def test_sft_end_to_end_records_base_and_is_a_run(base_run, convs, tmp_path) -> None:
+    out = tmp_path / "sft"
+    m = sft(base_run, convs["train"], out, val_data=convs["val"], overrides=SMALL, progress=False)
+    assert m["step"] == 8 and m["conversations"] == 76 and m["skipped"] == 4 and m["val_skipped"] == 0
+    base = json.loads((out / "base.json").read_text())
+    from lmforge.common import sha256_file
+    ckpt = base_run / "checkpoints" / "step_00000004.safetensors"
+    assert base == {"run": str(base_run), "checkpoint": str(ckpt), "sha256": sha256_file(ckpt), "lora": None}
+    tok = Tokenizer.load(out / "tokenizer.json")
+    assert all(t in tok.special_tokens for t in CHAT_SPECIAL_TOKENS) and tok.vocab_size == 310
+    from lmforge.run import open_run
+    run = open_run(out)
+    assert run.config["model"]["vocab_size"] == 310 and run.config["data"]["kind"] == "conversations"
+    assert run.checkpoint.model["token_embeddings.weight"].shape == (310, 32)
+    losses = [v for _, v in _losses(out)]
+    assert len(losses) == 8 and losses[-1] < losses[0]  # it learns
+    # the base's rows moved (full fine-tuning), and every --run reader opens the run
+    from lmforge.generate import Generator
+    gen = Generator.from_run(out, device="cpu")
+    assert gen.cfg.vocab_size == 310 and isinstance(gen.generate("1+2?", max_new_tokens=3, seed=0), str)
+    from lmforge.train import evaluate_run
+    ev = evaluate_run(out, device="cpu")
+    assert ev["split"] == "val" and ev["loss"] == pytest.approx(m["val_loss"], rel=1e-6)
+    assert cli.main(["-q", "generate", "--run", str(out), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+
+
+def test_new_rows_start_at_the_mean_and_old_logits_of_the_base(base_run, convs, tmp_path) -> None:
+    """Step 0 of a fine-tuning run is the base model grown: the loop loads the base checkpoint, not a fresh init."""
+    from lmforge.config import from_dict
+    from lmforge.model import ModelConfig, TransformerLM
+    from lmforge.run import open_run
+    from lmforge.train.finetune import build_model
+    from lmforge.train import load_run_config
+
+    out = tmp_path / "sft"
+    sft(base_run, convs["train"], out, overrides=SMALL + ("training.max_steps=3",), progress=False)
+    cfg = load_run_config(out / "config.yaml")
+    grown = build_model(cfg, torch.device("cpu"), resuming=False)
+    b = open_run(base_run)
+    base = TransformerLM(from_dict(ModelConfig, b.config["model"]))
+    base.load_state_dict(b.checkpoint.model)
+    idx = torch.randint(0, 300, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(grown(idx)[..., :300], base(idx), rtol=0, atol=0)
+        mean = base.token_embeddings.weight.mean(0)
+        assert torch.allclose(grown.token_embeddings.weight[300:], mean.expand(10, -1))
+
+
+def test_accumulation_with_uneven_masks_equals_one_big_batch(base_run, convs, tmp_path) -> None:
+    """Rows hold different numbers of trained targets, so a mean of micro-batch means would differ: the loss is
+    normalised by the step's global target count. SGD without clipping shows a wrong scale at step 2."""
+    sgd = ("optimizer.name=sgd", "optimizer.lr=0.5", "optimizer.min_lr=0", "optimizer.warmup_steps=0",
+           "optimizer.grad_clip=0", "training.max_steps=4", "training.eval_every=100", "training.log_every=1")
+    sft(base_run, convs["train"], tmp_path / "big", overrides=sgd + ("training.batch_size=4",), progress=False)
+    sft(base_run, convs["train"], tmp_path / "acc", overrides=sgd + ("training.batch_size=2",
+                                                                      "training.grad_accum_steps=2"), progress=False)
+    a, b = [v for _, v in _losses(tmp_path / "big")], [v for _, v in _losses(tmp_path / "acc")]
+    assert a == pytest.approx(b, rel=1e-5) and a[0] != a[-1]
+    x, y = ConversationLoader(ConversationDataset(tmp_path / "big" / "sft_data", "train"), 4, 48).next_batch()
+    counts = (y != IGNORE_INDEX).sum(1).tolist()
+    assert len(set(counts)) > 1, counts  # the masks really are uneven
+
+
+def test_resume_in_process_equals_uninterrupted(base_run, convs, tmp_path) -> None:
+    full, split = tmp_path / "full", tmp_path / "split"
+    sft(base_run, convs["train"], full, val_data=convs["val"], overrides=SMALL, progress=False)
+    sft(base_run, convs["train"], split, val_data=convs["val"], overrides=SMALL + ("training.max_steps=5",),
+        progress=False)  # checkpoints at 3 and 5
+    sft(base_run, convs["train"], split, val_data=convs["val"], overrides=SMALL, progress=False)
+    assert _losses(split) == _losses(full)  # float equality, every step
+
+
+def test_pretrain_mix_resumes_exactly(base_run, convs, tmp_path) -> None:
+    mix = SMALL + ("sft.pretrain_mix=0.25",)
+    full, split = tmp_path / "full", tmp_path / "split"
+    sft(base_run, convs["train"], full, overrides=mix, progress=False)
+    sft(base_run, convs["train"], split, overrides=mix + ("training.max_steps=5",), progress=False)
+    sft(base_run, convs["train"], split, overrides=mix, progress=False)
+    assert _losses(split) == _losses(full)
+    plain = tmp_path / "plain"
+    sft(base_run, convs["train"], plain, overrides=SMALL, progress=False)
+    assert _losses(plain) != _losses(full)  # the mix changes what is trained on
+
+
+def test_changed_data_on_resume_is_refused(base_run, convs, tmp_path) -> None:
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(convs["train"].read_bytes())
+    out = tmp_path / "sft"
+    sft(base_run, data, out, overrides=SMALL + ("training.max_steps=3",), progress=False)
+    with open(data, "a", encoding="utf-8") as f:
+        f.write(json.dumps(_conv("1+1?", "2")) + "\n")
+    before = (out / "sft_data" / "train_ids.npy").read_bytes()
+    with pytest.raises(ValueError, match=r"train data .* changed since this run started"):
+        sft(base_run, data, out, overrides=SMALL, progress=False)
+    assert (out / "sft_data" / "train_ids.npy").read_bytes() == before
