@@ -92,7 +92,7 @@ def test_packed_rows_train_exactly_the_assistant_tokens(tmp_path) -> None:
     fmt = ChatFormat(tok)
     convs = [_conv("2+2?", "4"), _conv("hi", "hello there", system="Be nice."), _conv("x", "yz")]
     rendered = [fmt.render(c["messages"]) for c in convs]
-    write_conversations(tmp_path, "train", rendered, {}, tok.fingerprint(), tok.special_tokens[EOT])
+    write_conversations(tmp_path, {"train": (rendered, {})}, tok.fingerprint(), tok.special_tokens[EOT])
     ds = ConversationDataset(tmp_path, "train")
     T = 40  # rows of 41 tokens: conversations 0 (16) + 2 (15) fit one row, 1 (48) is longer: see the skip test
     rows = ds.rows(T, np.array([0, 2]))
@@ -112,7 +112,7 @@ def test_loader_resumes_exactly_and_covers_each_epoch(tmp_path) -> None:
     tok = _tok()
     fmt = ChatFormat(tok)
     rendered = [fmt.render(_conv(f"q{i}", "a" * (i % 7 + 1))["messages"]) for i in range(30)]
-    write_conversations(tmp_path, "train", rendered, {}, tok.fingerprint(), 0)
+    write_conversations(tmp_path, {"train": (rendered, {})}, tok.fingerprint(), 0)
     ds = ConversationDataset(tmp_path, "train")
     a = ConversationLoader(ds, 2, 40, seed=3)
     first = [a.next_batch() for _ in range(a.steps_per_epoch + 3)]  # into the second epoch
@@ -231,3 +231,98 @@ def test_changed_data_on_resume_is_refused(base_run, convs, tmp_path) -> None:
     with pytest.raises(ValueError, match=r"train data .* changed since this run started"):
         sft(base_run, data, out, overrides=SMALL, progress=False)
     assert (out / "sft_data" / "train_ids.npy").read_bytes() == before
+
+
+# --------------------------------------------------------------------------------------------------
+# A real SIGKILL and restart, and two ranks under torchrun
+# --------------------------------------------------------------------------------------------------
+_SLOW_MAIN = """
+import sys, time
+from lmforge.data import conversations
+next_batch = conversations.ConversationLoader.next_batch
+def slow(self):  # sleeping changes no number; it keeps the run alive long enough to be killed mid-way
+    time.sleep(float(sys.argv[1]))
+    return next_batch(self)
+conversations.ConversationLoader.next_batch = slow
+from lmforge.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _sft_cmd(base_run: Path, convs: dict, run_dir: Path, *sets: str) -> list[str]:
+    cmd = ["-q", "sft", "--base", str(base_run), "--data", str(convs["train"]), "--val-data", str(convs["val"]),
+           "--run-dir", str(run_dir), "--no-progress"]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sigkill_and_restart_equals_uninterrupted(base_run, convs, tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    sets = SMALL + ("training.max_steps=20", "training.checkpoint_every=5", "training.eval_every=10")
+    script = tmp_path / "slow_main.py"
+    script.write_text(_SLOW_MAIN)
+    start = lambda run, delay: subprocess.Popen(  # noqa: E731
+        [sys.executable, str(script), str(delay), *_sft_cmd(base_run, convs, run, *sets)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    procs = [start(full, 0.0), start(killed, 0.05)]
+    try:
+        proc = procs[1]
+        metrics, deadline = killed / "metrics.jsonl", time.time() + 90
+        while time.time() < deadline:  # between the checkpoints at 5 and 10
+            if metrics.exists() and any(json.loads(ln).get("step", 0) >= 7
+                                        for ln in metrics.read_text().splitlines() if ln.endswith("}")):
+                break
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.005)
+        else:
+            pytest.fail("the run to be killed logged no step 7 within 90 s")
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert 7 <= _losses(killed)[-1][0] < 20
+        restart = start(killed, 0.0)
+        procs.append(restart)
+        assert restart.wait(timeout=90) == 0, restart.stderr.read().decode()
+        assert procs[0].wait(timeout=60) == 0, procs[0].stderr.read().decode()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [s for s, _ in _losses(killed)] == list(range(1, 21))
+    assert _losses(killed) == _losses(full)  # bit for bit
+    vals = lambda r: [(e["step"], e["val_loss"]) for e in map(json.loads, (r / "metrics.jsonl").read_text()  # noqa: E731
+                                                               .splitlines()) if "val_loss" in e]
+    assert vals(killed) == vals(full) and len(vals(full)) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_torchrun_two_ranks_with_uneven_masks_equal_one_process(base_run, convs, tmp_path) -> None:
+    """2 ranks x 2 rows see the same rows per step as 1 process x 4; each rank's rows hold a different number
+    of trained targets, so only the globally counted denominator makes the two agree."""
+    import subprocess
+    import sys
+
+    sgd = ("optimizer.name=sgd", "optimizer.lr=0.5", "optimizer.min_lr=0", "optimizer.warmup_steps=0",
+           "optimizer.grad_clip=0", "training.max_steps=3", "training.eval_every=100", "training.log_every=1",
+           "training.num_threads=1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lmforge.cli",
+           *_sft_cmd(base_run, convs, tmp_path / "ddp", *sgd, "training.batch_size=2")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stderr
+    sft(base_run, convs["train"], tmp_path / "single", val_data=convs["val"], overrides=sgd + ("training.batch_size=4",),
+        progress=False)
+    ddp, single = _losses(tmp_path / "ddp"), _losses(tmp_path / "single")
+    assert [s for s, _ in ddp] == [1, 2, 3]
+    assert [v for _, v in ddp] == pytest.approx([v for _, v in single], rel=1e-5)
+    ds = ConversationDataset(tmp_path / "single" / "sft_data", "train")
+    ranks = [ConversationLoader(ds, 2, 48, seed=1337, rank=r, world_size=2).next_batch()[1] for r in (0, 1)]
+    assert int((ranks[0] != IGNORE_INDEX).sum()) != int((ranks[1] != IGNORE_INDEX).sum())

@@ -26,6 +26,8 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch.distributed as dist
+
 from lmforge.chat.format import ChatFormat, add_chat_tokens, read_conversations
 from lmforge.checkpoint import CheckpointManager, apply_checkpoint, save_checkpoint
 from lmforge.common import sha256_file
@@ -35,6 +37,7 @@ from lmforge.model import ModelConfig, TransformerLM
 from lmforge.run import BASE_FILE, check_new_or_run, is_run_dir, mark, open_run, read_base, write_base
 from lmforge.tokenizer import EOT, Tokenizer
 from lmforge.train import RunConfig, load_run_config, train
+from lmforge.train.distributed import barrier, cleanup_distributed, setup_distributed
 
 logger = logging.getLogger("lmforge")
 
@@ -167,16 +170,25 @@ def sft(base: str | os.PathLike, data: str | os.PathLike, run_dir: str | os.Path
         rendered[split] = (*render_file(path, fmt, T), sources)
         if started:
             _check_sources(run_dir, split, sources)
-    if not started:  # (re)write the rendered data: nothing depends on it before the first checkpoint
-        mark(run_dir)
-        tok.save(run_dir / DATA_DIR / "tokenizer.json", force=True)
-        for split, (convs, skipped, sources) in rendered.items():
-            write_conversations(run_dir / DATA_DIR, split, convs, {"skipped": skipped, "sources": sources},
+    # Under torchrun every rank checked the same inputs above; rank 0 alone writes, the others wait for it.
+    owns_group = not (dist.is_available() and dist.is_initialized())
+    info = setup_distributed(cfg.training.device)
+    try:
+        barrier()
+        if info.is_main and not started:  # (re)write the rendered data: nothing depends on it before a checkpoint
+            mark(run_dir)
+            write_base(run_dir, {**record, "lora": _lora_record(cfg)})
+            tok.save(run_dir / DATA_DIR / "tokenizer.json", force=True)
+            write_conversations(run_dir / DATA_DIR, {split: (convs, {"skipped": skipped, "sources": sources})
+                                                     for split, (convs, skipped, sources) in rendered.items()},
                                 tok.fingerprint(), tok.special_tokens[EOT])
-        write_base(run_dir, {**record, "lora": _lora_record(cfg)})
-    logger.info("fine-tuning %s (%s) on %d conversations (%d skipped as too long) into %s", base_dir,
-                Path(record["checkpoint"]).name, len(rendered["train"][0]), rendered["train"][1], run_dir)
-    metrics = train(cfg, run_dir, progress=progress, force=force)
+        barrier()
+        logger.info("fine-tuning %s (%s) on %d conversations (%d skipped as too long) into %s", base_dir,
+                    Path(record["checkpoint"]).name, len(rendered["train"][0]), rendered["train"][1], run_dir)
+        metrics = train(cfg, run_dir, progress=progress, force=force)
+    finally:
+        if owns_group:
+            cleanup_distributed()
     metrics.update(conversations=len(rendered["train"][0]), skipped=rendered["train"][1],
                    val_skipped=rendered["val"][1] if "val" in rendered else 0, base_file=str(run_dir / BASE_FILE))
     return metrics

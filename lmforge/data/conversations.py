@@ -43,28 +43,31 @@ MANIFEST = "manifest.json"
 STATE_VERSION = 1
 
 
-def write_conversations(out_dir: str | os.PathLike, split: str, rendered: Sequence[tuple[list[int], list[int]]],
-                        info: dict[str, Any], tokenizer_fingerprint: str, pad_id: int) -> dict[str, Any]:
-    """Write the ``(ids, mask)`` pairs of one split into ``out_dir`` and record ``info`` (sources, counts) for it
-    in the manifest, with the tokenizer's fingerprint and the padding input id. Returns the manifest. Files are
-    written atomically; the manifest last."""
+def write_conversations(out_dir: str | os.PathLike, splits: dict[str, tuple[Sequence[tuple[list[int], list[int]]],
+                                                                       dict[str, Any]]],
+                        tokenizer_fingerprint: str, pad_id: int) -> dict[str, Any]:
+    """Write each split's ``(ids, mask)`` pairs into ``out_dir`` and a manifest recording, per split, its counts
+    and the given info (sources, skipped), the tokenizer's fingerprint and the padding input id.
+
+    ``splits``: ``{name: (rendered, info)}``. Every file is written atomically, the manifest last and whole, so
+    processes writing the same content at once (ranks under ``torchrun``) never expose a partial manifest.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lengths = np.array([len(ids) for ids, _ in rendered], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    ids = np.fromiter((i for r, _ in rendered for i in r), dtype=np.int32, count=int(offsets[-1]))
-    mask = np.fromiter((m for _, ms in rendered for m in ms), dtype=np.uint8, count=int(offsets[-1]))
-    for name, arr in (("ids", ids), ("mask", mask), ("offsets", offsets)):
-        with atomic_open(out / f"{split}_{name}.npy", "wb", encoding=None) as f:
-            np.save(f, arr, allow_pickle=False)
-    path = out / MANIFEST
-    manifest = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {"format": FORMAT, "splits": {}}
-    manifest["tokenizer"] = {"fingerprint": tokenizer_fingerprint}
-    manifest["pad_id"] = int(pad_id)
-    manifest["splits"][split] = {"conversations": len(rendered), "tokens": int(offsets[-1]),
-                                 "trained_tokens": int(mask.sum()),
-                                 "max_token_id": int(ids.max()) if len(ids) else -1, **info}
-    atomic_write_text(path, json.dumps(manifest, indent=1) + "\n")
+    manifest: dict[str, Any] = {"format": FORMAT, "version": 1, "tokenizer": {"fingerprint": tokenizer_fingerprint},
+                                "pad_id": int(pad_id), "splits": {}}
+    for split, (rendered, info) in splits.items():
+        lengths = np.array([len(ids) for ids, _ in rendered], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        ids = np.fromiter((i for r, _ in rendered for i in r), dtype=np.int32, count=int(offsets[-1]))
+        mask = np.fromiter((m for _, ms in rendered for m in ms), dtype=np.uint8, count=int(offsets[-1]))
+        for name, arr in (("ids", ids), ("mask", mask), ("offsets", offsets)):
+            with atomic_open(out / f"{split}_{name}.npy", "wb") as f:
+                np.save(f, arr, allow_pickle=False)
+        manifest["splits"][split] = {"conversations": len(rendered), "tokens": int(offsets[-1]),
+                                     "trained_tokens": int(mask.sum()),
+                                     "max_token_id": int(ids.max()) if len(ids) else -1, **info}
+    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
