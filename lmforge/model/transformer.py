@@ -139,7 +139,7 @@ class _Projections(torch.autograd.Function):
         grad_x = None
         grad_ws = []
         with torch.autocast(xc.device.type, enabled=False):
-            for g, w in zip(grads, weights):
+            for i, (g, w) in enumerate(zip(grads, weights)):
                 if g is None:
                     grad_ws.append(None)
                     continue
@@ -149,7 +149,8 @@ class _Projections(torch.autograd.Function):
                     grad_x = g2 @ wc  # (N, d_in)
                 else:
                     grad_x.addmm_(g2, wc)
-                grad_ws.append((g2.T @ x2).to(w.dtype))  # (out_i, d_in)
+                # a frozen weight (LoRA's base) gets no gradient: skip the (out_i, d_in) GEMM
+                grad_ws.append((g2.T @ x2).to(w.dtype) if ctx.needs_input_grad[1 + i] else None)
         if grad_x is not None:
             grad_x = grad_x.reshape(xc.shape).to(ctx.x_dtype)
         return (grad_x, *grad_ws)
@@ -171,6 +172,13 @@ def _project(module: nn.Module, x: Tensor, weights: list[Tensor]) -> tuple[Tenso
         hit = (key, torch.cat(weights, dim=0))
         module.__dict__["_fused_cache"] = hit
     return (x @ hit[1].T).split([w.shape[0] for w in weights], dim=-1)
+
+
+def _project_modules(owner: nn.Module, x: Tensor, modules: tuple[nn.Module, ...]) -> tuple[Tensor, ...]:
+    """``tuple(m(x) for m in modules)`` through :func:`_project` on their weights; a projection that is not a
+    plain :class:`Linear` (a LoRA-wrapped one, :mod:`lmforge.model.lora`) adds its ``adapter(x)``."""
+    outs = _project(owner, x, [m.weight for m in modules])
+    return tuple(o if type(m) is Linear else o + m.adapter(x) for o, m in zip(outs, modules))
 
 
 def _rope_fast(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -294,7 +302,7 @@ class CausalSelfAttention(nn.Module):
                       layer_idx: int) -> Tensor:
         B, T, _ = x.shape
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = _project(self, x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])  # (B, T, h·D)
+        q, k, v = _project_modules(self, x, (self.q_proj, self.k_proj, self.v_proj))  # (B, T, h·D)
         q, k, v = q.unflatten(-1, (H, D)), k.unflatten(-1, (KV, D)), v.unflatten(-1, (KV, D))  # (B, T, h, D)
         if self.rope is not None:
             if token_positions is None:
@@ -317,7 +325,7 @@ class CausalSelfAttention(nn.Module):
             else:
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=KV != H)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
-        return y @ self.output_proj.weight.T  # (B, T, d_model)
+        return self.output_proj(y)  # (B, T, d_model)
 
 
 class FeedForward(SwiGLU):
@@ -331,8 +339,8 @@ class FeedForward(SwiGLU):
     def forward(self, x: Tensor) -> Tensor:
         if not self.fast:
             return super().forward(x)
-        a, b = _project(self, x, [self.w1.weight, self.w3.weight])  # (B, T, d_ff) each
-        return (F.silu(a) * b) @ self.w2.weight.T  # (B, T, d_model)
+        a, b = _project_modules(self, x, (self.w1, self.w3))  # (B, T, d_ff) each
+        return self.w2(F.silu(a) * b)  # (B, T, d_model)
 
 
 class TransformerBlock(nn.Module):
@@ -486,7 +494,7 @@ class TransformerLM(nn.Module):
         x = self.hidden(idx, token_positions, cache)
         if targets is None:
             return self.lm_head(x)  # (B, T, V)
-        if self.cfg.fast:
+        if self.cfg.fast and type(self.lm_head) is Linear:  # a LoRA-wrapped head goes through its module
             return linear_cross_entropy(x, self.lm_head.weight, targets, ignore_index, reduction)
         return cross_entropy(self.lm_head(x), targets, ignore_index, reduction)
 
