@@ -326,3 +326,160 @@ def test_torchrun_two_ranks_with_uneven_masks_equal_one_process(base_run, convs,
     ds = ConversationDataset(tmp_path / "single" / "sft_data", "train")
     ranks = [ConversationLoader(ds, 2, 48, seed=1337, rank=r, world_size=2).next_batch()[1] for r in (0, 1)]
     assert int((ranks[0] != IGNORE_INDEX).sum()) != int((ranks[1] != IGNORE_INDEX).sum())
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA
+# --------------------------------------------------------------------------------------------------
+LORA = SMALL + ("lora.rank=4", "lora.alpha=8", "optimizer.lr=1e-2")
+
+
+def _logits(model, idx):
+    with torch.no_grad():
+        return model.eval()(idx)
+
+
+def test_lora_run_saves_adapters_only_and_every_reader_sees_base_plus_adapters(base_run, convs, tmp_path) -> None:
+    from lmforge.checkpoint import read_checkpoint
+    from lmforge.config import from_dict
+    from lmforge.model import ModelConfig, TransformerLM
+    from lmforge.model.lora import LoraConfig, apply_lora, load_lora_state_dict
+    from lmforge.run import open_run
+    from lmforge.train import load_run_config
+    from lmforge.train.finetune import build_model
+
+    out = tmp_path / "lora"
+    m = sft(base_run, convs["train"], out, val_data=convs["val"], overrides=LORA, progress=False)
+    losses = [v for _, v in _losses(out)]
+    assert losses[-1] < losses[0]
+    ck = read_checkpoint(out / "checkpoints" / "step_00000008.safetensors")
+    assert ck.model and all(k.endswith((".lora_A", ".lora_B")) for k in ck.model)  # never a copy of the base
+    assert len(ck.model) == 2 * 7 * 2  # 7 projections x 2 layers x (A, B)
+    adapter_params = sum(t.numel() for t in ck.model.values())
+    # only adapters are trainable and in the optimizer
+    cfg = load_run_config(out / "config.yaml")
+    model = build_model(cfg, torch.device("cpu"), resuming=False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trainable) == adapter_params
+    assert sum(len(v["exp_avg"].reshape(-1)) for v in ck.optimizer["state"].values()) == adapter_params
+    # the reference: base grown + the lora module's own wrapping with the saved factors
+    b = open_run(base_run)
+    ref = TransformerLM(from_dict(ModelConfig, b.config["model"]))
+    ref.load_state_dict(b.checkpoint.model)
+    ref.resize_vocab(310)
+    apply_lora(ref, LoraConfig(rank=4, alpha=8))
+    load_lora_state_dict(ref, ck.model)
+    idx = torch.randint(0, 310, (2, 12))
+    want = _logits(ref, idx)
+    # open_run folds the adapters into the base: a plain model (generate, eval, chat, serve, export read it so)
+    run = open_run(out)
+    plain = TransformerLM(from_dict(ModelConfig, run.config["model"]))
+    plain.load_state_dict(run.checkpoint.model)
+    torch.testing.assert_close(_logits(plain, idx), want, rtol=1e-5, atol=1e-5)
+    from lmforge.train import evaluate_run
+    assert evaluate_run(out, device="cpu")["loss"] == pytest.approx(m["val_loss"], rel=1e-5)
+    # lora merge writes a plain run with the same logits, and refuses to overwrite it
+    assert cli.main(["lora", "merge", "--run", str(out), "--out", str(tmp_path / "merged")]) == 0
+    merged = open_run(tmp_path / "merged")
+    assert json.loads((tmp_path / "merged" / "base.json").read_text())["lora"] is None
+    plain2 = TransformerLM(from_dict(ModelConfig, merged.config["model"]))
+    plain2.load_state_dict(merged.checkpoint.model)
+    torch.testing.assert_close(_logits(plain2, idx), want, rtol=1e-5, atol=1e-5)
+    assert cli.main(["lora", "merge", "--run", str(out), "--out", str(tmp_path / "merged")]) == 2
+    assert cli.main(["lora", "merge", "--run", str(out), "--out", str(tmp_path / "merged"), "--force"]) == 0
+    assert cli.main(["-q", "generate", "--run", str(out), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+
+
+def test_lora_resume_in_process_equals_uninterrupted(base_run, convs, tmp_path) -> None:
+    drop = LORA + ("lora.dropout=0.1",)  # dropout draws from torch's RNG: restored with the checkpoint
+    full, split = tmp_path / "full", tmp_path / "split"
+    sft(base_run, convs["train"], full, overrides=drop, progress=False)
+    sft(base_run, convs["train"], split, overrides=drop + ("training.max_steps=5",), progress=False)
+    sft(base_run, convs["train"], split, overrides=drop, progress=False)
+    assert _losses(split) == _losses(full)
+
+
+def test_lora_on_a_changed_base_is_refused(base_run, convs, tmp_path) -> None:
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(base_run, base)
+    out = tmp_path / "lora"
+    sft(base, convs["train"], out, overrides=LORA + ("training.max_steps=3",), progress=False)
+    ckpt = base / "checkpoints" / "step_00000004.safetensors"
+    from lmforge.checkpoint import read_checkpoint, save_checkpoint
+    ck = read_checkpoint(ckpt)
+    ck.model["ln_final.weight"] = ck.model["ln_final.weight"] * 2
+    save_checkpoint(_View(ck.model), None, 4, ckpt, ck.extra)
+    rc = cli.main(["-q", "generate", "--run", str(out), "--prompt", "hi"])
+    assert rc == 2
+    from lmforge.run import open_run
+    with pytest.raises(ValueError, match=r"LoRA adapters trained on another base: .* changed since"):
+        open_run(out)
+    with pytest.raises(ValueError, match=r"changed since this run was made"):  # resuming training refuses it too
+        sft(base, convs["train"], out, overrides=LORA + ("training.max_steps=5",), progress=False)
+
+
+class _View:
+    def __init__(self, sd):
+        self.sd = sd
+
+    def state_dict(self):
+        return self.sd
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input: one line, exit code 2, nothing written
+# --------------------------------------------------------------------------------------------------
+_BAD_LINES = {
+    "badjson.jsonl": ('{"messages": [}\n', r"badjson\.jsonl:1: not valid JSON"),
+    "role.jsonl": (json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n",
+                   r"role\.jsonl:1: message 0 has unknown role 'bot'"),
+    "noassistant.jsonl": (json.dumps(_conv("a", "b")) + "\n" + json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}]}) + "\n", r"noassistant\.jsonl:2: .*no assistant message"),
+    "empty.jsonl": (json.dumps({"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": "x"}]})
+                    + "\n", r"empty\.jsonl:1: message 0 \(user\) has empty content"),
+}
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    *[("--data {tmp}/" + name, pat) for name, (_, pat) in _BAD_LINES.items()],
+    ("--data {tmp}/nope.jsonl", r"input file .*nope\.jsonl does not exist"),
+    ("--data {good} --base {tmp}/nobase", r"run directory .*nobase does not exist"),
+    ("--data {good} --base {tmp}/nockpt", r"no checkpoint in .*nockpt/checkpoints"),
+    ("--data {good} --base {tmp}/badtok", r"tokenizer .*badtok/tokenizer\.json cannot take the chat tokens"),
+    ("--data {good} --set lora.rank=0", r"lora\.rank must be an integer >= 1, got 0"),
+    ("--data {good} --set lora.targets=[nothing]", r"LoRA target pattern\(s\) \['nothing'\] match no Linear module; "
+                                                  r"available: \['layers\.0\.attn\.q_proj'"),
+    ("--data {good} --set sft.pretrain_mix=1.5", r"sft\.pretrain_mix must be in \[0, 1\)"),
+    ("--data {good} --set training.context_length=4", r"every conversation is longer than context_length \+ 1 = 5"),
+    ("--data {good} --run-dir {other}", r"holds another run \(not a fine-tuning of this base\)"),
+    ("--data {good} --run-dir {tmp}/notes", r"not an lmforge run directory; .* --force"),
+])
+def test_bad_input_one_line_exit_2_nothing_written(base_run, convs, tiny_run, tmp_path, capsys, argv, pattern) -> None:
+    import shutil
+
+    for name, (text, _) in _BAD_LINES.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    nockpt = tmp_path / "nockpt"
+    shutil.copytree(base_run, nockpt, ignore=shutil.ignore_patterns("*.safetensors"))
+    badtok = tmp_path / "badtok"
+    shutil.copytree(base_run, badtok)
+    (badtok / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("keep")
+    out = tmp_path / "out"
+    args = argv.format(tmp=tmp_path, good=convs["train"], other=tiny_run).split()
+    if "--base" not in args:
+        args += ["--base", str(base_run)]
+    if "--run-dir" not in args:
+        args += ["--run-dir", str(out)]
+    before = sorted(p.name for p in tiny_run.rglob("*"))
+    rc = cli.main(["-q", "sft", *args, "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    import re
+    assert re.search(pattern, err), err
+    assert not out.exists()
+    assert sorted(p.name for p in tiny_run.rglob("*")) == before
+    assert (tmp_path / "notes" / "mine.txt").read_text() == "keep" and len(list((tmp_path / "notes").iterdir())) == 1

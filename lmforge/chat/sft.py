@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
 import torch.distributed as dist
 
 from lmforge.chat.format import ChatFormat, add_chat_tokens, read_conversations
@@ -34,6 +35,7 @@ from lmforge.common import sha256_file
 from lmforge.config import apply_overrides, dump_yaml, from_dict, load_yaml
 from lmforge.data.conversations import ConversationDataset, write_conversations
 from lmforge.model import ModelConfig, TransformerLM
+from lmforge.model.lora import apply_lora
 from lmforge.run import BASE_FILE, check_new_or_run, is_run_dir, mark, open_run, read_base, write_base
 from lmforge.tokenizer import EOT, Tokenizer
 from lmforge.train import RunConfig, load_run_config, train
@@ -162,6 +164,9 @@ def sft(base: str | os.PathLike, data: str | os.PathLike, run_dir: str | os.Path
         old = load_yaml(run_dir / "config.yaml").get("sft") or {}
         record = {"run": str(base_dir), "checkpoint": old.get("base_checkpoint", ""), "sha256": old.get("base_sha256", "")}
     cfg = sft_config(base_run.config, tok.vocab_size, run_dir, record, val_data is not None, config, overrides)
+    if cfg.lora is not None:  # targets that match nothing are refused now, before anything is written
+        with torch.device("meta"):
+            apply_lora(TransformerLM(cfg.model), cfg.lora)
     T = cfg.context_length
     splits = {"train": data} if val_data is None else {"train": data, "val": val_data}
     rendered = {}
@@ -196,10 +201,9 @@ def sft(base: str | os.PathLike, data: str | os.PathLike, run_dir: str | os.Path
 
 def _lora_record(cfg: RunConfig) -> dict[str, Any] | None:
     """The adapters' settings for ``base.json`` (how a LoRA run's checkpoints load onto the base), or None."""
-    lora = getattr(cfg, "lora", None)
-    if lora is None:
+    if cfg.lora is None:
         return None
-    return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}
+    return {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets)}
 
 
 def merge_run(run_dir: str | os.PathLike, out: str | os.PathLike, force: bool = False) -> Path:

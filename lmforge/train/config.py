@@ -13,6 +13,7 @@ from typing import Any, Literal, Sequence
 
 from lmforge.config import apply_overrides, from_dict, load_yaml
 from lmforge.model import ModelConfig
+from lmforge.model.lora import LoraConfig
 
 __all__ = ["OptimConfig", "DataConfig", "TrainingConfig", "SFTConfig", "RunConfig", "load_run_config"]
 
@@ -214,8 +215,14 @@ class RunConfig:
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     sft: SFTConfig | None = None
     """Fine-tuning from a base run (``lmforge sft``); ``null`` for pretraining."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters ``{rank, alpha, dropout, targets}`` instead of every weight (needs ``sft``); the
+    run's checkpoints then hold the adapters and their optimizer state only."""
 
     def __post_init__(self) -> None:
+        if self.lora is not None and self.sft is None:
+            raise ValueError("a lora section needs a base model to adapt: fine-tune with `lmforge sft --base RUN` "
+                             "(pretraining trains every weight)")
         T = self.training.context_length
         if T is not None and T > self.model.context_length:
             raise ValueError(f"training.context_length={T} is longer than model.context_length="
@@ -243,6 +250,6 @@ def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = (
 
 # Changing these between runs in one directory would make the checkpoints meaningless.
 _INCOMPATIBLE = ("model.", "data.dir", "data.train_split", "data.bos_aligned", "training.batch_size",
-                 "training.grad_accum_steps", "training.context_length", "training.seed", "data.kind", "sft.")
+                 "training.grad_accum_steps", "training.context_length", "training.seed", "data.kind", "sft.", "lora.")
 _HARMLESS = ("model.fast",)  # the fast path computes the same function with the same weights
 # data.tokenizer may move (its fingerprint must still match the shards); data.val_split only changes evaluation.

@@ -27,6 +27,7 @@ from lmforge.data import BlockLoader, TokenDataset
 from lmforge.data.conversations import (IGNORE_INDEX, ConversationDataset, ConversationLoader, MixedLoader,
                                         conversation_val_batches)
 from lmforge.model import TransformerLM
+from lmforge.model.lora import apply_lora, load_lora_state_dict, lora_state_dict
 from lmforge.train.distributed import all_reduce_sum
 
 logger = logging.getLogger("lmforge")
@@ -56,7 +57,7 @@ def build_model(cfg: Any, device: Any, resuming: bool) -> Any:
     ``resuming``: a full fine-tuning run with a checkpoint does not read the base again (its checkpoint holds
     every weight); a LoRA run always does (its checkpoints hold only adapters).
     """
-    sft, lora = cfg.sft, getattr(cfg, "lora", None)
+    sft, lora = cfg.sft, cfg.lora
     if sft is None or (resuming and lora is None):
         return TransformerLM(cfg.model).to(device)
     path = check_base_checkpoint(sft.base_checkpoint, sft.base_sha256)
@@ -64,8 +65,6 @@ def build_model(cfg: Any, device: Any, resuming: bool) -> Any:
     apply_checkpoint(read_checkpoint(path), model)
     model.resize_vocab(cfg.model.vocab_size)
     if lora is not None:
-        from lmforge.model.lora import apply_lora
-
         names = apply_lora(model, lora)
         logger.info("LoRA rank %d on %d projections; trainable %s of %s parameters", lora.rank, len(names),
                     f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,}",
@@ -85,19 +84,15 @@ class _StateView:
 
 def trained_state(cfg: Any, model: Any) -> Any:
     """What a checkpoint saves as the model: ``model`` itself, or only its adapters for a LoRA run."""
-    if getattr(cfg, "lora", None) is None:
+    if cfg.lora is None:
         return model
-    from lmforge.model.lora import lora_state_dict
-
     return _StateView(lora_state_dict(model))
 
 
 def load_trained_state(cfg: Any, ckpt: Any, model: Any, optimizer: Any) -> int:
     """Put a checkpoint written from :func:`trained_state` back into ``model`` and ``optimizer``; its step."""
-    if getattr(cfg, "lora", None) is None:
+    if cfg.lora is None:
         return apply_checkpoint(ckpt, model, optimizer)
-    from lmforge.model.lora import load_lora_state_dict
-
     load_lora_state_dict(model, ckpt.model)
     if optimizer is not None:
         optimizer.load_state_dict(ckpt.optimizer)
