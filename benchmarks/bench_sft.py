@@ -37,7 +37,7 @@ def _base_run(root: Path, args: argparse.Namespace) -> Path:
     from lmforge.train import load_run_config, train
 
     docs = synthetic_documents(100_000 if args.quick else 2_000_000)
-    vocab, merges = train_bpe_from_iterator(docs, args.vocab - 64, [EOT], progress=False)
+    vocab, merges = train_bpe_from_iterator(docs, min(args.vocab - 64, 400), [EOT], progress=False)
     tok = Tokenizer(vocab, merges, [EOT])
     (root / "corpus.txt").write_text(EOT.join(docs), encoding="utf-8")
     prepare(tok, root / "corpus.txt", root / "shards", val_fraction=0.05, progress=False)
@@ -83,7 +83,7 @@ def main() -> None:
     args = p.parse_args()
     q = args.quick
     args.vocab, args.context, args.d_model, args.layers, args.heads, args.batch = (
-        (384, 64, 32, 2, 2, 4) if q else (2048, 256, 256, 4, 4, 8))
+        (384, 64, 32, 2, 2, 4) if q else (512, 256, 256, 4, 4, 8))
     rounds, steps = args.rounds or (2 if q else 3), args.steps or (3 if q else 30)
 
     import torch

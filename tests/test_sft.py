@@ -452,6 +452,9 @@ _BAD_LINES = {
     ("--data {good} --set lora.targets=[nothing]", r"LoRA target pattern\(s\) \['nothing'\] match no Linear module; "
                                                   r"available: \['layers\.0\.attn\.q_proj'"),
     ("--data {good} --set sft.pretrain_mix=1.5", r"sft\.pretrain_mix must be in \[0, 1\)"),
+    ("--data {good} --set sft.pretrain_mix=0.9", r"sft\.pretrain_mix=0\.9 leaves no conversation row"),
+    ("--data {val} --set training.batch_size=64", r"split 'train' packs into \d+ rows of 49 tokens, fewer than one "
+                                                  r"global batch \(64 rows"),
     ("--data {good} --set training.context_length=4", r"every conversation is longer than context_length \+ 1 = 5"),
     ("--data {good} --run-dir {other}", r"holds another run \(not a fine-tuning of this base\)"),
     ("--data {good} --run-dir {tmp}/notes", r"not an lmforge run directory; .* --force"),
@@ -469,7 +472,7 @@ def test_bad_input_one_line_exit_2_nothing_written(base_run, convs, tiny_run, tm
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "mine.txt").write_text("keep")
     out = tmp_path / "out"
-    args = argv.format(tmp=tmp_path, good=convs["train"], other=tiny_run).split()
+    args = argv.format(tmp=tmp_path, good=convs["train"], val=convs["val"], other=tiny_run).split()
     if "--base" not in args:
         args += ["--base", str(base_run)]
     if "--run-dir" not in args:

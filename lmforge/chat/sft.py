@@ -33,7 +33,7 @@ from lmforge.chat.format import ChatFormat, add_chat_tokens, read_conversations
 from lmforge.checkpoint import CheckpointManager, apply_checkpoint, save_checkpoint
 from lmforge.common import sha256_file
 from lmforge.config import apply_overrides, dump_yaml, from_dict, load_yaml
-from lmforge.data.conversations import ConversationDataset, write_conversations
+from lmforge.data.conversations import ConversationDataset, check_packs, write_conversations
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.model.lora import apply_lora
 from lmforge.run import BASE_FILE, check_new_or_run, is_run_dir, mark, open_run, read_base, write_base
@@ -118,8 +118,9 @@ def _check_run_dir(run_dir: Path, base_run: Path, force: bool) -> bool:
     check_new_or_run(run_dir, force)
     if not is_run_dir(run_dir):
         return False
+    record = read_base(run_dir)  # written first: a run whose training never started still names its base
     old = load_yaml(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else {}
-    old_base = (old.get("sft") or {}).get("base_run")
+    old_base = record["run"] if record else (old.get("sft") or {}).get("base_run")
     if old_base is None or Path(old_base) != base_run:
         what = f"a fine-tuning run of {old_base}" if old_base else "another run (not a fine-tuning of this base)"
         raise ValueError(f"--run-dir {run_dir} holds {what}; choose a new --run-dir (a run is resumed only with "
@@ -179,6 +180,8 @@ def sft(base: str | os.PathLike, data: str | os.PathLike, run_dir: str | os.Path
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = setup_distributed(cfg.training.device)
     try:
+        rows = (cfg.training.batch_size - cfg.sft.pretrain_rows(cfg.training.batch_size)) * info.world_size
+        check_packs([len(ids) for ids, _ in rendered["train"][0]], T, cfg.training.seed, rows, "train")
         barrier()
         if info.is_main and not started:  # (re)write the rendered data: nothing depends on it before a checkpoint
             mark(run_dir)

@@ -33,7 +33,7 @@ from lmforge.common import atomic_open, atomic_write_text
 from lmforge.data.loader import BlockLoader
 
 __all__ = ["IGNORE_INDEX", "ConversationDataset", "ConversationLoader", "MixedLoader", "conversation_val_batches",
-           "write_conversations"]
+           "write_conversations", "pack_rows", "epoch_order", "check_packs"]
 
 IGNORE_INDEX = -100
 """Target id that counts for nothing in the loss (a masked or padded position)."""
@@ -84,6 +84,37 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
+def pack_rows(lengths: Sequence[int] | np.ndarray, context_length: int, order: np.ndarray) -> list[np.ndarray]:
+    """Conversation indices per row: those of ``order`` packed greedily, whole, into rows of at most
+    ``context_length + 1`` tokens (a conversation that does not fit starts the next row)."""
+    block = context_length + 1
+    out, row, used = [], [], 0
+    for k in order.tolist():
+        n = int(lengths[k])
+        if used + n > block and row:
+            out.append(np.asarray(row, dtype=np.int64))
+            row, used = [], 0
+        row.append(k)
+        used += n
+    if row:
+        out.append(np.asarray(row, dtype=np.int64))
+    return out
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The seeded order of ``n`` conversations in ``epoch`` (the loader's shuffle)."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def check_packs(lengths: Sequence[int], context_length: int, seed: int, rows_per_step: int, split: str) -> None:
+    """``ValueError`` unless the conversations pack into at least one global batch of ``rows_per_step`` rows."""
+    rows = len(pack_rows(lengths, context_length, epoch_order(len(lengths), seed, 0)))
+    if rows < rows_per_step:
+        raise ValueError(f"split {split!r} packs into {rows} rows of {context_length + 1} tokens, fewer than one "
+                         f"global batch ({rows_per_step} rows: batch size x ranks); add conversations or lower "
+                         "training.batch_size")
+
+
 class ConversationDataset:
     """One split of a conversation directory, memory-mapped: ``ids``, ``mask``, ``offsets`` (see the module)."""
 
@@ -116,18 +147,7 @@ class ConversationDataset:
 
     def rows(self, context_length: int, order: np.ndarray) -> list[np.ndarray]:
         """Greedy packing of the conversations in ``order`` into rows of at most ``context_length + 1`` tokens."""
-        block = context_length + 1
-        out, row, used = [], [], 0
-        for k in order.tolist():
-            n = int(self.lengths[k])
-            if used + n > block and row:
-                out.append(np.asarray(row, dtype=np.int64))
-                row, used = [], 0
-            row.append(k)
-            used += n
-        if row:
-            out.append(np.asarray(row, dtype=np.int64))
-        return out
+        return pack_rows(self.lengths, context_length, order)
 
     def fill(self, rows: Sequence[np.ndarray], context_length: int) -> tuple["Any", "Any"]:
         """``(x, y)`` int64 tensors ``(len(rows), context_length)`` of packed rows; ignored targets are -100."""
@@ -161,12 +181,11 @@ class ConversationLoader:
         self._start_epoch(0)
 
     def _start_epoch(self, epoch: int) -> None:
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+        if epoch == 0:
+            check_packs(self.dataset.lengths, self.context_length, self.seed, self.batch_size * self.world_size,
+                        self.dataset.split)
+        order = epoch_order(len(self.dataset), self.seed, epoch)
         self.epoch, self.consumed, self._rows = epoch, 0, self.dataset.rows(self.context_length, order)
-        if len(self._rows) < self.batch_size * self.world_size:
-            raise ValueError(f"split {self.dataset.split!r} packs into {len(self._rows)} rows of "
-                             f"{self.context_length + 1} tokens, fewer than one global batch ({self.batch_size} x "
-                             f"{self.world_size} ranks); add conversations or lower training.batch_size")
 
     @property
     def steps_per_epoch(self) -> int:

@@ -204,6 +204,11 @@ class SFTConfig:
             raise ValueError(f"sft.pretrain_mix must be in [0, 1) (a fraction of each batch's rows), got "
                              f"{self.pretrain_mix}")
 
+    def pretrain_rows(self, batch_size: int) -> int:
+        """Rows of each micro-batch taken from the pretraining shards: ``round(pretrain_mix * batch_size)``, at
+        least one when the mix is not 0."""
+        return max(1, round(self.pretrain_mix * batch_size)) if self.pretrain_mix > 0 else 0
+
 
 @dataclasses.dataclass
 class RunConfig:
@@ -223,6 +228,9 @@ class RunConfig:
         if self.lora is not None and self.sft is None:
             raise ValueError("a lora section needs a base model to adapt: fine-tune with `lmforge sft --base RUN` "
                              "(pretraining trains every weight)")
+        if self.sft is not None and self.sft.pretrain_rows(self.training.batch_size) >= self.training.batch_size:
+            raise ValueError(f"sft.pretrain_mix={self.sft.pretrain_mix} leaves no conversation row in a batch of "
+                             f"training.batch_size={self.training.batch_size}; lower the mix or raise the batch size")
         T = self.training.context_length
         if T is not None and T > self.model.context_length:
             raise ValueError(f"training.context_length={T} is longer than model.context_length="

@@ -120,11 +120,7 @@ def conversation_data(cfg: Any, tokenizer: Any, info: Any) -> tuple[Any, Any, li
         if ds.max_token_id >= V:
             raise ValueError(f"{ds.dir} split {ds.split!r} holds token id {ds.max_token_id}, beyond model.vocab_size="
                              f"{V}; render the conversations again with the run's tokenizer")
-    mix = cfg.sft.pretrain_mix if cfg.sft is not None else 0.0
-    n_tok = max(1, round(mix * tc.batch_size)) if mix > 0 else 0
-    if n_tok >= tc.batch_size:
-        raise ValueError(f"sft.pretrain_mix={mix} leaves no conversation row in a batch of training.batch_size="
-                         f"{tc.batch_size}; lower the mix or raise the batch size")
+    n_tok = cfg.sft.pretrain_rows(tc.batch_size) if cfg.sft is not None else 0
     conv = ConversationLoader(train_ds, tc.batch_size - n_tok, T, seed=tc.seed, rank=info.rank,
                               world_size=info.world_size)
     loader: Any = conv
