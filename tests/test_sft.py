@@ -451,6 +451,7 @@ _BAD_LINES = {
     ("--data {good} --set lora.rank=0", r"lora\.rank must be an integer >= 1, got 0"),
     ("--data {good} --set lora.targets=[nothing]", r"LoRA target pattern\(s\) \['nothing'\] match no Linear module; "
                                                   r"available: \['layers\.0\.attn\.q_proj'"),
+    ("--data {good} --set lora.rank=4 --set training.parallel=fsdp", r"training\.parallel=fsdp with a lora section"),
     ("--data {good} --set sft.pretrain_mix=1.5", r"sft\.pretrain_mix must be in \[0, 1\)"),
     ("--data {good} --set sft.pretrain_mix=0.9", r"sft\.pretrain_mix=0\.9 leaves no conversation row"),
     ("--data {val} --set training.batch_size=64", r"split 'train' packs into \d+ rows of 49 tokens, fewer than one "

@@ -228,6 +228,9 @@ class RunConfig:
         if self.lora is not None and self.sft is None:
             raise ValueError("a lora section needs a base model to adapt: fine-tune with `lmforge sft --base RUN` "
                              "(pretraining trains every weight)")
+        if self.lora is not None and self.training.parallel == "fsdp":
+            raise ValueError("training.parallel=fsdp with a lora section: adapters are a few MB, so sharding saves "
+                             "nothing and the checkpoint keeps adapters only; use training.parallel=ddp")
         if self.sft is not None and self.sft.pretrain_rows(self.training.batch_size) >= self.training.batch_size:
             raise ValueError(f"sft.pretrain_mix={self.sft.pretrain_mix} leaves no conversation row in a batch of "
                              f"training.batch_size={self.training.batch_size}; lower the mix or raise the batch size")
