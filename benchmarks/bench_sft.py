@@ -13,7 +13,7 @@ so the three are comparable; the step time excludes evaluation and checkpoint sa
 sides alternate for several rounds (``_common.alternate`` order) in one process; the table gives the median,
 the range and the ratio of medians.
 
-    python benchmarks/bench_sft.py            # d_model 256, 4 layers, T 256, B 8, 30 steps, 3 rounds
+    python benchmarks/bench_sft.py            # d_model 128, 2 layers, T 128, B 8, 20 steps, 3 rounds
     python benchmarks/bench_sft.py --quick    # a smoke run (seconds)
 """
 
@@ -83,8 +83,8 @@ def main() -> None:
     args = p.parse_args()
     q = args.quick
     args.vocab, args.context, args.d_model, args.layers, args.heads, args.batch = (
-        (384, 64, 32, 2, 2, 4) if q else (512, 256, 256, 4, 4, 8))
-    rounds, steps = args.rounds or (2 if q else 3), args.steps or (3 if q else 30)
+        (384, 64, 32, 2, 2, 4) if q else (512, 128, 128, 2, 4, 8))
+    rounds, steps = args.rounds or (2 if q else 3), args.steps or (3 if q else 20)
 
     import torch
 
