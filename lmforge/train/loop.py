@@ -349,8 +349,9 @@ def _wrap(run: _Run, fsdp_optim_state: Any) -> None:
 def _train_step(run: _Run) -> tuple[float, float, float]:
     """One optimizer step: schedule, micro-batches, backward, clip, update. Returns ``(loss, lr, grad_norm)``.
 
-    The loss is the mean over *all* target tokens of the step (every micro-batch, every rank), so gradient
-    accumulation and data parallelism give the same gradient. A non-finite loss or gradient norm raises
+    The loss is the mean over *all* trained target tokens of the step (every micro-batch, every rank; masked
+    conversation targets, ``IGNORE_INDEX``, count for nothing), so gradient accumulation and data parallelism
+    give the same gradient as one big batch, however unevenly the masks fall. A non-finite loss or gradient norm raises
     :class:`NonFiniteLossError` before the weights change.
     """
     tc, oc, device, model = run.cfg.training, run.cfg.optimizer, run.info.device, run.model
