@@ -64,6 +64,9 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        given = [a for a in args if a is not type(None)]
+        if len(given) == 1 and dataclasses.is_dataclass(given[0]):  # an optional section: its own message
+            return _coerce(value, given[0], name)
         for a in args:
             if a is type(None):
                 continue

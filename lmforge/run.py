@@ -18,11 +18,14 @@ from typing import Any
 
 from lmforge import __version__
 from lmforge.checkpoint import Checkpoint, CheckpointManager, read_checkpoint, read_metadata
-from lmforge.common import atomic_write_text
+from lmforge.common import atomic_write_text, sha256_file
 from lmforge.config import load_yaml
 
 MARKER = "lmforge-run.json"
 """File name of the marker that makes a directory an lmforge run."""
+BASE_FILE = "base.json"
+"""File of a fine-tuned run naming its base: ``run``, ``checkpoint`` (the file it started from), its ``sha256``,
+and ``lora`` (``{rank, alpha, targets}`` when the run's checkpoints hold LoRA adapters only, else null)."""
 
 
 def is_run_dir(path: str | os.PathLike) -> bool:
@@ -99,6 +102,60 @@ def require_run(path: str | os.PathLike, needs: tuple[str, ...] = ("config.yaml"
     return p
 
 
+def write_base(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Write a fine-tuned run's :data:`BASE_FILE` (atomically)."""
+    atomic_write_text(Path(path) / BASE_FILE, json.dumps(record, indent=1) + "\n")
+
+
+def read_base(path: str | os.PathLike) -> dict[str, Any] | None:
+    """A run's :data:`BASE_FILE` as a dict, or None for a run that was not fine-tuned."""
+    p = Path(path) / BASE_FILE
+    if not p.is_file():
+        return None
+    try:
+        record = json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{p} is not valid JSON ({e}); it records the run's base, restore it") from None
+    if not isinstance(record, dict) or not {"run", "checkpoint", "sha256"} <= set(record):
+        raise ValueError(f"{p} does not name a base run (run, checkpoint, sha256); restore it")
+    return record
+
+
+def _with_base(run_dir: Path, config: dict[str, Any], adapters: Checkpoint, record: dict[str, Any]) -> Checkpoint:
+    """A LoRA run's checkpoint as a plain model's: the base checkpoint's weights, the embedding and head grown
+    to ``model.vocab_size`` with mean rows (as ``TransformerLM.resize_vocab``) and every adapter folded in
+    (``W + alpha/rank · B A``, as ``lmforge.model.lora.merge_lora``). Tests check both equalities."""
+    import torch
+
+    base_path = Path(record["checkpoint"])
+    if not base_path.is_file():
+        raise ValueError(f"{run_dir} holds LoRA adapters for the base checkpoint {base_path}, which is gone; "
+                         "restore it (or merge the adapters into a plain run while it exists: lmforge lora merge)")
+    if sha256_file(base_path) != record["sha256"]:
+        raise ValueError(f"{run_dir} holds LoRA adapters trained on another base: {base_path} changed since "
+                         "(sha256 differs); restore the base checkpoint they were trained on")
+    base = read_checkpoint(base_path)
+    state = dict(base.model)
+    vocab = int(config["model"]["vocab_size"])
+    with torch.no_grad():
+        for name in ("token_embeddings.weight", "lm_head.weight"):
+            w = state.get(name)
+            if w is not None and w.shape[0] < vocab:
+                mean = w.float().mean(dim=0, keepdim=True).to(w.dtype)  # (1, d_model)
+                state[name] = torch.cat([w, mean.expand(vocab - w.shape[0], -1)], dim=0)  # (vocab, d_model)
+        if config["model"].get("tie_embeddings") and "token_embeddings.weight" in state:
+            state["lm_head.weight"] = state["token_embeddings.weight"]
+        scale = float(record["lora"]["alpha"]) / int(record["lora"]["rank"])
+        for key, a in adapters.model.items():
+            if not key.endswith(".lora_A"):
+                continue
+            module = key[: -len(".lora_A")]
+            w, b = state[f"{module}.weight"], adapters.model[f"{module}.lora_B"]
+            dt = torch.promote_types(w.dtype, torch.float32)
+            state[f"{module}.weight"] = w + (b.to(dt) @ a.to(dt) * scale).to(w.dtype)  # (out, r) @ (r, in)
+    return Checkpoint(model=state, optimizer=None, iteration=adapters.iteration, extra=adapters.extra)
+
+
 @dataclasses.dataclass
 class Run:
     """An opened run directory: its resolved config (as saved), its tokenizer file and one verified checkpoint."""
@@ -117,6 +174,9 @@ def open_run(path: str | os.PathLike, checkpoint: str | os.PathLike | None = Non
     ``checkpoint``: a file, ``"best"`` (``checkpoints/best.safetensors``) or None for the newest step checkpoint
     that verifies (a corrupt newer one is skipped with a warning). ``ValueError`` with what to do for a missing
     or foreign directory, a missing ``config.yaml``/``tokenizer.json``, or no checkpoint.
+
+    A LoRA run's checkpoints hold its adapters only; here they are folded into its base's weights (found
+    through :data:`BASE_FILE`, refused if that file changed), so every reader gets a plain model's checkpoint.
     """
     p = require_run(path, needs=("config.yaml", "tokenizer.json"))
     ckpts = CheckpointManager(p)
@@ -128,5 +188,9 @@ def open_run(path: str | os.PathLike, checkpoint: str | os.PathLike | None = Non
     else:
         ckpt_path = ckpts.best_path if str(checkpoint) == "best" else Path(checkpoint)
         ckpt = read_checkpoint(ckpt_path)
-    return Run(path=p, config=load_yaml(p / "config.yaml"), tokenizer_path=p / "tokenizer.json",
-               checkpoint_path=ckpt_path, checkpoint=ckpt)
+    config = load_yaml(p / "config.yaml")
+    record = read_base(p)
+    if record is not None and record.get("lora"):
+        ckpt = _with_base(p, config, ckpt, record)
+    return Run(path=p, config=config, tokenizer_path=p / "tokenizer.json", checkpoint_path=ckpt_path,
+               checkpoint=ckpt)

@@ -23,7 +23,7 @@ STAGES = {
     "train": {"corpus", "tokenizer", "data", "model"},
     "generate": {"tokenizer", "model"},
     "interop": {"tokenizer", "model"},
-    "chat": {"tokenizer", "model", "generate"},
+    "chat": {"corpus", "tokenizer", "data", "model", "train", "generate"},
 }
 # On top: each may import everything below and the top units named here; nothing imports the CLI.
 # report.py owns run reports (it may import any stage); the speedrun writes its report.md through it.

@@ -54,10 +54,13 @@ GROUPS = {
     "tokenizer": ("train, apply and inspect byte-level BPE tokenizers", "lmforge.cli.tokenizer"),
     "data": ("download corpora, prepare token shards, inspect them", "lmforge.cli.data"),
     "chat": ("the chat format: render conversations to tokens", "lmforge.cli.chat"),
+    "lora": ("LoRA adapters of a fine-tuning run: merge them into a plain run", "lmforge.cli.sft"),
 }
 COMMANDS = {
     "train": ("pretrain a model from a YAML config (resumes automatically)", "lmforge.cli.train"),
     "eval": ("loss, perplexity and bits/byte of a run's checkpoint on its validation data", "lmforge.cli.train"),
+    "sft": ("fine-tune a run on conversations (JSONL messages), fully or with LoRA; resumes automatically",
+            "lmforge.cli.sft"),
     "generate": ("generate text with a trained model (KV cache, sampling, streaming)", "lmforge.cli.generate"),
     "speedrun": ("the whole pipeline on one corpus: tokenizer, shards, training, eval, samples, report.md",
                  "lmforge.cli.speedrun"),

@@ -13,8 +13,9 @@ from typing import Any, Literal, Sequence
 
 from lmforge.config import apply_overrides, from_dict, load_yaml
 from lmforge.model import ModelConfig
+from lmforge.model.lora import LoraConfig
 
-__all__ = ["OptimConfig", "DataConfig", "TrainingConfig", "RunConfig", "load_run_config"]
+__all__ = ["OptimConfig", "DataConfig", "TrainingConfig", "SFTConfig", "RunConfig", "load_run_config"]
 
 
 # ==================================================================================================
@@ -109,6 +110,9 @@ class DataConfig:
     """Split to evaluate on; ``null`` disables validation."""
     bos_aligned: bool = False
     """Start every training block at a document start (needs a BOS/EOT token in the shards)."""
+    kind: Literal["tokens", "conversations"] = "tokens"
+    """``tokens``: token shards (pretraining); ``conversations``: rendered conversations with loss masks, packed
+    whole into rows (``lmforge.data.conversations``; written by ``lmforge sft``)."""
 
     def __post_init__(self) -> None:
         if not self.dir:
@@ -176,6 +180,37 @@ class TrainingConfig:
 
 
 @dataclasses.dataclass
+class SFTConfig:
+    """Fine-tuning from a base run (written by ``lmforge sft``; the base fields are filled in, not typed)."""
+
+    base_run: str = ""
+    """The base run directory."""
+    base_checkpoint: str = ""
+    """The base checkpoint file the weights start from."""
+    base_sha256: str = ""
+    """sha256 of ``base_checkpoint``: a different file is refused (and a LoRA run cannot load onto it)."""
+    base_vocab_size: int = 1
+    """Rows of the base model's embedding; the model grows to ``model.vocab_size`` with mean rows."""
+    pretrain_mix: float = 0.0
+    """Fraction of each batch's rows taken from the base run's token shards (``pretrain_dir``), in [0, 1)."""
+    pretrain_dir: str | None = None
+    """Token shards for ``pretrain_mix``; ``null`` = the base run's ``data.dir``."""
+
+    def __post_init__(self) -> None:
+        if not self.base_run or not self.base_checkpoint:
+            raise ValueError("sft.base_run and sft.base_checkpoint are empty; start fine-tuning with "
+                             "`lmforge sft --base RUN`, which fills them in")
+        if not 0 <= self.pretrain_mix < 1:
+            raise ValueError(f"sft.pretrain_mix must be in [0, 1) (a fraction of each batch's rows), got "
+                             f"{self.pretrain_mix}")
+
+    def pretrain_rows(self, batch_size: int) -> int:
+        """Rows of each micro-batch taken from the pretraining shards: ``round(pretrain_mix * batch_size)``, at
+        least one when the mix is not 0."""
+        return max(1, round(self.pretrain_mix * batch_size)) if self.pretrain_mix > 0 else 0
+
+
+@dataclasses.dataclass
 class RunConfig:
     """Everything a run needs; saved as ``config.yaml`` in the run directory."""
 
@@ -183,8 +218,22 @@ class RunConfig:
     data: DataConfig
     optimizer: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    sft: SFTConfig | None = None
+    """Fine-tuning from a base run (``lmforge sft``); ``null`` for pretraining."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters ``{rank, alpha, dropout, targets}`` instead of every weight (needs ``sft``); the
+    run's checkpoints then hold the adapters and their optimizer state only."""
 
     def __post_init__(self) -> None:
+        if self.lora is not None and self.sft is None:
+            raise ValueError("a lora section needs a base model to adapt: fine-tune with `lmforge sft --base RUN` "
+                             "(pretraining trains every weight)")
+        if self.lora is not None and self.training.parallel == "fsdp":
+            raise ValueError("training.parallel=fsdp with a lora section: adapters are a few MB, so sharding saves "
+                             "nothing and the checkpoint keeps adapters only; use training.parallel=ddp")
+        if self.sft is not None and self.sft.pretrain_rows(self.training.batch_size) >= self.training.batch_size:
+            raise ValueError(f"sft.pretrain_mix={self.sft.pretrain_mix} leaves no conversation row in a batch of "
+                             f"training.batch_size={self.training.batch_size}; lower the mix or raise the batch size")
         T = self.training.context_length
         if T is not None and T > self.model.context_length:
             raise ValueError(f"training.context_length={T} is longer than model.context_length="
@@ -212,6 +261,6 @@ def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = (
 
 # Changing these between runs in one directory would make the checkpoints meaningless.
 _INCOMPATIBLE = ("model.", "data.dir", "data.train_split", "data.bos_aligned", "training.batch_size",
-                 "training.grad_accum_steps", "training.context_length", "training.seed")
+                 "training.grad_accum_steps", "training.context_length", "training.seed", "data.kind", "sft.", "lora.")
 _HARMLESS = ("model.fast",)  # the fast path computes the same function with the same weights
 # data.tokenizer may move (its fingerprint must still match the shards); data.val_split only changes evaluation.

@@ -17,6 +17,7 @@ import torch
 from lmforge.checkpoint import apply_checkpoint
 from lmforge.common import resolve_device
 from lmforge.data import TokenDataset, val_batches
+from lmforge.data.conversations import IGNORE_INDEX, ConversationDataset, conversation_val_batches
 from lmforge.model import TransformerLM
 from lmforge.run import open_run
 from lmforge.train.config import load_run_config
@@ -36,8 +37,12 @@ class Evaluation:
     bpb: float | None
 
 
-def evaluate(model: Any, batches: list, bytes_per_token: float, dtype: str, device: Any) -> Evaluation:
-    """Mean loss over the fixed validation batches (token-weighted, summed over ranks), perplexity, bits/byte."""
+def evaluate(model: Any, batches: list, bytes_per_token: float, dtype: str, device: Any,
+             ignore_index: int | None = None) -> Evaluation:
+    """Mean loss over the fixed validation batches (token-weighted, summed over ranks), perplexity, bits/byte.
+
+    ``ignore_index``: targets of this id (masked conversation tokens) count for nothing, in the loss and the count.
+    """
     was_training = model.training
     model.eval()
     loss_sum, count = 0.0, 0
@@ -45,8 +50,8 @@ def evaluate(model: Any, batches: list, bytes_per_token: float, dtype: str, devi
         for x, y in batches:
             x, y = x.to(device), y.to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-                loss_sum += float(model(x, targets=y, reduction="sum"))
-            count += y.numel()
+                loss_sum += float(model(x, targets=y, ignore_index=ignore_index, reduction="sum"))
+            count += y.numel() if ignore_index is None else int((y != ignore_index).sum())
     model.train(was_training)
     loss_sum, count = all_reduce_sum([loss_sum, float(count)], device)
     loss = loss_sum / max(count, 1.0)
@@ -72,11 +77,16 @@ def evaluate_run(run_dir: str | Path, checkpoint: str | Path | None = None, spli
     dev = resolve_device(device)
     model = TransformerLM(cfg.model).to(dev)
     step = apply_checkpoint(ck, model)
-    ds = TokenDataset(cfg.data.dir, split)
-    batches = val_batches(ds, cfg.training.eval_batch_size or cfg.training.batch_size, cfg.context_length,
-                          max_batches or cfg.training.eval_batches)
+    eval_b, n = cfg.training.eval_batch_size or cfg.training.batch_size, max_batches or cfg.training.eval_batches
+    ignore = None
+    if cfg.data.kind == "conversations":  # a fine-tuning run: its rendered conversations, masked targets
+        ds: Any = ConversationDataset(cfg.data.dir, split)
+        batches, ignore = conversation_val_batches(ds, eval_b, cfg.context_length, n), IGNORE_INDEX
+    else:
+        ds = TokenDataset(cfg.data.dir, split)
+        batches = val_batches(ds, eval_b, cfg.context_length, n)
     with torch.inference_mode():
-        ev = evaluate(model, batches, ds.bytes_per_token, cfg.training.dtype, dev)
+        ev = evaluate(model, batches, ds.bytes_per_token, cfg.training.dtype, dev, ignore_index=ignore)
     logger.info("%s (step %d) on %s/%s: loss %.4f", path, step, cfg.data.dir, split, ev.loss)
     return {"checkpoint": str(path), "step": step, "split": split, "loss": ev.loss, "ppl": ev.ppl, "bpb": ev.bpb,
-            "tokens": sum(y.numel() for _, y in batches)}
+            "tokens": sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)}

@@ -26,20 +26,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lmforge.checkpoint import CheckpointManager, apply_checkpoint, unwrap_model
+from lmforge.checkpoint import CheckpointManager, unwrap_model
 from lmforge.hardware import peak_flops_for
 from lmforge.common import remove_stale_temporaries, seed_everything
 from lmforge.config import diff_dicts, dump_yaml, load_yaml, to_dict
 from lmforge.data import BlockLoader, TokenDataset, val_batches
-from lmforge.model import TransformerLM, flops_per_token
+from lmforge.data.conversations import IGNORE_INDEX, ConversationDataset
+from lmforge.model import flops_per_token
 from lmforge.progress import progress as progress_bar
 from lmforge.run import MARKER, check_new_or_run
 from lmforge.run import mark as mark_run_dir
 from lmforge.tokenizer import Tokenizer, load_tokenizer
 from lmforge.train.config import _HARMLESS, _INCOMPATIBLE, DataConfig, OptimConfig, RunConfig
-from lmforge.train.distributed import (all_reduce_mean, barrier, cleanup_distributed, full_state_dicts,
+from lmforge.train.distributed import (all_reduce_sum, barrier, cleanup_distributed, full_state_dicts,
                                        is_main_process, load_full_optimizer_state, setup_distributed, wrap_model)
 from lmforge.train.evaluate import evaluate
+from lmforge.train.finetune import (build_model, conversation_data, global_target_count, load_trained_state,
+                                    loss_scale, masked, trained_state)
 from lmforge.train.metrics import MetricsLog, require_wandb
 from lmforge.train.optim import (SGD, AdamW, Muon, clip_grad_norm, cosine_lr, describe_groups, global_grad_norm,
                                  muon_param_groups, param_groups_for)
@@ -259,18 +262,25 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
 def _check(cfg: RunConfig, run_dir: Path, force: bool, info: Any) -> _Run:
     """Open and check the data, tokenizer and run directory; only once all is valid, write the run's files."""
     tc = cfg.training
-    train_ds = TokenDataset(cfg.data.dir, cfg.data.train_split)
-    val_ds = TokenDataset(cfg.data.dir, cfg.data.val_split) if cfg.data.val_split else None
+    tokens = cfg.data.kind == "tokens"
+    if tokens:
+        train_ds = TokenDataset(cfg.data.dir, cfg.data.train_split)
+        val_ds = TokenDataset(cfg.data.dir, cfg.data.val_split) if cfg.data.val_split else None
+    else:  # rendered conversations: the loader, val set and checks come from train.finetune
+        train_ds = ConversationDataset(cfg.data.dir, cfg.data.train_split)
     check_new_or_run(run_dir, force)
     ckpts = CheckpointManager(run_dir, tc.keep_last)
     started = bool(ckpts.steps())
     _check_run_dir(cfg, run_dir, write=False, started=started)
     tokenizer = _resolve_tokenizer(cfg.data, train_ds, run_dir, write=False, started=started)
-    _check_data(cfg, train_ds, val_ds, tokenizer)
-    loader = BlockLoader(train_ds, tc.batch_size, cfg.context_length, seed=tc.seed, rank=info.rank,
-                         world_size=info.world_size, bos_aligned=cfg.data.bos_aligned)
-    val_set = (val_batches(val_ds, tc.eval_batch_size or tc.batch_size, cfg.context_length, tc.eval_batches)
-               if val_ds is not None else [])
+    if tokens:
+        _check_data(cfg, train_ds, val_ds, tokenizer)
+        loader = BlockLoader(train_ds, tc.batch_size, cfg.context_length, seed=tc.seed, rank=info.rank,
+                             world_size=info.world_size, bos_aligned=cfg.data.bos_aligned)
+        val_set = (val_batches(val_ds, tc.eval_batch_size or tc.batch_size, cfg.context_length, tc.eval_batches)
+                   if val_ds is not None else [])
+    else:
+        train_ds, val_ds, val_set, loader = conversation_data(cfg, tokenizer, info)
     if tc.wandb and info.is_main:
         require_wandb()
     barrier()  # every rank has checked the directory before rank 0 writes into it (else a late rank sees a non-run)
@@ -285,7 +295,7 @@ def _check(cfg: RunConfig, run_dir: Path, force: bool, info: Any) -> _Run:
 def _build(run: _Run) -> None:
     """The model, seeded, and its optimizer (under FSDP the optimizer is built on the sharded model by ``_wrap``)."""
     seed_everything(run.cfg.training.seed)
-    run.model = TransformerLM(run.cfg.model).to(run.info.device)
+    run.model = build_model(run.cfg, run.info.device, resuming=bool(run.ckpts.steps()))  # fresh, or from a base run
     run.optimizer = None if run.fsdp else _build_optimizer(run.model, run.cfg.optimizer)
 
 
@@ -307,7 +317,7 @@ def _resume(run: _Run) -> Any:
         if not isinstance(state, dict):
             raise ValueError(f"{path} holds no training state (not written by `lmforge train`); move it out of "
                              f"{run.ckpts.dir} or use a new --run-dir")
-        run.step = apply_checkpoint(ck, run.model, run.optimizer)
+        run.step = load_trained_state(run.cfg, ck, run.model, run.optimizer)
         run.loader.load_state_dict(state["loader"])
         _set_rng_state(state["rng"], device)
         run.last_ckpt, fsdp_optim_state = path, ck.optimizer if run.fsdp else None
@@ -339,8 +349,9 @@ def _wrap(run: _Run, fsdp_optim_state: Any) -> None:
 def _train_step(run: _Run) -> tuple[float, float, float]:
     """One optimizer step: schedule, micro-batches, backward, clip, update. Returns ``(loss, lr, grad_norm)``.
 
-    The loss is the mean over *all* target tokens of the step (every micro-batch, every rank), so gradient
-    accumulation and data parallelism give the same gradient. A non-finite loss or gradient norm raises
+    The loss is the mean over *all* trained target tokens of the step (every micro-batch, every rank; masked
+    conversation targets, ``IGNORE_INDEX``, count for nothing), so gradient accumulation and data parallelism
+    give the same gradient as one big batch, however unevenly the masks fall. A non-finite loss or gradient norm raises
     :class:`NonFiniteLossError` before the weights change.
     """
     tc, oc, device, model = run.cfg.training, run.cfg.optimizer, run.info.device, run.model
@@ -349,7 +360,9 @@ def _train_step(run: _Run) -> tuple[float, float, float]:
     for group in run.optimizer.param_groups:  # every group follows the schedule; Muon's at muon_lr / lr times it
         group["lr"] = lr * group.get("lr_scale", 1.0)
     batches = [run.loader.next_batch() for _ in range(tc.grad_accum_steps)]
-    n_targets = sum(y.numel() for _, y in batches)
+    n_targets = global_target_count(batches, device)  # trained targets of the whole step, over every rank
+    denom = loss_scale(n_targets, run.info.world_size)
+    ignore = IGNORE_INDEX if masked(run.loader) else None
     loss_sum = torch.zeros((), device=device)
     for i, (x, y) in enumerate(batches):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -357,10 +370,10 @@ def _train_step(run: _Run) -> tuple[float, float, float]:
         no_sync = model.no_sync() if not last_micro and hasattr(model, "no_sync") else contextlib.nullcontext()
         with no_sync:
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16"):
-                micro = model(x, targets=y, reduction="sum")
-            (micro / n_targets).backward()
+                micro = model(x, targets=y, ignore_index=ignore, reduction="sum")
+            (micro / denom).backward()
         loss_sum += micro.detach()
-    loss = all_reduce_mean(loss_sum.item() / n_targets, device)
+    loss = all_reduce_sum([loss_sum.item()], device)[0] / max(n_targets, 1.0)
     # the norm is taken before any update, so a NaN/inf loss or gradient never reaches the weights
     grad_norm = float(clip_grad_norm(model.parameters(), oc.grad_clip) if oc.grad_clip > 0
                       else global_grad_norm(model.parameters()))
@@ -401,7 +414,8 @@ def _maybe_evaluate(run: _Run) -> None:
     tc = run.cfg.training
     if not run.val_set or not (run.step % tc.eval_every == 0 or run.step == tc.max_steps):
         return
-    ev = evaluate(run.raw_model, run.val_set, run.val_ds.bytes_per_token, tc.dtype, run.info.device)
+    ev = evaluate(run.raw_model, run.val_set, run.val_ds.bytes_per_token, tc.dtype, run.info.device,
+                  ignore_index=IGNORE_INDEX if masked(run.loader) else None)
     run.log.log({"step": run.step, "val_loss": ev.loss, "val_ppl": ev.ppl, "val_bpb": ev.bpb})
     bpb = f", bpb {ev.bpb:.4f}" if ev.bpb is not None else ""
     logger.info("step %d: val loss %.4f, ppl %.2f%s", run.step, ev.loss, ev.ppl, bpb)
@@ -426,7 +440,9 @@ def _maybe_checkpoint(run: _Run) -> None:
 
 def _snapshot(run: _Run) -> tuple[Any, Any]:
     """What a checkpoint saves (under FSDP gathered from all ranks: every rank must call this)."""
-    return full_state_dicts(run.raw_model, run.optimizer) if run.fsdp else (run.raw_model, run.optimizer)
+    if run.fsdp:
+        return full_state_dicts(run.raw_model, run.optimizer)
+    return trained_state(run.cfg, run.raw_model), run.optimizer  # the whole model, or a LoRA run's adapters
 
 
 def _train_state(run: _Run) -> dict[str, Any]:
