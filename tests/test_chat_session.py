@@ -230,3 +230,41 @@ def test_cli_chat_refuses_a_base_run_and_a_missing_run(tiny_run, tmp_path):
     assert out.returncode == 2 and "give --run DIR" in out.stderr
     out = _cli(["chat", "--run", str(tmp_path / "nope")], "")
     assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+def test_cli_chat_on_a_terminal_streams_after_a_prompt(chat_run):
+    """On a TTY: a ``you>`` prompt, the reply after ``model>``, and Ctrl-D (EOF) leaves with exit code 0."""
+    import pty
+    import select
+    import time
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "lmforge.cli", "chat", "--run", str(chat_run), "--temperature", "0",
+                             "--max-new-tokens", "4", "--device", "cpu"], stdin=follower, stdout=follower,
+                            stderr=follower, close_fds=True)
+    os.close(follower)
+    seen = b""
+
+    def read_until(marker: bytes, count: int = 1, timeout: float = 60) -> None:
+        nonlocal seen
+        end = time.time() + timeout
+        while seen.count(marker) < count and time.time() < end:
+            if select.select([leader], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(leader, 4096)
+                except OSError:
+                    break
+        assert marker in seen, seen
+
+    try:
+        read_until(b"you> ")
+        os.write(leader, b"hello\n")
+        read_until(b"model> ")
+        read_until(b"you> ", count=2)  # the reply streamed, then the next prompt
+        os.write(leader, b"\x04")  # Ctrl-D
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(leader)
+    assert b"chatting with" in seen and b"Traceback" not in seen

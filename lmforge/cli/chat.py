@@ -136,6 +136,8 @@ def _loop(session: "ChatSession", stdin: TextIO, out: TextIO, interactive: bool)
             stream = session.send(line)
         except ValueError as e:  # a message too long for the context: say so, keep chatting
             print(f"lmforge: {e}", file=sys.stderr)
+            if not interactive:
+                out.write("\n")  # still one output line per input message
             continue
         if stream.reply.dropped_turns:
             print(f"(context full: dropped the {stream.reply.dropped_turns} oldest turn(s) of the conversation)",
