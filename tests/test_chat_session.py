@@ -205,7 +205,7 @@ def test_a_base_run_is_refused_with_one_clear_line(tiny_run):
 # The real CLI with piped stdin
 # --------------------------------------------------------------------------------------------------
 def _cli(args: list[str], stdin: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    env = dict(os.environ, PYTHONIOENCODING="utf-8", OMP_NUM_THREADS="1")  # a tiny model: one thread is fastest
     return subprocess.run([sys.executable, "-m", "lmforge.cli", *args], input=stdin, capture_output=True,
                           text=True, env=env, timeout=120)
 
@@ -221,15 +221,6 @@ def test_cli_chat_with_piped_stdin_prints_one_line_per_reply(chat_run):
     assert "Traceback" not in out.stderr
     same = _cli(args, "hello\nhow are you?\n")
     assert same.stdout.split("\n")[0] == lines[0]
-
-
-def test_cli_chat_refuses_a_base_run_and_a_missing_run(tiny_run, tmp_path):
-    out = _cli(["chat", "--run", str(tiny_run)], "hi\n")
-    assert out.returncode == 2 and "is not a chat model" in out.stderr and len(out.stderr.strip().splitlines()) == 1
-    out = _cli(["chat"], "")
-    assert out.returncode == 2 and "give --run DIR" in out.stderr
-    out = _cli(["chat", "--run", str(tmp_path / "nope")], "")
-    assert out.returncode == 2 and "does not exist" in out.stderr
 
 
 def test_cli_chat_on_a_terminal_streams_after_a_prompt(chat_run):
@@ -268,3 +259,34 @@ def test_cli_chat_on_a_terminal_streams_after_a_prompt(chat_run):
             proc.kill()
         os.close(leader)
     assert b"chatting with" in seen and b"Traceback" not in seen
+
+
+def test_a_model_trained_to_call_the_calculator_gets_its_output_through_the_cli(tmp_path, tiny_tokenizer):
+    """End to end: a tiny model overfit on one tool-use conversation (whose tool message is deliberately wrong)
+    writes the call; the chat runs the real calculator and feeds its result, which the reply shows."""
+    run = make_chat_run(tmp_path / "run", tiny_tokenizer, context_length=64, seed=1)
+    gen = Generator.from_run(run, device="cpu")
+    fmt = ChatFormat(gen.tokenizer)
+    convo = [{"role": "user", "content": "Use the calculator: what is 123*45?"},
+             {"role": "assistant", "content": "", "tool_call": "123*45"},
+             {"role": "tool", "content": "WRONG"},  # the calculator's own 5535 must appear at chat time
+             {"role": "assistant", "content": "done"}]
+    ids, mask = fmt.render(convo)
+    x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
+    y = torch.where(torch.tensor([mask[1:]]).bool(), y, torch.tensor(-100))
+    model = gen.model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.set_num_threads(1)  # tiny ops: threads only contend on a loaded machine (conftest restores the count)
+    for _ in range(150):
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05
+    save_checkpoint(model, None, 2, CheckpointManager(run).path_for(2))
+    out = _cli(["chat", "--run", str(run), "--temperature", "0", "--max-new-tokens", "20", "--device", "cpu"],
+               "Use the calculator: what is 123*45?\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("<|python_start|>123*45<|python_end|><|output_start|>5535<|output_end|>"), out.stdout
+    assert out.stdout.count("\n") == 1
