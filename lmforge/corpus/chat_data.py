@@ -1,0 +1,186 @@
+"""Conversation data sets in the messages format: the built-in chat tasks and the chitchat conversion.
+
+Both write JSONL files of ``{"messages": [...], ...}`` lines in the schema :mod:`lmforge.chat.format` documents
+(``system``/``user``/``assistant``/``tool`` messages; an assistant ``tool_call`` followed by the ``tool`` result).
+Downloading lives in :mod:`lmforge.corpus.datasets`; this module only generates and converts.
+
+**Chat tasks** (:func:`chat_tasks`), seeded and deterministic, each with one exact answer: the final assistant
+message (what ``lmforge eval --task`` scores by exact match). Every record names its ``task``:
+
+==============  ==========================================  ===============================================
+task            user                                        final assistant message
+==============  ==========================================  ===============================================
+``arithmetic``  ``What is 482+37?`` (``+`` or ``-``, 1–3      ``519``
+                digits, never negative)
+``spelling``    ``Spell the word honour.``                  ``h-o-n-o-u-r``
+``counting``    ``How many times does the letter o appear    ``2``
+                in honour?``
+``uppercase``   ``Write honour in capital letters.``        ``HONOUR``
+``identity``    ``Hi, my name is Honour. Who are you?``      ``Nice to meet you, Honour! I am lmforge, a small
+                                                            language model.``
+``calculator``  ``Use the calculator: what is 123*45?``      an assistant ``tool_call`` ``123*45``, the
+                                                            ``tool`` result ``5535``, then ``5535``
+==============  ==========================================  ===============================================
+
+Words are the most frequent lowercase words of the built-in Shakespeare corpus (3 to 9 letters). Validation
+items are drawn first; a training item whose user message equals a validation item's is drawn again, so no
+validation prompt appears in training.
+
+**Chitchat** (:func:`chitchat_conversations`): the ``dataset.json`` of the PyPI package ``chitchat-dataset``
+(BYU PCC lab's Chit-Chat Challenge, MIT licence, 7,168 two-person conversations). Each conversation is a list of
+turns; a turn is one or more consecutive utterances of one sender, which we join with a space (the package's own
+default). Empty turns are dropped and consecutive turns of the same sender merged; the first sender becomes
+``user`` and the other ``assistant``, alternating; a final unanswered ``user`` turn is dropped and conversations
+with fewer than two turns are skipped. A conversation goes to validation when the SHA-256 of its id falls in the
+lowest ``val_fraction`` (5% by default), so the split is stable across versions of this code.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import random
+import re
+from typing import Any, Callable, Iterable
+
+__all__ = ["TASKS", "chat_tasks", "chitchat_conversations", "common_words", "to_jsonl"]
+
+Record = dict[str, Any]
+
+
+def common_words(text: str, n: int = 1000, min_len: int = 3, max_len: int = 9) -> list[str]:
+    """The ``n`` most frequent lowercase words of ``text`` (``min_len``..``max_len`` letters a-z), ties by
+    spelling."""
+    counts = collections.Counter(w for w in re.findall(r"(?<![A-Za-z'])[a-z]+(?![A-Za-z'])", text)
+                                 if min_len <= len(w) <= max_len)
+    return [w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n]]
+
+
+def _qa(task: str, question: str, answer: str) -> Record:
+    return {"task": task, "messages": [{"role": "user", "content": question},
+                                       {"role": "assistant", "content": answer}]}
+
+
+def _arithmetic(rng: random.Random, words: list[str]) -> Record:
+    a, b = (rng.randrange(10 ** rng.randint(1, 3)) for _ in range(2))
+    if rng.random() < 0.5:
+        return _qa("arithmetic", f"What is {a}+{b}?", str(a + b))
+    a, b = max(a, b), min(a, b)
+    return _qa("arithmetic", f"What is {a}-{b}?", str(a - b))
+
+
+def _spelling(rng: random.Random, words: list[str]) -> Record:
+    w = rng.choice(words)
+    return _qa("spelling", f"Spell the word {w}.", "-".join(w))
+
+
+def _counting(rng: random.Random, words: list[str]) -> Record:
+    w = rng.choice(words)
+    c = rng.choice(w) if rng.random() < 0.7 else rng.choice("abcdefghijklmnopqrstuvwxyz")
+    return _qa("counting", f"How many times does the letter {c} appear in {w}?", str(w.count(c)))
+
+
+def _uppercase(rng: random.Random, words: list[str]) -> Record:
+    w = rng.choice(words)
+    return _qa("uppercase", f"Write {w} in capital letters.", w.upper())
+
+
+def _identity(rng: random.Random, words: list[str]) -> Record:
+    name = rng.choice(words).capitalize()
+    return _qa("identity", f"Hi, my name is {name}. Who are you?",
+               f"Nice to meet you, {name}! I am lmforge, a small language model.")
+
+
+def _calculator(rng: random.Random, words: list[str]) -> Record:
+    a, b = rng.randint(10, 999), rng.randint(10, 999)
+    return {"task": "calculator", "messages": [
+        {"role": "user", "content": f"Use the calculator: what is {a}*{b}?"},
+        {"role": "assistant", "content": "", "tool_call": f"{a}*{b}"},
+        {"role": "tool", "content": str(a * b)},
+        {"role": "assistant", "content": str(a * b)}]}
+
+
+TASKS: dict[str, Callable[[random.Random, list[str]], Record]] = {
+    "arithmetic": _arithmetic, "spelling": _spelling, "counting": _counting, "uppercase": _uppercase,
+    "identity": _identity, "calculator": _calculator,
+}
+"""Each built-in chat task: a function drawing one record from a seeded ``random.Random`` and a word list."""
+
+
+def chat_tasks(words: list[str], n_train: int = 1000, n_val: int = 50, seed: int = 0,
+               tasks: Iterable[str] = tuple(TASKS)) -> tuple[list[Record], list[Record]]:
+    """``(train, val)`` records: ``n_train`` / ``n_val`` per task, train shuffled, val in task order.
+
+    Validation prompts are distinct and never appear in training (see the module docstring). ``ValueError``
+    when the word list is too small to draw ``n_val`` distinct validation items of a task.
+    """
+    names = list(tasks)
+    unknown = [t for t in names if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown chat task {unknown[0]!r}; choose from {', '.join(TASKS)}")
+    if len(words) < 2:
+        raise ValueError(f"the chat tasks need a word list of at least 2 words, got {len(words)}")
+    rng = random.Random(seed)
+    train: list[Record] = []
+    val: list[Record] = []
+    for name in names:
+        draw = TASKS[name]
+        seen: dict[str, Record] = {}
+        for _ in range(100 * n_val):
+            if len(seen) == n_val:
+                break
+            r = draw(rng, words)
+            seen.setdefault(r["messages"][0]["content"], r)
+        if len(seen) < n_val:
+            raise ValueError(f"task {name}: could draw only {len(seen)} distinct validation items of {n_val}; "
+                             "give more words or ask for fewer validation items")
+        val.extend(seen.values())
+        for _ in range(n_train):
+            for _ in range(1000):
+                r = draw(rng, words)
+                if r["messages"][0]["content"] not in seen:
+                    break
+            else:
+                raise ValueError(f"task {name}: every item drawn is a validation item; give more words")
+            train.append(r)
+    rng.shuffle(train)
+    return train, val
+
+
+def _val_bucket(key: str) -> float:
+    """A stable number in [0, 1) from ``key`` (the first 8 bytes of its SHA-256)."""
+    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") / 2 ** 64
+
+
+def chitchat_conversations(data: dict[str, Any], val_fraction: float = 0.05) -> tuple[list[Record], list[Record]]:
+    """``(train, val)`` records ``{"id", "messages"}`` from the chitchat ``dataset.json`` object (see the module
+    docstring for the conversion), in id order."""
+    if not isinstance(data, dict):
+        raise ValueError(f"chitchat dataset.json must hold an object of conversations, got {type(data).__name__}")
+    train: list[Record] = []
+    val: list[Record] = []
+    for cid in sorted(data):
+        turns: list[tuple[str, str]] = []  # (sender, text)
+        for group in data[cid].get("messages", []):
+            text = " ".join(u["text"].strip() for u in group if u.get("text", "").strip())
+            if not text:
+                continue
+            sender = group[0]["sender"]
+            if turns and turns[-1][0] == sender:
+                turns[-1] = (sender, turns[-1][1] + " " + text)
+            else:
+                turns.append((sender, text))
+        if len(turns) % 2:
+            turns.pop()  # a last user turn has no answer
+        if len(turns) < 2:
+            continue
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": text}
+                    for i, (_, text) in enumerate(turns)]
+        (val if _val_bucket(cid) < val_fraction else train).append({"id": cid, "messages": messages})
+    return train, val
+
+
+def to_jsonl(records: Iterable[Record]) -> str:
+    """One JSON object per line (UTF-8 text kept as is)."""
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
