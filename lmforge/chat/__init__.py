@@ -7,7 +7,7 @@
 from lmforge.chat.format import (CHAT_SPECIAL_TOKENS, ROLES, ChatFormat, add_chat_tokens, check_conversation,
                                  load_conversations, read_conversations)
 from lmforge.chat.preview import render_jsonl_preview, render_preview
-from lmforge.chat.tools import calculate
+from lmforge.chat.tools import ToolUse, calculate, run_tool
 
 __all__ = ["CHAT_SPECIAL_TOKENS", "ROLES", "ChatFormat", "add_chat_tokens", "check_conversation",
-           "load_conversations", "read_conversations", "render_jsonl_preview", "render_preview", "calculate"]
+           "load_conversations", "read_conversations", "render_jsonl_preview", "render_preview", "calculate", "run_tool", "ToolUse"]

@@ -1,5 +1,9 @@
 """The calculator tool: what runs between ``<|python_start|>`` and ``<|python_end|>``. No ``eval``/``exec``.
 
+:class:`ToolUse` watches one sequence's generated tokens and, when a call completes, gives the tokens to
+force-feed (``<|output_start|>RESULT<|output_end|>``, from :meth:`ChatFormat.tool_output_ids`); a decoding loop
+(:class:`~lmforge.chat.session.ChatSession`, a server's batched scheduler) keeps one per row.
+
 The expression is parsed with :mod:`ast` and walked over a whitelist: int and float literals, ``+ - * / // %
 **`` and unary ``+ -``, with parentheses. Size bounds make time bounded without a timer: at most
 :data:`MAX_CHARS` characters and :data:`MAX_NODES` syntax nodes, integers below ``10**MAX_DIGITS`` at every
@@ -14,9 +18,12 @@ from __future__ import annotations
 import ast
 import math
 import operator
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-__all__ = ["calculate", "MAX_CHARS", "MAX_NODES", "MAX_DIGITS"]
+if TYPE_CHECKING:
+    from lmforge.chat.format import ChatFormat
+
+__all__ = ["calculate", "run_tool", "ToolUse", "MAX_CHARS", "MAX_NODES", "MAX_DIGITS"]
 
 MAX_CHARS = 200
 MAX_NODES = 64
@@ -87,3 +94,69 @@ def calculate(expr: str) -> str:
     if isinstance(value, float):
         return f"{value:.12g}"
     return str(value)
+
+
+def run_tool(expr: str) -> str:
+    """The tool output for a call: the calculator's result, or ``"error: ..."`` (never raises for any text)."""
+    try:
+        return calculate(expr)
+    except (ValueError, RecursionError, MemoryError) as e:  # RecursionError: a parser fed deep nesting
+        return f"error: {e}"
+
+
+class ToolUse:
+    """Per-sequence tool-call state machine: feed it each generated token id, in order.
+
+    ``feed`` returns None, except on the ``<|python_end|>`` that closes a ``<|python_start|>`` call: then the
+    ids to force-feed next, ``<|output_start|>{result}<|output_end|>``, where the result is :func:`run_tool`
+    of the call's text (an error string for a call that is not arithmetic or too large). The forced ids are
+    not fed back into ``feed``. ``calls`` records ``(expression, output)`` of every completed call. A call
+    holds at most ``max_call_tokens`` tokens; a longer one is answered with an error when it closes.
+
+    >>> from lmforge.tokenizer import Tokenizer
+    >>> from lmforge.chat.format import ChatFormat, add_chat_tokens
+    >>> fmt = ChatFormat(add_chat_tokens(Tokenizer({i: bytes([i]) for i in range(256)}, [])))
+    >>> use, sp = ToolUse(fmt), fmt.ids
+    >>> [use.feed(t) for t in [sp["<|python_start|>"], ord("6"), ord("*"), ord("7")]]
+    [None, None, None, None]
+    >>> fmt.tokenizer.decode(use.feed(sp["<|python_end|>"]))
+    '<|output_start|>42<|output_end|>'
+    >>> use.calls
+    [('6*7', '42')]
+    """
+
+    def __init__(self, fmt: "ChatFormat", max_call_tokens: int = 4 * MAX_CHARS) -> None:
+        self.fmt = fmt
+        self.start_id = fmt.ids["<|python_start|>"]
+        self.end_id = fmt.ids["<|python_end|>"]
+        self.max_call_tokens = max_call_tokens
+        self.calls: list[tuple[str, str]] = []
+        self._call: list[int] | None = None  # the open call's tokens, or None outside a call
+        self._overflow = False
+
+    @property
+    def in_call(self) -> bool:
+        """Whether a ``<|python_start|>`` is open (its ``<|python_end|>`` not yet seen)."""
+        return self._call is not None
+
+    def feed(self, token_id: int) -> list[int] | None:
+        """Advance by one generated token; the ids to force-feed when it completes a call, else None."""
+        if self._call is None:
+            if token_id == self.start_id:
+                self._call, self._overflow = [], False
+            return None
+        if token_id != self.end_id:
+            if len(self._call) < self.max_call_tokens:
+                self._call.append(token_id)
+            else:
+                self._overflow = True
+            return None
+        expr = self.fmt.tokenizer.decode(self._call)
+        self._call = None
+        if self._overflow:
+            out = f"error: the call is longer than {self.max_call_tokens} tokens; a tool call must be a short " \
+                  "arithmetic expression"
+        else:
+            out = run_tool(expr)
+        self.calls.append((expr, out))
+        return self.fmt.tool_output_ids(out)

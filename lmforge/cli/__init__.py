@@ -53,12 +53,12 @@ Command = tuple[str, str, AddArgs, Handler]
 GROUPS = {
     "tokenizer": ("train, apply and inspect byte-level BPE tokenizers", "lmforge.cli.tokenizer"),
     "data": ("download corpora, prepare token shards, inspect them", "lmforge.cli.data"),
-    "chat": ("the chat format: render conversations to tokens", "lmforge.cli.chat"),
 }
 COMMANDS = {
     "train": ("pretrain a model from a YAML config (resumes automatically)", "lmforge.cli.train"),
     "eval": ("loss, perplexity and bits/byte of a run's checkpoint on its validation data", "lmforge.cli.train"),
     "generate": ("generate text with a trained model (KV cache, sampling, streaming)", "lmforge.cli.generate"),
+    "chat": ("talk to a chat model (--run DIR), or render conversations to tokens (chat render)", "lmforge.cli.chat"),
     "speedrun": ("the whole pipeline on one corpus: tokenizer, shards, training, eval, samples, report.md",
                  "lmforge.cli.speedrun"),
 }

@@ -1,14 +1,24 @@
-"""``lmforge chat render``: see how conversations become tokens and which of them are trained."""
+"""``lmforge chat --run DIR``: talk to a chat model in the terminal; ``lmforge chat render``: see how
+conversations become tokens and which of them are trained.
+
+On a terminal the reply streams after a ``you>`` prompt; with stdin not a terminal each input line is one user
+message and each reply is printed on one line (newlines in it written as ``\n``), so a chat can be scripted.
+Lines starting with ``/`` are commands (``/reset``, ``/system TEXT``, ``/quit``, ``/help``); notices go to stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING, TextIO
 
 from lmforge.chat import CHAT_SPECIAL_TOKENS, add_chat_tokens, render_jsonl_preview
-from lmforge.cli import Command
+from lmforge.cli import CLIError, positive_int
 from lmforge.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from lmforge.chat.session import ChatSession
 
 logger = logging.getLogger("lmforge")
 
@@ -35,6 +45,111 @@ def _render(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: list[Command] = [
-    ("render", "show a JSONL file's conversations as tokens, the trained ones highlighted", _render_args, _render),
-]
+HELP = """commands inside the chat:
+  /reset        forget the conversation (the system message stays)
+  /system TEXT  set the system message (/system alone removes it)
+  /quit         leave (as does Ctrl-D or Ctrl-C)"""
+
+
+def _chat_args(p: argparse.ArgumentParser) -> None:
+    p.description = ("Talk to a chat model (a run fine-tuned with `lmforge sft`): `lmforge chat --run DIR`. "
+                     "Or render conversations to tokens: `lmforge chat render FILE.jsonl --tokenizer T`.")
+    p.epilog = HELP + "\n\nWith stdin not a terminal, each input line is one message and each reply one output line."
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.usage = ("lmforge chat --run DIR [--system TEXT] [--temperature T] [--top-p P] [--max-new-tokens N] [--seed S] "
+               "[...]\n       lmforge chat render FILE.jsonl --tokenizer T")
+    p.add_argument("--run", metavar="DIR", help="the run to talk to (its tokenizer must hold the chat tokens)")
+    p.add_argument("--checkpoint", metavar="FILE", help="a checkpoint file, or 'best' (default: the newest step)")
+    p.add_argument("--system", metavar="TEXT", help="system message at the start of the conversation")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="sampling temperature; 0 = greedy "
+                   "(default 0.8)")
+    p.add_argument("--top-k", type=positive_int, default=None, metavar="K", help="sample from the K likeliest tokens")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling: the smallest set of "
+                   "tokens with probability >= P")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, metavar="N", help="tokens per reply at most "
+                   "(default 256)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed (the same seed and messages "
+                   "give the same replies)")
+    p.add_argument("--no-tools", action="store_true", help="do not run calculator calls (the model's "
+                   "<|python_start|>...<|python_end|> stays text)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (default)")
+    sub = p.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", parser_class=type(p))
+    rp = sub.add_parser("render", help="show a JSONL file's conversations as tokens, the trained ones highlighted",
+                        description="show a JSONL file's conversations as tokens, the trained ones highlighted")
+    _render_args(rp)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    if args.subcommand == "render":
+        return _render(args)
+    if not args.run:
+        raise CLIError("give --run DIR to talk to a chat model, or use `lmforge chat render FILE.jsonl --tokenizer T` "
+                       "(see `lmforge chat --help`)")
+    from lmforge.chat.session import ChatSession  # here: loads torch
+
+    session = ChatSession.from_run(args.run, args.checkpoint, device=args.device, system=args.system,
+                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, tools=not args.no_tools)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chatting with {args.run} (context {session.context_length} tokens). /help for commands, "
+              "/quit or Ctrl-D to leave.", file=sys.stderr)
+    try:
+        _loop(session, sys.stdin, sys.stdout, interactive)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+    return 0
+
+
+def _loop(session: "ChatSession", stdin: TextIO, out: TextIO, interactive: bool) -> None:
+    """Read messages and commands until /quit or end of input; stream each reply to ``out``."""
+    while True:
+        if interactive:
+            try:
+                line = input("you> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return
+        else:
+            line = stdin.readline()
+            if not line:
+                return
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, _, rest = line.partition(" ")
+            if cmd == "/quit":
+                return
+            if cmd == "/reset":
+                session.reset()
+                print("(conversation reset)", file=sys.stderr)
+            elif cmd == "/system":
+                session.set_system(rest.strip() or None)
+                print(f"(system message {'set' if session.system else 'removed'})", file=sys.stderr)
+            elif cmd == "/help":
+                print(HELP, file=sys.stderr)
+            else:
+                print(f"unknown command {cmd}; {HELP}", file=sys.stderr)
+            continue
+        try:
+            stream = session.send(line)
+        except ValueError as e:  # a message too long for the context: say so, keep chatting
+            print(f"lmforge: {e}", file=sys.stderr)
+            continue
+        if stream.reply.dropped_turns:
+            print(f"(context full: dropped the {stream.reply.dropped_turns} oldest turn(s) of the conversation)",
+                  file=sys.stderr)
+        if interactive:
+            out.write("model> ")
+        for piece in stream:
+            out.write(piece if interactive else piece.replace("\\", "\\\\").replace("\n", "\\n"))
+            out.flush()
+        out.write("\n")
+        out.flush()
+        reason = stream.reply.finish_reason
+        if reason != "stop":
+            print(f"(reply cut: {'max-new-tokens reached' if reason == 'length' else 'context full'})", file=sys.stderr)
+
+
+COMMANDS = {"chat": (_chat_args, _chat)}

@@ -25,7 +25,7 @@ from __future__ import annotations
 import codecs
 import logging
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ from lmforge.tokenizer import EOT, Tokenizer
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["Generator"]
+__all__ = ["Generator", "Turn"]
 
 
 # ==================================================================================================
@@ -142,6 +142,22 @@ class Generator:
         """Re-read the model's weights (call after changing them; the decoder packs a copy)."""
         self.engine = Engine(self.model, self.engine.window_drop, self.engine.weight_dtype)
 
+    def rng(self, seed: int | None = None) -> torch.Generator:
+        """A random generator on the model's device: seeded with ``seed``, or from fresh entropy when None."""
+        gen = torch.Generator(device=self.device)
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(int(seed))
+        return gen
+
+    def _pick(self, logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+              gen: torch.Generator) -> torch.Tensor:
+        """Sample ``(B,)`` ids from ``(B, V)`` logits, never a padding id past the tokenizer's vocabulary."""
+        if self.vocab_limit < logits.shape[-1]:
+            logits = logits[:, : self.vocab_limit]
+        return sample_next(logits, temperature, top_k, top_p, gen)
+
     # ---------------------------------------------------------------------------------------------
     # ids in, ids out
     # ---------------------------------------------------------------------------------------------
@@ -179,16 +195,10 @@ class Generator:
         policy to its window: after appending a token, a window longer than the context drops its
         oldest ``window_drop`` tokens.
         """
-        gen = torch.Generator(device=self.device)
-        if seed is None:
-            gen.seed()  # fresh entropy
-        else:
-            gen.manual_seed(int(seed))
+        gen = self.rng(seed)
 
         def pick(logits: torch.Tensor) -> torch.Tensor:
-            if self.vocab_limit < logits.shape[-1]:
-                logits = logits[:, : self.vocab_limit]
-            return sample_next(logits, temperature, top_k, top_p, gen)
+            return self._pick(logits, temperature, top_k, top_p, gen)
 
         ctx = self.cfg.context_length
         if naive:
@@ -265,6 +275,25 @@ class Generator:
             if all(done):
                 return
 
+    def turn(self, prompt_ids: Sequence[int], max_new_tokens: int = 256, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, rng: torch.Generator | None = None,
+             stop_ids: Sequence[int] = (), inject: Callable[[int], Sequence[int] | None] | None = None) -> "Turn":
+        """One streamed reply to ``prompt_ids`` with forced tokens: a :class:`Turn` to iterate.
+
+        Each sampled id is passed to ``inject`` (if given); when it returns ids, they are fed to the model
+        after the sampled one, one step each, before sampling goes on (a tool's output). The reply ends at a
+        ``stop_ids`` token (not yielded), after ``max_new_tokens`` sampled tokens, or when the context is full
+        (no sliding: a chat drops whole turns instead). ``rng``: the random generator (default: fresh entropy).
+        """
+        check_sampling(temperature, top_k, top_p)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer (got {max_new_tokens!r})")
+        rows = [list(prompt_ids)]
+        self._check_prompts(rows, 1, "stop")
+        if self.tokenizer is None:
+            raise ValueError("this Generator has no tokenizer; pass tokenizer= to stream text")
+        return Turn(self, rows[0], max_new_tokens, temperature, top_k, top_p, rng or self.rng(), set(stop_ids), inject)
+
     # ---------------------------------------------------------------------------------------------
     # text in, text out
     # ---------------------------------------------------------------------------------------------
@@ -327,3 +356,62 @@ class Generator:
             piece = row.finish()
             if piece:
                 yield b, piece
+
+
+class Turn:
+    """A reply being generated (see :meth:`Generator.turn`): iterate for ``(token_id, text, forced)``.
+
+    ``text`` is the final text the token completes (possibly empty: a UTF-8 character can span tokens; a
+    special token is its own string); ``forced`` marks ids that ``inject`` returned. After iteration,
+    ``ids`` holds every id of the reply in order (forced ones included, the stop token not) and
+    ``finish_reason`` is ``"stop"`` (a stop token), ``"length"`` (``max_new_tokens``) or ``"context"`` (the
+    context is full). A reply that ends inside a UTF-8 character ends with ``(-1, "\ufffd", False)``.
+    """
+
+    def __init__(self, gen: Generator, prompt: list[int], max_new_tokens: int, temperature: float,
+                 top_k: int | None, top_p: float | None, rng: torch.Generator, stop_ids: set[int],
+                 inject: Callable[[int], Sequence[int] | None] | None) -> None:
+        self._gen, self._prompt, self._max = gen, prompt, max_new_tokens
+        self._sampling = (temperature, top_k, top_p, rng)
+        self._stop, self._inject = stop_ids, inject
+        self.ids: list[int] = []
+        self.finish_reason: str | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, str, bool]]:
+        gen, engine = self._gen, self._gen.engine
+        ctx = gen.cfg.context_length
+        text = _TextStream([])
+
+        def pick(logits: torch.Tensor) -> int:
+            return int(gen._pick(logits, *self._sampling)[0])
+
+        with torch.inference_mode():
+            nxt = pick(engine.prefill([self._prompt], ctx))
+        used, sampled = len(self._prompt), 0  # tokens in the cache, tokens sampled
+        while True:
+            if nxt in self._stop:
+                self.finish_reason = "stop"
+                break
+            sampled += 1
+            self.ids.append(nxt)
+            yield nxt, text.feed(gen._bytes_of(nxt)), False
+            feed = [nxt]
+            for t in (self._inject(nxt) or []) if self._inject is not None else []:
+                token_ids([t], gen.cfg.vocab_size, what="forced token id")
+                self.ids.append(t)
+                feed.append(t)
+                yield t, text.feed(gen._bytes_of(t)), True
+            if sampled >= self._max:
+                self.finish_reason = "length"
+                break
+            if used + len(feed) > ctx:
+                self.finish_reason = "context"
+                break
+            with torch.inference_mode(), engine.serial_torch():
+                for t in feed:
+                    logits = engine.step(torch.tensor([t], device=gen.device))
+                nxt = pick(logits)
+            used += len(feed)
+        tail = text.finish()
+        if tail:
+            yield -1, tail, False
