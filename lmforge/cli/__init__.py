@@ -59,6 +59,8 @@ COMMANDS = {
     "eval": ("loss, perplexity and bits/byte of a run's checkpoint on its validation data", "lmforge.cli.train"),
     "generate": ("generate text with a trained model (KV cache, sampling, streaming)", "lmforge.cli.generate"),
     "chat": ("talk to a chat model (--run DIR), or render conversations to tokens (chat render)", "lmforge.cli.chat"),
+    "serve": ("serve a run over an OpenAI-compatible HTTP API and a web chat page (batched decoding)",
+              "lmforge.cli.serve"),
     "speedrun": ("the whole pipeline on one corpus: tokenizer, shards, training, eval, samples, report.md",
                  "lmforge.cli.speedrun"),
 }
