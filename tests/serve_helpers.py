@@ -68,14 +68,20 @@ def zero_run(path: Path, context_length: int = 4096) -> Path:
 SCRIPT_WORDS = (b"<script>", b"alert('pwned')", b"</script>")
 
 
-def script_run(path: Path) -> Path:
-    """Hand-set weights: after ``<|assistant_start|>`` the model says ``<script>alert('pwned')</script>`` (three
-    whole-word tokens, one per step) and ends the turn. Attention and MLP outputs are zero, so the next token
-    depends on the current one only: embeddings are one-hot per state, the head maps each state to the next."""
-    tok = byte_chat_tokenizer(SCRIPT_WORDS)
-    sp = tok.special_tokens
-    chain = [sp["<|assistant_start|>"], 256, 257, 258, sp["<|assistant_end|>"]]
-    cfg = ModelConfig(vocab_size=tok.vocab_size, context_length=64, d_model=8, n_layers=1, n_heads=2)
+def chain_run(path: Path, chain: list[int | str], extra: tuple[bytes, ...] = (),
+              also: tuple[tuple[int | str, int | str], ...] = ()) -> Path:
+    """Hand-set weights that make greedy decoding follow ``chain`` (token ids, or chat special tokens by name):
+    after ``chain[k]`` comes ``chain[k + 1]`` (and after ``a`` comes ``b`` for each pair in ``also``). Attention
+    and MLP outputs are zero, so the next token depends on the current one only: each such token's embedding
+    is one-hot in its own dimension, and the head maps that dimension to the next token."""
+    tok = byte_chat_tokenizer(extra)
+
+    def tid(t: int | str) -> int:
+        return tok.special_tokens[t] if isinstance(t, str) else t
+
+    pairs = [(tid(a), tid(b)) for a, b in [*zip(chain, chain[1:]), *also]]
+    cfg = ModelConfig(vocab_size=tok.vocab_size, context_length=256, d_model=16, n_layers=1, n_heads=2)
+    assert len(pairs) <= cfg.d_model
 
     def fill(model: TransformerLM) -> None:
         for p in model.parameters():
@@ -83,11 +89,23 @@ def script_run(path: Path) -> Path:
         for name in ("ln1.weight", "ln2.weight"):
             model.layers[0].get_parameter(name).fill_(1.0)
         model.ln_final.weight.fill_(1.0)
-        for k, (cur, nxt) in enumerate(zip(chain, chain[1:])):
+        for k, (cur, nxt) in enumerate(pairs):
             model.token_embeddings.weight[cur, k] = 1.0
             model.lm_head.weight[nxt, k] = 10.0
 
     return write_run(path, tok, cfg, fill)
+
+
+def script_run(path: Path) -> Path:
+    """After ``<|assistant_start|>`` the model says ``<script>alert('pwned')</script>`` (three whole-word tokens,
+    one per step) and ends its turn."""
+    return chain_run(path, ["<|assistant_start|>", 256, 257, 258, "<|assistant_end|>"], SCRIPT_WORDS)
+
+
+def calculator_run(path: Path) -> Path:
+    """The model calls the calculator (``6*7``) and ends its turn once the tool's output has been fed in."""
+    return chain_run(path, ["<|assistant_start|>", "<|python_start|>", ord("6"), ord("*"), ord("7"),
+                            "<|python_end|>"], also=(("<|output_end|>", "<|assistant_end|>"),))
 
 
 class ThreadServer:

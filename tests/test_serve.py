@@ -363,3 +363,17 @@ def test_lmforge_serve_bad_input_is_one_line_exit_2(tmp_path, runs):
         r = run(*args)
         assert r.returncode == 2 and words in r.stderr, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_chat_runs_the_calculator_tool_inside_the_reply(tmp_path, http):
+    """The model calls the calculator; the server force-feeds the tool's output (the chat stage's ToolUse on
+    the scheduler's forced-token path) and the model, seeing it, ends its turn."""
+    from serve_helpers import calculator_run
+
+    s = ThreadServer(ServedModel.from_run(calculator_run(tmp_path / "calc")))
+    try:
+        r = openai_client(s.url).chat.completions.create(model="calc", messages=MSG, temperature=0, max_tokens=30)
+        assert r.choices[0].message.content == "<|python_start|>6*7<|python_end|><|output_start|>42<|output_end|>"
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 5 + 4  # call + tool output
+    finally:
+        s.close()

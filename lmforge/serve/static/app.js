@@ -40,6 +40,7 @@ async function loadModel() {
     $("model").textContent = info.model + (info.chat ? "" : " (no chat format: this model cannot chat)");
     $("key-label").hidden = !info.auth;
     $("max-tokens").max = info.context_length;
+    $("max-tokens").placeholder = "auto (≤ " + info.context_length + ")";
   } catch (e) {
     $("status").textContent = "cannot reach the server: " + e;
   }
@@ -80,9 +81,9 @@ async function send(text) {
   let finish = null;
   try {
     const body = {
-      model: state.model, messages: state.history, stream: true,
-      temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value),
+      model: state.model, messages: state.history, stream: true, temperature: Number($("temperature").value),
     };
+    if ($("max-tokens").value) body.max_tokens = Number($("max-tokens").value);  // empty: what fits
     const r = await fetch("/v1/chat/completions", {
       method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
     });
