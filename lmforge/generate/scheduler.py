@@ -260,19 +260,24 @@ class Scheduler:
         feed = torch.tensor([r.next for r in self._rows], dtype=torch.long, device=self.engine.device)
         with torch.inference_mode(), self.engine.serial_torch():  # sampling too: see Engine.serial_torch
             logits = self.engine.step(feed)
+            greedy = logits[:, : self.vocab_limit].argmax(dim=-1).tolist()  # one op for every greedy row
             for i, r in enumerate(self._rows):
-                self._advance(r, logits[i])
+                self._advance(r, logits[i], greedy[i])
         self._finish_rows()
         return True
 
-    def _advance(self, r: _Row, logits: torch.Tensor) -> None:
-        """Take the row's next token: a forced one, or one sampled from ``logits (V,)``; mark it if it ends."""
+    def _advance(self, r: _Row, logits: torch.Tensor, argmax: int | None = None) -> None:
+        """Take the row's next token: a forced one, or one sampled from ``logits (V,)`` (``argmax``: its greedy
+        pick, already computed); mark the row if it ends."""
         req = r.req
         try:
             if r.forced:
                 self._take(r, r.forced.popleft())
                 return
-            t = int(sample_next(logits[None, : self.vocab_limit], req.temperature, req.top_k, req.top_p, r.gen)[0])
+            if req.temperature == 0 and argmax is not None:
+                t = argmax  # == sample_next at temperature 0
+            else:
+                t = int(sample_next(logits[None, : self.vocab_limit], req.temperature, req.top_k, req.top_p, r.gen)[0])
             if t in req.stop_ids:
                 r.finish = "stop"
                 r.pending += r.stream.finish()  # a held-back tail that turned out not to be a stop string
