@@ -114,3 +114,21 @@ def test_stop_button_ends_the_reply_and_frees_the_row(chromium, tmp_path):
     finally:
         page.close()
         s.close()
+
+
+def test_page_sends_the_api_key_when_the_server_wants_one(chromium, tmp_path):
+    s = ThreadServer(ServedModel.from_run(script_run(tmp_path / "scripted")), api_key="page-key")
+    page = chromium.new_page()
+    try:
+        page.goto(s.url + "/")
+        sync_api.expect(page.locator("#key-label")).to_be_visible()
+        page.fill("#input", "hello")
+        page.click("#send")
+        sync_api.expect(page.locator(".msg.error .content")).to_contain_text("API key", timeout=30_000)
+        page.fill("#api-key", "page-key")
+        page.fill("#input", "hello again")
+        page.click("#send")
+        sync_api.expect(page.locator(".msg.assistant:not(.error) .content")).to_have_text(REPLY, timeout=30_000)
+    finally:
+        page.close()
+        s.close()
