@@ -22,10 +22,10 @@ $(VENV)/.base: $(BIN)/python
 	touch $@
 
 install: $(VENV)/.base
-	$(PIP) install -q --no-build-isolation -e .
+	$(PIP) install -q --no-build-isolation -e ".[serve]"
 
 install-test: $(VENV)/.base
-	$(PIP) install -q --no-build-isolation -e ".[test]"
+	$(PIP) install -q --no-build-isolation -e ".[test,serve]"
 
 demo: install
 	$(BIN)/lmforge speedrun

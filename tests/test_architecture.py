@@ -24,6 +24,7 @@ STAGES = {
     "generate": {"tokenizer", "model"},
     "interop": {"tokenizer", "model"},
     "chat": {"corpus", "tokenizer", "data", "model", "train", "generate"},
+    "serve": {"tokenizer", "model", "generate", "chat"},  # the server only calls the engine (and renders chats)
 }
 # On top: each may import everything below and the top units named here; nothing imports the CLI.
 # report.py owns run reports (it may import any stage); the speedrun writes its report.md through it.

@@ -62,6 +62,8 @@ COMMANDS = {
             "lmforge.cli.sft"),
     "generate": ("generate text with a trained model (KV cache, sampling, streaming)", "lmforge.cli.generate"),
     "chat": ("talk to a chat model (--run DIR), or render conversations to tokens (chat render)", "lmforge.cli.chat"),
+    "serve": ("serve a run over an OpenAI-compatible HTTP API and a web chat page (batched decoding)",
+              "lmforge.cli.serve"),
     "speedrun": ("the whole pipeline on one corpus: tokenizer, shards, training, eval, samples, report.md",
                  "lmforge.cli.speedrun"),
 }

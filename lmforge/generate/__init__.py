@@ -2,7 +2,8 @@
 
 ``engine`` runs a model over its KV cache (prefill, then one token per step; on CPU the step's products,
 attention and small ops run in the C++ decode kernels on weights packed by ``packed``); ``sampling`` picks the
-next token; ``generator`` drives both and turns ids into text.
+next token; ``generator`` drives both and turns ids into text; ``scheduler`` decodes many requests together
+on one engine (continuous batching: rows join and leave between steps) for a server.
 Generation sees models and tokenizers, never training.
 """
 

@@ -6,6 +6,10 @@ and the C++ extension built, a step is one C++ call per operation on weights pac
 (:class:`~lmforge.generate.packed.PackedLinear`: every matrix product, attention over the same cache tensors,
 RMSNorm, RoPE with the cache write, SwiGLU); everywhere else a step is the model's forward over the cache.
 Tests hold the kernel step to that forward.
+
+For serving, rows join and leave between steps (continuous batching): ``Engine.open_slots`` makes an empty
+cache of N rows, ``Engine.admit`` prefills one prompt into the next free row, ``Engine.release`` frees a row,
+and ``Engine.step`` feeds the live rows in one batched step (:mod:`lmforge.generate.scheduler` drives this).
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ class Engine:
             self._pack(model)
         self.cache: KVCache | None = None
         self.tokens: torch.Tensor | None = None  # (B, capacity): each row's tokens, as in its cache
+        self.active = 0  # live rows (0 .. active-1); all of them after prefill
         self._threads: int | None = None  # the kernel's threads inside serial_torch
 
     # ---------------------------------------------------------------------------------------------
@@ -153,6 +158,19 @@ class Engine:
         h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
         return self.model.lm_head(h)  # (B, V)
 
+    def _fill(self, cache: KVCache, buf: torch.Tensor, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Run the prompts ``rows`` into the empty ``cache`` (its rows' token buffer ``buf``); next-token logits."""
+        T = max(len(r) for r in rows)
+        assert 0 < T <= cache.capacity, (T, cache.capacity)
+        lengths = torch.tensor([len(r) for r in rows], device=self.device)  # (B,)
+        buf[:, :T] = 0  # right-padded prompts
+        for b, r in enumerate(rows):
+            buf[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+        # Right padding: a row's real tokens never see its pads under causal attention (pads come after).
+        logits = self._run(buf[:, :T], cache, None if bool((lengths == T).all()) else lengths - 1)
+        cache.lengths.copy_(lengths)  # the pads are forgotten: their columns are overwritten next
+        return logits
+
     @torch.inference_mode()
     def prefill(self, rows: Sequence[Sequence[int]], capacity: int) -> torch.Tensor:
         """Start a generation: allocate a cache of ``capacity`` columns, run the prompts ``rows``.
@@ -162,15 +180,66 @@ class Engine:
         """
         B, T = len(rows), max(len(r) for r in rows)
         assert 0 < T <= capacity <= self.context_length, (T, capacity, self.context_length)
-        lengths = torch.tensor([len(r) for r in rows], device=self.device)  # (B,)
-        self.tokens = torch.zeros(B, capacity, dtype=torch.long, device=self.device)  # right-padded prompts
-        for b, r in enumerate(rows):
-            self.tokens[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+        self.tokens = torch.zeros(B, capacity, dtype=torch.long, device=self.device)
         self.cache = KVCache.for_model(self.model, B, capacity)
-        # Right padding: a row's real tokens never see its pads under causal attention (pads come after).
-        logits = self._run(self.tokens[:, :T], self.cache, None if bool((lengths == T).all()) else lengths - 1)
-        self.cache.lengths.copy_(lengths)  # the pads are forgotten: their columns are overwritten next
-        return logits
+        self.active = B
+        return self._fill(self.cache, self.tokens, rows)
+
+    # ---------------------------------------------------------------------------------------------
+    # Continuous batching: rows join and leave between steps
+    # ---------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def open_slots(self, n_slots: int, capacity: int | None = None) -> None:
+        """Start serving: an empty cache of ``n_slots`` rows of ``capacity`` columns (default: the context).
+
+        Live rows are always ``0 .. active-1``: :meth:`admit` prefills new prompts into the next free rows,
+        :meth:`release` frees a row by moving the last live row into it, and :meth:`step` feeds the live rows
+        only (one batched step over a prefix of the cache, whose per-layer tensors stay contiguous).
+        """
+        capacity = self.context_length if capacity is None else capacity
+        if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
+            raise ValueError(f"n_slots must be a positive integer (got {n_slots!r})")
+        self.cache = KVCache.for_model(self.model, n_slots, capacity)
+        self.tokens = torch.zeros(n_slots, capacity, dtype=torch.long, device=self.device)
+        self.active = 0
+
+    @property
+    def free_slots(self) -> int:
+        """Rows :meth:`admit` can still fill (0 before :meth:`open_slots`)."""
+        return 0 if self.cache is None else self.cache.batch_size - self.active
+
+    @torch.inference_mode()
+    def admit(self, prompt: Sequence[int]) -> tuple[int, torch.Tensor]:
+        """Prefill ``prompt`` into the next free row; returns ``(row, next-token logits (V,))``.
+
+        The prompt runs alone through the model's forward into a view of its row, so its numbers do not
+        depend on which other rows are live.
+        """
+        assert self.cache is not None and self.active < self.cache.batch_size, "no free row: release one first"
+        row = self.active
+        view = self.cache.rows(row)
+        view.reset()
+        logits = self._fill(view, self.tokens[row: row + 1], [prompt])
+        self.active += 1
+        return row, logits[0]
+
+    @torch.inference_mode()
+    def release(self, row: int) -> int | None:
+        """Free live row ``row`` at once. The last live row moves into its place (cache columns, tokens,
+        length); returns that row's old index, or None when ``row`` was the last one (nothing moved)."""
+        assert self.cache is not None and 0 <= row < self.active, (row, self.active)
+        last = self.active - 1
+        moved = None
+        if row != last:
+            n = int(self.cache.lengths[last])
+            self.cache.k[:, row, :, :n] = self.cache.k[:, last, :, :n]
+            self.cache.v[:, row, :, :n] = self.cache.v[:, last, :, :n]
+            self.cache.lengths[row] = n
+            self.tokens[row, :n] = self.tokens[last, :n]
+            moved = last
+        self.cache.lengths[last] = 0
+        self.active = last
+        return moved
 
     def _refill(self, rows: slice, kept: torch.Tensor) -> None:
         """Empty the cache rows ``rows`` and run ``kept (b, n)`` into them (a sliding row's re-prefill)."""
@@ -178,18 +247,19 @@ class Engine:
         view.reset()
         self.model.hidden(kept, cache=view)
 
-    def _slide(self, full: list[int]) -> None:
-        """Rows ``full`` (at capacity) keep their newest ``keep - 1`` tokens, re-prefilled (the next token makes ``keep``)."""
-        assert self.cache is not None and self.cache.capacity == self.context_length, "only a full context slides"
+    def _slide(self, cache: KVCache, full: list[int]) -> None:
+        """Rows ``full`` of the live rows' ``cache`` (at capacity) keep their newest ``keep - 1`` tokens,
+        re-prefilled (the next token makes ``keep``)."""
+        assert cache.capacity == self.context_length, "only a full context slides"
         keep = self.context_length + 1 - self.window_drop  # >= 1
-        groups = [slice(None)] if len(full) == self.cache.batch_size else [slice(b, b + 1) for b in full]
+        groups = [slice(0, cache.batch_size)] if len(full) == cache.batch_size else [slice(b, b + 1) for b in full]
         for rows in groups:
             kept = self.tokens[rows, self.context_length - keep + 1:].clone()  # (b, keep - 1)
             self.tokens[rows, : keep - 1] = kept
             if keep > 1:
                 self._refill(rows, kept)
             else:
-                self.cache.rows(rows).reset()
+                cache.rows(rows).reset()
 
     @torch.inference_mode()
     @_serial_torch
@@ -199,19 +269,20 @@ class Engine:
         A row whose cache is full slides first (class docstring).
         """
         assert self.cache is not None, "prefill not called"
-        lengths = self.cache.lengths
-        if int(lengths.max()) == self.cache.capacity:  # one cheap check per step; the row list only when needed
-            self._slide((lengths == self.cache.capacity).nonzero().flatten().tolist())
         B = tokens.shape[0]
+        assert 0 < B <= self.cache.batch_size, (B, self.cache.batch_size)
+        cache = self.cache if B == self.cache.batch_size else self.cache.rows(slice(0, B))  # the live rows
+        lengths = cache.lengths
+        if int(lengths.max()) == cache.capacity:  # one cheap check per step; the row list only when needed
+            self._slide(cache, (lengths == cache.capacity).nonzero().flatten().tolist())
         self.tokens[torch.arange(B, device=self.device), lengths] = tokens
         if self._kernel:
-            return self._step_kernel(tokens)
-        return self._run(tokens[:, None], self.cache, None)
+            return self._step_kernel(cache, tokens)
+        return self._run(tokens[:, None], cache, None)
 
-    def _step_kernel(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _step_kernel(self, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
         """``step`` on CPU: each operation one call into the C++ kernels, on the cache's own tensors."""
         _core = core()
-        cache = self.cache
         B, C = tokens.shape[0], self.cfg.d_model
         H, D, th = self.cfg.n_heads, self.cfg.head_dim, self._threads
         eps = float(self.cfg.norm_eps)

@@ -1,0 +1,58 @@
+"""``lmforge serve``: an OpenAI-compatible HTTP server and web chat page for a trained run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+from lmforge.cli import AddArgs, CLIError, Handler, positive_int
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, help="run directory (config.yaml, tokenizer.json, checkpoints/)")
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint file to load, or 'best' (default: the newest valid one in the run directory)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface, "
+                        "then set an API key)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $LMFORGE_API_KEY, else no key)")
+    p.add_argument("--max-batch", type=positive_int, default=8,
+                   help="requests decoded together, one batched step for all (default 8)")
+    p.add_argument("--max-queue", type=positive_int, default=64,
+                   help="requests that may wait for a free batch slot; beyond, 429 with Retry-After (default 64)")
+    p.add_argument("--max-tokens-cap", type=positive_int, default=None,
+                   help="largest max_tokens a request may ask for (default: the model's context length)")
+    p.add_argument("--max-body", type=positive_int, default=1 << 20,
+                   help="largest request body in bytes; beyond, 413 (default 1 MiB)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
+    p.add_argument("--weight-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "int8"],
+                   help="CPU only: store the decoder's weights as bf16/fp16/int8 (faster, rounded; default float32)")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise CLIError(f"--port must be in [0, 65535], got {args.port}")
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CLIError(f"lmforge serve needs {' and '.join(missing)}: pip install 'lmforge[serve]'")
+    from lmforge.serve import ServedModel, serve
+    from lmforge.serve.server import API_KEY_ENV
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if api_key is not None and not api_key.strip():
+        raise CLIError("--api-key is empty; give a key or leave the flag out")
+    served = ServedModel.from_run(args.run, args.checkpoint, device=args.device, weight_dtype=args.weight_dtype,
+                                  max_batch=args.max_batch, max_queue=args.max_queue,
+                                  max_tokens_cap=args.max_tokens_cap)
+
+    def ready(url: str) -> None:
+        print(f"lmforge serve: {served.model_id} on {url}  (chat page: {url}/  API: {url}/v1)", flush=True)
+
+    serve(served, args.host, args.port, api_key=api_key, max_body=args.max_body, on_ready=ready)
+    return 0
+
+
+COMMANDS: dict[str, tuple[AddArgs, Handler]] = {"serve": (_serve_args, _serve)}

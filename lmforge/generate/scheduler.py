@@ -1,0 +1,325 @@
+"""Continuous batching: many requests decoded together on one :class:`~lmforge.generate.engine.Engine`.
+
+A :class:`Scheduler` owns an engine whose KV cache has ``max_batch`` rows (slots) and a queue of waiting
+requests. One iteration (:meth:`Scheduler.run_once`):
+
+1. rows whose request was cancelled (a client that disconnected) leave, freeing their slots;
+2. waiting requests join while slots are free: each prompt is prefilled alone into its row;
+3. one batched step feeds every live row one token: the token it sampled last, or the next of the tokens a
+   tool forces into it; each row then samples its next token with its own temperature/top-k/top-p and its
+   own seeded ``torch.Generator``, so a request's output does not depend on the others;
+4. rows that ended (a stop id, a stop string, ``max_tokens``) free their slots at once.
+
+Text goes out through each request's ``emit`` callback, called on the engine thread with an
+:class:`Update`: pieces of text as they are final (UTF-8 whole, stop strings held back until decided and
+never emitted), then one update with ``finish_reason``. :meth:`Scheduler.start` runs the loop in its own
+thread, so a server's event loop never waits on the model; an error in one request ends that request only.
+
+Forced tokens: ``Request.tool`` is called with each sampled token; when it returns a list of ids (a
+calculator call that completed, say), those ids are fed to the row one per step before it samples again.
+They are part of the completion (emitted, counted in ``max_tokens``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Collection, Sequence
+
+import torch
+
+from lmforge.generate.engine import Engine
+from lmforge.generate.generator import _TextStream
+from lmforge.generate.sampling import check_sampling, sample_next
+from lmforge.model.cache import check_context
+from lmforge.tokenizer import Tokenizer
+
+logger = logging.getLogger("lmforge")
+
+__all__ = ["QueueFull", "Request", "Scheduler", "Update"]
+
+
+@dataclass(frozen=True)
+class Update:
+    """What a request gets from the engine thread: new ``text`` and, on its last update, why it ended.
+
+    ``finish_reason``: None while it runs, then ``"stop"`` (a stop id or stop string), ``"length"``
+    (``max_tokens`` generated), ``"cancelled"`` (the scheduler stopped before it finished) or ``"error"``
+    (``error`` says what went wrong). ``completion_tokens`` counts generated tokens so far (a stop id is not
+    counted); ``prompt_tokens`` is the prompt's length.
+    """
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation: prompt ids, limits and sampling parameters, and where its updates go.
+
+    ``emit`` is called on the engine thread; it must not block (a server hands the update to its event
+    loop). ``stop_ids`` end the completion without being part of it; ``stop`` strings end it at their first
+    occurrence in the text (not emitted). ``tool(token_id) -> list[int] | None``: see the module docstring.
+    """
+
+    prompt: list[int]
+    max_tokens: int
+    emit: Callable[[Update], None]
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_ids: Collection[int] = ()
+    stop: Sequence[str] = ()
+    tool: Callable[[int], list[int] | None] | None = None
+    cancelled: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_k, self.top_p)
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
+        if not self.prompt:
+            raise ValueError("the prompt is empty; give at least one token")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop_ids = frozenset(int(t) for t in self.stop_ids)
+
+
+class QueueFull(RuntimeError):
+    """:meth:`Scheduler.submit` found ``max_queue`` requests already waiting (a server answers 429)."""
+
+
+class _Row:
+    """A live request: its sampler, text stream, forced tokens and the token to feed next."""
+
+    def __init__(self, req: Request, device: torch.device) -> None:
+        self.req = req
+        self.gen = torch.Generator(device=device)
+        if req.seed is None:
+            self.gen.seed()
+        else:
+            self.gen.manual_seed(int(req.seed))
+        self.stream = _TextStream(list(req.stop))
+        self.forced: collections.deque[int] = collections.deque()
+        self.n = 0  # completion tokens
+        self.next = -1  # the token to feed at the next step
+        self.pending = ""  # text not yet emitted
+        self.finish: str | None = None
+        self.error: str | None = None
+
+
+class Scheduler:
+    """Continuous batching of :class:`Request` objects on ``engine`` (see the module docstring).
+
+    ``max_batch`` rows are decoded together; up to ``max_queue`` more requests wait for a free row.
+    Thread-safe: :meth:`submit` and :meth:`cancel` may be called from any thread while the loop runs.
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch: int = 8, max_queue: int = 64) -> None:
+        for name, v in (("max_batch", max_batch), ("max_queue", max_queue)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer (got {v!r})")
+        if tokenizer.vocab_size > engine.cfg.vocab_size:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {engine.cfg.vocab_size}; "
+                             "load the tokenizer the model was trained with (the run's tokenizer.json)")
+        self.engine, self.tokenizer = engine, tokenizer
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.context_length = engine.context_length
+        self.vocab_limit = tokenizer.vocab_size  # never sample the model's padding ids
+        self._bytes = [tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)]
+        engine.open_slots(max_batch)
+        self._rows: list[_Row] = []  # _rows[i] is the request in engine row i
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------------------------------------
+    # Any thread
+    # ---------------------------------------------------------------------------------------------
+    def check(self, prompt_tokens: int, max_tokens: int, what: str = "the prompt") -> None:
+        """``ValueError`` unless a prompt of ``prompt_tokens`` plus ``max_tokens`` new ones fits the context
+        (the message names both numbers)."""
+        check_context(prompt_tokens + max_tokens, self.context_length,
+                      f"{what} ({prompt_tokens} tokens) plus max_tokens ({max_tokens})")
+
+    def submit(self, req: Request) -> None:
+        """Queue ``req``; it joins the batch at the next step with a free row.
+
+        ``ValueError`` if it does not fit the context or holds out-of-range ids, :class:`QueueFull` if
+        ``max_queue`` requests are already waiting, ``RuntimeError`` if the scheduler is stopping.
+        """
+        self.check(len(req.prompt), req.max_tokens)
+        bad = [t for t in req.prompt if not 0 <= t < self.vocab_limit]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_limit})")
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the scheduler is stopping; it takes no new requests")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting (max_queue={self.max_queue}); "
+                                "retry later")
+            self._waiting.append(req)
+            self._cv.notify()
+
+    def cancel(self, req: Request) -> None:
+        """Drop ``req``: it leaves the queue or frees its row at the next step, and gets no more updates."""
+        req.cancelled = True
+        with self._cv:
+            self._cv.notify()
+
+    def load(self) -> dict[str, int]:
+        """``{"active", "waiting", "max_batch", "max_queue"}`` right now."""
+        with self._cv:
+            return {"active": len(self._rows), "waiting": len(self._waiting), "max_batch": self.max_batch,
+                    "max_queue": self.max_queue}
+
+    def start(self) -> None:
+        """Run the loop in a daemon thread until :meth:`stop`."""
+        assert self._thread is None, "already started"
+        self._thread = threading.Thread(target=self._loop, name="lmforge-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop: requests still running or waiting end with ``finish_reason="cancelled"``."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        self._drop_all("cancelled", None)
+
+    # ---------------------------------------------------------------------------------------------
+    # The engine thread
+    # ---------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopping or self._waiting or self._rows):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+            try:
+                self.run_once()
+            except Exception as e:  # noqa: BLE001  (the engine failed: end the live requests, keep serving)
+                logger.exception("engine step failed")
+                self._drop_all("error", f"internal error in the engine: {type(e).__name__}: {e}")
+                self.engine.open_slots(self.max_batch)
+
+    def _drop_all(self, reason: str, error: str | None) -> None:
+        """End every live request (and, when cancelling, every waiting one) with ``reason``."""
+        with self._cv:
+            ended = [(r.req, r.n) for r in self._rows]
+            self._rows = []
+            if reason == "cancelled":
+                ended += [(req, 0) for req in self._waiting]
+                self._waiting.clear()
+        for req, n in ended:
+            self._send(req, Update("", len(req.prompt), n, reason, error))
+
+    def _send(self, req: Request, update: Update) -> None:
+        if req.cancelled:
+            return
+        try:
+            req.emit(update)
+        except Exception:  # noqa: BLE001  (the receiver is gone: treat it as a cancel)
+            logger.warning("a request's receiver failed; cancelling it", exc_info=True)
+            req.cancelled = True
+
+    def run_once(self) -> bool:
+        """One iteration: cancelled rows leave, waiting requests join, one batched step. False if idle."""
+        self._release([i for i, r in enumerate(self._rows) if r.req.cancelled])
+        while self.engine.free_slots:
+            with self._cv:
+                if not self._waiting:
+                    break
+                req = self._waiting.popleft()
+            if req.cancelled:
+                continue
+            row = _Row(req, self.engine.device)
+            try:
+                _, logits = self.engine.admit(req.prompt)
+            except Exception as e:  # noqa: BLE001  (this prompt failed; the others go on)
+                logger.exception("prefill failed")
+                self._send(req, Update("", len(req.prompt), 0, "error", f"internal error: {type(e).__name__}: {e}"))
+                continue
+            with self._cv:
+                self._rows.append(row)
+            self._advance(row, logits)
+        if not self._rows:
+            return False
+        self._finish_rows()
+        if not self._rows:
+            return True
+        feed = torch.tensor([r.next for r in self._rows], dtype=torch.long, device=self.engine.device)
+        with torch.inference_mode(), self.engine.serial_torch():  # sampling too: see Engine.serial_torch
+            logits = self.engine.step(feed)
+            greedy = logits[:, : self.vocab_limit].argmax(dim=-1).tolist()  # one op for every greedy row
+            for i, r in enumerate(self._rows):
+                self._advance(r, logits[i], greedy[i])
+        self._finish_rows()
+        return True
+
+    def _advance(self, r: _Row, logits: torch.Tensor, argmax: int | None = None) -> None:
+        """Take the row's next token: a forced one, or one sampled from ``logits (V,)`` (``argmax``: its greedy
+        pick, already computed); mark the row if it ends."""
+        req = r.req
+        try:
+            if r.forced:
+                self._take(r, r.forced.popleft())
+                return
+            if req.temperature == 0 and argmax is not None:
+                t = argmax  # == sample_next at temperature 0
+            else:
+                t = int(sample_next(logits[None, : self.vocab_limit], req.temperature, req.top_k, req.top_p, r.gen)[0])
+            if t in req.stop_ids:
+                r.finish = "stop"
+                r.pending += r.stream.finish()  # a held-back tail that turned out not to be a stop string
+                return
+            self._take(r, t)
+            if r.finish is None and req.tool is not None:
+                extra = req.tool(t)
+                if extra:
+                    for x in extra:
+                        if not 0 <= int(x) < self.vocab_limit:
+                            raise ValueError(f"the tool forced token id {x}, out of range [0, {self.vocab_limit})")
+                    r.forced.extend(int(x) for x in extra)
+        except Exception as e:  # noqa: BLE001  (one request's failure ends that request only)
+            logger.exception("a request failed")
+            r.finish, r.error = "error", f"internal error: {type(e).__name__}: {e}"
+
+    def _take(self, r: _Row, t: int) -> None:
+        """Token ``t`` is the row's next completion token: its text, and whether it ends the row."""
+        r.n += 1
+        r.next = t
+        r.pending += r.stream.feed(self._bytes[t])
+        if r.stream.done:
+            r.finish = "stop"
+        elif r.n >= r.req.max_tokens:
+            r.finish = "length"
+            r.pending += r.stream.finish()
+        elif r.pending:
+            text, r.pending = r.pending, ""
+            self._send(r.req, Update(text, len(r.req.prompt), r.n))
+
+    def _finish_rows(self) -> None:
+        done = [i for i, r in enumerate(self._rows) if r.finish is not None]
+        for i in done:
+            r = self._rows[i]
+            self._send(r.req, Update(r.pending, len(r.req.prompt), r.n, r.finish, r.error))
+        self._release(done)
+
+    def _release(self, rows: list[int]) -> None:
+        """Free engine rows ``rows`` (highest first, so the row moved into a freed one is always live)."""
+        for i in sorted(rows, reverse=True):
+            moved = self.engine.release(i)
+            with self._cv:
+                if moved is not None:
+                    self._rows[i] = self._rows[moved]
+                self._rows.pop()

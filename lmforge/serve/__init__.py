@@ -1,0 +1,12 @@
+"""Stage: serve. An OpenAI-compatible HTTP server with continuous batching and a web chat page.
+
+``server`` loads a run for serving (:class:`ServedModel`: engine, tokenizer, the batching scheduler, the chat
+renderer) and runs the process (:func:`serve`: bind, uvicorn, drain on SIGTERM); ``app`` is the HTTP layer
+(FastAPI: routes, auth, limits, streaming), which only calls the scheduler; ``api`` holds the OpenAI request
+schemas, error shape and response builders; ``static/`` is the page. Needs the ``serve`` extra
+(``pip install 'lmforge[serve]'``: fastapi, uvicorn).
+"""
+
+from lmforge.serve.server import ServedModel, bind, exposure_warning, serve
+
+__all__ = ["ServedModel", "bind", "exposure_warning", "serve"]

@@ -1,0 +1,237 @@
+"""Continuous batching: rows join and leave the engine between steps, each with its own sampling and stops.
+
+The oracle is the Generator on each request alone (itself held to the naive full recompute in test_generate.py):
+a request's tokens must not depend on which other requests share its steps.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from lmforge.generate import Engine, Generator
+from lmforge.generate.scheduler import QueueFull, Request, Scheduler, Update
+from lmforge.model import ModelConfig, TransformerLM
+from lmforge.tokenizer import Tokenizer
+
+VOCAB, CTX = 260, 48
+
+
+def tiny_model(seed: int = 0, **kw) -> TransformerLM:
+    torch.manual_seed(seed)
+    return TransformerLM(ModelConfig(vocab_size=VOCAB, context_length=CTX, d_model=32, n_layers=2, n_heads=4,
+                                     d_ff=64, **kw)).eval()
+
+
+def byte_tokenizer() -> Tokenizer:
+    vocab = {i: bytes([i]) for i in range(256)}
+    vocab[256] = b"<|endoftext|>"
+    return Tokenizer(vocab, [], ["<|endoftext|>"])
+
+
+class Collect:
+    """An ``emit`` target: the updates one request received."""
+
+    def __init__(self) -> None:
+        self.updates: list[Update] = []
+        self.done = threading.Event()
+
+    def __call__(self, u: Update) -> None:
+        self.updates.append(u)
+        if u.finish_reason is not None:
+            self.done.set()
+
+    @property
+    def text(self) -> str:
+        return "".join(u.text for u in self.updates)
+
+    @property
+    def last(self) -> Update:
+        return self.updates[-1]
+
+
+def drain(s: Scheduler, limit: int = 10_000) -> None:
+    for _ in range(limit):
+        if not s.run_once() and not s.load()["waiting"]:
+            return
+    raise AssertionError("scheduler did not finish")
+
+
+def alone_ids(model, tok, prompt, n, **kw) -> list[int]:
+    """The Generator on one prompt (no stop ids): the oracle."""
+    return Generator(model, tok).generate_ids(prompt, max_new_tokens=n, stop_ids=[], **kw)
+
+
+def alone(model, tok, prompt, n, **kw) -> str:
+    return tok.decode(alone_ids(model, tok, prompt, n, **kw))
+
+
+PROMPTS = [list(b"Hello there"), list(b"ab"), list(b"The quick brown fox"), list(b"x"), list(b"0123456789")]
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_staggered_greedy_requests_equal_each_alone(kernel):
+    """Requests joining at different steps, leaving at different lengths: each gets its own greedy text."""
+    model, tok = tiny_model(), byte_tokenizer()
+    s = Scheduler(Engine(model, use_kernel=None if kernel else False), tok, max_batch=3)
+    outs, lengths = [Collect() for _ in PROMPTS], [12, 5, 9, 15, 7]
+    for k, (p, n, out) in enumerate(zip(PROMPTS, lengths, outs)):
+        s.submit(Request(p, n, out, temperature=0))
+        for _ in range(k):  # the k-th request joins k steps after the previous one
+            s.run_once()
+        assert s.engine.active <= 3
+    drain(s)
+    assert s.engine.active == 0 and s.load() == {"active": 0, "waiting": 0, "max_batch": 3, "max_queue": 64}
+    for p, n, out in zip(PROMPTS, lengths, outs):
+        assert out.text == alone(model, tok, p, n, temperature=0)
+        assert out.last.finish_reason == "length" and out.last.prompt_tokens == len(p)
+        assert out.last.completion_tokens == n
+
+
+def test_seeded_sampling_is_independent_of_the_batch():
+    model, tok = tiny_model(1), byte_tokenizer()
+    kw = dict(temperature=0.9, top_p=0.95, seed=7)
+    solo = Collect()
+    s = Scheduler(Engine(model), tok, max_batch=4)
+    s.submit(Request(PROMPTS[0], 20, solo, **kw))
+    drain(s)
+    crowd = [Collect() for _ in range(4)]
+    for i, c in enumerate(crowd):  # the same request among others with other seeds and temperatures
+        s.submit(Request(PROMPTS[0], 20, c, **(kw if i == 2 else dict(temperature=1.3, seed=i))))
+    drain(s)
+    assert crowd[2].text == solo.text
+    assert len({c.text for c in crowd}) > 1  # the others really sampled differently
+
+
+def test_stop_ids_and_stop_strings():
+    model, tok = tiny_model(), byte_tokenizer()
+    ids = alone_ids(model, tok, PROMPTS[2], 16, temperature=0)
+    free = tok.decode(ids)
+    stop = free[5:7]
+    s = Scheduler(Engine(model), tok)
+    out, by_id = Collect(), Collect()
+    s.submit(Request(PROMPTS[2], 16, out, temperature=0, stop=[stop]))
+    k = ids.index(ids[3])
+    s.submit(Request(PROMPTS[2], 16, by_id, temperature=0, stop_ids=[ids[3]]))
+    drain(s)
+    assert out.text == free[: free.index(stop)] and out.last.finish_reason == "stop"
+    assert by_id.text == tok.decode(ids[:k]) and by_id.last.finish_reason == "stop"
+    assert by_id.last.completion_tokens == k  # the stop id is not counted
+
+
+def test_cancel_frees_the_row_at_the_next_step():
+    model, tok = tiny_model(), byte_tokenizer()
+    s = Scheduler(Engine(model), tok, max_batch=2)
+    a, b, c = Collect(), Collect(), Collect()
+    ra = Request(PROMPTS[0], 30, a, temperature=0)
+    s.submit(ra)
+    s.submit(Request(PROMPTS[1], 30, b, temperature=0))
+    s.submit(Request(PROMPTS[3], 5, c, temperature=0))
+    s.run_once()
+    assert s.engine.active == 2 and s.load()["waiting"] == 1
+    s.cancel(ra)
+    s.run_once()  # a leaves, c joins in its row
+    n_a = len(a.updates)
+    assert s.load()["waiting"] == 0 and s.engine.active == 2
+    drain(s)
+    assert len(a.updates) == n_a and not a.done.is_set()  # a cancelled request gets nothing more
+    assert c.text == alone(model, tok, PROMPTS[3], 5, temperature=0)
+    assert b.text == alone(model, tok, PROMPTS[1], 30, temperature=0)
+
+
+def test_forced_tokens_are_fed_before_sampling_again():
+    """A tool forcing ids after the 3rd token: the row continues as if those ids had been generated."""
+    model, tok = tiny_model(), byte_tokenizer()
+    forced = list(b"=42;")
+    seen: list[int] = []
+
+    def tool(t: int) -> list[int] | None:
+        seen.append(t)
+        return forced if len(seen) == 3 else None
+
+    out, other = Collect(), Collect()
+    s = Scheduler(Engine(model), tok, max_batch=2)
+    s.submit(Request(PROMPTS[4], 3 + len(forced) + 6, out, temperature=0, tool=tool))
+    s.submit(Request(PROMPTS[0], 12, other, temperature=0))
+    drain(s)
+    head = alone_ids(model, tok, PROMPTS[4], 3, temperature=0)
+    tail = alone_ids(model, tok, PROMPTS[4] + head + forced, 6, temperature=0)
+    assert out.text == tok.decode(head + forced + tail)
+    assert out.last.completion_tokens == 3 + len(forced) + 6 and len(seen) == 3 + 5  # not forced ids, nor the last token
+    assert other.text == alone(model, tok, PROMPTS[0], 12, temperature=0)
+
+
+def test_one_failing_request_does_not_disturb_the_others():
+    model, tok = tiny_model(), byte_tokenizer()
+
+    def broken_tool(t: int) -> list[int] | None:
+        raise RuntimeError("tool exploded")
+
+    s = Scheduler(Engine(model), tok, max_batch=3)
+    bad, good = Collect(), [Collect(), Collect()]
+    s.submit(Request(PROMPTS[0], 10, good[0], temperature=0))
+    s.submit(Request(PROMPTS[1], 10, bad, temperature=0, tool=broken_tool))
+    s.submit(Request(PROMPTS[2], 10, good[1], temperature=0))
+    drain(s)
+    assert bad.last.finish_reason == "error" and "tool exploded" in bad.last.error
+    assert good[0].text == alone(model, tok, PROMPTS[0], 10, temperature=0)
+    assert good[1].text == alone(model, tok, PROMPTS[2], 10, temperature=0)
+
+
+def test_limits_queue_and_context():
+    model, tok = tiny_model(), byte_tokenizer()
+    s = Scheduler(Engine(model), tok, max_batch=1, max_queue=2)
+    for _ in range(2):
+        s.submit(Request([1, 2], 2, Collect()))
+    with pytest.raises(QueueFull, match="max_queue=2"):
+        s.submit(Request([1, 2], 2, Collect()))
+    with pytest.raises(ValueError, match=r"\(40 tokens\) plus max_tokens \(9\) has 49 tokens .* is 48"):
+        s.check(40, 9)
+    with pytest.raises(ValueError, match="out of range"):
+        Scheduler(Engine(model), tok).submit(Request([300], 2, Collect()))
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+        Request([1], 0, Collect())
+    with pytest.raises(ValueError, match="temperature"):
+        Request([1], 3, Collect(), temperature=-1)
+    with pytest.raises(ValueError, match="max_batch"):
+        Scheduler(Engine(model), tok, max_batch=0)
+
+
+def test_thread_runs_requests_and_stop_cancels_the_rest():
+    model, tok = tiny_model(), byte_tokenizer()
+    s = Scheduler(Engine(model), tok, max_batch=2)
+    s.start()
+    try:
+        outs = [Collect() for _ in range(5)]
+        for p, o in zip(PROMPTS, outs):
+            s.submit(Request(p, 8, o, temperature=0))
+        for p, o in zip(PROMPTS, outs):
+            assert o.done.wait(30)
+            assert o.text == alone(model, tok, p, 8, temperature=0)
+        long = Collect()
+        s.submit(Request(PROMPTS[0], 30, long, temperature=0))
+    finally:
+        s.stop()
+    assert long.done.is_set() and long.last.finish_reason in ("cancelled", "length")
+    with pytest.raises(RuntimeError, match="stopping"):
+        s.submit(Request([1], 1, Collect()))
+
+
+def test_engine_release_moves_the_last_row():
+    """After a middle row is released, every live row's next logits still equal the model's on its sequence."""
+    model = tiny_model(n_kv_heads=2)
+    eng = Engine(model)
+    eng.open_slots(3)
+    seqs = [list(range(1, 9)), list(range(30, 35)), list(range(50, 61))]
+    for q in seqs:
+        eng.admit(q)
+    assert eng.release(1) == 2 and eng.active == 2  # row 2 moved into row 1
+    live = [seqs[0], seqs[2]]
+    nxt = torch.tensor([3, 4])
+    with torch.inference_mode():
+        got = eng.step(nxt)
+        want = torch.stack([model(torch.tensor([q + [t]]))[0, -1] for q, t in zip(live, nxt.tolist())])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert eng.release(1) is None and eng.free_slots == 2

@@ -1,0 +1,134 @@
+"""The web chat page in a real headless browser: Chromium (Debian's ``chromium``) driven by Playwright.
+
+Install the browser with ``apt-get install -y chromium`` (Playwright's own browser download is not used); the
+test skips with the reason when either is missing. The server runs a hand-set model whose reply is
+``<script>alert('pwned')</script>``, streamed as three pieces: the page must show it as text.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install playwright")
+
+from lmforge.serve import ServedModel  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_helpers import ThreadServer, script_run  # noqa: E402
+
+REPLY = "<script>alert('pwned')</script>"
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("no chromium on PATH: apt-get install -y chromium")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+def test_page_streams_the_reply_as_text_and_starts_new_chats(chromium, tmp_path):
+    s = ThreadServer(ServedModel.from_run(script_run(tmp_path / "scripted")))
+    page = chromium.new_page()
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    try:
+        page.goto(s.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent === 'scripted'")
+        sent: list[dict] = []
+        page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+        page.fill("#temperature", "0")
+        page.fill("#input", "Say something dangerous")
+        page.click("#send")
+        reply = page.locator(".msg.assistant .content")
+        sync_api.expect(reply).to_have_text(REPLY, timeout=30_000)
+        sync_api.expect(page.locator("#send")).to_be_enabled()
+        assert page.locator(".msg.user .content").inner_text() == "Say something dangerous"
+        assert "&lt;script&gt;" in reply.inner_html()  # shown as text: escaped, never parsed
+        assert page.locator("#messages script").count() == 0 and not dialogs
+        assert sent[0]["stream"] is True and sent[0]["temperature"] == 0 and "max_tokens" not in sent[0]
+        assert sent[0]["messages"] == [{"role": "user", "content": "Say something dangerous"}]
+        # a second turn carries the history; then "New chat" clears it
+        page.fill("#input", "Again")
+        page.press("#input", "Enter")
+        sync_api.expect(page.locator(".msg.assistant .content")).to_have_count(2)
+        sync_api.expect(page.locator(".msg.assistant .content").nth(1)).to_have_text(REPLY, timeout=30_000)
+        assert [m["role"] for m in sent[1]["messages"]] == ["user", "assistant", "user"]
+        assert sent[1]["messages"][1]["content"] == REPLY
+        page.click("#new-chat")
+        assert page.locator(".msg").count() == 0
+    finally:
+        page.close()
+        s.close()
+
+
+def test_page_shows_server_errors(chromium, tmp_path):
+    """An error answer (here: max tokens over the context) is shown in the conversation, as text."""
+    s = ThreadServer(ServedModel.from_run(script_run(tmp_path / "scripted")))
+    page = chromium.new_page()
+    try:
+        page.goto(s.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent === 'scripted'")
+        page.fill("#max-tokens", "5000")
+        page.fill("#input", "hello")
+        page.click("#send")
+        err = page.locator(".msg.error .content")
+        sync_api.expect(err).to_contain_text("context length is 256", timeout=30_000)
+        sync_api.expect(page.locator("#stop")).to_be_disabled()
+    finally:
+        page.close()
+        s.close()
+
+
+def test_stop_button_ends_the_reply_and_frees_the_row(chromium, tmp_path):
+    """A long reply (the all-zero model repeats one token for thousands of steps) stopped from the page: the
+    browser drops the stream, the server frees the request's row at once."""
+    import httpx
+
+    from serve_helpers import zero_run
+
+    s = ThreadServer(ServedModel.from_run(zero_run(tmp_path / "zero")))
+    page = chromium.new_page()
+    try:
+        page.goto(s.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent === 'zero'")
+        page.fill("#temperature", "0")
+        page.fill("#input", "Talk forever")
+        page.click("#send")
+        page.wait_for_function("document.querySelector('.msg.assistant .content').textContent.length > 3")
+        assert httpx.get(s.url + "/health", trust_env=False).json()["active"] == 1
+        page.click("#stop")
+        sync_api.expect(page.locator("#status")).to_have_text("stopped")
+        sync_api.expect(page.locator("#send")).to_be_enabled()
+        page.wait_for_function("""async () => (await (await fetch('/health')).json()).active === 0""",
+                               timeout=10_000)
+    finally:
+        page.close()
+        s.close()
+
+
+def test_page_sends_the_api_key_when_the_server_wants_one(chromium, tmp_path):
+    s = ThreadServer(ServedModel.from_run(script_run(tmp_path / "scripted")), api_key="page-key")
+    page = chromium.new_page()
+    try:
+        page.goto(s.url + "/")
+        sync_api.expect(page.locator("#key-label")).to_be_visible()
+        page.fill("#input", "hello")
+        page.click("#send")
+        sync_api.expect(page.locator(".msg.error .content")).to_contain_text("API key", timeout=30_000)
+        page.fill("#api-key", "page-key")
+        page.fill("#input", "hello again")
+        page.click("#send")
+        sync_api.expect(page.locator(".msg.assistant:not(.error) .content")).to_have_text(REPLY, timeout=30_000)
+    finally:
+        page.close()
+        s.close()
