@@ -288,7 +288,7 @@ def _fmt(x: Any, spec: str = ".4f") -> str:
 def _eval_rows(evals: list[dict[str, Any]]) -> list[tuple[str, ...]]:
     rows = []
     for r in evals:
-        for key in ("acc", "acc_norm", "exact_match", "bpb", "ppl"):
+        for key in ("acc", "acc_norm", "acc_bytes", "exact_match", "bpb", "ppl"):
             if r.get(key) is None:
                 continue
             ci = r.get(f"{key}_ci")

@@ -130,18 +130,20 @@ def test_long_requests_are_truncated_from_the_left_and_counted(tiny_tokenizer):
 
 def test_choice_metrics_are_lm_eval_acc_and_acc_norm(tiny_tokenizer):
     model = _model(tiny_tokenizer.vocab_size, seed=3)
-    items = [ChoiceItem(tuple(("The cat sat on the", c) for c in (" mat", " big happy house", " tree")), g)
+    items = [ChoiceItem(tuple(("The cat sat on the", c) for c in (" mat", " big happy house", " naïve 世界")), g)
              for g in range(3)]
     items.append(ChoiceItem((("The dog", " ran."), ("The girl", " ran.")), 1))
     r = run_task(model, tiny_tokenizer, Task("t", "choice", items, "test"), details=True)
-    acc, norm = [], []
+    acc, norm, by_bytes = [], [], []
     for it, rec in zip(items, r["items"]):
         lls = [_naive_ll(model, *encode_request(tiny_tokenizer, c, x))[0] for c, x in it.requests]
         assert max(abs(a - b) for a, b in zip(lls, rec["lls"])) < 1e-4
+        char_norm = [ll / len(x) for ll, (_, x) in zip(lls, it.requests)]
         byte_norm = [ll / len(x.encode()) for ll, (_, x) in zip(lls, it.requests)]
         acc.append(max(range(len(lls)), key=lambda k: (lls[k], -k)) == it.gold)
-        norm.append(max(range(len(lls)), key=lambda k: (byte_norm[k], -k)) == it.gold)
-    assert r["acc"] == sum(acc) / 4 and r["acc_norm"] == sum(norm) / 4
+        norm.append(max(range(len(lls)), key=lambda k: (char_norm[k], -k)) == it.gold)
+        by_bytes.append(max(range(len(lls)), key=lambda k: (byte_norm[k], -k)) == it.gold)
+    assert r["acc"] == sum(acc) / 4 and r["acc_norm"] == sum(norm) / 4 and r["acc_bytes"] == sum(by_bytes) / 4
     assert r["acc_ci"] == list(wilson_interval(sum(acc), 4)) and r["n"] == 4
 
 

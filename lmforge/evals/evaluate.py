@@ -102,16 +102,19 @@ def run_task(model: TransformerLM, tokenizer: Tokenizer, task: Task, limit: int 
     if task.type == "choice":
         requests = [r for it in items for r in it.requests]
         scored = iter(score_requests(model, tokenizer, requests, batch_size))
-        acc, acc_norm, truncated = [], [], 0
+        acc, acc_norm, acc_bytes, truncated = [], [], [], 0
         for it in items:
             s = [next(scored) for _ in it.requests]
             lls = np.array([x.ll for x in s])
-            norm = lls / np.array([len(c.encode("utf-8")) for _, c in it.requests], dtype=np.float64)
-            acc.append(int(np.argmax(lls)) == it.gold)
-            acc_norm.append(int(np.argmax(norm)) == it.gold)
+            chars = np.array([len(c) for _, c in it.requests], dtype=np.float64)
+            n_bytes = np.array([len(c.encode("utf-8")) for _, c in it.requests], dtype=np.float64)
+            acc.append(int(np.argmax(lls)) == it.gold)  # np.argmax: ties go to the first choice, as in lm-eval
+            acc_norm.append(int(np.argmax(lls / chars)) == it.gold)
+            acc_bytes.append(int(np.argmax(lls / n_bytes)) == it.gold)
             truncated += any(x.truncated for x in s)
             per_item.append({"lls": lls.tolist(), "gold": it.gold})
-        out.update(n=len(items), **_accuracy("acc", acc), **_accuracy("acc_norm", acc_norm), truncated=truncated)
+        out.update(n=len(items), **_accuracy("acc", acc), **_accuracy("acc_norm", acc_norm),
+                   **_accuracy("acc_bytes", acc_bytes), truncated=truncated)
     elif task.type == "cloze":
         scored = score_requests(model, tokenizer, [(it.context, it.continuation) for it in items], batch_size)
         nats = -sum(s.ll for s in scored)
@@ -144,7 +147,7 @@ def run_task(model: TransformerLM, tokenizer: Tokenizer, task: Task, limit: int 
 def format_result(r: dict[str, Any]) -> str:
     """One line for a person: the task, its size and its metrics (accuracies with their 95% interval)."""
     parts = []
-    for key in ("acc", "acc_norm", "exact_match"):
+    for key in ("acc", "acc_norm", "acc_bytes", "exact_match"):
         if key in r:
             lo, hi = r[f"{key}_ci"]
             parts.append(f"{key} {r[key]:.4f} [{lo:.4f}, {hi:.4f}]")

@@ -12,9 +12,11 @@ item's keys; every line must then be of that type. Any problem is a ``ValueError
   The first form shares one context; each choice is the exact string appended to it (put the space in the
   choice). The second ("partial" scoring, Winogrande) has one context per choice and one shared continuation.
   At least 2 choices, ``gold`` a 0-based index. Each choice's log-likelihood is ``sum log p(continuation
-  tokens | context)``; ``acc`` is 1 when the gold choice has the highest log-likelihood, ``acc_norm`` when it
-  has the highest log-likelihood divided by the continuation's length in UTF-8 bytes (lm-eval's ``acc_norm``
-  divides by ``len(choice)`` in characters: the same for ASCII text, which every converted benchmark is).
+  tokens | context)``. The metrics are lm-eval-harness's (0.4.13, ``api/task.py``): ``acc`` is 1 when the gold
+  choice has the highest log-likelihood; ``acc_norm`` when it has the highest log-likelihood divided by the
+  choice's length in characters (``len(choice)``); ``acc_bytes`` the same divided by its length in UTF-8 bytes
+  (lm-eval's docs call acc_norm byte-normalised; its code divides by characters and reports bytes as
+  ``acc_bytes``; the two differ only on non-ASCII text).
   Ties go to the first choice (``argmax``), as in lm-eval.
 
 **cloze** — one gold continuation (LAMBADA)::
