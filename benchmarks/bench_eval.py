@@ -96,12 +96,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary trained on synthetic text")
+    ap.add_argument("--vocab", type=int, default=400, help="BPE vocabulary trained on the synthetic text (it runs out of "
+                    "merges at 420)")
     ap.add_argument("--batch-size", type=int, default=16, help="lmforge: requests per forward pass")
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     if a.quick:
-        a.items, a.d_model, a.layers, a.heads, a.context, a.vocab, a.rounds = 6, 64, 2, 4, 128, 400, 1
+        a.items, a.d_model, a.layers, a.heads, a.context, a.vocab, a.rounds = 6, 64, 2, 4, 128, 300, 1
 
     import transformers
 

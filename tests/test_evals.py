@@ -211,6 +211,9 @@ def test_exact_match_uses_greedy_generation_until_assistant_end(tiny_tokenizer):
     assert r["replies"][0] == r["replies"][1]
     assert r["replies"][0].startswith(answer)
     assert r["correct"] == [r["replies"][0].strip() == answer.strip(), False]
+    summary = run_task(model, tok, Task("c", "chat", items, "test"), batch_size=2, details=True)
+    assert summary["exact_match"] == sum(r["correct"]) / 2 and summary["n"] == 2
+    assert [x["reply"] for x in summary["items"]] == r["replies"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -83,6 +83,7 @@ def test_eval_on_a_shard_directory(run, tiny_run, capsys):
     (["--task", "{tmp}/bad.jsonl", "--split", "val"], r"--split and --batches apply to the validation loss"),
     (["--task", "{tmp}/bad.jsonl", "--limit", "0"], r"--limit: expected a positive integer"),
     (["--task", "{tmp}"], r"is a directory without manifest\.json"),
+    (["--task", "{tmp}/chat.jsonl"], r"the tokenizer lacks the chat special tokens"),
 ])
 def test_eval_bad_input_is_one_line_and_exit_2(run, tmp_path, capsys, argv, match):
     import re
@@ -90,6 +91,8 @@ def test_eval_bad_input_is_one_line_and_exit_2(run, tmp_path, capsys, argv, matc
     (tmp_path / "bad.jsonl").write_text(json.dumps(ITEMS[0]) + "\n" + json.dumps(
         {"context": "x", "choices": [" a"], "gold": 0}) + "\n")
     (tmp_path / "junk.jsonl").write_text("{nope\n")
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "1+1="},
+                                                                  {"role": "assistant", "content": "2"}]}) + "\n")
     before = sorted(p.name for p in run.iterdir())
     try:
         code = cli.main(["eval", str(run), *[a.format(tmp=tmp_path) for a in argv]])
