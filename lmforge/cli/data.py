@@ -44,7 +44,7 @@ def _prepare_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", nargs="+", metavar="PATH",
                      help="files, directories or quoted globs: .txt, .jsonl, .parquet (+ .gz / .zst)")
-    src.add_argument("--dataset", choices=_NAMES,
+    src.add_argument("--dataset", choices=[n for n in _NAMES if n != "evals"],  # evals: task files, not text
                      help="a named corpus instead: downloaded once, split into train/val (see `data get`)")
     p.add_argument("--shards", type=positive_int, default=1, metavar="N", help="with --dataset fineweb-edu: parquet shards")
     p.add_argument("--out", required=True, metavar="DIR", help="shard directory (manifest.json + {split}_NNNNN.bin)")
