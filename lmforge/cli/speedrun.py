@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from lmforge.cli import AddArgs, Handler
 from lmforge.corpus import DATASETS
@@ -33,6 +34,9 @@ def _speedrun(args: argparse.Namespace) -> int:
     stages = speedrun(args.out, corpus=args.corpus, model_size=args.model_size, budget=args.budget,
                       device=args.device, vocab_size=args.vocab_size, force=args.force,
                       progress=not args.no_progress)
+    from lmforge.report import write_run_card
+
+    write_run_card(Path(args.out) / "run")
     ev = stages["eval"]
     print(f"validation loss {ev['val_loss']:.4f} ({ev['val_bpb']:.4f} bits/byte) after {stages['train']['step']} "
           f"steps; report: {args.out}/report.md")

