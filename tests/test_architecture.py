@@ -22,7 +22,7 @@ STAGES = {
     "model": set(),
     "train": {"corpus", "tokenizer", "data", "model"},
     "generate": {"tokenizer", "model"},
-    "interop": {"corpus", "tokenizer", "model", "train", "chat"},
+    "interop": {"tokenizer", "model", "train", "chat"},
     "chat": {"tokenizer", "model", "generate"},
 }
 # On top: each may import everything below and the top units named here; nothing imports the CLI.

@@ -163,3 +163,16 @@ def test_import_refuses_an_existing_target_without_force(hf_folder, tmp_path):
     assert CheckpointManager(out).steps()[0][1].read_bytes() == before
     import_hf(hf_folder, out, force=True)
     assert is_run_dir(out)
+
+
+def test_import_warns_about_a_post_processor_that_adds_a_bos(hf_folder, tmp_path, caplog):
+    src = _copy(hf_folder, tmp_path / "src")
+    tj = json.loads((src / "tokenizer.json").read_text())
+    eot_id = next(t["id"] for t in tj["added_tokens"] if t["content"] == EOT)
+    tj["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": EOT, "type_id": 0}},
+                                                                     {"Sequence": {"id": "A", "type_id": 0}}],
+                            "pair": [], "special_tokens": {EOT: {"id": EOT, "ids": [eot_id], "tokens": [EOT]}}}
+    (src / "tokenizer.json").write_text(json.dumps(tj))
+    with caplog.at_level("WARNING", logger="lmforge"):
+        import_hf(src, tmp_path / "run")
+    assert "post-processor (TemplateProcessing) that adds tokens" in caplog.text

@@ -118,7 +118,15 @@ def import_hf(model_dir: str | os.PathLike, out: str | os.PathLike, force: bool 
     config_path = _require(folder, "config.json", "the model architecture")
     tok_path = _require(folder, "tokenizer.json", "the byte-level BPE tokenizer")
     cfg = model_config_from_hf(_read_json(config_path), where=str(config_path))
-    check_byte_level(_read_json(tok_path), str(tok_path))
+    tok_json = _read_json(tok_path)
+    check_byte_level(tok_json, str(tok_path))
+    post = tok_json.get("post_processor") or {}
+    adders = {p.get("type") for p in post.get("processors", [post])} & {"TemplateProcessing", "BertProcessing",
+                                                                     "RobertaProcessing"}
+    if adders:
+        logger.warning("%s has a post-processor (%s) that adds tokens around encoded text (e.g. a BOS); lmforge's "
+                       "tokenizer encodes the text only, so add such tokens to prompts yourself", tok_path,
+                       ", ".join(sorted(adders)))
     tokenizer = Tokenizer.from_hf(tok_path)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(f"{tok_path} has {tokenizer.vocab_size} tokens but config.json's vocab_size is "
