@@ -11,7 +11,7 @@ import torch
 
 from interop_helpers import TEXTS, make_run, make_tokenizer
 from lmforge.generate import Generator
-from lmforge.interop.gguf import TENSOR_NAMES, export_gguf
+from lmforge.interop.gguf import LLAMA3_REGEX, TENSOR_NAMES, export_gguf
 from lmforge.interop.hf_tokenizer import chat_template
 from lmforge.model import ModelConfig
 from lmforge.tokenizer import EOT
@@ -124,8 +124,9 @@ def test_a_pattern_llama_cpp_cannot_express_is_refused(tmp_path, pattern, shown)
     assert not (tmp_path / "m.gguf").exists()
 
 
-def test_gpt4_pattern_maps_to_llama_bpe(tmp_path):
-    tok = make_tokenizer(vocab_size=300, pattern="gpt4", chat=False)
+@pytest.mark.parametrize("pattern", ["gpt4", LLAMA3_REGEX])
+def test_gpt4_and_llama3_patterns_map_to_llama_bpe(tmp_path, pattern):
+    tok = make_tokenizer(vocab_size=300, pattern=pattern, chat=False)
     cfg = ModelConfig(vocab_size=tok.vocab_size, context_length=16, d_model=32, n_layers=1, n_heads=2, d_ff=64,
                       tie_embeddings=True)
     path, _ = make_run(tmp_path / "run", tok, cfg)

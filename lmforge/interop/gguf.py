@@ -36,7 +36,8 @@ from lmforge.interop.source import ExportSource, open_export_source
 from lmforge.tokenizer import EOT
 from lmforge.tokenizer.reference import PATTERNS, bytes_to_unicode, resolve_pattern
 
-__all__ = ["export_gguf", "gguf_tensors", "gguf_pre_tokenizer", "GGUF_DTYPES", "PRE_TOKENIZERS", "TENSOR_NAMES"]
+__all__ = ["export_gguf", "gguf_tensors", "gguf_pre_tokenizer", "GGUF_DTYPES", "LLAMA3_REGEX", "PRE_TOKENIZERS",
+           "TENSOR_NAMES"]
 
 logger = logging.getLogger("lmforge")
 
@@ -47,7 +48,13 @@ PRE_TOKENIZERS: dict[str, str] = {"gpt2": "gpt-2", "gpt4": "llama-bpe", "cl100k"
 """lmforge pattern name -> llama.cpp ``tokenizer.ggml.pre``. ``gpt-2`` is GPT-2's regex (lmforge's ``gpt2``);
 ``llama-bpe`` is Llama 3's, which splits text exactly as cl100k's (lmforge's ``gpt4``): it differs only in
 possessive quantifiers and ``\\s*[\\r\\n]+`` for ``\\s*[\\r\\n]``, neither of which changes a match. No llama.cpp
-pre-tokenizer splits digits in groups of two (``nanochat``), and a custom regex has no name there."""
+pre-tokenizer splits digits in groups of two (``nanochat``), and a custom regex has no name there (except Llama
+3's own, :data:`LLAMA3_REGEX`)."""
+
+LLAMA3_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+"""Llama 3's split regex as its ``tokenizer.json`` spells it (a run imported from a Llama 3 checkpoint carries
+it as a custom pattern): llama.cpp's ``llama-bpe``."""
 
 # Our name -> llama.cpp's (``{i}``: the block). ``lm_head`` is absent with tied embeddings: llama.cpp then
 # reads the output projection from ``token_embd``.
@@ -70,6 +77,8 @@ TENSOR_NAMES: dict[str, str] = {
 def gguf_pre_tokenizer(pattern: str) -> str:
     """llama.cpp's ``tokenizer.ggml.pre`` for an lmforge split ``pattern`` (``ValueError`` if it has none)."""
     regex = resolve_pattern(pattern)
+    if regex == LLAMA3_REGEX:
+        return "llama-bpe"
     for name, rx in PATTERNS.items():
         if rx == regex and name in PRE_TOKENIZERS:
             return PRE_TOKENIZERS[name]
