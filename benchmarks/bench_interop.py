@@ -5,9 +5,10 @@ A run with that shape and random weights is written once (training does not chan
 alternating for several rounds in one process:
 
 * export: ``export_hf`` (HF folder), ``export_gguf`` as f32 and as q8_0 — no peer writes lmforge runs;
-* import/load: ``import_hf`` (HF folder -> a new run: read, map, write a checkpoint), opening the imported run
-  the way ``generate`` does (``open_run`` + ``TransformerLM`` + ``apply_checkpoint``), and the peer,
-  ``transformers.AutoModelForCausalLM.from_pretrained`` of the same folder.
+* import/load: ``import_hf`` (HF folder -> a new run: read, map, write a checkpoint); ``open_run`` of the
+  imported run (read and verify the checkpoint's checksum); loading it into a model the way ``generate`` does
+  (``open_run`` + ``TransformerLM(cfg)``, whose random init is drawn first, + ``apply_checkpoint``); and the peer,
+  ``transformers.AutoModelForCausalLM.from_pretrained`` of the same folder (which builds on the meta device).
 
     python benchmarks/bench_interop.py            # demo size, 5 rounds
     python benchmarks/bench_interop.py --quick    # a tiny model, 2 rounds: a smoke run
@@ -84,7 +85,7 @@ def main() -> int:
         imported = import_hf(hf, root / "imported")
         size_mb = sum(f.stat().st_size for f in hf.glob("*.safetensors")) / 1e6
 
-        def open_imported() -> None:
+        def load_imported() -> None:
             r = open_run(imported)
             apply_checkpoint(r.checkpoint, TransformerLM(from_dict(ModelConfig, r.config["model"], path="model")))
 
@@ -95,7 +96,8 @@ def main() -> int:
         }, a.rounds)
         loads = alternate({
             "lmforge import hf": lambda: import_hf(hf, root / "imported2", force=True),
-            "lmforge open imported run": open_imported,
+            "lmforge open_run": lambda: open_run(imported),
+            "lmforge load model": load_imported,
             "transformers from_pretrained": lambda: transformers.AutoModelForCausalLM.from_pretrained(
                 hf, dtype=torch.float32),
         }, a.rounds)
@@ -106,9 +108,9 @@ def main() -> int:
     print("|---|---:|---:|---:|")
     for name, times in exports.items():
         print(f"| {name} | {spread(times)} | {size_mb / median(times):.0f} | - |")
-    base = loads["lmforge open imported run"]
+    base = loads["lmforge load model"]
     for name, times in loads.items():
-        rel = f"{ratio(times, base):.2f}x" if name != "lmforge import hf" else "-"
+        rel = f"{ratio(times, base):.2f}x" if name in ("lmforge load model", "transformers from_pretrained") else "-"
         print(f"| {name} | {spread(times)} | {size_mb / median(times):.0f} | {rel} |")
     return 0
 

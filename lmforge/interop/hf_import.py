@@ -24,12 +24,11 @@ from typing import Any
 
 import torch
 
-from lmforge.checkpoint import Checkpoint, CheckpointManager, apply_checkpoint, save_checkpoint
+from lmforge.checkpoint import CheckpointManager, check_state_dict_fits, save_checkpoint
 from lmforge.common import check_input_file
 from lmforge.config import dump_yaml, to_dict
 from lmforge.interop.hf import from_hf_state_dict, model_config_from_hf
-from lmforge.interop.source import check_output_dir
-from lmforge.model import TransformerLM
+from lmforge.interop.source import architecture, check_output_dir
 from lmforge.run import mark
 from lmforge.tokenizer import Tokenizer
 from lmforge.train.config import DataConfig, RunConfig
@@ -138,11 +137,12 @@ def import_hf(model_dir: str | os.PathLike, out: str | os.PathLike, force: bool 
         raise ValueError(f"{folder}: {e}") from None
     if cfg.tie_embeddings:
         state.setdefault("lm_head.weight", state["token_embeddings.weight"])
-    model = TransformerLM(cfg)
-    try:  # the checkpoint API checks the fit with one-line messages
-        apply_checkpoint(Checkpoint(model=state, optimizer=None, iteration=0, extra={}), model)
+    model = architecture(cfg)  # shapes only: the imported tensors are assigned, no random init is drawn
+    try:  # the checkpoint API's check, with one-line messages
+        check_state_dict_fits(state, model.state_dict())
     except ValueError as e:
         raise ValueError(f"{folder}: weights do not fit config.json: {e}") from None
+    model.load_state_dict(state, strict=True, assign=True)  # its RoPE tables stay on meta: saved, never run
     run_cfg = RunConfig(model=cfg, data=DataConfig(dir=str((target / "data").resolve()),
                                                    tokenizer=str((target / "tokenizer.json").resolve())))
 

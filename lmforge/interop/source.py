@@ -1,9 +1,12 @@
 """What every export reads: a run's model config, weights and tokenizer, opened once and checked.
 
 The run is opened through :func:`lmforge.run.open_run` (the one place that finds and verifies a run's
-checkpoint) and its weights are loaded into a ``TransformerLM`` with :func:`lmforge.checkpoint.apply_checkpoint`,
-exactly as generation loads them; anything that later changes how a run becomes a model (a LoRA run merged
-into its base) changes it there for every reader, exports included.
+checkpoint), and its tensors are checked against the run's architecture with the checkpoint API
+(:func:`lmforge.checkpoint.check_state_dict_fits`, the check ``apply_checkpoint`` makes) on a ``TransformerLM``
+built on the meta device: the model's shapes without drawing ~millions of random numbers that the checkpoint
+would overwrite anyway (``TransformerLM``'s init costs seconds for the demo model, more than the export).
+Anything that later changes how a run becomes weights (a LoRA run merged into its base: ``W + (alpha/r)·B·A``
+per adapted matrix) belongs in :func:`open_export_source`, right after that check, or in ``open_run`` itself.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lmforge.checkpoint import apply_checkpoint
+from lmforge.checkpoint import check_state_dict_fits
 from lmforge.config import from_dict
 from lmforge.interop.hf import check_llama_expressible
 from lmforge.model import ModelConfig, TransformerLM
@@ -23,7 +26,7 @@ from lmforge.tokenizer import Tokenizer
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["ExportSource", "check_output_dir", "open_export_source"]
+__all__ = ["ExportSource", "architecture", "check_output_dir", "open_export_source"]
 
 
 @dataclasses.dataclass
@@ -47,14 +50,20 @@ def open_export_source(run_dir: str | os.PathLike, checkpoint: str | os.PathLike
     run = open_run(run_dir, checkpoint)
     cfg = from_dict(ModelConfig, run.config.get("model"), path="model")
     check_llama_expressible(cfg)
-    model = TransformerLM(cfg)
-    step = apply_checkpoint(run.checkpoint, model)
+    check_state_dict_fits(run.checkpoint.model, architecture(cfg).state_dict())
     tokenizer = Tokenizer.load(run.tokenizer_path)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(f"{run.tokenizer_path} has {tokenizer.vocab_size} tokens but the model only "
                          f"{cfg.vocab_size} embedding rows; the run's tokenizer and checkpoint do not belong together")
-    state = {name: t.detach().float().contiguous() for name, t in model.state_dict().items()}
-    return ExportSource(cfg=cfg, state=state, tokenizer=tokenizer, run=run, step=step)
+    state = {name: t.detach().float().contiguous() for name, t in run.checkpoint.model.items()}
+    if cfg.tie_embeddings:  # one tensor, as in the model (the checkpoint restores the alias as the same tensor)
+        state["lm_head.weight"] = state["token_embeddings.weight"]
+    return ExportSource(cfg=cfg, state=state, tokenizer=tokenizer, run=run, step=run.checkpoint.iteration)
+
+
+def architecture(cfg: ModelConfig) -> TransformerLM:
+    """``TransformerLM(cfg)`` on the meta device: names and shapes of its tensors, no memory, no random init."""
+    return TransformerLM(cfg, device="meta")
 
 
 def check_output_dir(path: str | os.PathLike, force: bool, flag: str = "--out") -> Path:
