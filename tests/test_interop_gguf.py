@@ -159,3 +159,14 @@ def test_llama_cpp_computes_lmforge_logits_and_greedy_tokens(run, tmp_path):
             break
         got.append(t)
     assert got == ref
+
+
+@pytest.mark.parametrize("pattern", ["gpt4", LLAMA3_REGEX])
+def test_llama_cpp_llama_bpe_tokenizes_like_lmforge(tmp_path, pattern):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    tok = make_tokenizer(vocab_size=400, pattern=pattern)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, context_length=16, d_model=32, n_layers=1, n_heads=2, d_ff=64)
+    path, _ = make_run(tmp_path / "run", tok, cfg)
+    llm = llama_cpp.Llama(model_path=str(export_gguf(path, tmp_path / "m.gguf")), vocab_only=True, verbose=False)
+    for text in TEXTS + ["x\n\n\n  y", "1234567890 12,345"]:
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == tok.encode(text), text
