@@ -176,3 +176,28 @@ def test_import_warns_about_a_post_processor_that_adds_a_bos(hf_folder, tmp_path
     with caplog.at_level("WARNING", logger="lmforge"):
         import_hf(src, tmp_path / "run")
     assert "post-processor (TemplateProcessing) that adds tokens" in caplog.text
+
+
+def test_import_of_a_sharded_tied_checkpoint_written_by_transformers(tmp_path):
+    d = tmp_path / "tied"
+    vocab = _hf_tokenizer_json((d.mkdir() or d) / "tokenizer.json")
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, max_position_embeddings=32, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    theirs.save_pretrained(d, max_shard_size="40KB")
+    assert (d / "model.safetensors.index.json").is_file()
+    out = import_hf(d, tmp_path / "run")
+    assert open_run(out).config["model"]["tie_embeddings"] is True
+    gen = Generator.from_run(out)
+    idx = torch.randint(0, vocab, (2, 20))
+    with torch.no_grad():
+        assert (gen.model(idx) - theirs(idx).logits).abs().max().item() <= 1e-5
+
+
+def test_import_refuses_weights_that_do_not_fit_the_config(hf_folder, tmp_path):
+    src = _copy(hf_folder, tmp_path / "src", intermediate_size=128)
+    with pytest.raises(ValueError, match=r"weights do not fit config.json: checkpoint tensor 'layers.0.ffn.w1.weight' "
+                                         r"has shape \(112, 64\)"):
+        import_hf(src, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -135,8 +135,8 @@ def import_hf(model_dir: str | os.PathLike, out: str | os.PathLike, force: bool 
         state = from_hf_state_dict(hf_state, cfg)
     except ValueError as e:
         raise ValueError(f"{folder}: {e}") from None
-    if cfg.tie_embeddings:
-        state.setdefault("lm_head.weight", state["token_embeddings.weight"])
+    if cfg.tie_embeddings and "token_embeddings.weight" in state:  # tied as transformers ties: a stored head is ignored
+        state["lm_head.weight"] = state["token_embeddings.weight"]
     model = architecture(cfg)  # shapes only: the imported tensors are assigned, no random init is drawn
     try:  # the checkpoint API's check, with one-line messages
         check_state_dict_fits(state, model.state_dict())
