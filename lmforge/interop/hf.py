@@ -185,8 +185,8 @@ def hf_config(cfg: ModelConfig) -> Any:
     from transformers import LlamaConfig  # here: an optional dependency (the test extras install it)
 
     d = hf_config_dict(cfg)
-    for key in ("architectures", "model_type", "torch_dtype", "rope_scaling"):
-        d.pop(key)
+    for key in ("architectures", "model_type", "torch_dtype", "rope_scaling", "bos_token_id", "eos_token_id"):
+        d.pop(key)  # file-only keys; bos/eos keep LlamaConfig's defaults (no tokenizer here)
     return LlamaConfig(**d)
 
 
