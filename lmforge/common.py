@@ -42,26 +42,35 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
     A crash, a full disk or an exception while writing leaves the previous file intact and no
     half-written file under the final name. The data is fsync'ed before the rename.
     """
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     if "b" in mode:
         encoding = None
+    with atomic_path(path) as tmp, open(tmp, mode, encoding=encoding) as f:
+        yield f
+
+
+_TEMP_TAG = ".lmforge-"  # atomic_open's temporaries are ".{name}.lmforge-{random}.tmp": never a user's file
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside ``path``, renamed over ``path`` only when the block succeeds (data fsync'ed first).
+
+    For writers that open the file themselves (``gguf.GGUFWriter``); :func:`atomic_open` is built on it.
+    """
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}{_TEMP_TAG}", suffix=".tmp", dir=p.parent)
+    os.close(fd)
     try:
-        # mkstemp creates the file with mode 0600; give the final file the usual umask-based mode.
-        os.fchmod(fd, 0o666 & ~_current_umask())
-        with os.fdopen(fd, mode, encoding=encoding) as f:
-            yield f
-            f.flush()
+        yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_current_umask())
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, p)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-
-
-_TEMP_TAG = ".lmforge-"  # atomic_open's temporaries are ".{name}.lmforge-{random}.tmp": never a user's file
 
 
 def temporary_target(path: str | os.PathLike) -> str | None:

@@ -22,7 +22,7 @@ STAGES = {
     "model": set(),
     "train": {"corpus", "tokenizer", "data", "model"},
     "generate": {"tokenizer", "model"},
-    "interop": {"tokenizer", "model"},
+    "interop": {"tokenizer", "model", "train", "chat"},
     "chat": {"corpus", "tokenizer", "data", "model", "train", "generate"},
     "serve": {"tokenizer", "model", "generate", "chat"},  # the server only calls the engine (and renders chats)
     "evals": {"corpus", "tokenizer", "data", "model", "generate", "chat"},

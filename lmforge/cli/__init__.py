@@ -1,7 +1,8 @@
 """The ``lmforge`` command line: a table of subcommands, each parsing flags and calling one library function.
 
 One module per command group: :mod:`~lmforge.cli.tokenizer`, :mod:`~lmforge.cli.data`, :mod:`~lmforge.cli.chat`,
-:mod:`~lmforge.cli.train` (train), :mod:`~lmforge.cli.eval` (eval, report), :mod:`~lmforge.cli.generate`, :mod:`~lmforge.cli.speedrun`. The table below names the module of
+:mod:`~lmforge.cli.train` (train), :mod:`~lmforge.cli.eval` (eval, report), :mod:`~lmforge.cli.generate`, :mod:`~lmforge.cli.speedrun`,
+:mod:`~lmforge.cli.interop` (export, import). The table below names the module of
 each top-level command; only the module of the command being run is imported, so ``lmforge --help`` does not
 load torch (or the library at all).
 
@@ -49,11 +50,14 @@ Handler = Callable[[argparse.Namespace], int]  # takes the parsed namespace, ret
 Command = tuple[str, str, AddArgs, Handler]
 
 # The table: top-level name -> (help, module). A group's module lists its subcommands in SUBCOMMANDS
-# (``lmforge data get``); a command's module maps the command's name to (add arguments, handler) in COMMANDS.
+# (``lmforge data get``), or in the list named after a colon (``module:EXPORT``); a command's module maps
+# the command's name to (add arguments, handler) in COMMANDS.
 GROUPS = {
     "tokenizer": ("train, apply and inspect byte-level BPE tokenizers", "lmforge.cli.tokenizer"),
     "data": ("download corpora, prepare token shards, inspect them", "lmforge.cli.data"),
     "lora": ("LoRA adapters of a fine-tuning run: merge them into a plain run", "lmforge.cli.sft"),
+    "export": ("export a run to Hugging Face transformers (hf) or llama.cpp (gguf)", "lmforge.cli.interop:EXPORT"),
+    "import": ("import a Hugging Face Llama checkpoint as an lmforge run", "lmforge.cli.interop:IMPORT"),
 }
 COMMANDS = {
     "train": ("pretrain a model from a YAML config (resumes automatically)", "lmforge.cli.train"),
@@ -99,7 +103,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         gp = _add(sub, group, help_text)
         if only in (None, group):
             gsub = gp.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True, parser_class=_Parser)
-            for name, help_, add_args, handler in importlib.import_module(module).SUBCOMMANDS:
+            mod, _, table = module.partition(":")
+            for name, help_, add_args, handler in getattr(importlib.import_module(mod), table or "SUBCOMMANDS"):
                 _add(gsub, name, help_, add_args, handler)
     for name, (help_, module) in COMMANDS.items():
         _add(sub, name, help_, *(importlib.import_module(module).COMMANDS[name] if only in (None, name) else ()))

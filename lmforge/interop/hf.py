@@ -7,14 +7,21 @@ HF rotates *halves* ``(i, i + D/2)``. Both use frequency ``theta^(-2i/D)`` for p
 rows of ``q_proj`` and ``k_proj`` inside each head (``[0, 2, 4, ..., 1, 3, 5, ...]``) maps one onto the
 other exactly; attention scores are unchanged because q and k are permuted alike.
 
-Used by the generation benchmark (same weights in both models) and later by HF export.
-``transformers`` is imported lazily, only by :func:`hf_config`.
+This module also owns the model half of the config mapping: :func:`hf_config_dict` writes ``config.json``
+from a ``ModelConfig`` (refusing any option Llama cannot express, :func:`check_llama_expressible`) and
+:func:`model_config_from_hf` reads one back (refusing any HF option lmforge's model lacks). Used by the
+generation benchmark (same weights in both models), by HF export/import (:mod:`lmforge.interop.hf_export`,
+:mod:`lmforge.interop.hf_import`) and by GGUF export. ``transformers`` is imported lazily, only by
+:func:`hf_config`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import TYPE_CHECKING, Any
+
+from lmforge.model import ModelConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -108,22 +115,131 @@ def from_hf_state_dict(sd: dict[str, "torch.Tensor"], cfg: Any) -> dict[str, "to
     return out
 
 
-def hf_config(cfg: Any) -> Any:
+# --------------------------------------------------------------------------------------------------
+# Config: ModelConfig <-> config.json
+# --------------------------------------------------------------------------------------------------
+# Every ModelConfig field and what Llama makes of it. A field missing here (a new model option) is refused on
+# export unless it has its default value: a model Llama cannot express must not leave lmforge silently changed.
+LLAMA_EXPRESSES: dict[str, str] = {
+    "vocab_size": "vocab_size", "context_length": "max_position_embeddings", "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+    "d_ff": "intermediate_size", "rope_theta": "rope_theta", "tie_embeddings": "tie_word_embeddings",
+    "norm_eps": "rms_norm_eps",
+}
+"""``ModelConfig`` field -> the ``config.json`` key (HF ``LlamaConfig``) that holds it."""
+NUMERICS_ONLY = ("fast",)
+"""``ModelConfig`` fields that choose how the same function is computed, not which: nothing to export."""
+
+
+def check_llama_expressible(cfg: ModelConfig) -> None:
+    """``ValueError`` naming the first option of ``cfg`` that a Llama model (HF or GGUF) cannot express."""
+    for f in dataclasses.fields(cfg):
+        if f.name in LLAMA_EXPRESSES or f.name in NUMERICS_ONLY:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        value = getattr(cfg, f.name)
+        if value != default:
+            raise ValueError(f"model.{f.name}={value!r} has no counterpart in a Llama model (HF LlamaForCausalLM "
+                             f"or GGUF llama), so exporting would change the model; only runs with model.{f.name}="
+                             f"{default!r} can be exported (or teach lmforge.interop.hf.LLAMA_EXPRESSES the mapping)")
+
+
+def hf_config_dict(cfg: ModelConfig, bos_token_id: int | None = None,
+                   eos_token_id: int | list[int] | None = None) -> dict[str, Any]:
+    """The ``config.json`` of a ``LlamaForCausalLM`` with the architecture of ``cfg`` (checked expressible).
+
+    Written with the classic keys (``rope_theta``, ``rope_scaling: null``) that every ``transformers``
+    version, vLLM and llama.cpp's converter read.
+    """
+    check_llama_expressible(cfg)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.context_length,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": float(cfg.rope_theta),
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "torch_dtype": "float32",
+    }
+
+
+def hf_config(cfg: ModelConfig) -> Any:
     """A ``transformers.LlamaConfig`` with the same architecture as our ``ModelConfig`` ``cfg``."""
     from transformers import LlamaConfig  # here: an optional dependency (the test extras install it)
 
-    return LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=getattr(cfg, "n_kv_heads", None) or cfg.n_heads,
-        max_position_embeddings=cfg.context_length,
-        rms_norm_eps=cfg.norm_eps,
-        rope_theta=cfg.rope_theta,
-        tie_word_embeddings=bool(getattr(cfg, "tie_embeddings", False)),
-        attention_bias=False,
-        mlp_bias=False,
-        hidden_act="silu",
-    )
+    d = hf_config_dict(cfg)
+    for key in ("architectures", "model_type", "torch_dtype", "rope_scaling", "bos_token_id", "eos_token_id"):
+        d.pop(key)  # file-only keys; bos/eos keep LlamaConfig's defaults (no tokenizer here)
+    return LlamaConfig(**d)
+
+
+def _rope_theta(d: dict[str, Any], where: str) -> float:
+    """RoPE base of an HF config, refusing scaled RoPE (classic ``rope_scaling`` or v5 ``rope_parameters``)."""
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling")
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type")) if scaling else params.get("rope_type")
+    if scaling or rope_type not in (None, "default"):
+        raise ValueError(f"{where}: RoPE scaling ({rope_type or scaling}) is not supported; lmforge's model has "
+                         "plain RoPE (rope_scaling null / rope_type default)")
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
+        raise ValueError(f"{where}: rope_theta must be a positive number, got {theta!r}")
+    return float(theta)
+
+
+def model_config_from_hf(d: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    """The ``ModelConfig`` of an HF Llama ``config.json`` (as a dict); ``ValueError`` for anything else.
+
+    Refused, each with its own message: another architecture (named), biases, an activation other than SiLU,
+    a head dim other than ``hidden_size / num_attention_heads``, scaled RoPE, dropout.
+    """
+    archs = d.get("architectures") or []
+    if d.get("model_type") != "llama" or (archs and "LlamaForCausalLM" not in archs):
+        name = ", ".join(archs) if archs else f"model_type {d.get('model_type')!r}"
+        raise ValueError(f"{where} describes {name}, not LlamaForCausalLM; lmforge imports Llama-architecture "
+                         "checkpoints only (model_type \"llama\")")
+    for key in ("attention_bias", "mlp_bias"):
+        if d.get(key):
+            raise ValueError(f"{where}: {key}=true, but lmforge's model has no biases; it cannot hold this model")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act={d['hidden_act']!r}, but lmforge's feed-forward is SwiGLU with SiLU")
+    if d.get("attention_dropout") or d.get("hidden_dropout"):
+        raise ValueError(f"{where}: dropout is set (attention_dropout={d.get('attention_dropout')}), but lmforge's "
+                         "model has no dropout; set it to 0 in config.json if you accept training without it")
+    try:
+        hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+        kw = dict(vocab_size=int(d["vocab_size"]), context_length=int(d.get("max_position_embeddings", 2048)),
+                  d_model=hidden, n_layers=int(d["num_hidden_layers"]), n_heads=heads,
+                  n_kv_heads=int(d.get("num_key_value_heads") or heads), d_ff=int(d["intermediate_size"]))
+    except KeyError as e:
+        raise ValueError(f"{where} has no {e.args[0]!r}; is it a complete Llama config.json?") from None
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: hidden_size, num_attention_heads, num_hidden_layers, intermediate_size and "
+                         "vocab_size must be integers") from None
+    head_dim = d.get("head_dim")
+    if head_dim is not None and head_dim != hidden // heads:
+        raise ValueError(f"{where}: head_dim={head_dim} differs from hidden_size/num_attention_heads="
+                         f"{hidden // heads}; lmforge's attention has head dim d_model/n_heads")
+    eps = d.get("rms_norm_eps", 1e-6)
+    try:
+        return ModelConfig(**kw, rope_theta=_rope_theta(d, where), norm_eps=float(eps),
+                           tie_embeddings=bool(d.get("tie_word_embeddings", False)))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None

@@ -1,0 +1,116 @@
+"""The tokenizer half of an HF export: ``tokenizer.json`` and its config files, and the Jinja chat template.
+
+``tokenizer.json`` is the tokenizer stage's own HF writer (:meth:`lmforge.tokenizer.Tokenizer.save_hf`:
+Split(lmforge's regex) + ByteLevel, the BPE vocab and merges, every special token as an added token), so
+``AutoTokenizer`` gives lmforge's ids, special tokens in text included (lmforge's ``special="allowed"``).
+
+The chat template is generated from the chat format's own token constants
+(:data:`lmforge.chat.format.CHAT_SPECIAL_TOKENS`) and held to :class:`lmforge.chat.format.ChatFormat` by
+tests: ``apply_chat_template(messages, tokenize=True)`` gives ``ChatFormat.render(messages)[0]``, and with
+``add_generation_prompt=True`` ``ChatFormat.render_for_completion(messages)``. Messages are lmforge's: roles
+``system``/``user``/``assistant``/``tool``, and an assistant's calculator call in ``"tool_call": "EXPR"``.
+
+One difference no template can remove: ``apply_chat_template`` renders text and then tokenizes it, so a
+message whose *text* holds a special token string (``<|user_end|>``) gets the special id there, while
+lmforge's renderer encodes message text with ``special="plain"``. Every HF chat model shares this.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lmforge.chat.format import CHAT_SPECIAL_TOKENS
+from lmforge.common import atomic_write_text
+from lmforge.tokenizer import EOT, Tokenizer
+
+__all__ = ["chat_template", "has_chat_tokens", "write_hf_tokenizer", "stop_token_ids"]
+
+# The chat format's tokens, in the order CHAT_SPECIAL_TOKENS lists them (its docstring promises that order;
+# new tokens are appended, so the first eleven keep their meaning).
+(_BEGIN, _SYSTEM_START, _SYSTEM_END, _USER_START, _USER_END, _ASSISTANT_START, _ASSISTANT_END,
+ _PYTHON_START, _PYTHON_END, _OUTPUT_START, _OUTPUT_END) = CHAT_SPECIAL_TOKENS[:11]
+
+
+def has_chat_tokens(tokenizer: Tokenizer) -> bool:
+    """Whether ``tokenizer`` holds every chat special token (then the export carries a chat template)."""
+    return all(t in tokenizer.special_tokens for t in CHAT_SPECIAL_TOKENS)
+
+
+def stop_token_ids(tokenizer: Tokenizer) -> list[int]:
+    """Ids where generation ends: the end-of-text token, and ``<|assistant_end|>`` when the chat tokens exist."""
+    sp = tokenizer.special_tokens
+    return [sp[t] for t in (EOT, _ASSISTANT_END) if t in sp]
+
+
+def _lit(s: str) -> str:
+    """A Jinja string literal of ``s`` (JSON escaping is valid Jinja for these ASCII token strings)."""
+    return json.dumps(s)
+
+
+def chat_template() -> str:
+    """The Jinja chat template that renders what :class:`~lmforge.chat.format.ChatFormat` renders.
+
+    Layout (see :mod:`lmforge.chat.format`): the conversation opens with the begin token; system and user
+    messages sit between their start/end tokens; an assistant turn opens with ``<|assistant_start|>`` unless
+    it continues after a tool output, holds its text, then either a calculator call
+    ``<|python_start|>EXPR<|python_end|>`` or ``<|assistant_end|>``; a tool message is
+    ``<|output_start|>RESULT<|output_end|>``; ``add_generation_prompt`` appends ``<|assistant_start|>``.
+    """
+    wrap = {"system": (_SYSTEM_START, _SYSTEM_END), "user": (_USER_START, _USER_END),
+            "tool": (_OUTPUT_START, _OUTPUT_END)}
+    parts = [f"{{{{- {_lit(_BEGIN)} -}}}}", "{%- for message in messages -%}",
+             "{%- set content = message['content'] if message['content'] is string else '' -%}"]
+    for k, (role, (start, end)) in enumerate(wrap.items()):
+        parts.append(f"{{%- {'if' if k == 0 else 'elif'} message['role'] == {_lit(role)} -%}}"
+                     f"{{{{- {_lit(start)} + content + {_lit(end)} -}}}}")
+    parts += [
+        "{%- elif message['role'] == 'assistant' -%}",
+        f"{{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}}{{{{- {_lit(_ASSISTANT_START)} -}}}}"
+        "{%- endif -%}",
+        "{{- content -}}",
+        f"{{%- if message['tool_call'] is defined and message['tool_call'] is string -%}}"
+        f"{{{{- {_lit(_PYTHON_START)} + message['tool_call'] + {_lit(_PYTHON_END)} -}}}}",
+        f"{{%- else -%}}{{{{- {_lit(_ASSISTANT_END)} -}}}}{{%- endif -%}}",
+        "{%- else -%}{{- raise_exception('unknown role ' + message['role'] + '; lmforge chats use system, user, "
+        "assistant and tool') -}}",
+        "{%- endif -%}",
+        "{%- endfor -%}",
+        f"{{%- if add_generation_prompt -%}}{{{{- {_lit(_ASSISTANT_START)} -}}}}{{%- endif -%}}",
+    ]
+    return "".join(parts)
+
+
+def write_hf_tokenizer(tokenizer: Tokenizer, out: str | Path, context_length: int) -> list[Path]:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` into ``out``.
+
+    ``AutoTokenizer.from_pretrained(out)`` then encodes like ``tokenizer`` (no BOS/EOS added, no clean-up
+    of spaces on decode) and, when the chat tokens exist, carries :func:`chat_template`. ``out`` must exist;
+    files are written atomically and replaced (the caller decides about overwriting).
+    """
+    out = Path(out)
+    specials = tokenizer.special_tokens
+    eot = EOT if EOT in specials else None
+    others = [t for t in sorted(specials, key=specials.__getitem__) if t != eot]
+    tokenizer.save_hf(out / "tokenizer.json", force=True)
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": context_length,
+        "bos_token": eot, "eos_token": eot, "unk_token": None, "pad_token": None,
+        "additional_special_tokens": others,
+        "add_bos_token": False, "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                          "single_word": False, "special": True}
+                                 for t, i in sorted(specials.items(), key=lambda kv: kv[1])},
+    }
+    if has_chat_tokens(tokenizer):
+        config["chat_template"] = chat_template()
+    special_map: dict[str, Any] = {"additional_special_tokens": others}
+    if eot is not None:
+        special_map.update(bos_token=eot, eos_token=eot)
+    paths = [out / "tokenizer.json", out / "tokenizer_config.json", out / "special_tokens_map.json"]
+    atomic_write_text(paths[1], json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    atomic_write_text(paths[2], json.dumps(special_map, indent=2, ensure_ascii=False) + "\n")
+    return paths
