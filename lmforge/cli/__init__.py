@@ -54,6 +54,7 @@ GROUPS = {
     "tokenizer": ("train, apply and inspect byte-level BPE tokenizers", "lmforge.cli.tokenizer"),
     "data": ("download corpora, prepare token shards, inspect them", "lmforge.cli.data"),
     "chat": ("the chat format: render conversations to tokens", "lmforge.cli.chat"),
+    "checkpoint": ("sharded checkpoints: consolidate one into a single file", "lmforge.cli.checkpoint"),
 }
 COMMANDS = {
     "train": ("pretrain a model from a YAML config (resumes automatically)", "lmforge.cli.train"),
