@@ -69,7 +69,7 @@ def ddp_rounds(a: argparse.Namespace, shards: Path, tmp: Path) -> dict[int, list
     out: dict[int, list[float]] = {1: [], 2: []}
     for r in range(a.rounds):
         for world in (1, 2):
-            cfg = {"model": _model_cfg(a), "data": {"dir": str(shards)},
+            cfg = {"model": _model_cfg(a), "data": {"dir": str(shards), "val_split": None},
                    "optimizer": {"lr": 1e-3, "warmup_steps": 2, "schedule": "constant"},
                    "training": {"max_steps": a.steps, "global_batch_size": a.batch, "device": "cpu",
                                 "num_threads": 2 // world, "log_every": max(1, a.steps // 4), "eval_every": 10**6,
@@ -218,7 +218,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=384)
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     ap.add_argument("--steps", type=int, default=24, help="training steps per DDP run; timed AC steps")
     ap.add_argument("--rounds", type=int, default=3)
