@@ -305,3 +305,21 @@ def test_torchrun_elastic_resume_across_world_sizes(shards, tmp_path) -> None:
     assert got.iteration == want.iteration == 6 and got.model.keys() == want.model.keys()
     for k in want.model:
         torch.testing.assert_close(got.model[k], want.model[k], rtol=1e-4, atol=1e-6)
+
+
+def test_fsdp_with_activation_checkpointing_and_dcp_in_a_group_of_one(shards, tmp_path) -> None:
+    """FSDP2 + activation checkpointing + sharded checkpoints at world size 1 (a process group of one): the
+    plain run's losses; resumed from its shards in a plain process (no group), the same again."""
+    import torch.distributed as dist
+
+    from lmforge.train.distributed import setup_distributed
+
+    _train(_scfg(shards, max_steps=5), tmp_path / "plain")
+    setup_distributed("cpu", init_method=f"file://{tmp_path / 'pg'}")
+    try:
+        _train(_scfg(shards, max_steps=3, parallel="fsdp", activation_checkpointing=True, checkpoint_format="dcp"),
+               tmp_path / "fsdp")
+    finally:
+        dist.destroy_process_group()
+    _train(_scfg(shards, max_steps=5, activation_checkpointing=True, checkpoint_format="dcp"), tmp_path / "fsdp")
+    _approx(_losses(tmp_path / "fsdp"), _losses(tmp_path / "plain"))
