@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import struct
 from pathlib import Path
 from typing import IO, Any
@@ -87,6 +88,18 @@ def _decode(obj: Any, tensors: dict[str, Any]) -> Any:
     if isinstance(obj, list):
         return [_decode(v, tensors) for v in obj]
     return obj
+
+
+def encode_tree(obj: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
+    """``obj`` (tensors, arrays, numbers, str, lists, tuples, dicts) as JSON plus the tensors it refers to, named
+    ``prefix + n``; :func:`decode_tree` inverts it. The layout of a checkpoint's ``extra``."""
+    tensors: dict[str, Any] = {}
+    return _encode(obj, prefix, tensors), tensors
+
+
+def decode_tree(obj: Any, tensors: dict[str, Any]) -> Any:
+    """The object :func:`encode_tree` encoded (tuples, arrays and tensors restored)."""
+    return _decode(obj, tensors)
 
 
 def _digest(tensors: dict[str, Any], meta_json: str) -> str:
@@ -288,6 +301,8 @@ def load_checkpoint(src: str | os.PathLike | IO[bytes], model: Any, optimizer: A
 # Run-directory policy
 # --------------------------------------------------------------------------------------------------
 _STEP_RE = re.compile(r"^step_(\d{8,})\.safetensors$")
+_DCP_RE = re.compile(r"^step_(\d{8,})\.dcp$")
+DCP_MARKER = "lmforge-dcp.json"  # written last into a sharded checkpoint directory (see lmforge/train/dcp.py)
 
 
 class CheckpointManager:
@@ -313,6 +328,23 @@ class CheckpointManager:
             return []
         found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := _STEP_RE.match(p.name))]
         return sorted(found)
+
+    def dcp_path_for(self, step: int) -> Path:
+        """Directory of the sharded (``checkpoint_format: dcp``) checkpoint of ``step``."""
+        return self.dir / f"step_{step:08d}.dcp"
+
+    def dcp_steps(self) -> list[tuple[int, Path]]:
+        """Sharded checkpoint directories on disk (complete ones: renamed into place after every rank wrote),
+        oldest first."""
+        if not self.dir.is_dir():
+            return []
+        return sorted((int(m.group(1)), p) for p in self.dir.iterdir() if (m := _DCP_RE.match(p.name)) and p.is_dir())
+
+    def prune_dcp(self) -> None:
+        """Delete sharded checkpoints beyond the newest ``keep_last``."""
+        for _, old in self.dcp_steps()[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+            logger.debug("removed old checkpoint %s", old)
 
     def best_val_loss(self) -> float | None:
         """Validation loss recorded in ``best.safetensors`` (None if there is none or it is unreadable)."""
@@ -343,9 +375,17 @@ class CheckpointManager:
         logger.info("new best val loss %.4f at step %d -> %s", val_loss, step, self.best_path)
         return True
 
+    def dcp_partial_for(self, step: int) -> Path:
+        """Where a sharded checkpoint is written before it is complete (then renamed to :meth:`dcp_path_for`)."""
+        return self.dir / f".step_{step:08d}.dcp.partial"
+
     def remove_stale_temporaries(self) -> None:
-        """Delete half-written temporary files left by a killed process (never a finished checkpoint)."""
+        """Delete half-written temporary files and sharded-checkpoint directories left by a killed process
+        (never a finished checkpoint)."""
         remove_stale_temporaries(self.dir)
+        if self.dir.is_dir():
+            for p in self.dir.glob(".step_*.dcp.partial"):
+                shutil.rmtree(p, ignore_errors=True)
 
     def load_latest(self, quarantine: bool = False) -> tuple[Path, Checkpoint] | None:
         """Newest step checkpoint that verifies, with its contents; None when there is none.

@@ -182,6 +182,9 @@ def open_run(path: str | os.PathLike, checkpoint: str | os.PathLike | None = Non
     ckpts = CheckpointManager(p)
     if checkpoint is None:
         found = ckpts.load_latest()
+        if found is None and ckpts.dcp_steps():
+            raise ValueError(f"{ckpts.dir} holds sharded checkpoints only (training.checkpoint_format=dcp); write one "
+                             f"as a file with `lmforge checkpoint consolidate {p}`, then try again")
         if found is None:
             raise ValueError(f"no checkpoint in {ckpts.dir}; train first, or pass --checkpoint FILE")
         ckpt_path, ckpt = found

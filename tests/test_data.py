@@ -516,8 +516,32 @@ def test_block_loader_resume_is_exact(arange_dir, n):
     for wx, wy in want:
         x, y = b.next_batch()
         assert torch.equal(x, wx) and torch.equal(y, wy)
-    with pytest.raises(ValueError, match="batch_size=4 but this loader has 2"):
+    with pytest.raises(ValueError, match=r"global batch of 4 sequences per step \(batch_size=4 x world_size=1\) "
+                                         r"but this loader takes 2 .* training.global_batch_size=4"):
         BlockLoader(ds, 2, 9, seed=5).load_state_dict(state)
+
+
+def _step_blocks(loaders: list, accum: int) -> list[int]:
+    """First token of every block one optimizer step hands to all ranks, in global order (micro-batch, rank)."""
+    return [v for _ in range(accum) for loader in loaders for v in loader.next_batch()[0][:, 0].tolist()]
+
+
+@pytest.mark.parametrize("world, micro", [(1, 2), (2, 4), (2, 1), (4, 2)])
+def test_global_batch_steps_see_the_same_blocks_at_any_world_size(arange_dir, world, micro):
+    # 66 blocks, G = 8: 8 steps per epoch, then a new epoch at a step boundary whatever the micro-batch split
+    ds = TokenDataset(arange_dir)
+    ref = BlockLoader(ds, 8, 9, seed=3, global_batch_size=8)
+    want = [_step_blocks([ref], 1) for _ in range(20)]
+    accum = 8 // (world * micro)
+    ranks = [BlockLoader(ds, micro, 9, seed=3, rank=r, world_size=world, global_batch_size=8) for r in range(world)]
+    got = [_step_blocks(ranks, accum) for _ in range(11)]
+    # elastic resume: the state saved at this world size continues at world 1 (micro-batch 2) with the same blocks
+    one = BlockLoader(TokenDataset(arange_dir), 2, 9, seed=3, global_batch_size=8)
+    one.load_state_dict(json.loads(json.dumps(ranks[0].state_dict())))
+    got += [_step_blocks([one], 4) for _ in range(9)]
+    assert got == want and ranks[0].epoch == 1
+    with pytest.raises(ValueError, match="must be a positive multiple of batch_size x world_size"):
+        BlockLoader(ds, 3, 9, world_size=2, global_batch_size=8)
 
 
 def test_ranks_are_disjoint_and_cover_the_epoch(arange_dir):

@@ -58,6 +58,7 @@ GROUPS = {
     "lora": ("LoRA adapters of a fine-tuning run: merge them into a plain run", "lmforge.cli.sft"),
     "export": ("export a run to Hugging Face transformers (hf) or llama.cpp (gguf)", "lmforge.cli.interop:EXPORT"),
     "import": ("import a Hugging Face Llama checkpoint as an lmforge run", "lmforge.cli.interop:IMPORT"),
+    "checkpoint": ("sharded checkpoints: consolidate one into a single file", "lmforge.cli.checkpoint"),
 }
 COMMANDS = {
     "train": ("pretrain a model from a YAML config (resumes automatically)", "lmforge.cli.train"),

@@ -12,9 +12,13 @@ found by ``load_state_dict``; their blocks are merged into the *not yet seen* pa
 epoch and that part is reshuffled (seeded), so nothing already seen in this epoch repeats. The
 merge is recorded in the state, so later restarts replay it exactly.
 
-Data parallelism: step ``s`` takes ``batch_size * world_size`` consecutive blocks of the epoch
-order and rank ``r`` gets the ``r``-th slice, so ranks are disjoint and together cover the epoch
-(minus a remainder smaller than one global batch). The state is the same on every rank.
+Data parallelism: an optimizer step takes ``global_batch_size`` consecutive blocks of the epoch order
+(default ``batch_size * world_size``: one micro-batch per rank). Its ``k``-th micro-batch call takes the
+``k``-th run of ``batch_size * world_size`` of them and rank ``r`` gets the ``r``-th slice, so ranks are
+disjoint and together cover the epoch (minus a remainder smaller than one global batch). Which blocks a
+step sees depends only on the step and the global batch, never on the world size or the micro-batch
+split; a new epoch starts only at a step boundary. The state is the same on every rank and is global
+(epoch, blocks consumed), so a run saved at one world size resumes at another with the same samples.
 
 Example::
 
@@ -133,9 +137,14 @@ class BlockLoader:
     """
 
     def __init__(self, dataset: TokenDataset, batch_size: int, context_length: int, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, bos_aligned: bool = False, positions: bool = False) -> None:
+                 world_size: int = 1, bos_aligned: bool = False, positions: bool = False,
+                 global_batch_size: int | None = None) -> None:
         if batch_size < 1 or context_length < 1:
             raise ValueError(f"batch_size and context_length must be >= 1 (got {batch_size}, {context_length})")
+        gb = batch_size * world_size if global_batch_size is None else int(global_batch_size)
+        if gb < 1 or gb % (batch_size * world_size):
+            raise ValueError(f"global_batch_size={gb} must be a positive multiple of batch_size x world_size = "
+                             f"{batch_size} x {world_size}")
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         if not 0 <= rank < world_size:
@@ -143,6 +152,7 @@ class BlockLoader:
         self.dataset, self.batch_size, self.context_length = dataset, int(batch_size), int(context_length)
         self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
         self.bos_aligned, self.positions = bool(bos_aligned), bool(positions)
+        self.global_batch_size = gb
         self._block = self.context_length + 1
         self._starts = [_block_starts(dataset, i, self._block, self.bos_aligned) for i in range(len(dataset.shards))]
         counts = [s if isinstance(s, int) else len(s) for s in self._starts]
@@ -166,11 +176,11 @@ class BlockLoader:
         self._base = self._length = int(self._cum[-1])
         self._layers: list[tuple[int, int, int, int]] = []
         self._window: tuple[int, np.ndarray] | None = None
-        if self._base < self.batch_size * self.world_size:
+        if self._base < self.global_batch_size:
             raise ValueError(
                 f"split {self.dataset.split!r} of {self.dataset.dir} has {self.dataset.num_tokens:,} tokens = "
                 f"{self._base} blocks of context_length + 1 = {self._block} tokens, fewer than one global batch "
-                f"({self.batch_size} x {self.world_size} ranks); use more data, a shorter context or a smaller batch")
+                f"({self.global_batch_size} sequences); use more data, a shorter context or a smaller batch")
 
     def _merge(self, names: list[str]) -> None:
         """Merge new shards into the unseen rest of this epoch and reshuffle that rest (seeded)."""
@@ -217,7 +227,7 @@ class BlockLoader:
     @property
     def steps_per_epoch(self) -> int:
         """Full global batches in the current epoch (as known now)."""
-        return self._length // (self.batch_size * self.world_size)
+        return self._length // self.global_batch_size
 
     # ---- batches ----------------------------------------------------------------------------------
     def _read(self, ids: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -248,9 +258,10 @@ class BlockLoader:
         """This rank's next ``(x, y)`` (int64 CPU tensors ``(B, T)``), plus positions if requested."""
         import torch  # here: data prepare/inspect never need torch (~1 s to import)
 
-        gb = self.batch_size * self.world_size
-        if self.consumed + gb > self._length:
-            self._start_epoch(self.epoch + 1)
+        gb = self.batch_size * self.world_size  # blocks of one micro-batch call over all ranks
+        step_start = self.consumed % self.global_batch_size == 0
+        if (step_start and self.consumed + self.global_batch_size > self._length) or self.consumed + gb > self._length:
+            self._start_epoch(self.epoch + 1)  # only at a step boundary, unless resumed with another global batch
         lo = self.consumed + self.rank * self.batch_size
         ids = self._ids(lo, self.batch_size)
         buf = np.empty((self.batch_size, self._block), dtype=np.int64)  # (B, T+1)
@@ -275,6 +286,7 @@ class BlockLoader:
         """Everything needed to continue exactly (JSON-serialisable)."""
         return {"version": STATE_VERSION, "seed": self.seed, "epoch": self.epoch, "consumed": self.consumed,
                 "batch_size": self.batch_size, "context_length": self.context_length, "world_size": self.world_size,
+                "global_batch_size": self.global_batch_size,
                 "bos_aligned": self.bos_aligned, "split": self.dataset.split,
                 "epoch_shards": list(self._epoch_shards), "merges": [dict(m) for m in self._merges],
                 "shards": {n: self._sha[n] for n in self._names if n in self._known()}}
@@ -286,14 +298,23 @@ class BlockLoader:
         """Continue from ``state``; shards added to the dataset since then join the unseen rest of the epoch."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"loader state version {state.get('version')} is not {STATE_VERSION}")
-        for key in ("seed", "batch_size", "context_length", "bos_aligned", "split"):
+        for key in ("seed", "context_length", "bos_aligned", "split"):
             mine = getattr(self, key) if key != "split" else self.dataset.split
             if state[key] != mine:
                 raise ValueError(f"the loader state was saved with {key}={state[key]!r} but this loader has {mine!r}; "
                                  "resume with the same data settings")
-        if state["world_size"] != self.world_size:
-            logger.warning("resuming a loader saved with world_size=%d on %d ranks: the global order continues, "
-                           "but per-rank batches differ from the original run", state["world_size"], self.world_size)
+        # states written before global_batch_size was recorded: their global batch is not known (accumulation)
+        saved_gb = state.get("global_batch_size", self.global_batch_size)
+        if state["batch_size"] != self.batch_size and "global_batch_size" not in state:
+            raise ValueError(f"the loader state was saved with batch_size={state['batch_size']!r} but this loader has "
+                             f"{self.batch_size!r}; resume with the same data settings")
+        if saved_gb != self.global_batch_size:  # the micro-batch and world size may change; the global batch not
+            raise ValueError(
+                f"the loader state was saved with a global batch of {saved_gb} sequences per step (batch_size="
+                f"{state['batch_size']} x world_size={state['world_size']}"
+                f"{' x accumulation' if saved_gb != state['batch_size'] * state['world_size'] else ''}) but this loader "
+                f"takes {self.global_batch_size} (batch_size={self.batch_size} x world_size={self.world_size}); resume "
+                f"with the same global batch, e.g. training.global_batch_size={saved_gb} at any world size")
         known = state["epoch_shards"] + [n for m in state["merges"] for n in m["shards"]]
         if self._names[:len(known)] != known:
             missing = [n for n in known if n not in self._names]

@@ -1,8 +1,9 @@
 """Stage 4, batches -> checkpoints: the run config, the training loop with exact resume, optimizers, evaluation.
 
 ``config`` holds ``RunConfig``; ``loop`` ``train(cfg, run_dir)``; ``evaluate`` loss/perplexity/bits per byte; ``optim`` the optimizers (SGD, AdamW) and the
-learning-rate schedule; ``distributed`` DDP/FSDP from the ``torchrun`` environment; ``metrics`` the
-``metrics.jsonl`` log, the loss plot and MFU.
+learning-rate schedule; ``distributed`` DDP/FSDP and activation checkpointing from the ``torchrun`` environment;
+``batching`` the global batch split into micro-batches; ``dcp`` sharded checkpoints and ``consolidate`` their
+single-file form; ``metrics`` the ``metrics.jsonl`` log, the loss plot and MFU.
 """
 
 from lmforge.train.config import DataConfig, OptimConfig, RunConfig, TrainingConfig, load_run_config

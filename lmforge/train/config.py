@@ -129,6 +129,19 @@ class TrainingConfig:
     """Sequences per micro-batch on each rank."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; tokens/step = batch_size x context x grad_accum_steps x ranks."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all ranks, the same at any world size (then ``batch_size`` and
+    ``grad_accum_steps`` are unused); ``null`` = ``batch_size x grad_accum_steps x ranks``. See train/batching.py."""
+    micro_batch_size: int | None = None
+    """With ``global_batch_size``: sequences per forward/backward on one rank (a memory cap; the rest is gradient
+    accumulation); ``null`` = ``global_batch_size / ranks``."""
+    activation_checkpointing: bool = False
+    """Recompute each Transformer block's activations in the backward pass instead of storing them (less memory,
+    ~1/3 more compute; the same losses)."""
+    checkpoint_format: Literal["file", "dcp"] = "file"
+    """``file``: one safetensors file per checkpoint (gathered to rank 0 under FSDP); ``dcp``: a directory of
+    per-rank shards written with torch.distributed.checkpoint, loadable at any world size (``lmforge checkpoint
+    consolidate`` turns one into a file)."""
     context_length: int | None = None
     """Training sequence length; ``null`` = ``model.context_length`` (may not exceed it: the RoPE table size)."""
     device: str = "auto"
@@ -171,6 +184,12 @@ class TrainingConfig:
                 raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"training.context_length must be >= 1 (or null), got {self.context_length}")
+        for name in ("global_batch_size", "micro_batch_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"training.{name} must be >= 1 (or null), got {getattr(self, name)}")
+        if self.micro_batch_size is not None and self.global_batch_size is None:
+            raise ValueError("training.micro_batch_size only applies with training.global_batch_size; set "
+                             "global_batch_size, or use batch_size and grad_accum_steps instead")
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             raise ValueError(f"training.eval_batch_size must be >= 1 (or null for batch_size), got {self.eval_batch_size}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -261,6 +280,7 @@ def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = (
 
 # Changing these between runs in one directory would make the checkpoints meaningless.
 _INCOMPATIBLE = ("model.", "data.dir", "data.train_split", "data.bos_aligned", "training.batch_size",
-                 "training.grad_accum_steps", "training.context_length", "training.seed", "data.kind", "sft.", "lora.")
+                 "training.grad_accum_steps", "training.global_batch_size", "training.context_length",
+                 "training.seed", "data.kind", "sft.", "lora.")
 _HARMLESS = ("model.fast",)  # the fast path computes the same function with the same weights
 # data.tokenizer may move (its fingerprint must still match the shards); data.val_split only changes evaluation.

@@ -20,13 +20,15 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lmforge.common import resolve_device
 
 logger = logging.getLogger("lmforge")
 
 __all__ = ["DistInfo", "setup_distributed", "cleanup_distributed", "is_main_process", "get_rank", "get_world_size",
-           "all_reduce_mean", "all_reduce_sum", "barrier", "wrap_model", "full_state_dicts", "load_full_optimizer_state"]
+           "all_reduce_mean", "all_reduce_sum", "barrier", "checkpoint_blocks", "wrap_model", "full_state_dicts",
+           "load_full_optimizer_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +134,33 @@ def all_reduce_mean(value: float, device: Any = None) -> float:
     return all_reduce_sum([value], device)[0] / get_world_size()
 
 
-def wrap_model(model: Any, mode: Literal["none", "ddp", "fsdp"], info: DistInfo, compile: bool = False) -> Any:
+def checkpoint_blocks(model: Any) -> int:
+    """Activation checkpointing per Transformer block, applied from outside; returns the number of blocks.
+
+    Each block's ``forward`` is replaced on the instance by one that runs it under ``torch.utils.checkpoint``
+    (non-reentrant) while gradients are recorded: only the block's input is kept, its activations are recomputed
+    in the backward pass. Module and parameter names are unchanged (LoRA targets, the HF key map and checkpoints
+    see the same model); without gradients (eval, generation) the block runs as usual. Under FSDP2 the block's
+    pre-backward hook gathers its parameters before the recomputation runs.
+    """
+    blocks = list(getattr(model, "layers", []))
+    for block in blocks:
+        if getattr(block, "_lmforge_checkpointed", False):
+            continue
+        inner = block.forward
+
+        def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return torch_checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+        block._lmforge_checkpointed = True
+    return len(blocks)
+
+
+def wrap_model(model: Any, mode: Literal["none", "ddp", "fsdp"], info: DistInfo, compile: bool = False,
+               activation_checkpointing: bool = False) -> Any:
     """Compile and/or wrap a single-device model for data parallelism (no wrapping without a process group).
 
     ``ddp`` replicates the model and averages gradients (compiled first, then wrapped); ``fsdp`` shards
@@ -142,6 +170,8 @@ def wrap_model(model: Any, mode: Literal["none", "ddp", "fsdp"], info: DistInfo,
     """
     if mode not in ("none", "ddp", "fsdp"):
         raise ValueError(f"training.parallel must be none, ddp or fsdp, got {mode!r}")
+    if activation_checkpointing:  # first, inside every other wrapper (as torchtitan: AC, compile, then FSDP)
+        checkpoint_blocks(model)
     if mode == "fsdp" and _active():
 
         for block in getattr(model, "layers", []):

@@ -102,11 +102,12 @@ def load_trained_state(cfg: Any, ckpt: Any, model: Any, optimizer: Any) -> int:
 # --------------------------------------------------------------------------------------------------
 # Data and the loss's denominator
 # --------------------------------------------------------------------------------------------------
-def conversation_data(cfg: Any, tokenizer: Any, info: Any) -> tuple[Any, Any, list, Any]:
+def conversation_data(cfg: Any, tokenizer: Any, info: Any, micro_batch: int) -> tuple[Any, Any, list, Any]:
     """``(train split, val split or None, fixed val batches, loader)`` for ``data.kind: conversations``.
 
-    The loader mixes in the base's pretraining blocks when ``sft.pretrain_mix > 0``: ``round(mix * batch_size)``
-    rows of every micro-batch (at least one), the rest conversations.
+    ``micro_batch`` rows per micro-batch (the loop's batch plan). The loader mixes in the base's pretraining blocks
+    when ``sft.pretrain_mix > 0``: ``round(mix * micro_batch)`` rows of every micro-batch (at least one), the rest
+    conversations.
     """
     dc, tc, T = cfg.data, cfg.training, cfg.context_length
     train_ds = ConversationDataset(dc.dir, dc.train_split)
@@ -120,8 +121,8 @@ def conversation_data(cfg: Any, tokenizer: Any, info: Any) -> tuple[Any, Any, li
         if ds.max_token_id >= V:
             raise ValueError(f"{ds.dir} split {ds.split!r} holds token id {ds.max_token_id}, beyond model.vocab_size="
                              f"{V}; render the conversations again with the run's tokenizer")
-    n_tok = cfg.sft.pretrain_rows(tc.batch_size) if cfg.sft is not None else 0
-    conv = ConversationLoader(train_ds, tc.batch_size - n_tok, T, seed=tc.seed, rank=info.rank,
+    n_tok = cfg.sft.pretrain_rows(micro_batch) if cfg.sft is not None else 0
+    conv = ConversationLoader(train_ds, micro_batch - n_tok, T, seed=tc.seed, rank=info.rank,
                               world_size=info.world_size)
     loader: Any = conv
     if n_tok:
@@ -131,7 +132,7 @@ def conversation_data(cfg: Any, tokenizer: Any, info: Any) -> tuple[Any, Any, li
                              f"model.vocab_size={V}")
         loader = MixedLoader(conv, BlockLoader(shards, n_tok, T, seed=tc.seed, rank=info.rank,
                                                world_size=info.world_size))
-        logger.info("pretraining mix: %d of %d rows per micro-batch from %s", n_tok, tc.batch_size, shards.dir)
+        logger.info("pretraining mix: %d of %d rows per micro-batch from %s", n_tok, micro_batch, shards.dir)
     val_set = (conversation_val_batches(val_ds, tc.eval_batch_size or tc.batch_size, T, tc.eval_batches)
                if val_ds is not None else [])
     return train_ds, val_ds, val_set, loader

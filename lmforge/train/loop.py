@@ -37,7 +37,9 @@ from lmforge.progress import progress as progress_bar
 from lmforge.run import MARKER, check_new_or_run
 from lmforge.run import mark as mark_run_dir
 from lmforge.tokenizer import Tokenizer, load_tokenizer
+from lmforge.train.batching import BatchPlan, plan_batch
 from lmforge.train.config import _HARMLESS, _INCOMPATIBLE, DataConfig, OptimConfig, RunConfig
+from lmforge.train.dcp import load_dcp, read_dcp_extra, read_dcp_meta, save_dcp
 from lmforge.train.distributed import (all_reduce_sum, barrier, cleanup_distributed, full_state_dicts,
                                        is_main_process, load_full_optimizer_state, setup_distributed, wrap_model)
 from lmforge.train.evaluate import evaluate
@@ -196,6 +198,7 @@ class _Run:
     val_set: list
     ckpts: CheckpointManager
     log: MetricsLog
+    batch: BatchPlan  # global batch = world size x micro-batch x accumulation steps
     model: Any = None  # as trained: compiled and/or wrapped for data parallelism
     raw_model: Any = None  # the bare TransformerLM under ``model``
     optimizer: Any = None
@@ -214,8 +217,7 @@ class _Run:
 
     @property
     def tokens_per_step(self) -> int:
-        tc = self.cfg.training
-        return tc.batch_size * self.cfg.context_length * tc.grad_accum_steps * self.info.world_size
+        return self.batch.tokens_per_step(self.cfg.context_length)
 
 
 def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: bool = False) -> dict[str, Any]:
@@ -241,8 +243,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
             torch.set_num_threads(tc.num_threads)
         run = _check(cfg, Path(run_dir), force, info)
         _build(run)
-        fsdp_optim_state = _resume(run)
-        _wrap(run, fsdp_optim_state)
+        pending = _resume(run)
+        _wrap(run, pending)
         with progress_bar(tc.max_steps, "train", "step", progress and info.is_main, initial=run.step) as bar:
             run.model.train()
             while run.step < tc.max_steps:
@@ -270,17 +272,19 @@ def _check(cfg: RunConfig, run_dir: Path, force: bool, info: Any) -> _Run:
         train_ds = ConversationDataset(cfg.data.dir, cfg.data.train_split)
     check_new_or_run(run_dir, force)
     ckpts = CheckpointManager(run_dir, tc.keep_last)
-    started = bool(ckpts.steps())
+    started = bool(ckpts.steps() or ckpts.dcp_steps())
     _check_run_dir(cfg, run_dir, write=False, started=started)
     tokenizer = _resolve_tokenizer(cfg.data, train_ds, run_dir, write=False, started=started)
+    batch = plan_batch(tc, info.world_size)
     if tokens:
         _check_data(cfg, train_ds, val_ds, tokenizer)
-        loader = BlockLoader(train_ds, tc.batch_size, cfg.context_length, seed=tc.seed, rank=info.rank,
-                             world_size=info.world_size, bos_aligned=cfg.data.bos_aligned)
+        loader = BlockLoader(train_ds, batch.micro_batch, cfg.context_length, seed=tc.seed, rank=info.rank,
+                             world_size=info.world_size, bos_aligned=cfg.data.bos_aligned,
+                             global_batch_size=batch.global_batch)
         val_set = (val_batches(val_ds, tc.eval_batch_size or tc.batch_size, cfg.context_length, tc.eval_batches)
                    if val_ds is not None else [])
     else:
-        train_ds, val_ds, val_set, loader = conversation_data(cfg, tokenizer, info)
+        train_ds, val_ds, val_set, loader = conversation_data(cfg, tokenizer, info, batch.micro_batch)
     if tc.wandb and info.is_main:
         require_wandb()
     barrier()  # every rank has checked the directory before rank 0 writes into it (else a late rank sees a non-run)
@@ -289,7 +293,7 @@ def _check(cfg: RunConfig, run_dir: Path, force: bool, info: Any) -> _Run:
         mark_run_dir(run_dir)
         _resolve_tokenizer(cfg.data, train_ds, run_dir, write=True, started=started)
         _check_run_dir(cfg, run_dir, write=True, started=started)
-    return _Run(cfg, run_dir, info, loader, val_ds, val_set, ckpts, MetricsLog(run_dir, enabled=info.is_main))
+    return _Run(cfg, run_dir, info, loader, val_ds, val_set, ckpts, MetricsLog(run_dir, enabled=info.is_main), batch)
 
 
 def _build(run: _Run) -> None:
@@ -302,13 +306,26 @@ def _build(run: _Run) -> None:
 def _resume(run: _Run) -> Any:
     """Load the newest checkpoint that verifies (model, optimizer, step, loader, RNG); forget later metrics.
 
-    Returns the checkpoint's full optimizer state under FSDP (loaded by ``_wrap`` once the model is sharded).
+    Returns what ``_wrap`` loads once the model is wrapped: the checkpoint's full optimizer state under FSDP,
+    or the directory of a sharded (DCP) checkpoint, whose weights and optimizer state go in after wrapping.
     """
     main, device = run.info.is_main, run.info.device
     if main:  # half-written temporaries of a killed run (checkpoints, loss.png, metrics rewrite)
         run.ckpts.remove_stale_temporaries()
         remove_stale_temporaries(run.run_dir, _RUN_FILES)
     fsdp_optim_state = None
+    sharded, files = run.ckpts.dcp_steps(), run.ckpts.steps()
+    if sharded and (not files or sharded[-1][0] > files[-1][0]
+                    or (sharded[-1][0] == files[-1][0] and run.cfg.training.checkpoint_format == "dcp")):
+        step, path = sharded[-1]  # the newest checkpoint is sharded: at any world size, whatever the format now
+        state = read_dcp_extra(path, read_dcp_meta(path))["train"]
+        run.loader.load_state_dict(state["loader"])
+        _set_rng_state(state["rng"], device)
+        run.step, run.last_ckpt = step, path
+        logger.info("resuming from sharded checkpoint %s at step %d", path, step)
+        run.log.rewind(run.step)
+        run.best_val = run.ckpts.best_val_loss()
+        return path
     latest = run.ckpts.load_latest(quarantine=main)
     if latest is not None:
         path, ck = latest
@@ -328,15 +345,20 @@ def _resume(run: _Run) -> Any:
     return fsdp_optim_state
 
 
-def _wrap(run: _Run, fsdp_optim_state: Any) -> None:
-    """Compile and wrap for data parallelism from outside (the model code stays single-device); start wandb."""
+def _wrap(run: _Run, pending: Any) -> None:
+    """Compile and wrap for data parallelism from outside (the model code stays single-device), load what
+    ``_resume`` left for the wrapped model (``pending``); start wandb."""
     tc, info = run.cfg.training, run.info
-    run.model = wrap_model(run.model, tc.parallel, info, compile=tc.compile)
+    run.model = wrap_model(run.model, tc.parallel, info, compile=tc.compile,
+                           activation_checkpointing=tc.activation_checkpointing)
     run.raw_model = unwrap_model(run.model)
     if run.fsdp:
         run.optimizer = _build_optimizer(run.raw_model, run.cfg.optimizer)
-        if fsdp_optim_state is not None:
-            load_full_optimizer_state(run.raw_model, run.optimizer, fsdp_optim_state)
+    if isinstance(pending, Path):  # a sharded checkpoint: resharded into this world size's model and optimizer
+        step, _ = load_dcp(pending, run.raw_model, run.optimizer)
+        assert step == run.step, (step, run.step)
+    elif run.fsdp and pending is not None:
+        load_full_optimizer_state(run.raw_model, run.optimizer, pending)
     run.flops_per_token = flops_per_token(run.cfg.model, run.cfg.context_length)
     run.peak = peak_flops_for(info.device, tc.peak_flops)
     if tc.wandb:
@@ -359,14 +381,14 @@ def _train_step(run: _Run) -> tuple[float, float, float]:
     lr = _lr_at(run.step, oc, tc.max_steps)
     for group in run.optimizer.param_groups:  # every group follows the schedule; Muon's at muon_lr / lr times it
         group["lr"] = lr * group.get("lr_scale", 1.0)
-    batches = [run.loader.next_batch() for _ in range(tc.grad_accum_steps)]
+    batches = [run.loader.next_batch() for _ in range(run.batch.accum_steps)]
     n_targets = global_target_count(batches, device)  # trained targets of the whole step, over every rank
     denom = loss_scale(n_targets, run.info.world_size)
     ignore = IGNORE_INDEX if masked(run.loader) else None
     loss_sum = torch.zeros((), device=device)
     for i, (x, y) in enumerate(batches):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        last_micro = i == tc.grad_accum_steps - 1
+        last_micro = i == run.batch.accum_steps - 1
         no_sync = model.no_sync() if not last_micro and hasattr(model, "no_sync") else contextlib.nullcontext()
         with no_sync:
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16"):
@@ -420,7 +442,7 @@ def _maybe_evaluate(run: _Run) -> None:
     bpb = f", bpb {ev.bpb:.4f}" if ev.bpb is not None else ""
     logger.info("step %d: val loss %.4f, ppl %.2f%s", run.step, ev.loss, ev.ppl, bpb)
     better = run.best_val is None or ev.loss < run.best_val
-    if better or run.fsdp:  # under FSDP every rank takes part in gathering the state
+    if tc.checkpoint_format == "file" and (better or run.fsdp):  # under FSDP every rank takes part in gathering
         state = _snapshot(run)
         if run.info.is_main and better:
             run.ckpts.save_best(*state, run.step, ev.loss, _train_state(run))
@@ -431,7 +453,9 @@ def _maybe_evaluate(run: _Run) -> None:
 def _maybe_checkpoint(run: _Run) -> None:
     """Every ``checkpoint_every`` steps and at the end: save everything that moves, together."""
     tc = run.cfg.training
-    if run.step % tc.checkpoint_every == 0 or run.step == tc.max_steps:
+    if (run.step % tc.checkpoint_every == 0 or run.step == tc.max_steps) and tc.checkpoint_format == "dcp":
+        run.last_ckpt = save_dcp(run.ckpts, run.raw_model, run.optimizer, run.step, _train_state(run))
+    elif run.step % tc.checkpoint_every == 0 or run.step == tc.max_steps:
         state = _snapshot(run)
         if run.info.is_main:
             run.last_ckpt = run.ckpts.save(*state, run.step, _train_state(run))
