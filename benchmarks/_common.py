@@ -107,6 +107,23 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20 if sys.platform == "darwin" else 1024)
 
 
+def read_bandwidth(mb: int = 256, repeats: int = 10) -> float:
+    """Memory read bandwidth (bytes/s): best time to sum a float32 tensor much larger than the caches.
+
+    The physical limit of batch-1 decoding, which reads every weight once per token (torch is imported here:
+    the tokenizer benchmarks never need it).
+    """
+    import torch
+
+    big = torch.ones(mb * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - t0)
+    return big.numel() * 4 / best
+
+
 def child_report(**fields: Any) -> None:
     """Print the child's result line (adds its peak RSS)."""
     print(json.dumps({**fields, "rss_mb": peak_rss_mb()}), flush=True)

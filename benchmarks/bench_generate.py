@@ -19,8 +19,14 @@ It also prints a floor: the same weight matrices multiplied in a chain with noth
 norms or sampling), at 1 and at 8 rows, with MKL in fp32 and with lmforge's decode kernel in each storage
 dtype, plus the machine's memory read bandwidth. At batch 1 the chain is bound by reading the weights.
 
-    python benchmarks/bench_generate.py            # d_model 512, 4 layers, 16 heads, 256 new tokens
-    python benchmarks/bench_generate.py --quick    # smaller and shorter, a smoke run
+After each table, every lmforge row is set against the machine's limits: ms per decode step, the weight bytes
+it reads per step divided by the step time (GB/s, and that as a share of the measured read bandwidth: near 100%
+the row is bandwidth bound, far below it is dispatch bound -- Python, kernel launches, attention) and the
+GFLOP/s of its weight products (2 FLOPs per weight per row).
+
+    python benchmarks/bench_generate.py                 # d_model 512, 4 layers, 16 heads, vocab 10k, 256 new tokens
+    python benchmarks/bench_generate.py --shape gpt2s   # near GPT-2 small: d 768, 12 layers, 12 heads, vocab 32k
+    python benchmarks/bench_generate.py --quick         # smaller and shorter, a smoke run
 """
 
 from __future__ import annotations
@@ -36,7 +42,10 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import alternate, median  # noqa: E402
+from _common import alternate, median, read_bandwidth  # noqa: E402
+
+# --shape presets: (vocab, context, d_model, layers, heads, d_ff)
+SHAPES = {"d512": (10_000, 512, 512, 4, 16, 1344), "gpt2s": (32_000, 512, 768, 12, 12, 2048)}
 
 
 def build_models(args: argparse.Namespace):
@@ -129,21 +138,11 @@ def weight_chain(cfg, rows: int, dtype: torch.dtype | None, repeats: int = 30) -
     return best
 
 
-def read_bandwidth(mb: int = 256, repeats: int = 10) -> float:
-    """Memory read bandwidth (bytes/s): best time to sum a float32 tensor much larger than the caches."""
-    big = torch.ones(mb * 2**20 // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        big.sum()
-        best = min(best, time.perf_counter() - t0)
-    return big.numel() * 4 / best
-
-
-def print_floor(cfg) -> None:
-    """Memory bandwidth and the weight-product chain at 1 and 8 rows (see the module docstring)."""
+def print_floor(cfg) -> float:
+    """Memory bandwidth and the weight-product chain at 1 and 8 rows (see the module docstring); returns the bandwidth."""
     mb = 4 * sum(o * i for o, i in _chain_shapes(cfg)) / 1e6
-    print(f"floor: memory read bandwidth {read_bandwidth() / 1e9:.1f} GB/s; one step reads {mb:.0f} MB of fp32 "
+    bw = read_bandwidth()
+    print(f"floor: memory read bandwidth {bw / 1e9:.1f} GB/s; one step reads {mb:.0f} MB of fp32 "
           f"weights ({mb / 2:.0f} MB in bf16/fp16, {mb / 4:.0f} MB in int8)")
     for rows in (1, 8):
         parts = [f"MKL fp32 {weight_chain(cfg, rows, None) * 1e3:.2f}"]
@@ -151,6 +150,23 @@ def print_floor(cfg) -> None:
                             ("int8", torch.int8)):
             parts.append(f"lmforge {name} {weight_chain(cfg, rows, dtype) * 1e3:.2f}")
         print(f"floor: weight products alone at {rows} row(s), ms/step: " + ", ".join(parts))
+    return bw
+
+
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+
+
+def print_limits(cfg, batch: int, n: int, times: dict[str, list[float]], bandwidth: float | None) -> None:
+    """Each lmforge row against the machine: ms/step, weight GB/s (share of read bandwidth), GFLOP/s."""
+    weights = sum(o * i for o, i in _chain_shapes(cfg))
+    for name, t in times.items():
+        if not name.startswith("lmforge "):
+            continue
+        step = median(t) / n  # seconds per decode step (the prompt's prefill is a small share of the run)
+        gbs = weights * WEIGHT_BYTES[name.split()[1]] / step / 1e9
+        share = f" = {100 * gbs * 1e9 / bandwidth:.0f}% of the read bandwidth" if bandwidth else ""
+        print(f"{name}: {step * 1e3:.2f} ms/step; weights read at {gbs:.1f} GB/s{share}; "
+              f"weight products {2 * weights * batch / step / 1e9:.1f} GFLOP/s")
 
 
 def main() -> None:
@@ -164,8 +180,10 @@ def main() -> None:
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip the HF torch.compile row")
     p.add_argument("--compile-budget", type=float, default=300.0,
                    help="seconds the first (compiling) HF static+compile run may take before the row is skipped")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="d512",
+                   help="d512: d_model 512, 4 layers, vocab 10k (default); gpt2s: near GPT-2 small")
     args = p.parse_args()
-    args.vocab, args.context, args.d_model, args.layers, args.heads, args.d_ff = 10_000, 512, 512, 4, 16, 1344
+    args.vocab, args.context, args.d_model, args.layers, args.heads, args.d_ff = SHAPES[args.shape]
     if args.quick:
         args.d_model, args.layers, args.heads, args.d_ff, args.new_tokens, args.repeats = 256, 2, 8, 672, 32, 2
         if args.compile:
@@ -186,8 +204,7 @@ def main() -> None:
     print(f"model: d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, d_ff {cfg.d_ff}, "
           f"vocab {cfg.vocab_size}; prompt {prompt_len} tokens, {n} new tokens, greedy, {args.device}, "
           f"{torch.get_num_threads()} threads; {args.repeats} alternating rounds, median tok/s (range)")
-    if args.device == "cpu":
-        print_floor(cfg)
+    bandwidth = print_floor(cfg) if args.device == "cpu" else None
     probe = torch.randint(0, cfg.vocab_size, (2, 64)).tolist()
     with torch.inference_mode():
         exact = gens["fp32"].engine.prefill(probe, 64)
@@ -242,6 +259,7 @@ def main() -> None:
             print(f"| {name} | {batch * n / median(t):,.0f} | {batch * n / max(t):,.0f}..{batch * n / min(t):,.0f} "
                   f"| {median(times[fastest]) / median(t):.2f}x |")
         print(f"lmforge fp32 produced HF's tokens: {same}")
+        print_limits(cfg, batch, n, times, bandwidth)
 
 
 if __name__ == "__main__":

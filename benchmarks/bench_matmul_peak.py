@@ -1,6 +1,7 @@
-"""The machine's practical matmul peak: GFLOP/s of a large square matmul, the denominator of CPU MFU.
+"""The machine's limits: practical matmul peak (GFLOP/s of a large square matmul, the denominator of CPU MFU)
+and memory read bandwidth (GB/s, the bound of batch-1 decoding).
 
-    python benchmarks/bench_matmul_peak.py              # 4096² fp32 and bf16
+    python benchmarks/bench_matmul_peak.py              # 4096² fp32 and bf16, and read bandwidth
     python benchmarks/bench_matmul_peak.py --n 2048     # quicker
 
 Reported as the best of a few repeats (the machine is shared: the best run is the least disturbed one).
@@ -12,8 +13,13 @@ AVX2-only CPUs) is measured at a smaller size, so that the script never runs for
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import read_bandwidth  # noqa: E402
 
 from lmforge.hardware import fit_matmul_size, matmul_peak_flops
 
@@ -31,6 +37,7 @@ def main() -> None:
         n = fit_matmul_size(args.n, dtype)
         print(f"{n}² matmul {str(dtype).removeprefix('torch.'):>8}: "
               f"{matmul_peak_flops('cpu', n, dtype, args.repeats) / 1e9:7.1f} GFLOP/s")
+    print(f"memory read bandwidth (sum of a 256 MiB fp32 tensor, best of 10): {read_bandwidth() / 1e9:.1f} GB/s")
 
 
 if __name__ == "__main__":

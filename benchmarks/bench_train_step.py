@@ -10,9 +10,12 @@
   Reported per implementation: median, range and best step; the ratio of medians and of bests.
 * Memory: each implementation runs a few steps alone in a child process that reports its peak RSS, and
   the growth of RSS over the state right before the model was built ("step RSS").
-* MFU = tokens/s · FLOPs/token / measured 4096² matmul peak; FLOPs/token = 6·N + 12·L·d·T for both.
+* MFU = tokens/s · FLOPs/token / measured 4096² matmul peak; FLOPs/token = 6·N + 12·L·d·T for both. The
+  script also prints the ceiling this sets: no implementation can beat HF by more than 1 / HF's MFU.
 
     python benchmarks/bench_train_step.py            # d_model 512, 4 layers, 16 heads, d_ff 1344, T 256, B 8, V 10k
+    python benchmarks/bench_train_step.py --shape gpt2s   # near GPT-2 small: d 768, 12 layers, 12 heads, d_ff 2048,
+                                                          # T 512, B 4, V 32k (~130 M parameters; minutes per run)
     python benchmarks/bench_train_step.py --quick    # a few steps: a smoke run
     python benchmarks/bench_train_step.py --dtype bf16 --compile
 """
@@ -153,16 +156,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--hf-fused", dest="hf_fused", action="store_true",
                     help="give HF torch.optim.AdamW(fused=True) (default: torch's default AdamW)")
+    ap.add_argument("--shape", choices=("d512", "gpt2s"), default=None,
+                    help="a preset for the shape flags: d512 (the defaults) or gpt2s (near GPT-2 small)")
     ap.add_argument("--impls", default="lmforge,hf")
     ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the child-process RSS runs")
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    if ap.parse_known_args()[0].shape == "gpt2s":  # a preset of defaults: flags given explicitly still win
+        ap.set_defaults(d_model=768, layers=12, heads=12, d_ff=2048, context=512, batch=4, vocab=32_000)
     a = ap.parse_args()
-    if a.memory_child:
-        print(json.dumps(memory_child(a.memory_child, a)))
-        return
     if a.quick:
         a.steps, a.warmup = 3, 1
         a.d_model, a.layers, a.heads, a.d_ff, a.context, a.batch, a.vocab = 128, 2, 4, 352, 64, 2, 1000
+    if a.memory_child:  # after the presets: the child measures the shape the parent times
+        print(json.dumps(memory_child(a.memory_child, a)))
+        return
     peak_n = 1024 if a.quick else 4096
 
     import torch
@@ -233,6 +240,9 @@ def main() -> None:
         if mem:
             line += f"; training-step memory {mem['lmforge']['step_rss_mb'] / mem['hf']['step_rss_mb']:.2f}x"
         print(line)
+        hf_mfu = tokens / min(times["hf"]) * fpt / 1e9 / peak
+        print(f"ceiling: HF's best step runs at {100 * hf_mfu:.0f}% of the matmul peak, so no implementation can be "
+              f"more than {1 / hf_mfu:.2f}x HF on this shape")
 
 
 if __name__ == "__main__":

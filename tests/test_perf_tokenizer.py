@@ -58,3 +58,18 @@ def test_tokenizer_train_command_imports_no_heavy_module(tmp_path) -> None:
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
     assert json.loads(out.read_text())["vocab_size"] == 270
+
+
+def test_whitespace_only_corpus_is_refused_even_with_multibyte_spaces(tmp_path) -> None:
+    """The no-text check trusts a learned token only when it is whole UTF-8 with a non-space character:
+    merges inside U+3000 / U+00A0 (multibyte spaces) must not count as text."""
+    from lmforge.tokenizer import train_bpe
+
+    p = tmp_path / "spaces.txt"
+    p.write_text(("\u3000\u3000 \u00a0\u00a0\n\t  " * 50 + "<|endoftext|>") * 3, encoding="utf-8")
+    with pytest.raises(ValueError, match="no text to train on"):
+        train_bpe(p, 300, ["<|endoftext|>"], progress=False)
+    q = tmp_path / "text.txt"
+    q.write_text("\u3000\u3000 ab ab ab", encoding="utf-8")
+    vocab, merges = train_bpe(q, 260, ["<|endoftext|>"], progress=False)
+    assert merges

@@ -220,15 +220,29 @@ def _check_has_text(counting: _Counting) -> None:
                          "(CLI: --text-field), for text files delimiter= (CLI: --delimiter)")
 
 
+def _merges_show_text(merges: Merges) -> bool:
+    """True if a learned token proves that some pre-token holds more than whitespace (the condition of
+    :func:`_check_has_text`): a token that is valid UTF-8 with a non-space character is part of a pre-token
+    that has one. (A token that splits a character proves nothing: U+3000, a space, is three bytes.)"""
+    for a, b in merges:
+        try:
+            if (a + b).decode("utf-8").strip():
+                return True
+        except UnicodeDecodeError:
+            continue
+    return False
+
+
 def _finish(counting: _Counting, vocab_size: int, specials: list[str], progress: bool, nbytes: int,
             t0: float) -> tuple[Vocab, Merges]:
     secs = max(time.perf_counter() - t0, 1e-9)
     logger.info("counted %.1f MB in %.1fs (%.1f MB/s): %d unique pre-tokens", nbytes / 1e6, secs,
                 nbytes / 1e6 / secs, len(counting.counter))
-    _check_has_text(counting)
     vocab = bpe.base_vocab(specials)
     t1 = time.perf_counter()
     merges = counting.merges(vocab_size - len(vocab), progress)
+    if not _merges_show_text(merges):  # else the full check (reads every pre-token: 0.13 s at 275k of them)
+        _check_has_text(counting)
     for a, b in merges:
         vocab[len(vocab)] = a + b
     logger.info("learned %d merges in %.1fs (vocab size %d)", len(merges), time.perf_counter() - t1, len(vocab))
