@@ -142,7 +142,7 @@ def test_dcp_resume_in_process_and_consolidate(shards, tmp_path, capsys) -> None
     assert _losses(run) == _losses(ref)  # bit for bit: same split, resumed from the shards
     assert not (ck / ".step_00000005.dcp.partial").exists()
 
-    with pytest.raises(ValueError, match="holds sharded checkpoints only .* lmforge checkpoint consolidate"):
+    with pytest.raises(ValueError, match="holds sharded checkpoints only .*`lmforge checkpoint consolidate"):
         evaluate_run(run, device="cpu")
     assert cli.main(["checkpoint", "consolidate", str(run)]) == 0
     assert "step_00000006.safetensors" in capsys.readouterr().out
