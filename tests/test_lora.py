@@ -416,3 +416,28 @@ def test_dropout_equals_peft_in_training_mode():
     assert not torch.allclose(m(ids), ours, atol=1e-4)  # dropout is on: another seed, other masks
     with torch.no_grad():
         torch.testing.assert_close(m.eval()(ids), pm.eval()(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_engine_decodes_an_unmerged_lora_model_like_its_merged_copy() -> None:
+    """The decode kernels pack plain weights: an engine given an unmerged LoRA model must still apply the adapters."""
+    from lmforge.generate.engine import Engine
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4))
+    apply_lora(model, LoraConfig(rank=4, alpha=8.0))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)  # B starts at zero: make the adapters change the output
+    merged = merged_copy(model)
+    prompt = [[1, 2, 3, 4, 5]]
+    out = []
+    for m in (model, merged):
+        eng = Engine(m)
+        logits = eng.prefill(prompt, capacity=16)
+        out.append(eng.step(logits.argmax(-1).view(-1)))
+    torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=1e-5)
+    for name, p in model.named_parameters():  # zero adapters: the base alone, which must decode differently
+        if "lora_B" in name:
+            torch.nn.init.zeros_(p)
+    eng = Engine(model)
+    base = eng.step(eng.prefill(prompt, capacity=16).argmax(-1).view(-1))
+    assert (base - out[0]).abs().max() > 1e-3

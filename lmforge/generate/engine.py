@@ -27,6 +27,7 @@ from lmforge._native import core
 from lmforge.checkpoint import unwrap_model
 from lmforge.generate.packed import PackedLinear, kernel_available, weight_dtype_of
 from lmforge.model import KVCache
+from lmforge.model.lora import has_lora, merged_copy
 
 __all__ = ["Engine"]
 
@@ -60,6 +61,8 @@ class Engine:
     def __init__(self, model: Any, window_drop: int | None = None,
                  weight_dtype: torch.dtype | str | None = None, use_kernel: bool | None = None) -> None:
         model = unwrap_model(model)
+        if has_lora(model):  # the kernels pack plain weights: decode a merged copy (the same logits)
+            model = merged_copy(model)
         cfg = model.cfg
         self.cfg = cfg
         self.context_length = int(cfg.context_length)
