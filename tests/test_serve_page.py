@@ -106,6 +106,10 @@ def test_stop_button_ends_the_reply_and_frees_the_row(chromium, tmp_path):
         page.click("#send")
         page.wait_for_function("document.querySelector('.msg.assistant .content').textContent.length > 3")
         assert httpx.get(s.url + "/health", trust_env=False).json()["active"] == 1
+        state = page.evaluate("""() => [document.getElementById('stop').disabled,
+            document.getElementById('status').textContent, document.querySelector('.msg.assistant').className,
+            document.querySelector('.msg.assistant .content').textContent.replace(/\\u0000/g, '').slice(-300)]""")
+        assert state[0] is False, f"the reply ended before Stop was clicked: {state}"
         page.click("#stop")
         sync_api.expect(page.locator("#status")).to_have_text("stopped")
         sync_api.expect(page.locator("#send")).to_be_enabled()
