@@ -295,3 +295,30 @@ def test_real_benchmark_wheel_when_downloaded(tmp_path):
     assert first["context"].startswith("Question: ") and first["choices"][0].startswith(" ")
     assert read_task_file(out[1]).items[0].to_json().keys() == {"contexts", "continuation", "gold"}
     assert read_task_file(out[2]).type == "cloze"
+
+
+def test_exact_match_runs_the_calculator_like_the_chat(tiny_tokenizer) -> None:
+    """A reply that calls the calculator is scored on its text after the tool's output, as the chat produces it."""
+    from lmforge.chat import ChatFormat
+    tok = add_chat_tokens(tiny_tokenizer)
+    fmt = ChatFormat(tok)
+    convo = [{"role": "user", "content": "Use the calculator: what is 123*45?"},
+             {"role": "assistant", "content": "", "tool_call": "123*45"},
+             {"role": "tool", "content": "5535"},
+             {"role": "assistant", "content": "5535"}]
+    ids, mask = fmt.render(convo)
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(vocab_size=tok.vocab_size, context_length=64, d_model=64, n_layers=2,
+                                      n_heads=4))
+    x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
+    y = torch.where(torch.tensor([mask[1:]]).bool(), y, torch.tensor(-100))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05
+    item = ChatItem(prompt=tuple(convo[:1]), answer="5535")
+    r = exact_match(Generator(model.eval(), tok), [item, item], batch_size=2)
+    assert r["tool_calls"] == 2 and r["correct"] == [True, True] and r["ended"] == [True, True], r["replies"]

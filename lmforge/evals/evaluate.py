@@ -132,7 +132,8 @@ def run_task(model: TransformerLM, tokenizer: Tokenizer, task: Task, limit: int 
     elif task.type == "chat":
         gen = Generator(model, tokenizer)
         r = exact_match(gen, items, batch_size)
-        out.update(n=r["n"], **_accuracy("exact_match", r["correct"]), truncated=r["truncated"])
+        out.update(n=r["n"], **_accuracy("exact_match", r["correct"]), truncated=r["truncated"],
+                   ended=sum(r["ended"]) / max(r["n"], 1), tool_calls=r["tool_calls"])
         per_item = [{"reply": rep, "answer": it.answer, "correct": c}
                     for rep, it, c in zip(r["replies"], items, r["correct"])]
     else:  # pragma: no cover - Task.type comes from tasks.TASK_TYPES

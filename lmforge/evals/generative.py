@@ -2,7 +2,12 @@
 
 Each prompt is rendered by ``ChatFormat.render_for_completion``; replies are generated greedily, a batch of
 prompts at a time, until ``<|assistant_end|>`` (or the end-of-text token, or ``max_new_tokens``); a reply is
-correct when it equals the expected answer after stripping whitespace at both ends.
+correct when its final text equals the expected answer after stripping whitespace at both ends.
+
+A reply that calls the calculator (``<|python_start|>EXPR<|python_end|>``) is generated again alone, the way the
+chat runs it (:class:`~lmforge.chat.tools.ToolUse` feeds the tool's output back and generation goes on); its
+final text is the assistant's text after the last tool output (:func:`~lmforge.chat.session.messages_from_reply`),
+which is what a task file's final assistant message holds.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from lmforge.chat import ChatFormat
+from lmforge.chat.session import messages_from_reply
+from lmforge.chat.tools import ToolUse
 from lmforge.evals.tasks import ChatItem
 from lmforge.generate import Generator
 
@@ -17,12 +24,25 @@ __all__ = ["exact_match"]
 
 EXTRA_NEW_TOKENS = 16
 """Tokens a reply may have beyond its answer's own count (so a wrong, longer reply is seen as wrong)."""
+TOOL_NEW_TOKENS = 64
+"""Extra tokens for a reply that calls the calculator (the call, its output and the text after it)."""
+
+
+def _final_text(fmt: ChatFormat, ids: list[int]) -> str:
+    """The reply's last assistant text: after the last completed tool call, else the whole reply."""
+    messages = messages_from_reply(fmt, ids)
+    if messages and messages[-1]["role"] == "assistant" and "tool_call" not in messages[-1]:
+        return messages[-1]["content"]
+    return "" if messages else fmt.tokenizer.decode(ids)
 
 
 def exact_match(generator: Generator, items: Sequence[ChatItem], batch_size: int = 16) -> dict[str, Any]:
-    """``{"n", "correct", "truncated", "replies"}`` of greedy replies to ``items`` compared with their answers.
+    """``{"n", "correct", "truncated", "replies", "ended", "tool_calls"}`` of greedy replies to ``items``.
 
-    A prompt that leaves no room for the reply in the context is cut from the left (counted in ``truncated``).
+    ``correct[i]``: the reply's final text equals item ``i``'s answer; ``ended[i]``: the reply ended with
+    ``<|assistant_end|>`` (or the end-of-text token) within its budget; ``tool_calls``: replies that called the
+    calculator. A prompt that leaves no room for the reply in the context is cut from the left (counted in
+    ``truncated``).
     """
     tok = generator.tokenizer
     if tok is None:
@@ -39,12 +59,27 @@ def exact_match(generator: Generator, items: Sequence[ChatItem], batch_size: int
             ids, truncated = ids[len(ids) - room:], truncated + 1
         prompts.append(ids)
         budgets.append(budget)
+    call = fmt.ids["<|python_start|>"]
     replies: list[str] = []
+    ended: list[bool] = []
+    tool_calls = 0
     for i in range(0, len(prompts), batch_size):
         rows, n_new = prompts[i: i + batch_size], max(budgets[i: i + batch_size])
         longest = max(len(r) for r in rows)
         n_new = min(n_new, ctx + 1 - longest)
         outs = generator.generate_ids(rows, max_new_tokens=n_new, temperature=0.0, stop_ids=stop, overflow="stop")
-        replies += [tok.decode(o) for o in outs]
+        for row, out in zip(rows, outs):
+            if call not in out:
+                replies.append(tok.decode(out))
+                ended.append(len(out) < min(n_new, ctx + 1 - len(row)))  # stopped before its budget: an end token
+                continue
+            tool_calls += 1  # run it again as the chat does: the calculator's output is fed back
+            turn = generator.turn(row, max_new_tokens=max(1, min(n_new + TOOL_NEW_TOKENS, ctx - len(row))),
+                                  temperature=0.0, stop_ids=stop, inject=ToolUse(fmt).feed)
+            for _ in turn:
+                pass
+            replies.append(_final_text(fmt, turn.ids))
+            ended.append(turn.finish_reason == "stop")
     correct = [r.strip() == it.answer.strip() for r, it in zip(replies, items)]
-    return {"n": len(items), "correct": correct, "truncated": truncated, "replies": replies}
+    return {"n": len(items), "correct": correct, "truncated": truncated, "replies": replies, "ended": ended,
+            "tool_calls": tool_calls}
