@@ -24,6 +24,7 @@ from lmforge.common import atomic_write_text
 from lmforge.config import dump_yaml
 from lmforge.corpus import EOT
 from lmforge.model import flops_per_token, matmul_params_per_token
+from lmforge.run import read_base
 
 __all__ = ["REPORT_FILE", "CARD_JSON", "RunReport", "write_speedrun_report", "environment", "fmt_seconds",
            "collect_run_card", "render_run_card", "write_run_card", "compare_runs", "lmforge_commit"]
@@ -183,18 +184,9 @@ def _median(xs: list[float]) -> float | None:
     return xs[len(xs) // 2] if xs else None
 
 
-def _base_run(run: Path, marker: dict[str, Any], config: dict[str, Any]) -> Any:
-    """What the run records as its base (an SFT/LoRA run): the marker's or the config's ``base_run``, or
-    ``base_run.json``."""
-    if marker.get("base_run"):
-        return marker["base_run"]
-    if config.get("base_run"):
-        return config["base_run"]
-    sft = config.get("sft")
-    if isinstance(sft, dict) and sft.get("base"):
-        return sft["base"]
-    f = run / "base_run.json"
-    return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
+def _base_run(run: Path) -> Any:
+    """What a fine-tuning run records as its base (:data:`lmforge.run.BASE_FILE`), or None."""
+    return read_base(run)
 
 
 def _peak(previous: dict[str, Any], config: dict[str, Any]) -> tuple[float, str]:
@@ -255,7 +247,7 @@ def collect_run_card(run_dir: str | Path, samples: int = 2) -> dict[str, Any]:
         "hardware": {"host": platform.node(), "machine": platform.machine(), "cpu_threads": torch.get_num_threads(),
                      "torch": torch.__version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                      "matmul_peak_flops": peak, "matmul_peak_source": source},
-        "base_run": _base_run(run, marker, config),
+        "base_run": _base_run(run),
         "evals": read_results(run),
         "config": config,
     }

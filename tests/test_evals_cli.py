@@ -119,10 +119,10 @@ def test_report_compares_runs_side_by_side(run, tmp_path, capsys):
 
 
 def test_run_card_records_base_run_and_skips_samples(run):
-    marker = json.loads((run / "lmforge-run.json").read_text())
-    marker["base_run"] = {"path": "/runs/base", "checkpoint_sha256": "ab" * 32}
-    (run / "lmforge-run.json").write_text(json.dumps(marker))
+    from lmforge.run import write_base
+    write_base(run, {"run": "/runs/base", "checkpoint": "/runs/base/checkpoints/step_00000004.safetensors",
+                     "sha256": "ab" * 32, "lora": None})
     path = write_run_card(run, samples=0)
     card = json.loads((run / "report.json").read_text())
-    assert card["base_run"]["path"] == "/runs/base" and "samples" not in card
+    assert card["base_run"]["run"] == "/runs/base" and "samples" not in card
     assert "/runs/base" in path.read_text() and "## Samples" not in path.read_text()

@@ -12,6 +12,7 @@ from lmforge.data import inspect as inspect_shards
 from lmforge.tokenizer import load_tokenizer
 
 _NAMES = list(DATASETS)  # the one registry of named corpora
+_NOT_TEXT = ("evals", "chat-tasks", "chitchat")  # task files and conversations, not text to prepare into shards
 
 
 def _get_args(p: argparse.ArgumentParser) -> None:
@@ -44,7 +45,7 @@ def _prepare_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", nargs="+", metavar="PATH",
                      help="files, directories or quoted globs: .txt, .jsonl, .parquet (+ .gz / .zst)")
-    src.add_argument("--dataset", choices=[n for n in _NAMES if n != "evals"],  # evals: task files, not text
+    src.add_argument("--dataset", choices=[n for n in _NAMES if n not in _NOT_TEXT],
                      help="a named corpus instead: downloaded once, split into train/val (see `data get`)")
     p.add_argument("--shards", type=positive_int, default=1, metavar="N", help="with --dataset fineweb-edu: parquet shards")
     p.add_argument("--out", required=True, metavar="DIR", help="shard directory (manifest.json + {split}_NNNNN.bin)")

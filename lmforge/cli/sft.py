@@ -36,8 +36,11 @@ def _sft(args: argparse.Namespace) -> int:
         return 0
     val = f", val loss {m['val_loss']:.4f}" if m.get("val_loss") is not None else ""
     loss = f", train loss {m['loss']:.4f}" if m.get("loss") is not None else ""
+    from lmforge.report import write_run_card
+
+    card = write_run_card(args.run_dir)
     print(f"step {m['step']}{loss}{val}; {m['conversations']} conversations ({m['skipped']} skipped as longer "
-          f"than the context); run directory {args.run_dir}")
+          f"than the context); run directory {args.run_dir} (card: {card})")
     return 0
 
 
