@@ -145,6 +145,8 @@ def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[s
         "Temperature 0.8, top-k 50, seed 0; the prompt is in **bold** on the first line of each block.")
     for s in smp["samples"]:
         report.paragraph(f"**{s['prompt'].strip()}**").code(s["prompt"] + s["text"], "text")
+    if "chat-sft" in st:
+        _chat_section(report, st)
     report.section("Configuration").paragraph("Resolved run config (`run/config.yaml`):")
     report.code(dump_yaml(cfg).rstrip(), "yaml")
     report.paragraph(
@@ -153,6 +155,31 @@ def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[s
         f"{settings['vocab_size']}`; generate more: "
         f"`lmforge generate --run {out / 'run'} --prompt 'ROMEO:'`.")
     return report.write(out / REPORT_FILE)
+
+
+def _chat_section(report: RunReport, st: dict[str, Any]) -> None:
+    """The speedrun's chat stages: task accuracy before and after fine-tuning, ended replies, a conversation."""
+    base, after, ft = st["chat-base"], st["chat-sft"], st["sft"]
+    report.section("Chat: fine-tuned on the built-in tasks").paragraph(
+        f"`lmforge sft` on the built-in chat tasks (`lmforge data get chat-tasks`) for {ft['step']} steps "
+        f"({fmt_seconds(ft['seconds'])}, the same training loop with the loss on assistant tokens only) into `sft/`. "
+        "Exact match of greedy replies (calculator calls run) on validation items never seen in training, "
+        "before (the pretrained model with the chat tokens added) and after:")
+    rows = []
+    for tag, b in base["tasks"].items():
+        a = after["tasks"][tag]
+        rows.append((tag, f"{a['n']}", f"{100 * b['correct'] / b['n']:.0f}%", f"{100 * a['correct'] / a['n']:.0f}%",
+                     f"{100 * a['ended'] / a['n']:.0f}%"))
+    rows.append(("all", f"{sum(a['n'] for a in after['tasks'].values())}", f"{100 * base['accuracy']:.1f}%",
+                 f"{100 * after['accuracy']:.1f}%", f"{100 * after['ended']:.0f}%"))
+    report.table(("task", "items", "before", "after", "replies ending with <|assistant_end|> (after)"), rows)
+    report.paragraph(f"Before fine-tuning, {100 * base['ended']:.0f}% of replies ended with the end token.",
+                     "A conversation with the fine-tuned model (greedy; `lmforge chat --run sft` to talk to it):")
+    lines = []
+    for m in after["conversation"]:
+        text = m["content"] if "tool_call" not in m else f"{m['content']}[calculator: {m['tool_call']}]"
+        lines.append(f"{m['role']:>9}: {text}")
+    report.code("\n".join(lines), "text")
 
 
 # ==================================================================================================
@@ -259,7 +286,13 @@ def collect_run_card(run_dir: str | Path, samples: int = 2) -> dict[str, Any]:
         tok = Tokenizer.load(run / "tokenizer.json")
         card["tokenizer"] = {"fingerprint": tok.fingerprint(), "vocab_size": tok.vocab_size}
     data_dir = (config.get("data") or {}).get("dir")
-    if data_dir and (Path(data_dir) / "manifest.json").is_file():
+    if data_dir and (config.get("data") or {}).get("kind") == "conversations":
+        from lmforge.data.conversations import read_manifest
+
+        m = read_manifest(data_dir)  # rendered conversations: their counts and the source files' sha256
+        card["data"] = {"dir": str(data_dir), "kind": "conversations",
+                        "tokenizer_fingerprint": m["tokenizer"]["fingerprint"], "splits": m["splits"]}
+    elif data_dir and (Path(data_dir) / "manifest.json").is_file():
         m = load_manifest(Path(data_dir))
         card["data"] = {"dir": str(data_dir), "tokenizer_fingerprint": m["tokenizer"]["fingerprint"],
                         "splits": {k: {x: v.get(x) for x in ("tokens", "documents", "text_bytes")}
@@ -324,7 +357,12 @@ def render_run_card(card: dict[str, Any]) -> RunReport:
     rep.paragraph(f"Tokenizer fingerprint `{tok.get('fingerprint', 'n/a')}` ({_fmt(tok.get('vocab_size'), ',')} "
                   f"tokens); shards `{data.get('dir')}`"
                   + (" (missing)" if data.get("missing") else f" made with tokenizer `{data['tokenizer_fingerprint']}`"))
-    if data.get("splits"):
+    if data.get("kind") == "conversations":
+        rep.table(("split", "conversations", "tokens", "trained tokens", "source files (SHA-256)"),
+                  [(k, _fmt(s.get("conversations"), ","), _fmt(s.get("tokens"), ","), _fmt(s.get("trained_tokens"), ","),
+                    ", ".join(f"`{x.get('path')}` `{x.get('sha256')}`" for x in s.get("sources", [])))
+                   for k, s in data["splits"].items()])
+    elif data.get("splits"):
         rep.table(("split", "tokens", "documents", "text bytes"),
                   [(k, _fmt(s["tokens"], ","), _fmt(s["documents"], ","), _fmt(s["text_bytes"], ","))
                    for k, s in data["splits"].items()])

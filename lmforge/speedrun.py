@@ -14,6 +14,10 @@ plan                  a few timed training steps -> ``max_steps``              `
 train                 ``train.train`` (resumes from its checkpoints)           ``run/``
 eval                  loss and bits/byte over the validation split           ``speedrun.json``
 samples               ``generate.Generator`` with the KV cache                ``speedrun.json``
+chat-data             ``corpus.chat_data.chat_tasks`` (the corpus's words)    ``chat-tasks/``
+chat-base             ``evals.exact_match`` on the base + chat tokens          ``speedrun.json``
+sft                   ``chat.sft`` (the same loop, masked loss)                ``sft/``
+chat-sft              ``evals.exact_match`` + a ``ChatSession`` sample         ``speedrun.json``
 report                ``report.write_speedrun_report``                        ``report.md``
 ====================  ======================================================  ==========================
 
@@ -39,10 +43,17 @@ from typing import Any, Callable
 
 import torch
 
+from lmforge.chat import add_chat_tokens
+from lmforge.chat.session import ChatSession
+from lmforge.chat.sft import sft as fine_tune
 from lmforge.common import atomic_write_text, resolve_device, sha256_file
 from lmforge.config import to_dict
 from lmforge.corpus import DATASETS, EOT, expand_inputs, get_dataset, iter_documents
+from lmforge.corpus.chat_data import chat_tasks, common_words, to_jsonl
 from lmforge.data import TokenDataset, load_manifest, prepare
+from lmforge.evals import read_task_file
+from lmforge.evals.evaluate import load_model
+from lmforge.evals.generative import exact_match
 from lmforge.generate import Generator
 from lmforge.hardware import matmul_peak_flops
 from lmforge.model import TransformerLM
@@ -81,7 +92,14 @@ PRESETS: dict[str, Preset] = {
 DEFAULT_CORPUS = "shakespeare"
 SAMPLE_PROMPTS = ["ROMEO:\n", "To be, or not to be", "KING HENRY.\n", "The "]
 STATE_FILE = "speedrun.json"
-_STAGES = ("tokenizer", "data", "plan", "train", "eval", "samples")
+CHAT_DIR = "chat-tasks"
+_STAGES = ("tokenizer", "data", "plan", "train", "eval", "samples", "chat-data", "chat-base", "sft", "chat-sft")
+CHAT_SAMPLE = ("Hi, my name is Ada. Who are you?", "What is 48+7?", "Spell the word honour.",
+               "Use the calculator: what is 123*45?")
+"""The user messages of the sample conversation in the report (one conversation, in order)."""
+SFT_SETTINGS = ("optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "training.eval_every=1000000")
+"""The speedrun's fine-tuning settings on top of ``chat.sft``'s defaults (a small model takes a higher rate;
+the chat stages measure accuracy instead of a validation loss every few steps)."""
 
 
 def parse_budget(budget: str | int | float) -> tuple[str, float]:
@@ -145,7 +163,7 @@ def _remove_artifacts(out: Path) -> None:
     logger.info("--force: removing the previous speedrun in %s", out)
     for name in ("tokenizer.json", REPORT_FILE, "loss.png", STATE_FILE):
         (out / name).unlink(missing_ok=True)
-    for name in ("data", "run"):
+    for name in ("data", "run", CHAT_DIR, "sft"):
         shutil.rmtree(out / name, ignore_errors=True)
 
 
@@ -263,18 +281,88 @@ def _samples(run_dir: Path, device: Any, max_new_tokens: int) -> dict[str, Any]:
             "generation_tokens_per_s": sum(map(len, ids)) / dt, "generation_batch": len(rows)}
 
 
+def _chat_data(paths: list[Path], dest: Path, max_bytes: int = 20 << 20) -> dict[str, Any]:
+    """The built-in chat tasks over the corpus's common words (the first ``max_bytes`` of text) in ``dest``:
+    ``train.jsonl`` and ``val.jsonl``, as ``lmforge data get chat-tasks`` makes them from Shakespeare's."""
+    text, size = [], 0
+    for doc in iter_documents(paths):
+        text.append(doc)
+        size += len(doc)
+        if size >= max_bytes:
+            break
+    words = common_words("\n".join(text))
+    n_val = max(1, min(50, len(words) // 5))  # 50 per task (as `data get chat-tasks`) unless the corpus is tiny
+    train, val = chat_tasks(words, n_train=min(1000, 20 * n_val), n_val=n_val)
+    dest.mkdir(parents=True, exist_ok=True)
+    rec: dict[str, Any] = {"train_conversations": len(train), "val_conversations": len(val)}
+    for name, records in (("train", train), ("val", val)):
+        atomic_write_text(dest / f"{name}.jsonl", to_jsonl(records))
+        rec[f"{name}_sha256"] = sha256_file(dest / f"{name}.jsonl")
+    return rec
+
+
+def _chat_eval(model: Any, tokenizer: Any, val_path: Path, per_task: int) -> dict[str, Any]:
+    """Exact match (greedy, tools run) of ``model`` on the first ``per_task`` validation items of each chat task,
+    and the share of replies that ended with ``<|assistant_end|>``."""
+    tags = [json.loads(line).get("task", "all") for line in val_path.read_text(encoding="utf-8").splitlines()
+            if line.strip()]
+    items = read_task_file(val_path).items  # the evals' reading of the file (prompt up to the last user turn)
+    gen, tasks, t0 = Generator(model, tokenizer), {}, time.perf_counter()
+    for tag in dict.fromkeys(tags):
+        chosen = [it for it, t in zip(items, tags) if t == tag][:per_task]
+        r = exact_match(gen, chosen)
+        tasks[tag] = {"n": r["n"], "correct": int(sum(r["correct"])), "ended": int(sum(r["ended"])),
+                      "example": {"answer": chosen[0].answer, "reply": r["replies"][0]}}
+    n = sum(t["n"] for t in tasks.values())
+    return {"tasks": tasks, "accuracy": sum(t["correct"] for t in tasks.values()) / n,
+            "ended": sum(t["ended"] for t in tasks.values()) / n, "seconds": time.perf_counter() - t0}
+
+
+def _chat_base(run_dir: Path, val_path: Path, device: Any, per_task: int) -> dict[str, Any]:
+    """The chat tasks scored on the pretrained model as fine-tuning starts from it: chat tokens appended,
+    the embedding and head grown with mean rows (what ``lmforge sft`` does before its first step)."""
+    model, tok, _ = load_model(run_dir, device=str(device))
+    tok = add_chat_tokens(tok)
+    if tok.vocab_size > model.cfg.vocab_size:
+        model.resize_vocab(tok.vocab_size)
+    return _chat_eval(model, tok, val_path, per_task)
+
+
+def _chat_sft(sft_dir: Path, val_path: Path, device: Any, per_task: int) -> dict[str, Any]:
+    """The chat tasks scored on the fine-tuned model, and a sample conversation through ``ChatSession``."""
+    model, tok, _ = load_model(sft_dir, device=str(device))
+    rec = _chat_eval(model, tok, val_path, per_task)
+    chat = ChatSession(Generator(model, tok), temperature=0.0, max_new_tokens=48)
+    for text in CHAT_SAMPLE:
+        for _ in chat.send(text):
+            pass
+    rec["conversation"] = chat.messages()
+    return rec
+
+
+def _sft_steps(plan: dict[str, Any], budget: tuple[str, float]) -> int:
+    """Fine-tuning steps: the budget's steps, or its minutes over the pretraining step time (the same shape)."""
+    unit, amount = budget
+    if unit == "steps" or not plan.get("step_seconds"):
+        return max(1, int(amount)) if unit == "steps" else 100
+    return max(10, int(amount * 60 / plan["step_seconds"]))
+
+
 # ==================================================================================================
 # The pipeline
 # ==================================================================================================
 def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_CORPUS, model_size: str = "small",
              budget: str | int | float = "8min", device: str = "auto", vocab_size: int = 4096,
              val_fraction: float = 0.1, sample_tokens: int = 200, force: bool = False,
-             progress: bool = True) -> dict[str, Any]:
+             progress: bool = True, sft_budget: str | int | float | None = "2.5min",
+             chat_eval_items: int = 40) -> dict[str, Any]:
     """Run (or resume) the whole pipeline in ``out`` and write ``out/report.md``; returns the stage records.
 
     ``corpus``: ``"shakespeare"`` or a path/glob of text/jsonl/parquet files. ``model_size``: a key of
     :data:`PRESETS`. ``budget``: training minutes (``"8min"``) or steps (``"300steps"``). ``device``:
-    ``auto`` uses CUDA (with bf16) when present.
+    ``auto`` uses CUDA (with bf16) when present. ``sft_budget``: the chat fine-tuning on the built-in chat
+    tasks after pretraining (minutes or steps, like ``budget``; ``None`` skips the chat stages), scored before
+    and after on the first ``chat_eval_items`` validation items of each task.
     """
     if model_size not in PRESETS:
         raise ValueError(f"unknown model size {model_size!r}; choose one of {', '.join(PRESETS)}")
@@ -283,6 +371,9 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     if sample_tokens < 1:
         raise ValueError(f"sample_tokens must be >= 1, got {sample_tokens}")
     preset, plan_budget = PRESETS[model_size], parse_budget(budget)
+    chat_budget = parse_budget(sft_budget) if sft_budget is not None else None
+    if isinstance(chat_eval_items, bool) or not isinstance(chat_eval_items, int) or chat_eval_items < 1:
+        raise ValueError(f"chat_eval_items must be a positive integer, got {chat_eval_items!r}")
     dev = resolve_device(device)
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -291,7 +382,8 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     paths = _resolve_corpus(corpus)
     inputs = [(str(p), p.stat().st_size, sha256_file(p)) for p in paths]
     settings = {"corpus": corpus, "inputs": _digest(inputs), "vocab_size": vocab_size, "model_size": model_size,
-                "budget": list(plan_budget), "val_fraction": val_fraction}
+                "budget": list(plan_budget), "val_fraction": val_fraction,
+                "sft_budget": list(chat_budget) if chat_budget else None, "chat_eval_items": chat_eval_items}
     state = _State(out, settings, force)
     tok_path, data_dir, run_dir = out / "tokenizer.json", out / "data", out / "run"
     ran: list[str] = []
@@ -336,8 +428,28 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     stage("samples", _digest(tr["checkpoint"], tr["step"], SAMPLE_PROMPTS, sample_tokens),
           lambda: _samples(run_dir, dev, sample_tokens))
 
+    # ---- chat: the built-in tasks, scored before and after fine-tuning on them ---------------------------
+    if chat_budget is not None:
+        train_path, val_path = out / CHAT_DIR / "train.jsonl", out / CHAT_DIR / "val.jsonl"
+        chat = stage("chat-data", settings["inputs"], lambda: _chat_data(paths, out / CHAT_DIR),
+                     lambda rec: val_path.exists() and sha256_file(val_path) == rec["val_sha256"])
+        stage("chat-base", _digest(tr["checkpoint"], tr["step"], chat["val_sha256"], chat_eval_items),
+              lambda: _chat_base(run_dir, val_path, dev, chat_eval_items))
+        sft_dir, steps = out / "sft", _sft_steps(plan, chat_budget)
+        sft_key = _digest(tr["checkpoint"], tr["step"], chat, steps, SFT_SETTINGS)
+        if "train" in ran and sft_dir.exists():
+            shutil.rmtree(sft_dir)  # the base changed: fine-tune it from the start (else an interrupted one resumes)
+        ft = stage("sft", sft_key, lambda: _jsonable(fine_tune(
+            run_dir, train_path, sft_dir, val_data=val_path, progress=progress,
+            overrides=[f"training.max_steps={steps}", f"optimizer.warmup_steps={min(10, steps // 4)}",
+                       f"training.device={dev.type}", *SFT_SETTINGS])),
+            lambda rec: Path(rec.get("checkpoint") or "").exists())
+        stage("chat-sft", _digest(ft["checkpoint"], ft["step"], chat["val_sha256"], chat_eval_items, CHAT_SAMPLE),
+              lambda: _chat_sft(sft_dir, val_path, dev, chat_eval_items))
+
     # ---- report ---------------------------------------------------------------------------------------
-    report = write_speedrun_report(out, cfg, state.data, ran, time.perf_counter() - t_start, dev, _STAGES)
+    stages = [s for s in _STAGES if s in state.data["stages"]]
+    report = write_speedrun_report(out, cfg, state.data, ran, time.perf_counter() - t_start, dev, stages)
     logger.info("wrote %s", report)
     return state.data["stages"]
 

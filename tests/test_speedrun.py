@@ -25,7 +25,7 @@ def corpus(tmp_path):
 
 def run(out, corpus, **kw):
     args = dict(corpus=str(corpus), model_size="tiny", budget="12steps", vocab_size=300, device="cpu",
-                sample_tokens=16, progress=False)
+                sample_tokens=16, progress=False, sft_budget=None)
     args.update(kw)
     return speedrun(out, **args)
 
@@ -78,15 +78,37 @@ def test_speedrun_end_to_end_then_reuse_and_resume(tmp_path, corpus, caplog):
     assert not (out / "run/checkpoints/step_00000012.safetensors").exists()
 
 
+def test_speedrun_chat_stages_fine_tune_and_score_before_and_after(tmp_path, corpus):
+    """The chat stages on a tiny run: tasks from the corpus's words, the base scored, fine-tuned, scored again."""
+    out = tmp_path / "sr"
+    stages = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2)
+    assert {"chat-data", "chat-base", "sft", "chat-sft"} <= set(stages)
+    assert stages["sft"]["step"] == 4 and (out / "sft" / "base.json").is_file()
+    base, after = stages["chat-base"], stages["chat-sft"]
+    assert set(base["tasks"]) == set(after["tasks"]) and len(base["tasks"]) == 6
+    assert all(t["n"] == 2 for t in after["tasks"].values())
+    assert 0 <= after["accuracy"] <= 1 and 0 <= after["ended"] <= 1
+    assert [m["role"] for m in after["conversation"][:2]] == ["user", "assistant"]
+    report = (out / "report.md").read_text(encoding="utf-8")
+    assert "## Chat: fine-tuned on the built-in tasks" in report and "| calculator |" in report
+    val = (out / "chat-tasks" / "val.jsonl").read_text(encoding="utf-8").splitlines()
+    train = set((out / "chat-tasks" / "train.jsonl").read_text(encoding="utf-8").splitlines())
+    assert val and not train & set(val)
+    again = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2)  # everything reused
+    assert again["chat-sft"] == after
+
+
 @pytest.mark.slow
 def test_cli_speedrun(tmp_path, corpus, capsys):
     from lmforge.cli import main
 
     out = tmp_path / "sr"
     args = ["speedrun", "--corpus", str(corpus), "--out", str(out), "--model-size", "tiny", "--budget", "3steps",
-            "--vocab-size", "280", "--device", "cpu", "--no-progress"]
+            "--sft-budget", "2steps", "--vocab-size", "280", "--device", "cpu", "--no-progress"]
     assert main(args) == 0
-    assert "validation loss" in capsys.readouterr().out and (out / "report.md").exists()
+    printed = capsys.readouterr().out
+    assert "validation loss" in printed and "exact match after fine-tuning" in printed and (out / "report.md").exists()
+    assert (out / "sft" / "report.md").is_file()  # the fine-tuning run's card
     assert main([*args[:-1], "--model-size", "small", "--no-progress"]) == 2  # other settings, no --force
     assert "--force" in capsys.readouterr().err
 

@@ -24,6 +24,10 @@ def _speedrun_args(p: argparse.ArgumentParser) -> None:
                         f"context {size.context_length})")
     p.add_argument("--budget", default="8min",
                    help="training budget: minutes ('8', '8min') or steps ('300steps'); default 8min (~10 min in all)")
+    p.add_argument("--sft-budget", default="2.5min",
+                   help="chat fine-tuning on the built-in chat tasks after pretraining: minutes or steps, like "
+                        "--budget (default 2.5min)")
+    p.add_argument("--no-chat", action="store_true", help="skip the chat stages (fine-tuning and its scores)")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
     p.add_argument("--device", default="auto", help="auto (CUDA with bf16 when present), cpu, cuda, cuda:N or mps")
     p.add_argument("--force", action="store_true", help="delete the previous speedrun in --out and start over")
@@ -33,13 +37,17 @@ def _speedrun_args(p: argparse.ArgumentParser) -> None:
 def _speedrun(args: argparse.Namespace) -> int:
     stages = speedrun(args.out, corpus=args.corpus, model_size=args.model_size, budget=args.budget,
                       device=args.device, vocab_size=args.vocab_size, force=args.force,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, sft_budget=None if args.no_chat else args.sft_budget)
     from lmforge.report import write_run_card
 
     write_run_card(Path(args.out) / "run")
     ev = stages["eval"]
+    if "chat-sft" in stages:
+        write_run_card(Path(args.out) / "sft")
+    chat = (f"; chat tasks {100 * stages['chat-base']['accuracy']:.0f}% -> {100 * stages['chat-sft']['accuracy']:.0f}% "
+            "exact match after fine-tuning") if "chat-sft" in stages else ""
     print(f"validation loss {ev['val_loss']:.4f} ({ev['val_bpb']:.4f} bits/byte) after {stages['train']['step']} "
-          f"steps; report: {args.out}/report.md")
+          f"steps{chat}; report: {args.out}/report.md")
     return 0
 
 
