@@ -52,11 +52,12 @@ def random_chat_run(path: Path, context_length: int = 96) -> Path:
     return write_run(path, tok, cfg)
 
 
-def zero_run(path: Path, context_length: int = 4096) -> Path:
+def zero_run(path: Path, context_length: int = 4096, d_model: int = 64, n_layers: int = 6) -> Path:
     """All weights zero: every logit is 0, so greedy decoding repeats token 0 (byte NUL) and never stops early.
     Six layers over a 4096-token context: a long request takes seconds (the limit tests need one running)."""
     tok = byte_chat_tokenizer()
-    cfg = ModelConfig(vocab_size=tok.vocab_size, context_length=context_length, d_model=64, n_layers=6, n_heads=4)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, context_length=context_length, d_model=d_model, n_layers=n_layers,
+                      n_heads=4)
 
     def zero(model: TransformerLM) -> None:
         for p in model.parameters():

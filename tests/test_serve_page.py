@@ -96,7 +96,9 @@ def test_stop_button_ends_the_reply_and_frees_the_row(chromium, tmp_path):
 
     from serve_helpers import zero_run
 
-    s = ThreadServer(ServedModel.from_run(zero_run(tmp_path / "zero")))
+    # wide layers: a few ms per token, so the reply runs for seconds even on a quiet machine (the small model wrote
+    # its 4k tokens in ~2 s, racing the click) without flooding the page with thousands of tokens per second
+    s = ThreadServer(ServedModel.from_run(zero_run(tmp_path / "zero", d_model=512, n_layers=4)))
     page = chromium.new_page()
     try:
         page.goto(s.url + "/")
