@@ -1,8 +1,10 @@
 """The ``lmforge`` command line: a table of subcommands, each parsing flags and calling one library function.
 
-One module per command group: :mod:`~lmforge.cli.tokenizer`, :mod:`~lmforge.cli.data`, :mod:`~lmforge.cli.chat`,
-:mod:`~lmforge.cli.train` (train), :mod:`~lmforge.cli.eval` (eval, report), :mod:`~lmforge.cli.generate`, :mod:`~lmforge.cli.speedrun`,
-:mod:`~lmforge.cli.interop` (export, import). The table below names the module of
+One module per command group: :mod:`~lmforge.cli.tokenizer`, :mod:`~lmforge.cli.data`, :mod:`~lmforge.cli.train`
+(train), :mod:`~lmforge.cli.sft` (sft, lora merge), :mod:`~lmforge.cli.eval` (eval, report),
+:mod:`~lmforge.cli.generate`, :mod:`~lmforge.cli.chat` (chat, chat render), :mod:`~lmforge.cli.serve`,
+:mod:`~lmforge.cli.interop` (export, import), :mod:`~lmforge.cli.checkpoint` (consolidate),
+:mod:`~lmforge.cli.speedrun`. The table below names the module of
 each top-level command; only the module of the command being run is imported, so ``lmforge --help`` does not
 load torch (or the library at all).
 
