@@ -172,7 +172,7 @@ def _chat_section(report: RunReport, st: dict[str, Any]) -> None:
                      f"{100 * a['ended'] / a['n']:.0f}%"))
     rows.append(("all", f"{sum(a['n'] for a in after['tasks'].values())}", f"{100 * base['accuracy']:.1f}%",
                  f"{100 * after['accuracy']:.1f}%", f"{100 * after['ended']:.0f}%"))
-    report.table(("task", "items", "before", "after", "replies ending with <|assistant_end|> (after)"), rows)
+    report.table(("task", "items", "before", "after", "replies ending with `<|assistant_end|>` (after)"), rows)
     report.paragraph(f"Before fine-tuning, {100 * base['ended']:.0f}% of replies ended with the end token.",
                      "A conversation with the fine-tuned model (greedy; `lmforge chat --run sft` to talk to it):")
     lines = []
