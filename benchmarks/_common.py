@@ -191,3 +191,29 @@ def print_table(title: str, rows: list[dict[str, Any]], mb: float) -> None:
         print(f"| {name} | {spread(r['times'])} | {mb / median(r['times']):.1f} | {rss} | "
               f"{ratio(r['times'], base):.2f}x |")
     sys.stdout.flush()
+
+
+def hf_twins(cfg: Any, device: str = "cpu", check_tokens: int = 32) -> tuple[Any, Any]:
+    """``(ours, HF)``: lmforge's ``TransformerLM`` and a ``LlamaForCausalLM`` with the same weights (HF's seeded
+    random init mapped through ``lmforge.interop.hf``), both in eval mode on ``device``; exits if their logits
+    differ (the same-work check of the generation, chat and serving benchmarks)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from lmforge.interop import hf
+    from lmforge.model import TransformerLM
+
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(hf.hf_config(cfg)).eval()
+    ref.generation_config.eos_token_id = None  # HF generates every asked token, as lmforge does
+    ref.generation_config.pad_token_id = 0
+    ours = TransformerLM(cfg).eval()
+    ours.load_state_dict(hf.from_hf_state_dict(ref.state_dict(), cfg))
+    ours.to(device)
+    ref.to(device)
+    idx = torch.randint(0, cfg.vocab_size, (2, check_tokens), device=device)
+    with torch.inference_mode():
+        diff = (ours(idx) - ref(idx).logits).abs().max().item()
+    print(f"max |logits(lmforge) - logits(HF)| = {diff:.2e}")
+    assert diff < 1e-3, "weight mapping broken: logits differ"
+    return ours, ref

@@ -42,34 +42,19 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import alternate, median, read_bandwidth  # noqa: E402
+from _common import alternate, hf_twins, median, read_bandwidth  # noqa: E402
 
 # --shape presets: (vocab, context, d_model, layers, heads, d_ff)
 SHAPES = {"d512": (10_000, 512, 512, 4, 16, 1344), "gpt2s": (32_000, 512, 768, 12, 12, 2048)}
 
 
 def build_models(args: argparse.Namespace):
-    """(ours, HF) with the same weights, both in eval mode on ``args.device``."""
-    from transformers import LlamaForCausalLM
-
-    from lmforge.interop import hf
-    from lmforge.model import ModelConfig, TransformerLM
+    """(config, ours, HF) with the same weights, both in eval mode on ``args.device``."""
+    from lmforge.model import ModelConfig
 
     cfg = ModelConfig(vocab_size=args.vocab, context_length=args.context, d_model=args.d_model,
                       n_layers=args.layers, n_heads=args.heads, d_ff=args.d_ff)
-    torch.manual_seed(0)
-    ref = LlamaForCausalLM(hf.hf_config(cfg)).eval()
-    ref.generation_config.eos_token_id = None
-    ref.generation_config.pad_token_id = 0
-    ours = TransformerLM(cfg).eval()
-    ours.load_state_dict(hf.from_hf_state_dict(ref.state_dict(), cfg))
-    ours.to(args.device)
-    ref.to(args.device)
-    idx = torch.randint(0, cfg.vocab_size, (2, 32), device=args.device)
-    with torch.inference_mode():
-        diff = (ours(idx) - ref(idx).logits).abs().max().item()
-    print(f"max |logits(lmforge) - logits(HF)| = {diff:.2e}")
-    assert diff < 1e-3, "weight mapping broken: logits differ"
+    ours, ref = hf_twins(cfg, args.device)
     return cfg, ours, ref
 
 

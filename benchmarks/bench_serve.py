@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import median, spread  # noqa: E402
+from _common import hf_twins, median, spread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_PROXY = "127.0.0.1,localhost"
@@ -45,27 +45,15 @@ def build(args: argparse.Namespace, run_dir: Path):
     import dataclasses
 
     import yaml
-    from transformers import LlamaForCausalLM
 
     from lmforge.checkpoint import CheckpointManager, save_checkpoint
-    from lmforge.interop import hf
-    from lmforge.model import ModelConfig, TransformerLM
+    from lmforge.model import ModelConfig
     from lmforge.run import mark
     from lmforge.tokenizer import Tokenizer
 
     cfg = ModelConfig(vocab_size=args.vocab, context_length=args.context, d_model=args.d_model,
                       n_layers=args.layers, n_heads=args.heads, d_ff=args.d_ff)
-    torch.manual_seed(0)
-    ref = LlamaForCausalLM(hf.hf_config(cfg)).eval()
-    ref.generation_config.eos_token_id = None
-    ref.generation_config.pad_token_id = 0
-    ours = TransformerLM(cfg).eval()
-    ours.load_state_dict(hf.from_hf_state_dict(ref.state_dict(), cfg))
-    idx = torch.randint(0, cfg.vocab_size, (2, 16))
-    with torch.inference_mode():
-        diff = (ours(idx) - ref(idx).logits).abs().max().item()
-    print(f"max |logits(lmforge) - logits(HF)| = {diff:.2e}")
-    assert diff < 1e-3, "weight mapping broken: logits differ"
+    ours, ref = hf_twins(cfg, check_tokens=16)
     vocab = {i: bytes([i]) for i in range(256)}
     vocab.update({i: f"<{i}>".encode() for i in range(256, cfg.vocab_size)})  # decode-only tokens
     tok = Tokenizer(vocab, [])

@@ -3,7 +3,6 @@ truncation, and ``lmforge chat --run`` driven through the real CLI with piped st
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -11,28 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from lmforge.chat import ChatFormat, ToolUse, add_chat_tokens, check_conversation, run_tool
 from lmforge.chat.session import ChatSession, messages_from_reply
 from lmforge.checkpoint import CheckpointManager, save_checkpoint
 from lmforge.generate import Generator
-from lmforge.model import ModelConfig, TransformerLM
-from lmforge.run import mark
+from lmforge.model import ModelConfig
+from serve_helpers import write_run
 
 
 def make_chat_run(path: Path, tokenizer, context_length: int = 96, seed: int = 0) -> Path:
     """A run directory holding an untrained model whose tokenizer has the chat tokens (what SFT starts from)."""
     tok = add_chat_tokens(tokenizer)
-    torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=tok.vocab_size, context_length=context_length, d_model=32, n_layers=2, n_heads=2)
-    model = TransformerLM(cfg)
-    path.mkdir(parents=True)
-    tok.save(path / "tokenizer.json")
-    (path / "config.yaml").write_text(yaml.safe_dump({"model": dataclasses.asdict(cfg)}))
-    save_checkpoint(model, None, 1, CheckpointManager(path).path_for(1))
-    mark(path)
-    return path
+    return write_run(path, tok, cfg, seed=seed)
 
 
 @pytest.fixture(scope="module")
