@@ -42,7 +42,21 @@ VERSION = 1
 _WRITE_CHUNK = 64 << 20
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "read_metadata", "Checkpoint",
-           "CheckpointManager", "unwrap_model"]
+           "CheckpointManager", "unwrap_model", "grow_rows", "lora_delta"]
+
+
+# The weight arithmetic shared by the model (TransformerLM.resize_vocab, LoRA merging) and by open_run, which
+# applies it to a LoRA run's checkpoint without building a model: one definition for both.
+def grow_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight`` ``(n, d)`` grown to ``(rows, d)``; each new row is the mean of the old rows (for new tokens)."""
+    mean = weight.float().mean(dim=0, keepdim=True).to(weight.dtype)  # (1, d)
+    return torch.cat([weight, mean.expand(rows - weight.shape[0], -1)], dim=0)  # (rows, d)
+
+
+def lora_delta(lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """LoRA's weight update ``scale · B A`` ``(out, in)`` in ``dtype``, computed in at least float32."""
+    dt = torch.promote_types(dtype, torch.float32)
+    return (lora_b.to(dt) @ lora_a.to(dt) * scale).to(dtype)  # (out, r) @ (r, in)
 
 
 # --------------------------------------------------------------------------------------------------

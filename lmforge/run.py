@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge import __version__
-from lmforge.checkpoint import Checkpoint, CheckpointManager, read_checkpoint, read_metadata
+from lmforge.checkpoint import Checkpoint, CheckpointManager, grow_rows, lora_delta, read_checkpoint, read_metadata
 from lmforge.common import atomic_write_text, sha256_file
 from lmforge.config import load_yaml
 
@@ -123,8 +123,9 @@ def read_base(path: str | os.PathLike) -> dict[str, Any] | None:
 
 def _with_base(run_dir: Path, config: dict[str, Any], adapters: Checkpoint, record: dict[str, Any]) -> Checkpoint:
     """A LoRA run's checkpoint as a plain model's: the base checkpoint's weights, the embedding and head grown
-    to ``model.vocab_size`` with mean rows (as ``TransformerLM.resize_vocab``) and every adapter folded in
-    (``W + alpha/rank · B A``, as ``lmforge.model.lora.merge_lora``). Tests check both equalities."""
+    to ``model.vocab_size`` with mean rows and every adapter folded in (``W + alpha/rank · B A``): the same
+    ``checkpoint.grow_rows`` and ``checkpoint.lora_delta`` that ``TransformerLM.resize_vocab`` and
+    ``lmforge.model.lora.merge_lora`` use on a model."""
     import torch
 
     base_path = Path(record["checkpoint"])
@@ -141,8 +142,7 @@ def _with_base(run_dir: Path, config: dict[str, Any], adapters: Checkpoint, reco
         for name in ("token_embeddings.weight", "lm_head.weight"):
             w = state.get(name)
             if w is not None and w.shape[0] < vocab:
-                mean = w.float().mean(dim=0, keepdim=True).to(w.dtype)  # (1, d_model)
-                state[name] = torch.cat([w, mean.expand(vocab - w.shape[0], -1)], dim=0)  # (vocab, d_model)
+                state[name] = grow_rows(w, vocab)
         if config["model"].get("tie_embeddings") and "token_embeddings.weight" in state:
             state["lm_head.weight"] = state["token_embeddings.weight"]
         scale = float(record["lora"]["alpha"]) / int(record["lora"]["rank"])
@@ -150,9 +150,8 @@ def _with_base(run_dir: Path, config: dict[str, Any], adapters: Checkpoint, reco
             if not key.endswith(".lora_A"):
                 continue
             module = key[: -len(".lora_A")]
-            w, b = state[f"{module}.weight"], adapters.model[f"{module}.lora_B"]
-            dt = torch.promote_types(w.dtype, torch.float32)
-            state[f"{module}.weight"] = w + (b.to(dt) @ a.to(dt) * scale).to(w.dtype)  # (out, r) @ (r, in)
+            w = state[f"{module}.weight"]
+            state[f"{module}.weight"] = w + lora_delta(a, adapters.model[f"{module}.lora_B"], scale, w.dtype)
     return Checkpoint(model=state, optimizer=None, iteration=adapters.iteration, extra=adapters.extra)
 
 

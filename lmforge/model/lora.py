@@ -37,7 +37,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import Tensor, nn
 
-from lmforge.checkpoint import _digest, unwrap_model  # _digest: the checkpoint's hash over named tensors
+from lmforge.checkpoint import _digest, lora_delta, unwrap_model  # _digest: the checkpoint's hash over named tensors
 from lmforge.common import atomic_open, check_input_file
 from lmforge.model.layers import Linear
 
@@ -145,8 +145,7 @@ class LoraLinear(nn.Module):
 
     def delta_weight(self) -> Tensor:
         """``scale · B A`` ``(out, in)`` in the weight's dtype (computed in at least float32)."""
-        dt = torch.promote_types(self.weight.dtype, torch.float32)
-        return (self.lora_B.to(dt) @ self.lora_A.to(dt) * self.scale).to(self.weight.dtype)
+        return lora_delta(self.lora_A, self.lora_B, self.scale, self.weight.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmforge.checkpoint import grow_rows
 from lmforge.model.layers import (Device, DType, Embedding, Linear, RMSNorm, RotaryPositionalEmbedding, SwiGLU, default_d_ff,
                             scaled_dot_product_attention, silu, softmax)
 from lmforge.model.cache import KVCache, check_context
@@ -437,8 +438,7 @@ class TransformerLM(nn.Module):
 
         def grown(weight: Tensor) -> nn.Parameter:
             with torch.no_grad():
-                mean = weight.float().mean(dim=0, keepdim=True).to(weight.dtype)  # (1, d_model)
-                rows = torch.cat([weight, mean.expand(vocab_size - old, -1)], dim=0)  # (vocab_size, d_model)
+                rows = grow_rows(weight, vocab_size)  # (vocab_size, d_model)
             return nn.Parameter(rows, requires_grad=weight.requires_grad)
 
         emb = grown(self.token_embeddings.weight)
