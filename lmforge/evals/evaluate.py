@@ -16,9 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lmforge.checkpoint import apply_checkpoint
-from lmforge.common import atomic_open, resolve_device
-from lmforge.config import from_dict
+from lmforge.common import atomic_open
 from lmforge.corpus import iter_documents
 from lmforge.evals.benchmarks import BENCHMARKS, load_benchmark
 from lmforge.evals.builtin import BUILTIN_TASKS, builtin_task
@@ -28,8 +26,8 @@ from lmforge.evals.perplexity import perplexity_of_shards, perplexity_of_texts
 from lmforge.evals.stats import wilson_interval
 from lmforge.evals.tasks import Task, read_task_file
 from lmforge.generate import Generator
-from lmforge.model import ModelConfig, TransformerLM
-from lmforge.run import open_run
+from lmforge.generate.generator import load_run_model
+from lmforge.model import TransformerLM
 from lmforge.tokenizer import Tokenizer
 
 logger = logging.getLogger("lmforge")
@@ -49,11 +47,8 @@ def task_names() -> list[str]:
 def load_model(run_dir: str | Path, checkpoint: str | Path | None = None,
                device: str = "auto") -> tuple[TransformerLM, Tokenizer, dict[str, Any]]:
     """The model (eval mode) and tokenizer of a run, and ``{"checkpoint", "step"}`` of the checkpoint loaded."""
-    run = open_run(run_dir, checkpoint)
-    model = TransformerLM(from_dict(ModelConfig, run.config.get("model"), path="model"))
-    step = apply_checkpoint(run.checkpoint, model)
-    model = model.to(resolve_device(device)).eval()
-    return model, Tokenizer.load(run.tokenizer_path), {"checkpoint": str(run.checkpoint_path), "step": step}
+    model, tokenizer, info = load_run_model(run_dir, checkpoint, device)
+    return model.eval(), tokenizer, info
 
 
 def resolve_task(spec: str | Path, cache_dir: str | Path | None = None) -> Task:

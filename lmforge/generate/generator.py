@@ -40,7 +40,18 @@ from lmforge.tokenizer import EOT, Tokenizer
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["Generator", "Turn"]
+__all__ = ["Generator", "Turn", "load_run_model"]
+
+
+def load_run_model(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
+                   device: str = "auto") -> tuple[TransformerLM, Tokenizer, dict[str, Any]]:
+    """A run's model with its checkpoint's weights on ``device`` (train mode as built), its tokenizer, and
+    ``{"checkpoint", "step"}`` of the checkpoint loaded (see :func:`lmforge.run.open_run` for ``checkpoint``)."""
+    run = open_run(run_dir, checkpoint)
+    dev = resolve_device(device)
+    model = TransformerLM(from_dict(ModelConfig, run.config.get("model"), path="model"))
+    step = apply_checkpoint(run.checkpoint, model)
+    return model.to(dev), Tokenizer.load(run.tokenizer_path), {"checkpoint": str(run.checkpoint_path), "step": step}
 
 
 # ==================================================================================================
@@ -131,12 +142,9 @@ class Generator:
         newest step checkpoint that verifies (a corrupt newest one is skipped with a warning).
         ``weight_dtype`` as in the constructor.
         """
-        run = open_run(run_dir, checkpoint)
-        dev = resolve_device(device)
-        model = TransformerLM(from_dict(ModelConfig, run.config.get("model"), path="model"))
-        step = apply_checkpoint(run.checkpoint, model)
-        logger.info("loaded %s (step %d) on %s", run.checkpoint_path, step, dev)
-        return cls(model.to(dev), Tokenizer.load(run.tokenizer_path), weight_dtype=weight_dtype)
+        model, tokenizer, info = load_run_model(run_dir, checkpoint, device)
+        logger.info("loaded %s (step %d) on %s", info["checkpoint"], info["step"], next(model.parameters()).device)
+        return cls(model, tokenizer, weight_dtype=weight_dtype)
 
     def refresh(self) -> None:
         """Re-read the model's weights (call after changing them; the decoder packs a copy)."""
