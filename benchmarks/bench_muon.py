@@ -11,7 +11,7 @@ shared machine's load falls on both alike. Reported per optimizer: median (range
 
 A second table times the optimizer step alone on the same model with fixed gradients, interleaved in one
 process: lmforge AdamW, lmforge Muon (batched and reference), and ``torch.optim.Muon`` + ``torch.optim.AdamW``
-on the same groups (the equal-update test is ``tests/test_optim.py::test_muon_reference_equals_torch_optim_muon``).
+on the same groups (the equal-update test is ``tests/train/test_optim.py::test_muon_reference_equals_torch_optim_muon``).
 
     python benchmarks/bench_muon.py              # d_model 192, 4 layers, T 128, B 16, 90 s per run, 3 rounds
     python benchmarks/bench_muon.py --steps 150  # equal steps instead (a loaded machine cannot skew it)

@@ -27,10 +27,10 @@ import httpx  # noqa: E402  (a dependency of openai)
 from lmforge.generate import Generator  # noqa: E402
 from lmforge.serve import ServedModel, exposure_warning  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from serve_helpers import NO_PROXY, ThreadServer, openai_client, random_chat_run, zero_run  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MSG = [{"role": "user", "content": "Hello, who are you?"}]
 
 

@@ -1,6 +1,6 @@
 """Special tokens appended to a trained tokenizer without retraining (``Tokenizer.with_special_tokens``).
 
-``tests/data/tokenizer_lmforge_v1.json`` was written by lmforge before this method existed (commit b27b155),
+``tests/fixtures/tokenizer_lmforge_v1.json`` was written by lmforge before this method existed (commit b27b155),
 so loading it checks that old files still load and take new specials.
 """
 
@@ -10,7 +10,7 @@ import pytest
 
 from lmforge.tokenizer import Tokenizer, load_tokenizer
 
-OLD_FILE = Path(__file__).parent / "data" / "tokenizer_lmforge_v1.json"
+OLD_FILE = Path(__file__).parents[1] / "fixtures" / "tokenizer_lmforge_v1.json"
 NEW = ["<|user_start|>", "<|user_end|>"]
 BACKENDS = ["python", pytest.param("cpp", marks=pytest.mark.skipif(
     Tokenizer.load(OLD_FILE).backend != "cpp", reason="C++ encoder not built"))]

@@ -11,7 +11,7 @@ from lmforge.chat import (CHAT_SPECIAL_TOKENS, ChatFormat, add_chat_tokens, chec
 from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.reference import train_bpe_reference
 
-OLD_FILE = Path(__file__).parent / "data" / "tokenizer_lmforge_v1.json"
+OLD_FILE = Path(__file__).parents[1] / "fixtures" / "tokenizer_lmforge_v1.json"
 TRAINED = {"<|assistant_end|>", "<|python_start|>", "<|python_end|>"}  # the only specials with mask 1
 
 SIMPLE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("tokenizers")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_data_prepare_quick(tmp_path):

@@ -19,7 +19,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not 
 
 from lmforge.serve import ServedModel  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from serve_helpers import ThreadServer, script_run  # noqa: E402
 
 REPLY = "<script>alert('pwned')</script>"
@@ -138,3 +138,4 @@ def test_page_sends_the_api_key_when_the_server_wants_one(chromium, tmp_path):
     finally:
         page.close()
         s.close()
+

@@ -103,7 +103,7 @@ def test_config_file_and_cli_errors(tmp_path, capsys) -> None:
 
 
 def test_examples_parse() -> None:
-    for path in sorted((Path(__file__).parents[1] / "examples").glob("*.yaml")):
+    for path in sorted((Path(__file__).parents[2] / "examples").glob("*.yaml")):
         load_run_config(path)
 
 

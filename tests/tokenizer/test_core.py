@@ -528,7 +528,7 @@ def test_encoder_matches_tiktoken_gpt2(shared_fixtures: Path) -> None:
 
 
 def test_type_stub_lists_every_public_name() -> None:
-    stub = (Path(__file__).resolve().parents[1] / "lmforge" / "_core.pyi").read_text()
+    stub = (Path(__file__).resolve().parents[2] / "lmforge" / "_core.pyi").read_text()
     names = [n for n in dir(_core) if not n.startswith("_")]
     names += [f"def {m}(" for cls in (_core.Encoder, _core.PretokenCounter) for m in vars(cls) if not m.startswith("_")]
     missing = [n for n in names if n not in stub]
@@ -538,7 +538,7 @@ def test_type_stub_lists_every_public_name() -> None:
 # --------------------------------------------------------------------------------------------------
 # Benchmarks: --quick smoke runs
 # --------------------------------------------------------------------------------------------------
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_lora_quick_same_first_loss(tmp_path):

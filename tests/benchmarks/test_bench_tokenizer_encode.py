@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("tiktoken")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_tokenizer_encode_quick(tmp_path):

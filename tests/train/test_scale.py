@@ -3,7 +3,7 @@ checkpoints and their consolidation, activation checkpointing.
 
 Tolerance: runs that split a step's batch differently (world 1 vs 2, other micro-batches) sum the same
 per-token losses in another order, so their losses agree to float32 rounding, not bit for bit: ``rel=1e-5``
-(measured differences are ~1e-7). A resume at the *same* split is bit-exact (tests/test_train.py).
+(measured differences are ~1e-7). A resume at the *same* split is bit-exact (tests/train/test_train.py).
 """
 
 from __future__ import annotations
