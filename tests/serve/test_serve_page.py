@@ -139,3 +139,38 @@ def test_page_sends_the_api_key_when_the_server_wants_one(chromium, tmp_path):
         page.close()
         s.close()
 
+
+def test_page_draws_a_fast_stream_at_most_once_per_frame(chromium, tmp_path):
+    """Thousands of tokens per second must not each rewrite the reply: the page draws once per animation frame
+    (counted beside the reply's DOM writes), and the whole reply is there at the end."""
+    from serve_helpers import zero_run
+
+    s = ThreadServer(ServedModel.from_run(zero_run(tmp_path / "zero")))
+    page = chromium.new_page()
+    try:
+        page.goto(s.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent === 'zero'")
+        page.evaluate("""() => {
+            window.counts = { writes: 0, frames: 0, live: true };
+            new MutationObserver((records) => {
+                for (const r of records) {
+                    const el = r.target.nodeType === 1 ? r.target : r.target.parentElement;
+                    if (el && el.closest('.msg.assistant')) window.counts.writes++;
+                }
+            }).observe(document.getElementById('messages'), { childList: true, subtree: true, characterData: true });
+            const tick = () => { window.counts.frames++; if (window.counts.live) requestAnimationFrame(tick); };
+            requestAnimationFrame(tick);
+        }""")
+        page.fill("#temperature", "0")
+        page.fill("#max-tokens", "1500")
+        page.fill("#input", "Talk")
+        page.click("#send")
+        sync_api.expect(page.locator("#status")).to_have_text("stopped at max tokens", timeout=60_000)
+        counts = page.evaluate("() => { window.counts.live = false; return window.counts; }")
+        text = page.evaluate("() => document.querySelector('.msg.assistant .content').textContent")
+        assert len(text) == 1500, len(text)  # every token arrived (the zero model repeats one 1-byte token)
+        # a write per frame at most (+1 for adding the message, +1 for the final flush, +2 for frame-edge slack)
+        assert counts["writes"] <= counts["frames"] + 4, counts
+    finally:
+        page.close()
+        s.close()

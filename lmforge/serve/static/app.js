@@ -79,6 +79,17 @@ async function send(text) {
   $("status").textContent = "generating…";
   let reply = "";
   let finish = null;
+  // Tokens can arrive by the thousand per second: the reply is drawn at most once per frame, not per token.
+  let frame = 0;
+  const draw = () => {
+    frame = 0;
+    out.textContent = reply;
+    out.parentElement.scrollIntoView({ block: "end" });
+  };
+  const flush = () => {  // the last tokens, now (a pending frame would redraw the same text)
+    if (frame) cancelAnimationFrame(frame);
+    draw();
+  };
   try {
     const body = {
       model: state.model, messages: state.history, stream: true, temperature: Number($("temperature").value),
@@ -97,13 +108,14 @@ async function send(text) {
       if (!choice) continue;
       if (choice.delta && choice.delta.content) {
         reply += choice.delta.content;
-        out.textContent = reply;
-        out.parentElement.scrollIntoView({ block: "end" });
+        if (!frame) frame = requestAnimationFrame(draw);
       }
       if (choice.finish_reason) finish = choice.finish_reason;
     }
+    flush();
     $("status").textContent = finish === "length" ? "stopped at max tokens" : "";
   } catch (e) {
+    flush();
     if (e.name === "AbortError") {
       $("status").textContent = "stopped";
     } else {
