@@ -49,8 +49,8 @@ def load_run_model(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | N
     ``{"checkpoint", "step"}`` of the checkpoint loaded (see :func:`lmforge.run.open_run` for ``checkpoint``)."""
     run = open_run(run_dir, checkpoint)
     dev = resolve_device(device)
-    model = TransformerLM(from_dict(ModelConfig, run.config.get("model"), path="model"))
-    step = apply_checkpoint(run.checkpoint, model)
+    model = TransformerLM.for_loading(from_dict(ModelConfig, run.config.get("model"), path="model"))
+    step = apply_checkpoint(run.checkpoint, model)  # strict: fills every parameter
     return model.to(dev), Tokenizer.load(run.tokenizer_path), {"checkpoint": str(run.checkpoint_path), "step": step}
 
 

@@ -403,6 +403,20 @@ class TransformerLM(nn.Module):
     def from_config(cls, cfg: ModelConfig, device: Device = None, dtype: DType = None) -> TransformerLM:
         return cls(cfg, device=device, dtype=dtype)
 
+    @classmethod
+    def for_loading(cls, cfg: ModelConfig, device: Device = None, dtype: DType = None) -> TransformerLM:
+        """The model with *uninitialised* parameters, for a checkpoint to fill (``load_state_dict(strict=True)``
+        overwrites every one): built on the meta device, so no random init is drawn -- most of the time a
+        loaded model used to take. The RoPE tables are computed and tied embeddings stay tied."""
+        model = cls(cfg, device="meta", dtype=dtype)
+        model.to_empty(device=torch.device("cpu") if device is None else device)
+        for module in model.modules():
+            if isinstance(module, RotaryPositionalEmbedding):
+                module.cos, module.sin = module._tables(module.cos.device)
+        if model.cfg.tie_embeddings:  # to_empty made two tensors of the one shared matrix
+            model.lm_head.weight = model.token_embeddings.weight
+        return model
+
     def init_weights(self) -> None:
         """Initialise every parameter (called once by the constructor; call again to re-draw):
 

@@ -536,3 +536,19 @@ def test_token_ids_out_of_range_are_refused_not_wrapped() -> None:
         with pytest.raises(ValueError, match=r"token id 20 is out of range"):
             model(torch.tensor([[20, 1]]), targets=torch.tensor([[1, 1]]))
     assert model(torch.tensor([[0, 19]])).shape == (1, 2, 20)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_for_loading_then_a_checkpoint_equals_the_trained_model(tie):
+    """``TransformerLM.for_loading`` skips the random init; after a strict load it is the same model: same
+    logits, the same RoPE tables as a normally built model, tied embeddings still one tensor."""
+    cfg = ModelConfig(vocab_size=64, context_length=32, d_model=32, n_layers=2, n_heads=4, tie_embeddings=tie)
+    torch.manual_seed(0)
+    trained = TransformerLM(cfg)
+    loaded = TransformerLM.for_loading(cfg)
+    loaded.load_state_dict(trained.state_dict(), strict=True)
+    rope, want = loaded.layers[0].attn.rope, trained.layers[0].attn.rope
+    assert torch.equal(rope.cos, want.cos) and torch.equal(rope.sin, want.sin) and rope.cos.device.type == "cpu"
+    assert (loaded.lm_head.weight is loaded.token_embeddings.weight) == tie
+    x = torch.randint(0, 64, (2, 16))
+    assert torch.equal(loaded(x), trained(x))
