@@ -225,7 +225,7 @@ def merge_run(run_dir: str | os.PathLike, out: str | os.PathLike, force: bool = 
         raise ValueError(f"{dest} is a file; give a directory for the merged run")
     config = copy.deepcopy(src.config)
     config["lora"] = None
-    model = TransformerLM(from_dict(ModelConfig, config["model"], path="model"))
+    model = TransformerLM.for_loading(from_dict(ModelConfig, config["model"], path="model"))
     apply_checkpoint(src.checkpoint, model)  # checks every tensor's name and shape
     dest.mkdir(parents=True, exist_ok=True)
     mark(dest)

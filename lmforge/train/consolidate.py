@@ -47,7 +47,7 @@ def consolidate(run_dir: str | os.PathLike, out: str | os.PathLike | None = None
     if dest.exists() and not force:
         raise ValueError(f"{dest} already exists; pass --force to replace it, or --out another file")
     cfg = load_run_config(run / "config.yaml")
-    model = TransformerLM(cfg.model)
+    model = TransformerLM.for_loading(cfg.model)  # the shards fill every tensor
     optimizer = _build_optimizer(model, cfg.optimizer)
     iteration, extra = load_dcp(sharded[step], model, optimizer)
     save_checkpoint(model, optimizer, iteration, dest, extra)

@@ -75,7 +75,7 @@ def evaluate_run(run_dir: str | Path, checkpoint: str | Path | None = None, spli
     split = split or cfg.data.val_split or cfg.data.train_split
     path, ck = run.checkpoint_path, run.checkpoint
     dev = resolve_device(device)
-    model = TransformerLM(cfg.model).to(dev)
+    model = TransformerLM.for_loading(cfg.model, device=dev)
     step = apply_checkpoint(ck, model)
     eval_b, n = cfg.training.eval_batch_size or cfg.training.batch_size, max_batches or cfg.training.eval_batches
     ignore = None
