@@ -5,7 +5,8 @@
     python benchmarks/run_all.py --only tokenizer_train tokenizer_encode
 
 Each script runs lmforge and its peer side by side in one process tree and prints the ratio; this runner
-only sequences them so that no two benchmarks compete for the cores.
+only sequences them so that no two benchmarks compete for the cores. The training-step and generation benchmarks
+run twice: at their default shape and at the second shape near GPT-2 small (``--shape gpt2s``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# Scripts run more than once: the benchmark shape (the script's defaults), then the second shape near GPT-2 small.
+VARIANTS = {
+    "bench_train_step.py": [[], ["--shape", "gpt2s", "--steps", "6", "--warmup", "1"]],
+    "bench_generate.py": [[], ["--shape", "gpt2s"]],
+}
 
 
 def main() -> int:
@@ -35,13 +41,15 @@ def main() -> int:
         scripts = [s for s in scripts if s.name in wanted]
     failed = []
     for script in scripts:
-        cmd = [sys.executable, str(script)] + (["--quick"] if args.quick else [])
-        print(f"\n## {script.name}\n", flush=True)
-        t0 = time.perf_counter()
-        rc = subprocess.call(cmd)
-        print(f"\n({script.name}: exit {rc}, {time.perf_counter() - t0:.0f} s)", flush=True)
-        if rc != 0:
-            failed.append(script.name)
+        for extra in ([[]] if args.quick else VARIANTS.get(script.name, [[]])):
+            cmd = [sys.executable, str(script)] + (["--quick"] if args.quick else extra)
+            name = " ".join([script.name] + extra)
+            print(f"\n## {name}\n", flush=True)
+            t0 = time.perf_counter()
+            rc = subprocess.call(cmd)
+            print(f"\n({name}: exit {rc}, {time.perf_counter() - t0:.0f} s)", flush=True)
+            if rc != 0:
+                failed.append(name)
     if failed:
         print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
         return 1
