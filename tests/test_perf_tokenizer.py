@@ -31,6 +31,26 @@ def test_ties_between_long_tokens_sharing_eight_bytes_follow_the_reference() -> 
     assert _core_merges(counts, n) == bpe.learn_merges(counts, n)
 
 
+@needs_core
+@pytest.mark.parametrize("seed", range(6))
+def test_one_pass_merge_follows_the_reference_on_runs_and_repeats(seed: int) -> None:
+    """The trainer rewrites each word in one pass: runs of one symbol (``aaaa``: overlapping (a, a)),
+    back-to-back occurrences (``abab``) and a word list that keeps visiting stale words must give the
+    spec's merges, up to running out of pairs."""
+    import random
+
+    rng = random.Random(seed)
+    alphabet = b"ab" if seed % 2 else b"abc\x00\xff"
+    counts: dict[bytes, int] = {}
+    for _ in range(300):
+        word = bytes(rng.choice(alphabet) for _ in range(rng.randint(1, 14)))
+        if rng.random() < 0.3:
+            word = word[:1] * rng.randint(2, 12)  # a run
+        counts[word] = counts.get(word, 0) + rng.randint(1, 5)
+    n = 2000  # more than there are: both stop when no pair is left
+    assert _core_merges(counts, n) == bpe.learn_merges(counts, n)
+
+
 def test_escape_token_is_its_spec_on_every_byte() -> None:
     """escape_token (a translate table) equals the per-byte rule of its docstring."""
     def rule(tok: bytes) -> str:
