@@ -24,7 +24,9 @@ merging fall back to the reference implementation (same results, slower).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+import operator
 import os
 import time
 from collections import Counter
@@ -125,13 +127,11 @@ class _Counting:
             last[0] = k
 
         try:
-            if self.core is not None:
-                merges = self.core.train_bpe(self.counter, num_merges, tick if progress else None)
-            else:
-                merges = bpe.learn_merges(dict(self.counter.items()), num_merges, tick if progress else None)
+            if self.core is not None:  # a list of (bytes, bytes) already
+                return self.core.train_bpe(self.counter, num_merges, tick if progress else None)
+            return bpe.learn_merges(dict(self.counter.items()), num_merges, tick if progress else None)
         finally:
             bar.close()
-        return [(bytes(a), bytes(b)) for a, b in merges]
 
 
 def _bar(total: int | None, desc: str, enabled: bool, unit: str = "B") -> Any:
@@ -243,8 +243,7 @@ def _finish(counting: _Counting, vocab_size: int, specials: list[str], progress:
     merges = counting.merges(vocab_size - len(vocab), progress)
     if not _merges_show_text(merges):  # else the full check (reads every pre-token: 0.13 s at 275k of them)
         _check_has_text(counting)
-    for a, b in merges:
-        vocab[len(vocab)] = a + b
+    vocab.update(zip(itertools.count(len(vocab)), itertools.starmap(operator.add, merges)))  # id -> a + b
     logger.info("learned %d merges in %.1fs (vocab size %d)", len(merges), time.perf_counter() - t1, len(vocab))
     if len(vocab) < vocab_size:  # like HF tokenizers' BpeTrainer: stop early, but say so
         logger.warning("vocab_size=%d cannot be reached: the corpus ran out of pairs to merge at vocab size %d "
