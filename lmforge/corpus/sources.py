@@ -16,7 +16,6 @@ platform user cache dir) and return local paths; the download code lives in :mod
 from __future__ import annotations
 
 import glob
-import gzip
 import io
 import json
 import logging
@@ -133,6 +132,8 @@ def open_binary(path: str | os.PathLike) -> IO[bytes]:
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix == ".gz":
+        import gzip  # here: plain text files need no gzip (~1 ms to import)
+
         return gzip.open(p, "rb")  # type: ignore[return-value]
     if suffix == ".zst":
         return io.BufferedReader(_ZstdRaw(open(p, "rb")), buffer_size=1 << 20)
