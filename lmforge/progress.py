@@ -12,7 +12,6 @@ callers use: ``update``, ``set_postfix``, ``set_postfix_str``, ``close``, ``n``,
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
 import sys
@@ -150,6 +149,8 @@ class LineProgress:
         if rate:
             parts.append(f"{human_bytes(rate)}/s" if self.unit == "B" else f"{rate:.3g} {self.unit}/s")
             if self.total is not None and self.total > self.n:
+                import datetime  # here: most runs never draw an ETA
+
                 parts.append(f"eta {datetime.timedelta(seconds=round((self.total - self.n) / rate))}")
         if self._postfix:
             parts.append(self._postfix)

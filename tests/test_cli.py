@@ -63,3 +63,19 @@ def test_python_dash_m_runs_the_cli():
 
     out = subprocess.run([sys.executable, "-m", "lmforge.cli", "data", "get", "nosuch"], capture_output=True, text=True)
     assert out.returncode == 2 and "invalid choice: 'nosuch'" in out.stderr
+
+
+def test_a_command_line_builds_only_its_own_parsers():
+    """main() builds the parsers on the path of the command it runs (the others cost ~5 ms to build), and
+    they parse that command line exactly as the full table does."""
+    argv = ["-q", "tokenizer", "train", "--input", "a.txt", "--vocab-size", "300", "--out", "o.json", "--force"]
+    lean = build_parser(only="tokenizer", sub="train")
+    (top,) = [a for a in lean._actions if isinstance(a, argparse._SubParsersAction)]
+    assert list(top.choices) == ["tokenizer"]
+    (group,) = [a for a in top.choices["tokenizer"]._actions if isinstance(a, argparse._SubParsersAction)]
+    assert list(group.choices) == ["train"]
+    assert vars(lean.parse_args(argv)) == vars(build_parser().parse_args(argv))
+    unknown = build_parser(only="tokenizer", sub="nosuch")  # an unknown subcommand: the group lists all of its own
+    (top,) = [a for a in unknown._actions if isinstance(a, argparse._SubParsersAction)]
+    (group,) = [a for a in top.choices["tokenizer"]._actions if isinstance(a, argparse._SubParsersAction)]
+    assert {"train", "encode", "decode", "stats"} <= set(group.choices)

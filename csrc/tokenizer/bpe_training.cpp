@@ -5,6 +5,9 @@
 // that overlap a merged position change, so the update is local and exact. Heap entries are
 // (count, pair); an entry whose count differs from the pair's current count is stale. Increases
 // push a fresh entry; decreases are found lazily when the stale (higher) entry is popped.
+//
+// The pair -> words index lives in one pool of fixed-size chunks (a singly linked list per pair,
+// chunks of merged pairs recycled): no allocation per pair, no vector regrowth.
 #include "tokenizer/bpe_training.h"
 
 #include <algorithm>
@@ -17,10 +20,20 @@ namespace {
 
 inline uint64_t pair_key(uint32_t a, uint32_t b) { return ((uint64_t)a << 32) | b; }
 
+constexpr uint32_t kNone = ~0u;
+
 struct PairInfo {
     uint32_t a = 0, b = 0;
-    long long touched = -1;       // last merge step that increased the count (dedupes heap pushes)
-    std::vector<uint32_t> words;  // words that contain (or once contained) the pair
+    int32_t touched = -1;                // last merge step that increased the count (dedupes heap pushes)
+    uint32_t head = kNone, tail = kNone;  // chunk list of the words that contain (or once contained) it
+    uint32_t fill = 0;                    // words in the tail chunk
+};
+
+// A piece of a pair's word list: up to 7 word ids, then the next chunk (32 bytes, half a cache line).
+struct Chunk {
+    static constexpr uint32_t kCap = 7;
+    uint32_t w[kCap];
+    uint32_t next;
 };
 
 // A heap entry carries its own tie-break keys (the first 8 bytes of each side, big-endian, zero-padded,
@@ -60,13 +73,13 @@ public:
             words_.push_back({(uint64_t)syms_.size(), len, count});
             for (uint32_t k = 0; k < len; ++k) syms_.push_back(p[k]);
         });
+        pool_.reserve(syms_.size() / Chunk::kCap + 1024);  // about one entry per symbol, at first
         for (uint32_t w = 0; w < words_.size(); ++w) {
             const uint32_t* s = &syms_[words_[w].off];
             for (uint32_t k = 0; k + 1 < words_[w].len; ++k) {
                 uint32_t id = pair_id(s[k], s[k + 1]);
                 count_[id] += words_[w].count;
-                std::vector<uint32_t>& ws = pairs_[id].words;
-                if (ws.empty() || ws.back() != w) ws.push_back(w);
+                add_word(id, w);
             }
         }
         for (uint32_t i = 0; i < pairs_.size(); ++i) heap_.push_back(entry(i));
@@ -91,7 +104,7 @@ public:
                 continue;
             }
             if (cur <= 0) continue;
-            merge(top.pair, (long long)merges.size());
+            merge(top.pair, (int32_t)merges.size());
             merges.emplace_back(tok_[pairs_[top.pair].a], tok_[pairs_[top.pair].b]);
             if (progress && (merges.size() % 256 == 0)) progress((long long)merges.size());
         }
@@ -148,67 +161,107 @@ private:
         return id;
     }
 
-    void merge(uint32_t pidx, long long step) {
+    // Append word w to pair id's list (unless it is already the last entry: one word adds a pair
+    // several times in a row).
+    void add_word(uint32_t id, uint32_t w) {
+        PairInfo& pi = pairs_[id];
+        if (pi.tail != kNone) {
+            Chunk& c = pool_[pi.tail];
+            if (c.w[pi.fill - 1] == w) return;
+            if (pi.fill < Chunk::kCap) {
+                c.w[pi.fill++] = w;
+                return;
+            }
+        }
+        uint32_t nc;
+        if (free_ != kNone) {
+            nc = free_;
+            free_ = pool_[nc].next;
+        } else {
+            nc = (uint32_t)pool_.size();
+            pool_.emplace_back();
+        }
+        pool_[nc].w[0] = w;
+        pool_[nc].next = kNone;
+        if (pi.tail == kNone) pi.head = nc;
+        else pool_[pi.tail].next = nc;
+        pi.tail = nc;
+        pi.fill = 1;
+    }
+
+    // Move pair id's word list into out and recycle its chunks.
+    void take_words(uint32_t id, std::vector<uint32_t>& out) {
+        out.clear();
+        PairInfo& pi = pairs_[id];
+        for (uint32_t c = pi.head; c != kNone;) {
+            const Chunk& ch = pool_[c];
+            const uint32_t n = c == pi.tail ? pi.fill : Chunk::kCap;
+            out.insert(out.end(), ch.w, ch.w + n);
+            const uint32_t next = ch.next;
+            pool_[c].next = free_;
+            free_ = c;
+            c = next;
+        }
+        pi.head = pi.tail = kNone;
+        pi.fill = 0;
+    }
+
+    void dec(uint32_t x, uint32_t y, int64_t cnt) { count_[*pair_index_.find(pair_key(x, y))] -= cnt; }
+
+    void inc(uint32_t x, uint32_t y, int64_t cnt, uint32_t w, int32_t step) {
+        const uint32_t id = pair_id(x, y);  // may grow pairs_: no references kept across it
+        count_[id] += cnt;
+        add_word(id, w);
+        if (pairs_[id].touched != step) {
+            pairs_[id].touched = step;
+            increased_.push_back(id);
+        }
+    }
+
+    // Merge every non-overlapping (a, b), left to right, in every word that has it, in one pass per
+    // word. The pairs that change are those that touch a merged position: in the old word, (x, a)
+    // left of an occurrence (unless x ended the previous occurrence) and (b, y) right of it; in the
+    // new word, every pair next to a new symbol m, once. (a, b) itself ends at count 0.
+    void merge(uint32_t pidx, int32_t step) {
         const uint32_t a = pairs_[pidx].a, b = pairs_[pidx].b;
         const uint32_t m = token_for(tok_[a] + tok_[b]);
-        std::vector<uint32_t> words;
-        words.swap(pairs_[pidx].words);
-        std::vector<uint32_t> increased;
-        const size_t nw = words.size();
+        take_words(pidx, visit_);
+        increased_.clear();
+        const size_t nw = visit_.size();
         for (size_t wi = 0; wi < nw; ++wi) {
             // The loop is bound by cache misses on words_ and syms_ (random words): fetch ahead, the word
             // record 16 words ahead and its symbols 8 ahead (that record was fetched 8 iterations ago).
-            if (wi + 16 < nw) __builtin_prefetch(&words_[words[wi + 16]]);
-            if (wi + 8 < nw) __builtin_prefetch(&syms_[words_[words[wi + 8]].off]);
-            const uint32_t w = words[wi];
+            if (wi + 16 < nw) __builtin_prefetch(&words_[visit_[wi + 16]]);
+            if (wi + 8 < nw) __builtin_prefetch(&syms_[words_[visit_[wi + 8]].off]);
+            const uint32_t w = visit_[wi];
             Word& word = words_[w];
             uint32_t* s = &syms_[word.off];
             const uint32_t L = word.len;
             const int64_t cnt = word.count;
-            // Find non-overlapping occurrences, left to right.
-            covered_.assign(L, 0);
-            bool any = false;
-            for (uint32_t i = 0; i + 1 < L;) {
-                if (s[i] == a && s[i + 1] == b) {
-                    covered_[i] = covered_[i + 1] = 1;
-                    any = true;
+            // In place: k (write) <= i (read), so s[i - 1] and s[i + 2] still hold old symbols when read.
+            uint32_t k = 0;
+            bool prev_merged = false;  // the last symbol written is m (old position i - 1 was merged)
+            for (uint32_t i = 0; i < L;) {
+                const uint32_t x = s[i];
+                if (x == a && i + 1 < L && s[i + 1] == b) {
+                    if (i > 0 && !prev_merged) dec(s[i - 1], a, cnt);
+                    if (i + 2 < L) dec(b, s[i + 2], cnt);
+                    if (k > 0) inc(s[k - 1], m, cnt, w, step);
+                    s[k++] = m;
+                    prev_merged = true;
                     i += 2;
                 } else {
+                    if (prev_merged) inc(m, x, cnt, w, step);
+                    s[k++] = x;
+                    prev_merged = false;
                     ++i;
                 }
             }
-            if (!any) continue;  // stale index entry
-            for (uint32_t j = 0; j + 1 < L; ++j)
-                if (covered_[j] || covered_[j + 1]) count_[*pair_index_.find(pair_key(s[j], s[j + 1]))] -= cnt;
-            // Rewrite in place; produced_[k] marks new symbols made by this merge.
-            produced_.assign(L, 0);
-            uint32_t k = 0;
-            for (uint32_t i = 0; i < L;) {
-                if (i + 1 < L && covered_[i] && s[i] == a && s[i + 1] == b && covered_[i + 1]) {
-                    s[k] = m;
-                    produced_[k++] = 1;
-                    i += 2;
-                } else {
-                    s[k++] = s[i++];
-                }
-            }
-            word.len = k;
-            for (uint32_t j = 0; j + 1 < k; ++j) {
-                if (!produced_[j] && !produced_[j + 1]) continue;
-                const uint32_t id = pair_id(s[j], s[j + 1]);  // may grow pairs_: no references kept
-                count_[id] += cnt;
-                PairInfo& pi = pairs_[id];
-                if (pi.words.empty() || pi.words.back() != w) pi.words.push_back(w);
-                if (pi.touched != step) {
-                    pi.touched = step;
-                    increased.push_back(id);
-                }
-            }
+            word.len = k;  // unchanged when the pair is gone (a stale index entry)
         }
         count_[pidx] = 0;
-        pairs_[pidx].words.shrink_to_fit();
         auto c = cmp();
-        for (uint32_t p : increased) {
+        for (uint32_t p : increased_) {
             if (count_[p] <= 0) continue;
             heap_.push_back(entry(p));
             std::push_heap(heap_.begin(), heap_.end(), c);
@@ -223,7 +276,9 @@ private:
     std::vector<PairInfo> pairs_;
     std::vector<int64_t> count_;  // count_[i]: current count of pairs_[i] (dense: the hot field)
     std::vector<HeapEntry> heap_;
-    std::vector<uint8_t> covered_, produced_;
+    std::vector<Chunk> pool_;  // the chunks of every pair's word list
+    uint32_t free_ = kNone;    // recycled chunks, linked through next
+    std::vector<uint32_t> visit_, increased_;  // scratch of merge()
 };
 
 }  // namespace

@@ -32,11 +32,12 @@ naturally and every byte string round-trips exactly.
 from __future__ import annotations
 
 import codecs
+import itertools
 import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from lmforge.tokenizer.reference import PATTERNS, bytes_to_unicode, resolve_pattern, unicode_to_bytes
 from lmforge.common import atomic_write_text, check_input_file, check_output_path
@@ -65,6 +66,34 @@ def escape_token(tok: bytes) -> str:
 _ESCAPE_TABLE = {b: "\\\\" if b == 0x5C else f"\\x{b:02x}" for b in range(256) if b == 0x5C or not 0x20 <= b <= 0x7E}
 # json.dumps(s) for a str s, without json.dumps's per-call Python overhead (the same C encoder it uses).
 _json_str = json.encoder.encode_basestring_ascii
+# chr(b) -> the body of _json_str(escape_token(bytes([b]))), for the bytes where that is not chr(b) itself (the
+# escaped ones, and '"'): escaping and JSON quoting in one step, for all of a file's tokens at once.
+_JSON_ESCAPES = {chr(b): _json_str(escape_token(bytes([b])))[1:-1] for b in range(256)}
+_JSON_ESCAPES = {c: t for c, t in _JSON_ESCAPES.items() if t != c}
+_SEP = "\u0100"  # joins tokens decoded as latin-1 (U+0000..U+00FF): it can be none of their characters
+_NEEDS_ESCAPE = re.compile("[^" + "".join(re.escape(chr(b)) for b in range(256) if chr(b) not in _JSON_ESCAPES)
+                           + _SEP + "]")
+
+
+def _json_bodies(tokens: Iterable[bytes]) -> list[str]:
+    """``_json_str(escape_token(t))[1:-1]`` for each token: one join, one scan, one split (C loops; most
+    tokens need no escape, so the per-match replacement runs rarely)."""
+    text = _SEP.join(map(bytes.decode, tokens, itertools.repeat("latin-1")))
+    return _NEEDS_ESCAPE.sub(lambda m: _JSON_ESCAPES[m[0]], text).split(_SEP)
+
+
+def join_pairs(items: list[str], inner: str, outer: str) -> str:
+    """``outer.join(inner.join(pair) for pair in pairs of items)``, for an even number of items, by one join.
+
+    >>> join_pairs(["a", "b", "c", "d"], "+", " / ")
+    'a+b / c+d'
+    """
+    n = len(items) // 2
+    out = [""] * max(4 * n - 1, 0)  # a0 inner b0 outer a1 inner b1 ...
+    out[0::2] = items
+    out[1::4] = [inner] * n
+    out[3::4] = [outer] * (n - 1)
+    return "".join(out)
 
 
 _WELL_FORMED = re.compile(r"(?:[ -\[\]-~]|\\\\|\\x[0-9a-fA-F]{2})*")
@@ -122,10 +151,12 @@ def dumps_lmforge(vocab: Mapping[int, bytes], merges: Sequence[tuple[bytes, byte
     lines = ["{"]
     lines += [f" {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}," for k, v in head.items()]
     lines.append(' "vocab": [')
-    lines.append(",\n".join(f"  {_json_str(escape_token(vocab[i]))}" for i in range(n)))
+    lines.append('  "' + '",\n  "'.join(_json_bodies(map(vocab.__getitem__, range(n)))) + '"' if n else "")
     lines.append(" ],")
     lines.append(' "merges": [')
-    lines.append(",\n".join(f"  [{_json_str(escape_token(a))}, {_json_str(escape_token(b))}]" for a, b in merges))
+    # each line '  ["a", "b"]', as f'  [{_json_str(escape_token(a))}, {_json_str(escape_token(b))}]'
+    lines.append('  ["' + join_pairs(_json_bodies(itertools.chain.from_iterable(merges)), '", "', '"],\n  ["') + '"]'
+                 if merges else "")
     lines.append(" ]")
     lines.append("}")
     return "\n".join(lines) + "\n"

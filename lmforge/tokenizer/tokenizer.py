@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     import numpy as np  # here: encoding and training need no numpy (~13 MB)
     import regex  # compiled on first use: the C++ encoder needs no Python regex
 
-__all__ = ["Tokenizer", "load_tokenizer", "text_stats", "train_bpe", "train_bpe_from_iterator"]
+__all__ = ["Tokenizer", "fingerprint", "load_tokenizer", "text_stats", "train_bpe", "train_bpe_from_iterator"]
 
 logger = logging.getLogger("lmforge")
 
@@ -58,6 +59,25 @@ _STREAM_CHUNK = 1 << 13  # characters buffered by encode_iterable before it look
 def _core_encoder_class() -> Any:
     """``lmforge._core.Encoder`` when the C++ extension is built with it, else None."""
     return _native.core().Encoder if _native.available("Encoder") else None
+
+
+def fingerprint(vocab: Mapping[int, bytes], merges: Sequence[tuple[bytes, bytes]], special_ids: Mapping[str, int],
+                pattern: str) -> str:
+    """:meth:`Tokenizer.fingerprint` of a tokenizer with these parts (ids dense, tokens ``bytes``).
+
+    The first 16 hex digits of the SHA-256 of ``json.dumps(doc, sort_keys=True)``, where ``doc`` is
+    ``{"vocab": [hex of each id's bytes], "merges": [[hex a, hex b], ...], "special_tokens": sorted
+    (token, id) pairs, "pattern": the pattern's regex}``. The long lists are written here with C-level
+    joins instead of ``json.dumps`` (same text: hex digits need no JSON escaping; a test holds the two
+    equal).
+    """
+    pairs = tokenizer_io.join_pairs(list(map(bytes.hex, itertools.chain.from_iterable(merges))), '", "', '"], ["')
+    vocab_hex = '", "'.join(map(bytes.hex, map(vocab.__getitem__, range(len(vocab)))))
+    text = ('{"merges": ' + ('[["' + pairs + '"]]' if merges else "[]")
+            + ', "pattern": ' + json.dumps(bpe.resolve_pattern(pattern))
+            + ', "special_tokens": ' + json.dumps(sorted(special_ids.items()))
+            + ', "vocab": ' + ('["' + vocab_hex + '"]' if vocab else "[]") + "}")
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class Tokenizer:
@@ -169,11 +189,7 @@ class Tokenizer:
         Two tokenizers with the same fingerprint produce the same ids for every text; shards
         record it so that a model is never trained on tokens from a different tokenizer.
         """
-        doc = {"vocab": [self.vocab[i].hex() for i in range(len(self.vocab))],
-               "merges": [[a.hex(), b.hex()] for a, b in self.merges],
-               "special_tokens": sorted(self._special_ids.items()),
-               "pattern": bpe.resolve_pattern(self.pattern)}
-        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+        return fingerprint(self.vocab, self.merges, self._special_ids, self.pattern)
 
     def with_special_tokens(self, tokens: Sequence[str]) -> "Tokenizer":
         """A copy that also has the special ``tokens``, each new one appended with id ``vocab_size``, ``+1``, ...

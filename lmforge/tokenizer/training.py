@@ -24,7 +24,9 @@ merging fall back to the reference implementation (same results, slower).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+import operator
 import os
 import time
 from collections import Counter
@@ -125,13 +127,11 @@ class _Counting:
             last[0] = k
 
         try:
-            if self.core is not None:
-                merges = self.core.train_bpe(self.counter, num_merges, tick if progress else None)
-            else:
-                merges = bpe.learn_merges(dict(self.counter.items()), num_merges, tick if progress else None)
+            if self.core is not None:  # a list of (bytes, bytes) already
+                return self.core.train_bpe(self.counter, num_merges, tick if progress else None)
+            return bpe.learn_merges(dict(self.counter.items()), num_merges, tick if progress else None)
         finally:
             bar.close()
-        return [(bytes(a), bytes(b)) for a, b in merges]
 
 
 def _bar(total: int | None, desc: str, enabled: bool, unit: str = "B") -> Any:
@@ -161,14 +161,15 @@ def _check_utf8(data: bytes | memoryview, errors: str, where: str, offset: int) 
                      "errors='replace' (CLI: --errors replace) to read bad bytes as U+FFFD")
 
 
-def _cut_point(buf: bytes, specials: list[bytes]) -> int:
-    """Where a chunk of ``buf`` may end: before the last special token, else at a safe space (0 = none).
+def _cut_point(buf: bytes | bytearray, specials: list[bytes], end: int | None = None) -> int:
+    """Where a chunk of ``buf[:end]`` may end: before the last special token, else at a safe space (0 = none).
 
     The space cut is also used between specials that are far apart, unless a special token itself
     contains a space (it could then straddle the cut).
     """
+    end = len(buf) if end is None else end
     if specials:
-        best = max(buf.rfind(s) for s in specials)
+        best = max(buf.rfind(s, 0, end) for s in specials)
         changed = best > 0
         while changed:  # a special overlapping the one found (e.g. a longer one) may start earlier
             changed = False
@@ -178,38 +179,42 @@ def _cut_point(buf: bytes, specials: list[bytes]) -> int:
                     best, changed = j, True
         if best > 0 or any(b" " in s for s in specials):
             return max(best, 0)
-    m = _ws_cut().search(buf)
+    m = _ws_cut().search(buf, 0, end)
     return m.start() if m else 0
 
 
 def _iter_file_chunks(path: PathLike, specials: list[bytes], chunk_bytes: int) -> Iterable[tuple[int, memoryview]]:
     """Yield ``(offset, chunk)`` pieces of a (possibly compressed) text file that can be counted independently.
 
-    Chunks are memoryview slices of the buffer just read (no copy); only the short tail after the
-    cut point is copied into the next buffer. Consume each chunk before asking for the next.
-    Offsets are in the decompressed bytes.
+    One buffer of ``chunk_bytes`` is read into again and again (no allocation, no page faults and no copy per
+    chunk): each chunk is a memoryview of it up to the cut point, and only the short tail after the cut moves
+    to the front. Consume each chunk before asking for the next: the next read overwrites it. The buffer
+    doubles only while it holds no cut point (text without spaces or specials). Offsets are in the
+    decompressed bytes.
     """
     with sources.open_binary(path) as f:
-        pending = b""
+        buf = bytearray(chunk_bytes)
+        have = 0  # bytes of buf in use: the tail left by the last cut, then what was read after it
         offset = 0
         while True:
-            data = f.read(chunk_bytes)
-            if not data:
+            if have == len(buf):  # a full buffer without a cut point: keep reading into a bigger one
+                buf.extend(bytes(len(buf)))
+            with memoryview(buf) as view, view[have:] as free:
+                n = f.readinto(free)
+            if not n:
                 break
-            buf = pending + data if pending else data
-            del data
-            cut = _cut_point(buf, specials)
-            if cut <= 0:  # no safe boundary yet: keep reading (only for text without spaces or specials)
-                pending = buf
+            have += n
+            cut = _cut_point(buf, specials, have)
+            if cut <= 0:
                 continue
-            view = memoryview(buf)
-            yield offset, view[:cut]
+            with memoryview(buf) as view, view[:cut] as chunk:
+                yield offset, chunk
             offset += cut
-            pending = bytes(view[cut:])
-            view.release()
-            del buf
-        if pending:
-            yield offset, memoryview(pending)
+            buf[:have - cut] = buf[cut:have]
+            have -= cut
+        if have:
+            with memoryview(buf) as view, view[:have] as chunk:
+                yield offset, chunk
 
 
 def _check_has_text(counting: _Counting) -> None:
@@ -243,8 +248,7 @@ def _finish(counting: _Counting, vocab_size: int, specials: list[str], progress:
     merges = counting.merges(vocab_size - len(vocab), progress)
     if not _merges_show_text(merges):  # else the full check (reads every pre-token: 0.13 s at 275k of them)
         _check_has_text(counting)
-    for a, b in merges:
-        vocab[len(vocab)] = a + b
+    vocab.update(zip(itertools.count(len(vocab)), itertools.starmap(operator.add, merges)))  # id -> a + b
     logger.info("learned %d merges in %.1fs (vocab size %d)", len(merges), time.perf_counter() - t1, len(vocab))
     if len(vocab) < vocab_size:  # like HF tokenizers' BpeTrainer: stop early, but say so
         logger.warning("vocab_size=%d cannot be reached: the corpus ran out of pairs to merge at vocab size %d "

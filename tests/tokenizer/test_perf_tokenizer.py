@@ -31,6 +31,26 @@ def test_ties_between_long_tokens_sharing_eight_bytes_follow_the_reference() -> 
     assert _core_merges(counts, n) == bpe.learn_merges(counts, n)
 
 
+@needs_core
+@pytest.mark.parametrize("seed", range(6))
+def test_one_pass_merge_follows_the_reference_on_runs_and_repeats(seed: int) -> None:
+    """The trainer rewrites each word in one pass: runs of one symbol (``aaaa``: overlapping (a, a)),
+    back-to-back occurrences (``abab``) and a word list that keeps visiting stale words must give the
+    spec's merges, up to running out of pairs."""
+    import random
+
+    rng = random.Random(seed)
+    alphabet = b"ab" if seed % 2 else b"abc\x00\xff"
+    counts: dict[bytes, int] = {}
+    for _ in range(300):
+        word = bytes(rng.choice(alphabet) for _ in range(rng.randint(1, 14)))
+        if rng.random() < 0.3:
+            word = word[:1] * rng.randint(2, 12)  # a run
+        counts[word] = counts.get(word, 0) + rng.randint(1, 5)
+    n = 2000  # more than there are: both stop when no pair is left
+    assert _core_merges(counts, n) == bpe.learn_merges(counts, n)
+
+
 def test_escape_token_is_its_spec_on_every_byte() -> None:
     """escape_token (a translate table) equals the per-byte rule of its docstring."""
     def rule(tok: bytes) -> str:
@@ -73,3 +93,67 @@ def test_whitespace_only_corpus_is_refused_even_with_multibyte_spaces(tmp_path) 
     q.write_text("\u3000\u3000 ab ab ab", encoding="utf-8")
     vocab, merges = train_bpe(q, 260, ["<|endoftext|>"], progress=False)
     assert merges
+
+
+def _random_parts(seed: int) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]], dict[str, int], str]:
+    """A tokenizer's parts with awkward bytes: quotes, backslashes, controls, high bytes, two specials."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = {i: bytes([i]) for i in range(256)}
+    merges = []
+    for _ in range(rng.randint(0, 60)):
+        a, b = vocab[rng.randrange(len(vocab))], vocab[rng.randrange(len(vocab))]
+        if a + b not in vocab.values():
+            merges.append((a, b))
+            vocab[len(vocab)] = a + b
+    specials = {"<|endoftext|>": len(vocab), 'say "\\é"': len(vocab) + 1}
+    for s, i in specials.items():
+        vocab[i] = s.encode("utf-8")
+    return vocab, merges, specials, ["gpt2", r"""\s+|"[^"]*"|\p{L}+|é"""][seed % 2]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fingerprint_and_file_are_their_spec(seed: int) -> None:
+    """fingerprint() builds its JSON with joins, the writer escapes all tokens at once: both equal the plain
+    per-token definitions (json.dumps of the doc; _json_str(escape_token(t)) per line)."""
+    import hashlib
+
+    from lmforge.tokenizer import Tokenizer
+    from lmforge.tokenizer.formats import _json_str, dumps_lmforge
+    from lmforge.tokenizer.tokenizer import fingerprint
+
+    vocab, merges, specials, pattern = _random_parts(seed)
+    if seed == 0:
+        merges = []  # the empty lists are written differently
+    doc = {"vocab": [vocab[i].hex() for i in range(len(vocab))], "merges": [[a.hex(), b.hex()] for a, b in merges],
+           "special_tokens": sorted(specials.items()), "pattern": bpe.resolve_pattern(pattern)}
+    want = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+    assert fingerprint(vocab, merges, specials, pattern) == want
+    if merges:
+        assert Tokenizer(vocab, merges, list(specials), pattern, backend="python").fingerprint() == want
+    text = dumps_lmforge(vocab, merges, specials, pattern)
+    body = text[text.index(' "vocab": [\n') + len(' "vocab": [\n'):]
+    vocab_lines = ",\n".join(f"  {_json_str(escape_token(vocab[i]))}" for i in range(len(vocab)))
+    merge_lines = ",\n".join(f"  [{_json_str(escape_token(a))}, {_json_str(escape_token(b))}]" for a, b in merges)
+    assert body == vocab_lines + '\n ],\n "merges": [\n' + merge_lines + "\n ]\n}\n"
+
+
+def test_tokenizer_train_command_writes_what_tokenizer_save_writes(tmp_path, capsys) -> None:
+    """The command writes the trainer's output without building a Tokenizer: byte for byte the file
+    Tokenizer(...).save() writes, and the same fingerprint."""
+    from lmforge.cli import main
+    from lmforge.tokenizer import Tokenizer, train_bpe
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(("Tab\there, \"quotes\" and \\ back\\slashes; naïve café 12 34!\n" * 30 + "<|endoftext|>") * 4,
+                      encoding="utf-8")
+    out = tmp_path / "tok.json"
+    specials = ["<|endoftext|>", "<|pad|>"]
+    assert main(["-q", "tokenizer", "train", "--input", str(corpus), "--vocab-size", "330", "--out", str(out),
+                 "--special-token", specials[0], "--special-token", specials[1]]) == 0
+    vocab, merges = train_bpe(corpus, 330, specials, progress=False)
+    tok = Tokenizer(vocab, merges, specials, backend="python")
+    tok.save(tmp_path / "general.json")
+    assert out.read_bytes() == (tmp_path / "general.json").read_bytes()
+    assert f"fingerprint={tok.fingerprint()}" in capsys.readouterr().err
