@@ -169,29 +169,26 @@ def test_weight_dtype_errors():
         Engine(_model().double(), weight_dtype="bf16")
 
 
-def test_decoder_restores_torch_threads():
-    """A kernel step runs PyTorch on one thread (the kernel has its own pool) and puts the count back;
-    prefill is the model's forward and keeps PyTorch's threads."""
+def test_decoder_restores_torch_threads(monkeypatch):
+    """A kernel step runs PyTorch on one thread (the kernel has its own pool, given PyTorch's count) and puts
+    the count back; prefill is the model's forward and keeps PyTorch's threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         dec = Engine(_model())
         seen = []
-        original = torch.nn.functional.embedding  # the kernel step's only embedding lookup
+        original = Engine._step_kernel
 
-        def spy(x, *a, **k):
-            seen.append(torch.get_num_threads())
-            return original(x, *a, **k)
+        def spy(self, *a, **k):
+            seen.append((torch.get_num_threads(), self._threads))
+            return original(self, *a, **k)
 
-        torch.nn.functional.embedding = spy
-        try:
-            with torch.inference_mode():
-                logits = dec.prefill([[1, 2], [3, 4]], 10)
-                assert not seen and torch.get_num_threads() == 2
-                dec.step(logits.argmax(-1))
-        finally:
-            torch.nn.functional.embedding = original
-        assert seen == [1]
+        monkeypatch.setattr(Engine, "_step_kernel", spy)
+        with torch.inference_mode():
+            logits = dec.prefill([[1, 2], [3, 4]], 10)
+            assert not seen and torch.get_num_threads() == 2
+            dec.step(logits.argmax(-1))
+        assert seen == [(1, 2)]
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -282,4 +282,6 @@ const char* linear_isa() {
 
 void linear_force_scalar(bool on) { g_force_scalar.store(on); }
 
+void linear_force_avx2(bool on) { g_force_avx2.store(on); }
+
 }  // namespace lmforge

@@ -11,6 +11,7 @@
 namespace lmforge {
 
 inline std::atomic<bool> g_force_scalar{false};  // tests: run the scalar kernels on an AVX2 machine too
+inline std::atomic<bool> g_force_avx2{false};    // tests: run the AVX2 kernels on an AVX-512 machine too
 
 #ifdef LMFORGE_X86
 // AVX2 + FMA (+ F16C for fp16) code is compiled for those instructions whatever the build flags and
