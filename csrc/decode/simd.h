@@ -24,6 +24,14 @@ inline bool cpu_has_avx2() {
     return ok;
 }
 
+// AVX-512 (F, VL, BW, DQ): the product kernels' wide build (products.cpp), also only when the CPU has it.
+inline bool cpu_has_avx512() {
+    static const bool ok = cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512dq");
+    return ok;
+}
+
 // The sum of the 8 lanes.
 LMFORGE_AVX2 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
