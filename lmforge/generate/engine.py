@@ -20,6 +20,7 @@ import copy
 import functools
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
+import numpy as np
 import torch
 
 from lmforge._native import core
@@ -84,6 +85,7 @@ class Engine:
         self.weight_dtype = wd or self.dtype
         self.model = model
         self._decoder: Any = None  # the C++ step's model (kernel path)
+        self._arrays: tuple[np.ndarray, ...] = ()  # numpy views of cache.k, .v, .lengths and tokens (kernel path)
         if self._kernel:
             self._pack(model)
         self.cache: KVCache | None = None
@@ -163,6 +165,13 @@ class Engine:
         """Tokens each row holds in the cache."""
         return [] if self.cache is None else self.cache.lengths.tolist()
 
+    def _new_cache(self, rows: int, capacity: int) -> None:
+        """An empty cache and token buffer of ``rows`` rows; on the kernel path also their numpy views."""
+        self.cache = KVCache.for_model(self.model, rows, capacity)
+        self.tokens = torch.zeros(rows, capacity, dtype=torch.long, device=self.device)
+        if self._kernel:  # the step's bookkeeping in numpy: a few microseconds less per token than in torch ops
+            self._arrays = (self.cache.k.numpy(), self.cache.v.numpy(), self.cache.lengths.numpy(), self.tokens.numpy())
+
     # ---------------------------------------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, cache: KVCache, last: torch.Tensor | None) -> torch.Tensor:
         """The model's forward over ``cache``; logits ``(B, V)`` at column ``last[b]`` of each row (None: the last)."""
@@ -192,8 +201,7 @@ class Engine:
         """
         B, T = len(rows), max(len(r) for r in rows)
         assert 0 < T <= capacity <= self.context_length, (T, capacity, self.context_length)
-        self.tokens = torch.zeros(B, capacity, dtype=torch.long, device=self.device)
-        self.cache = KVCache.for_model(self.model, B, capacity)
+        self._new_cache(B, capacity)
         self.active = B
         return self._fill(self.cache, self.tokens, rows)
 
@@ -211,8 +219,7 @@ class Engine:
         capacity = self.context_length if capacity is None else capacity
         if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
             raise ValueError(f"n_slots must be a positive integer (got {n_slots!r})")
-        self.cache = KVCache.for_model(self.model, n_slots, capacity)
-        self.tokens = torch.zeros(n_slots, capacity, dtype=torch.long, device=self.device)
+        self._new_cache(n_slots, capacity)
         self.active = 0
 
     @property
@@ -283,20 +290,31 @@ class Engine:
         assert self.cache is not None, "prefill not called"
         B = tokens.shape[0]
         assert 0 < B <= self.cache.batch_size, (B, self.cache.batch_size)
-        cache = self.cache if B == self.cache.batch_size else self.cache.rows(slice(0, B))  # the live rows
-        lengths = cache.lengths
-        if int(lengths.max()) == cache.capacity:  # one cheap check per step; the row list only when needed
-            self._slide(cache, (lengths == cache.capacity).nonzero().flatten().tolist())
-        self.tokens[torch.arange(B, device=self.device), lengths] = tokens
         if self._kernel:
-            return self._step_kernel(cache, tokens)
+            return self._step_kernel(tokens)
+        lengths = self.cache.lengths[:B]  # the live rows'
+        self._slide_full(B, lengths)
+        self.tokens[torch.arange(B, device=self.device), lengths] = tokens
+        cache = self.cache if B == self.cache.batch_size else self.cache.rows(slice(0, B))
         return self._run(tokens[:, None], cache, None)
 
-    def _step_kernel(self, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
+    def _slide_full(self, B: int, lengths: Any) -> None:
+        """Slide the rows among the live rows ``0 .. B-1`` whose cache is full (``lengths``: theirs, a tensor
+        or an array); one cheap check per step, the row list only when needed."""
+        capacity = self.cache.capacity
+        if int(lengths.max()) == capacity:
+            cache = self.cache if B == self.cache.batch_size else self.cache.rows(slice(0, B))
+            self._slide(cache, [b for b in range(B) if int(lengths[b]) == capacity])
+
+    def _step_kernel(self, tokens: torch.Tensor) -> torch.Tensor:
         """``step`` on CPU: one call into the C++ decode step, on the cache's own tensors (the live rows are
         its first ``B``); it writes their keys, values and lengths."""
         B = tokens.shape[0]
+        k, v, lengths, history = self._arrays
+        lengths = lengths[:B]  # a view: the step moves the cache's lengths on
+        self._slide_full(B, lengths)
+        ids = np.ascontiguousarray(tokens.numpy(), dtype=np.int64)
+        history[np.arange(B), lengths] = ids
         logits = torch.empty(B, self._vocab)  # (B, V)
-        self._decoder.step(tokens.to(torch.long).contiguous().numpy(), self.cache.k.numpy(), self.cache.v.numpy(),
-                           cache.lengths.numpy(), logits.numpy(), self._threads)
+        self._decoder.step(ids, k, v, lengths, logits.numpy(), self._threads)
         return logits
