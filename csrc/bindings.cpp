@@ -313,7 +313,7 @@ NB_MODULE(_core, m) {
 
     using F2 = nb::ndarray<nb::ro, float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
     nb::class_<StepModel>(m, "DecodeModel",
-                          "A model's weights for decode_step: packed matrices (fp32/bf16/fp16/int8), norms, embeddings "
+                          "A model's weights for its decode step (.step): packed matrices (fp32/bf16/fp16/int8), norms, embeddings "
                           "and the RoPE tables, borrowed (kept alive) from the arrays given.")
         .def(
             "__init__",

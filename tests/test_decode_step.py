@@ -22,17 +22,6 @@ def _model(seed: int = 0, **kw) -> TransformerLM:
     return TransformerLM(ModelConfig(**cfg)).eval()
 
 
-@pytest.fixture(params=["native", "avx2", "scalar"])
-def isa(request):
-    """The kernels' widest instruction set, then at most AVX2, then the scalar code."""
-    _core = core()
-    _core.linear_force_scalar(request.param == "scalar")
-    _core.linear_force_avx2(request.param == "avx2")
-    yield request.param
-    _core.linear_force_scalar(False)
-    _core.linear_force_avx2(False)
-
-
 def _pair(model: TransformerLM, dtype: str) -> tuple[Engine, Engine]:
     """The kernel engine and the reference: the model's forward on the same (rounded) matrices."""
     fast = Engine(model, weight_dtype=dtype, window_drop=7)

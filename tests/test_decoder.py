@@ -27,19 +27,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Te
     return out
 
 
-@pytest.fixture(params=["native", "avx2", "scalar"])
-def isa(request):
-    """Run a test on the CPU's widest vector kernels, again with at most AVX2, and on the scalar ones (all must
-    match the reference; on a CPU without AVX-512 the first two are the same, without AVX2 all three)."""
-    from lmforge import _core
-
-    _core.linear_force_scalar(request.param == "scalar")
-    _core.linear_force_avx2(request.param == "avx2")
-    yield request.param
-    _core.linear_force_scalar(False)
-    _core.linear_force_avx2(False)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 70])
 def test_packed_linear_equals_reference(dtype, rows, isa):

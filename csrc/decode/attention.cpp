@@ -1,5 +1,5 @@
 // Decode-time attention: one new query per row over a KV cache (contract in kernels.h; Python:
-// lmforge.generate.engine.CachedDecoder).
+// lmforge.generate.engine.Engine.step, through the decode step of step.cpp).
 #include <algorithm>
 #include <cmath>
 #include <mutex>

@@ -1,5 +1,6 @@
 // Decode-time skinny matrix products y = x . W^T for a few rows x (contract in kernels.h; Python:
-// lmforge.generate.engine.PackedLinear), and the switches of the kernels' instruction set.
+// lmforge.generate.packed.PackedLinear; the decode step of step.cpp), and the switches of the kernels'
+// instruction set: scalar, AVX2 or AVX-512, picked at run time (the vector kernels in tiles.inc).
 //
 // Shape of the work: one decode step multiplies a few activation rows (M = batch size, 1..8) by every
 // weight matrix of the model once. At M = 1 each weight is used for a single multiply-add, so the time
@@ -9,6 +10,14 @@
 // of panels, and each panel is multiplied with all M rows while it sits in L1, so every weight byte is
 // read from memory once per call whatever M is. Weights may be stored as 16-bit floats (half the bytes)
 // or as int8 codes with a float32 scale per output row (a quarter).
+//
+// AVX-512 on Zen 4 runs a 512-bit operation as two 256-bit halves, so 512-bit vectors add no multiply-adds
+// per cycle there; measured, a 512-bit version (two k columns of a panel per vector) was ~10% slower at one
+// row for bf16 and int8 and about the same for fp32. What AVX-512 does give is 32 vector registers
+// (AVX-512VL), so the AVX-512 build keeps 256-bit vectors and holds up to 24 accumulators instead of 8:
+// for a d512 model's products on one Zen 4 thread (indicative, a shared machine), 11-23% less time for fp32
+// at 2..8 rows, 17-22% for bf16 at 2..4, 10-13% for int8 at 2..4; the same at one row (bandwidth-bound) and
+// for int8/bf16 at 8 rows (already near the multiply-add peak).
 #include <algorithm>
 #include <atomic>
 #include <cstring>

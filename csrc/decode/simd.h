@@ -1,5 +1,6 @@
 // CPU dispatch shared by the decode kernels in csrc/decode/ (Python: lmforge.generate.engine): whether
-// the AVX2 code may run, the switch that forces the scalar code (tests), and two AVX2 helpers, hsum and exp8.
+// the AVX2 and AVX-512 code may run, the switches that force the scalar or AVX2 code (tests), and two AVX2
+// helpers, hsum and exp8.
 #pragma once
 #include <atomic>
 
