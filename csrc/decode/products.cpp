@@ -16,8 +16,8 @@
 // row for bf16 and int8 and about the same for fp32. What AVX-512 does give is 32 vector registers
 // (AVX-512VL), so the AVX-512 build keeps 256-bit vectors and holds up to 24 accumulators instead of 8:
 // for a d512 model's products on one Zen 4 thread (indicative, a shared machine), 11-23% less time for fp32
-// at 2..8 rows, 17-22% for bf16 at 2..4, 10-13% for int8 at 2..4; the same at one row (bandwidth-bound) and
-// for int8/bf16 at 8 rows (already near the multiply-add peak).
+// at 2..8 rows, 5-20% for bf16 at 2..8, ~13% for int8 at 2 rows; the same at one row (bandwidth-bound) and
+// for int8 at 4..8 rows (within +-5%: its conversions, not the accumulator chains, set the pace there).
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -99,20 +99,18 @@ constexpr size_t kPrefetch = 1024;  // weights ahead (in elements): software pre
 
 #ifdef LMFORGE_X86
 // The vector kernels (simd.h says when each runs), one source compiled for two instruction sets.
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
+#define LMFORGE_TILES LMFORGE_AVX2
 namespace avx2 {
 constexpr bool kWide = false;
 #include "decode/tiles.inc"
 }  // namespace avx2
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq")
+#undef LMFORGE_TILES
+#define LMFORGE_TILES LMFORGE_AVX512
 namespace avx512 {
 constexpr bool kWide = true;
 #include "decode/tiles.inc"
 }  // namespace avx512
-#pragma GCC pop_options
+#undef LMFORGE_TILES
 #endif  // LMFORGE_X86
 
 using BlockFn = void (*)(const float*, size_t, size_t, const void*, size_t, size_t, size_t, float*, size_t);

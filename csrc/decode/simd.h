@@ -26,6 +26,7 @@ inline bool cpu_has_avx2() {
 }
 
 // AVX-512 (F, VL, BW, DQ): the product kernels' wide build (products.cpp), also only when the CPU has it.
+#define LMFORGE_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq")))
 inline bool cpu_has_avx512() {
     static const bool ok = cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
