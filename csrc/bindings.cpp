@@ -151,7 +151,7 @@ struct StepModel {
         if (kind < 0 || kind > 3) throw std::invalid_argument(name + ": kind is 0, 1, 2 or 3");
         PackedMatrix pm;
         pm.wt = (WeightType)kind;
-        pm.N = N ? N : (size_t)w.shape(0) * 8;  // N = 0: any (the head), taken from the scales or the panels
+        pm.N = N;
         pm.K = K;
         const nb::dlpack::dtype want = pm.wt == WeightType::F32 ? nb::dtype<float>()
                                        : pm.wt == WeightType::I8 ? nb::dtype<int8_t>() : nb::dtype<uint16_t>();
@@ -159,7 +159,6 @@ struct StepModel {
         if (pm.wt == WeightType::I8) {
             if (t[2].is_none()) throw std::invalid_argument(name + ": int8 weights need scales");
             auto sc = take<nb::ndarray<nb::ro, float, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(t[2], what);
-            if (!N) pm.N = sc.shape(0);
             if (sc.shape(0) < pm.N) throw std::invalid_argument(name + ": one scale per output row");
             pm.scales = sc.data();
         }
