@@ -86,6 +86,7 @@ class Engine:
         self.model = model
         self._decoder: Any = None  # the C++ step's model (kernel path)
         self._arrays: tuple[np.ndarray, ...] = ()  # numpy views of cache.k, .v, .lengths and tokens (kernel path)
+        self._vocab = 0  # logits per row of a kernel step
         if self._kernel:
             self._pack(model)
         self.cache: KVCache | None = None
