@@ -1,8 +1,9 @@
 // A whole decode step in one call (contract in kernels.h; Python: lmforge.generate.engine.Engine.step): the
-// embedding rows, every block, the final norm and the head, on the model's KV cache. It calls the same
-// kernels a step used to call one by one from Python, so it computes exactly what they computed; what goes
-// is the per-operation cost between them (the interpreter, array wrapping, PyTorch ops and allocations).
-// The pool's workers spin between the products of a step (pool.h), so they are woken once per step, not per product.
+// embedding rows, every block, the final norm and the head, on the model's KV cache, through the kernels of
+// kernels.h in the order of the model's forward (lmforge.model.transformer). Until it existed the engine
+// called those kernels one by one from Python; the results are the same, and what goes is the cost between
+// calls (the interpreter, array wrapping, PyTorch ops and allocations, ~0.6 ms a step at d512 x 4 layers).
+// The pool's workers spin between the products of a step (pool.h): woken at most once per step.
 #include <cmath>
 #include <cstring>
 #include <vector>
