@@ -189,6 +189,9 @@ def main() -> None:
     print(f"model: d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, d_ff {cfg.d_ff}, "
           f"vocab {cfg.vocab_size}; prompt {prompt_len} tokens, {n} new tokens, greedy, {args.device}, "
           f"{torch.get_num_threads()} threads; {args.repeats} alternating rounds, median tok/s (range)")
+    if args.device == "cpu" and kernel_available():
+        from lmforge._native import core
+        print(f"lmforge decode kernels: {core().linear_isa()}")
     bandwidth = print_floor(cfg) if args.device == "cpu" else None
     probe = torch.randint(0, cfg.vocab_size, (2, 64)).tolist()
     with torch.inference_mode():

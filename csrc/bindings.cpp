@@ -122,11 +122,59 @@ nb::ndarray<nb::numpy, T, nb::ndim<1>> to_numpy(std::vector<T>&& v) {
 
 constexpr size_t kReleaseGilBytes = 4096;  // below this, releasing the GIL costs more than it frees
 
+// The whole decode step (decode/step.cpp). The model points into the weight arrays it was built from;
+// it keeps them alive, and refuses arrays it would have to convert (a converted copy would not live).
+struct StepModel {
+    DecodeModel m;
+    std::vector<nb::object> keep;
+    template <class T>
+    T take(nb::handle h, const char* what) {
+        T arr;
+        if (!nb::try_cast<T>(h, arr, false))
+            throw std::invalid_argument(std::string("DecodeModel: ") + what +
+                                        " must be a C-contiguous CPU array of the right dtype and rank");
+        keep.push_back(nb::borrow(h));
+        return arr;
+    }
+    const float* vec(nb::handle h, size_t n, const char* what) {
+        auto a = take<nb::ndarray<nb::ro, float, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(h, what);
+        if (a.shape(0) != n) throw std::invalid_argument(std::string("DecodeModel: ") + what + " must have d_model floats");
+        return a.data();
+    }
+    PackedMatrix matrix(nb::handle spec, size_t N, size_t K, const char* what) {
+        const std::string name = std::string("DecodeModel: ") + what;
+        nb::tuple t;
+        if (!nb::try_cast<nb::tuple>(spec, t) || t.size() != 3)
+            throw std::invalid_argument(name + " must be (packed array, kind, scales or None)");
+        auto w = take<nb::ndarray<nb::ro, nb::ndim<3>, nb::c_contig, nb::device::cpu>>(t[0], what);
+        const int kind = nb::cast<int>(t[1]);
+        if (kind < 0 || kind > 3) throw std::invalid_argument(name + ": kind is 0, 1, 2 or 3");
+        PackedMatrix pm;
+        pm.wt = (WeightType)kind;
+        pm.N = N;
+        pm.K = K;
+        const nb::dlpack::dtype want = pm.wt == WeightType::F32 ? nb::dtype<float>()
+                                       : pm.wt == WeightType::I8 ? nb::dtype<int8_t>() : nb::dtype<uint16_t>();
+        if (w.dtype() != want) throw std::invalid_argument(name + " has the wrong dtype for its kind");
+        if (pm.wt == WeightType::I8) {
+            if (t[2].is_none()) throw std::invalid_argument(name + ": int8 weights need scales");
+            auto sc = take<nb::ndarray<nb::ro, float, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(t[2], what);
+            if (sc.shape(0) < pm.N) throw std::invalid_argument(name + ": one scale per output row");
+            pm.scales = sc.data();
+        }
+        if (w.shape(0) != (pm.N + 7) / 8 || w.shape(1) != K || w.shape(2) != 8)
+            throw std::invalid_argument(name + " must be packed as (ceil(N / 8), K, 8) with N = " +
+                                        std::to_string(pm.N) + ", K = " + std::to_string(K));
+        pm.w = w.data();
+        return pm;
+    }
+};
+
 }  // namespace
 
 NB_MODULE(_core, m) {
     m.doc() = "lmforge C++ core: pre-tokenization, pre-token counting, BPE training and encoding, document splitting, decode-time matrix products and attention";
-    m.attr("ABI_VERSION") = 3;  // checked by lmforge._native.core(): bump both when a binding changes
+    m.attr("ABI_VERSION") = 4;  // checked by lmforge._native.core(): bump both when a binding changes
     m.attr("PATTERN_GPT2") = (int)kGPT2;
     m.attr("PATTERN_GPT4") = (int)kGPT4;
     m.attr("PATTERN_NANOCHAT") = (int)kNanochat;
@@ -255,9 +303,95 @@ NB_MODULE(_core, m) {
             swiglu_rows(gate_up.data(), gate_up.shape(0), out.shape(1), out.data());
         },
         nb::arg("gate_up"), nb::arg("out"), "out = silu(g) * u for gate_up = [g | u] (M, 2F), float32.");
-    m.def("linear_isa", &linear_isa, "Instruction set the decode kernels use on this CPU: 'avx2' or 'scalar'.");
+    m.def("linear_isa", &linear_isa,
+          "Instruction set the decode kernels use on this CPU: 'avx512', 'avx2' or 'scalar'.");
     m.def("linear_force_scalar", &linear_force_scalar, nb::arg("on"),
           "Run the decode kernels' scalar code even on AVX2 CPUs (for tests).");
+    m.def("linear_force_avx2", &linear_force_avx2, nb::arg("on"),
+          "Run the decode kernels' AVX2 code even on AVX-512 CPUs (for tests).");
+
+    using F2 = nb::ndarray<nb::ro, float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+    nb::class_<StepModel>(m, "DecodeModel",
+                          "A model's weights for its decode step (.step): packed matrices (fp32/bf16/fp16/int8), norms, embeddings "
+                          "and the RoPE tables, borrowed (kept alive) from the arrays given.")
+        .def(
+            "__init__",
+            [](StepModel* self, nb::handle embed, nb::handle cos, nb::handle sin, size_t n_heads, size_t n_kv_heads,
+               size_t d_ff, float eps, nb::list layers, nb::handle ln_final, nb::handle head, size_t head_n) {
+                auto* s = new (self) StepModel();
+                try {
+                    DecodeModel& d = s->m;
+                    auto e = s->take<F2>(embed, "embed");
+                    auto c = s->take<F2>(cos, "cos");
+                    auto sn = s->take<F2>(sin, "sin");
+                    d.vocab = e.shape(0), d.C = e.shape(1), d.embed = e.data();
+                    d.H = n_heads, d.Hkv = n_kv_heads, d.F = d_ff, d.eps = eps;
+                    d.D = 2 * c.shape(1), d.positions = c.shape(0), d.cos = c.data(), d.sin = sn.data();
+                    if (d.H == 0 || d.Hkv == 0 || d.H % d.Hkv || d.D == 0 || sn.shape(0) != c.shape(0) ||
+                        sn.shape(1) != c.shape(1))
+                        throw std::invalid_argument("DecodeModel: n_heads must be a multiple of n_kv_heads, cos and sin "
+                                                    "(positions, head_dim / 2)");
+                    const size_t C = d.C, H = d.H, Hkv = d.Hkv, D = d.D, F = d.F;
+                    for (nb::handle item : layers) {
+                        nb::tuple t;
+                        if (!nb::try_cast<nb::tuple>(item, t) || t.size() != 6)
+                            throw std::invalid_argument("DecodeModel: a layer is (ln1, qkv, out, ln2, up, down)");
+                        DecodeLayer L;
+                        L.ln1 = s->vec(t[0], C, "ln1");
+                        L.qkv = s->matrix(t[1], (H + 2 * Hkv) * D, C, "qkv");
+                        L.out = s->matrix(t[2], C, H * D, "out");
+                        L.ln2 = s->vec(t[3], C, "ln2");
+                        L.up = s->matrix(t[4], 2 * F, C, "up");
+                        L.down = s->matrix(t[5], C, F, "down");
+                        d.layers.push_back(L);
+                    }
+                    d.ln_final = s->vec(ln_final, C, "ln_final");
+                    d.head = s->matrix(head, head_n, C, "head");
+                } catch (...) {
+                    s->~StepModel();
+                    throw;
+                }
+            },
+            nb::arg("embed"), nb::arg("cos"), nb::arg("sin"), nb::arg("n_heads"), nb::arg("n_kv_heads"),
+            nb::arg("d_ff"), nb::arg("eps"), nb::arg("layers"), nb::arg("ln_final"), nb::arg("head"),
+            nb::arg("head_n"),
+            "embed (V, C) and cos, sin (P, head_dim / 2) float32; layers: [(ln1, qkv, out, ln2, up, down)] with "
+            "norms (C,) and matrices (packed (ceil(N/8), K, 8), kind, scales or None): qkv = [q | k | v] "
+            "((H + 2 Hkv) D, C), out (C, H D), up = [w1 | w3] (2 d_ff, C), down (C, d_ff); head (head_n, C).")
+        .def(
+            "step",
+            [](StepModel& s, nb::ndarray<nb::ro, int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> tokens,
+               nb::ndarray<float, nb::ndim<5>, nb::c_contig, nb::device::cpu> k,
+               nb::ndarray<float, nb::ndim<5>, nb::c_contig, nb::device::cpu> v,
+               nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> lengths,
+               nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> logits, int threads) {
+                const DecodeModel& d = s.m;
+                const size_t B = tokens.shape(0), rows = k.shape(1), S = k.shape(3);
+                if (k.shape(0) != d.layers.size() || k.shape(2) != d.Hkv || k.shape(4) != d.D)
+                    throw std::invalid_argument("DecodeModel.step: k and v must be (layers, rows, n_kv_heads, S, head_dim)");
+                for (size_t i = 0; i < 5; ++i)
+                    if (v.shape(i) != k.shape(i)) throw std::invalid_argument("DecodeModel.step: v must be shaped like k");
+                if (B == 0 || B > rows || lengths.shape(0) != B || logits.shape(0) != B || logits.shape(1) != d.head.N)
+                    throw std::invalid_argument("DecodeModel.step: tokens and lengths (B,) with 0 < B <= rows, "
+                                                "logits (B, head_n)");
+                for (size_t b = 0; b < B; ++b) {
+                    if (tokens(b) < 0 || (size_t)tokens(b) >= d.vocab)
+                        throw std::invalid_argument("DecodeModel.step: token id " + std::to_string(tokens(b)) +
+                                                    " outside the vocabulary [0, " + std::to_string(d.vocab) + ")");
+                    if (lengths(b) < 0 || (size_t)lengths(b) >= S || (size_t)lengths(b) >= d.positions)
+                        throw std::invalid_argument("DecodeModel.step: a row's cache is full (or its length is "
+                                                    "outside the cache and the RoPE tables)");
+                }
+                const int64_t* tp = tokens.data();
+                float *kp = k.data(), *vp = v.data(), *lp = logits.data();
+                int64_t* np = lengths.data();
+                nb::gil_scoped_release release;
+                decode_step(d, tp, B, kp, vp, rows, S, np, lp, threads);
+            },
+            nb::arg("tokens"), nb::arg("k"), nb::arg("v"), nb::arg("lengths"), nb::arg("logits"), nb::arg("threads"),
+            "One decode step of rows b < B = len(tokens): token tokens[b] at cache column lengths[b] of the cache "
+            "k, v (layers, rows, n_kv_heads, S, head_dim) (the live rows are its first B); writes each row's keys "
+            "and values there, the next-token logits (B, head_n), and lengths[b] += 1. On up to `threads` threads.");
 
     m.def(
         "split_documents",

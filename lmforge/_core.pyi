@@ -12,7 +12,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-ABI_VERSION: int = 3
+ABI_VERSION: int = 4
 
 PATTERN_GPT2: int = 0
 
@@ -52,11 +52,29 @@ def swiglu_rows(gate_up: Annotated[NDArray[numpy.float32], dict(shape=(None, Non
 
 def linear_isa() -> str:
     """
-    Instruction set the decode kernels use on this CPU: 'avx2' or 'scalar'.
+    Instruction set the decode kernels use on this CPU: 'avx512', 'avx2' or 'scalar'.
     """
 
 def linear_force_scalar(on: bool) -> None:
     """Run the decode kernels' scalar code even on AVX2 CPUs (for tests)."""
+
+def linear_force_avx2(on: bool) -> None:
+    """Run the decode kernels' AVX2 code even on AVX-512 CPUs (for tests)."""
+
+class DecodeModel:
+    """
+    A model's weights for its decode step (.step): packed matrices (fp32/bf16/fp16/int8), norms, embeddings and the RoPE tables, borrowed (kept alive) from the arrays given.
+    """
+
+    def __init__(self, embed: object, cos: object, sin: object, n_heads: int, n_kv_heads: int, d_ff: int, eps: float, layers: list, ln_final: object, head: object, head_n: int) -> None:
+        """
+        embed (V, C) and cos, sin (P, head_dim / 2) float32; layers: [(ln1, qkv, out, ln2, up, down)] with norms (C,) and matrices (packed (ceil(N/8), K, 8), kind, scales or None): qkv = [q | k | v] ((H + 2 Hkv) D, C), out (C, H D), up = [w1 | w3] (2 d_ff, C), down (C, d_ff); head (head_n, C).
+        """
+
+    def step(self, tokens: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], k: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None, None), order='C', device='cpu')], v: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None, None), order='C', device='cpu')], lengths: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], logits: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu')], threads: int) -> None:
+        """
+        One decode step of rows b < B = len(tokens): token tokens[b] at cache column lengths[b] of the cache k, v (layers, rows, n_kv_heads, S, head_dim) (the live rows are its first B); writes each row's keys and values there, the next-token logits (B, head_n), and lengths[b] += 1. On up to `threads` threads.
+        """
 
 def split_documents(data: bytes | bytearray | memoryview, sep: bytes, final: bool, want_crc: bool) -> tuple[int, int, numpy.ndarray, numpy.ndarray, numpy.ndarray | None, int]:
     """

@@ -97,6 +97,21 @@ def _restore_global_state() -> Iterator[None]:
     set_global_state(before)
 
 
+@pytest.fixture(params=["native", "avx2", "scalar"])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test on the C++ decode kernels' widest instruction set, again with at most AVX2, and on the scalar
+    code (all must match the reference; on a CPU without AVX-512 the first two are the same, without AVX2 all
+    three). Needs the extension: use it in modules that skip without it."""
+    from lmforge._native import core
+
+    _core = core()
+    _core.linear_force_scalar(request.param == "scalar")
+    _core.linear_force_avx2(request.param == "avx2")
+    yield request.param
+    _core.linear_force_scalar(False)
+    _core.linear_force_avx2(False)
+
+
 @pytest.fixture(scope="session")
 def shared_fixtures() -> Path:
     """The CS336 fixtures directory (``../shared/fixtures/cs336/fixtures``); skips the test when absent."""

@@ -1,13 +1,14 @@
-// The decode kernels' contract (Python: lmforge.generate.engine, through the bindings): skinny matrix
-// products y (M, N) = x (M, K) . W^T for a few rows M, with W (N, K) pre-packed in panels of 8 rows and
-// stored as fp32, bf16, fp16 or int8 with a scale per row, fp32 accumulation (products.cpp); one-query
-// attention over a KV cache (attention.cpp), both on a small persistent thread pool of their own
-// (pool.h); the per-token RMSNorm, RoPE and SwiGLU rows (rows.cpp).
-// Pure-PyTorch twins: lmforge.generate.engine.PackedLinear.reference and CachedDecoder.step's PyTorch
-// path; tests/test_decoder.py holds them equal.
+// The decode kernels' contract (Python: lmforge.generate.engine and .packed, through the bindings): a whole
+// decode step of the model in one call (step.cpp), built from skinny matrix products y (M, N) = x (M, K) . W^T
+// for a few rows M, with W (N, K) pre-packed in panels of 8 rows and stored as fp32, bf16, fp16 or int8 with
+// a scale per row, fp32 accumulation (products.cpp); one-query attention over a KV cache (attention.cpp),
+// both on a small persistent thread pool of their own (pool.h); the per-token RMSNorm, RoPE and SwiGLU rows
+// (rows.cpp). Pure-PyTorch twins: lmforge.generate.packed.PackedLinear.reference and the model's own forward
+// (Engine(use_kernel=False)); tests/generate/test_decoder.py and tests/generate/test_decode_step.py hold them equal.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace lmforge {
 
@@ -38,10 +39,55 @@ void rope_cache_rows(const float* qkv, size_t B, size_t H, size_t Hkv, size_t D,
 // out (M, F) = silu(g) * u for gate_up (M, 2F) = [g | u].
 void swiglu_rows(const float* gate_up, size_t M, size_t F, float* out);
 
-// Which instruction set the kernels use on this CPU: "avx2" or "scalar".
+// Which instruction set the kernels use on this CPU: "avx512", "avx2" or "scalar".
 const char* linear_isa();
 
 // Use the scalar kernels even where AVX2 is available (for tests holding both to the same reference).
 void linear_force_scalar(bool on);
+
+// Use at most AVX2 even where AVX-512 is available (tests: every instruction set held to the reference).
+void linear_force_avx2(bool on);
+
+// ---------------------------------------------------------------------------------------------------
+// A whole decode step (step.cpp). The pointers are borrowed: the caller keeps the arrays alive and unchanged.
+
+// One packed matrix W (N, K), as linear_rows reads it.
+struct PackedMatrix {
+    const void* w = nullptr;
+    WeightType wt = WeightType::F32;
+    size_t N = 0, K = 0;
+    const float* scales = nullptr;  // I8 only: N floats
+};
+
+// One pre-norm block: x += out(attention(rope(qkv(rms(x) * ln1)))); x += down(swiglu(up(rms(x) * ln2))),
+// with qkv the fused [q | k | v] projections ((H + 2 Hkv) D rows) and up the fused [w1 | w3] (2F rows).
+struct DecodeLayer {
+    const float* ln1 = nullptr;
+    PackedMatrix qkv, out;
+    const float* ln2 = nullptr;
+    PackedMatrix up, down;
+};
+
+struct DecodeModel {
+    size_t C = 0, H = 0, Hkv = 0, D = 0, F = 0;  // d_model, heads, kv heads, head dim, d_ff
+    float eps = 1e-5f;
+    const float* embed = nullptr;  // (vocab, C) token embeddings, float32
+    size_t vocab = 0;
+    std::vector<DecodeLayer> layers;
+    const float* ln_final = nullptr;  // (C,)
+    PackedMatrix head;                // (V, C): the logits
+    const float *cos = nullptr, *sin = nullptr;  // RoPE tables (positions, D / 2)
+    size_t positions = 0;
+};
+
+// One token per row for rows b < B: logits (B, head.N) of the token after tokens[b], which sits at cache
+// column lengths[b] (its RoPE position). k and v are the model's whole cache (layers, rows, Hkv, S, D) with
+// B <= rows (the live rows are its first B); each row's new keys and values are written at its column, and
+// lengths[b] is incremented. Runs the same kernels, in the same order, as the per-operation calls above
+// (embedding, then per layer: rms_norm_rows, linear_rows, rope_cache_rows, attend_rows, linear_rows and the
+// residual add, rms_norm_rows, linear_rows, swiglu_rows, linear_rows and the add; then the final norm and the
+// head). The caller checks the shapes, token ids (< vocab) and lengths (< S and < positions).
+void decode_step(const DecodeModel& m, const int64_t* tokens, size_t B, float* k, float* v, size_t rows, size_t S,
+                 int64_t* lengths, float* logits, int threads);
 
 }  // namespace lmforge

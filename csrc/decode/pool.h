@@ -12,8 +12,8 @@
 
 namespace lmforge {
 
-// A small persistent thread pool. Decoding calls the kernel ~20 times per token, tens to hundreds of
-// microseconds each, so starting threads per call would cost a large share. Work is split in chunks
+// A small persistent thread pool. A decode step (step.cpp) runs ~20 products and attentions on it per
+// token, tens to hundreds of microseconds each, so starting threads per call would cost a large share. Work is split in chunks
 // that the caller and the workers claim from one atomic counter: a worker that wakes late (on a busy or
 // virtualised machine waking a sleeping thread can take far longer than a product) finds fewer chunks
 // or none, and the caller never waits for a thread that has not started. Workers spin for a while after

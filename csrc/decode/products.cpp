@@ -1,5 +1,6 @@
 // Decode-time skinny matrix products y = x . W^T for a few rows x (contract in kernels.h; Python:
-// lmforge.generate.engine.PackedLinear), and the switches of the kernels' instruction set.
+// lmforge.generate.packed.PackedLinear; the decode step of step.cpp), and the switches of the kernels'
+// instruction set: scalar, AVX2 or AVX-512, picked at run time (the vector kernels in tiles.inc).
 //
 // Shape of the work: one decode step multiplies a few activation rows (M = batch size, 1..8) by every
 // weight matrix of the model once. At M = 1 each weight is used for a single multiply-add, so the time
@@ -9,6 +10,14 @@
 // of panels, and each panel is multiplied with all M rows while it sits in L1, so every weight byte is
 // read from memory once per call whatever M is. Weights may be stored as 16-bit floats (half the bytes)
 // or as int8 codes with a float32 scale per output row (a quarter).
+//
+// AVX-512 on Zen 4 runs a 512-bit operation as two 256-bit halves, so 512-bit vectors add no multiply-adds
+// per cycle there; measured, a 512-bit version (two k columns of a panel per vector) was ~10% slower at one
+// row for bf16 and int8 and about the same for fp32. What AVX-512 does give is 32 vector registers
+// (AVX-512VL), so the AVX-512 build keeps 256-bit vectors and holds up to 24 accumulators instead of 8:
+// for a d512 model's products on one Zen 4 thread (indicative, a shared machine), 11-23% less time for fp32
+// at 2..8 rows, 5-20% for bf16 at 2..8, ~13% for int8 at 2 rows; the same at one row (bandwidth-bound) and
+// for int8 at 4..8 rows (within +-5%: its conversions, not the accumulator chains, set the pace there).
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -84,143 +93,45 @@ void block_scalar(const float* x, size_t M, size_t K, const void* w, size_t N, s
     }
 }
 
-#ifdef LMFORGE_X86
-// ---------------------------------------------------------------------------------------------------
-// The AVX2 kernel (simd.h says when it runs).
-
-template <WeightType WT>
-LMFORGE_AVX2 inline __m256 load8(const void* w, size_t i) {
-    if constexpr (WT == WeightType::F32) {
-        return _mm256_loadu_ps(static_cast<const float*>(w) + i);
-    } else if constexpr (WT == WeightType::I8) {
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w) + i));
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    } else {
-        __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i));
-        if constexpr (WT == WeightType::BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        else return _mm256_cvtph_ps(h);
-    }
-}
-
 template <WeightType WT>
 constexpr size_t sizeof_w() { return WT == WeightType::F32 ? 4 : WT == WeightType::I8 ? 1 : 2; }
 constexpr size_t kPrefetch = 1024;  // weights ahead (in elements): software prefetch over the stream
 
-// Rows [m0, m0+MR) against panels [p0, p0+PR). KU independent partial sums over k (even/odd k) keep
-// MR * PR * KU accumulator chains in flight, enough to hide the FMA latency when MR * PR is small.
-template <WeightType WT, int MR, int PR, int KU>
-LMFORGE_AVX2 void tile_avx2(const float* x, size_t m0, size_t K, const void* w, size_t N, size_t p0, float* y,
-                            size_t ldy) {
-    __m256 acc[KU][MR][PR];
-    #pragma GCC unroll 8
-    for (int u = 0; u < KU; ++u)
-        #pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i)
-            #pragma GCC unroll 8
-            for (int q = 0; q < PR; ++q) acc[u][i][q] = _mm256_setzero_ps();
-    const float* xm = x + m0 * K;
-    size_t k = 0;
-    for (; k + KU <= K; k += KU) {
-        #pragma GCC unroll 8
-        for (int u = 0; u < KU; ++u) {
-            __m256 wv[PR];
-            #pragma GCC unroll 8
-            for (int q = 0; q < PR; ++q) {
-                const size_t at = ((p0 + q) * K + k + u) * kPanel;
-                if (u == 0) _mm_prefetch(static_cast<const char*>(w) + (at + kPrefetch) * sizeof_w<WT>(), _MM_HINT_T0);
-                wv[q] = load8<WT>(w, at);
-            }
-            #pragma GCC unroll 8
-            for (int i = 0; i < MR; ++i) {
-                const __m256 xv = _mm256_broadcast_ss(xm + i * K + k + u);
-                #pragma GCC unroll 8
-                for (int q = 0; q < PR; ++q) acc[u][i][q] = _mm256_fmadd_ps(xv, wv[q], acc[u][i][q]);
-            }
-        }
-    }
-    for (; k < K; ++k) {  // K odd with KU = 2
-        #pragma GCC unroll 8
-        for (int q = 0; q < PR; ++q) {
-            const __m256 wv = load8<WT>(w, ((p0 + q) * K + k) * kPanel);
-            #pragma GCC unroll 8
-            for (int i = 0; i < MR; ++i) acc[0][i][q] = _mm256_fmadd_ps(_mm256_broadcast_ss(xm + i * K + k), wv, acc[0][i][q]);
-        }
-    }
-    #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-        #pragma GCC unroll 8
-        for (int q = 0; q < PR; ++q) {
-            __m256 s = acc[0][i][q];
-            #pragma GCC unroll 8
-            for (int u = 1; u < KU; ++u) s = _mm256_add_ps(s, acc[u][i][q]);
-            const size_t n = (p0 + q) * kPanel;
-            float* out = y + (m0 + i) * ldy + n;
-            if (n + kPanel <= N) {
-                _mm256_storeu_ps(out, s);
-            } else {  // the last panel, partly padding
-                alignas(32) float tmp[kPanel];
-                _mm256_store_ps(tmp, s);
-                for (size_t j = 0; n + j < N; ++j) out[j] = tmp[j];
-            }
-        }
-    }
-}
-
-// Rows [m0, m0+MR) against panels [p0, p1): PR panels at a time, then one at a time.
-template <WeightType WT, int MR, int PR, int KU>
-LMFORGE_AVX2 void rows_avx2(const float* x, size_t m0, size_t K, const void* w, size_t N, size_t p0, size_t p1,
-                            float* y, size_t ldy) {
-    size_t p = p0;
-    for (; p + PR <= p1; p += PR) tile_avx2<WT, MR, PR, KU>(x, m0, K, w, N, p, y, ldy);
-    for (; p < p1; ++p) tile_avx2<WT, MR, 1, (MR < 4 ? 2 : 1)>(x, m0, K, w, N, p, y, ldy);
-}
-
-template <WeightType WT>
-LMFORGE_AVX2 void block_avx2(const float* x, size_t M, size_t K, const void* w, size_t N, size_t p0, size_t p1,
-                             float* y, size_t ldy) {
-    // Up to 8 accumulators plus the weight vectors and one broadcast fit the 16 ymm registers. Within a
-    // group of 4 panels every row block reuses the panels from L1/L2, so memory sees each weight once per
-    // chunk of MC rows; the chunk bounds the activations read per panel group (MC * K floats, in L2).
-    constexpr size_t G = 4, MC = 64;
-    for (size_t mc = 0; mc < M; mc += MC) {
-        const size_t me = std::min(M, mc + MC);
-        for (size_t g = p0; g < p1; g += G) {
-            const size_t ge = std::min(p1, g + G);
-            size_t m = mc;
-            for (; m + 8 <= me; m += 8) rows_avx2<WT, 8, 1, 1>(x, m, K, w, N, g, ge, y, ldy);
-            switch (me - m) {
-                case 7: rows_avx2<WT, 7, 1, 1>(x, m, K, w, N, g, ge, y, ldy); break;
-                case 6: rows_avx2<WT, 6, 1, 1>(x, m, K, w, N, g, ge, y, ldy); break;
-                case 5: rows_avx2<WT, 5, 1, 1>(x, m, K, w, N, g, ge, y, ldy); break;
-                case 4: rows_avx2<WT, 4, 2, 1>(x, m, K, w, N, g, ge, y, ldy); break;
-                case 3: rows_avx2<WT, 3, 2, 1>(x, m, K, w, N, g, ge, y, ldy); break;
-                case 2: rows_avx2<WT, 2, 2, 2>(x, m, K, w, N, g, ge, y, ldy); break;
-                case 1: rows_avx2<WT, 1, 4, 2>(x, m, K, w, N, g, ge, y, ldy); break;
-                default: break;
-            }
-        }
-    }
-}
+#ifdef LMFORGE_X86
+// The vector kernels (simd.h says when each runs), one source compiled for two instruction sets.
+#define LMFORGE_TILES LMFORGE_AVX2
+namespace avx2 {
+constexpr bool kWide = false;
+#include "decode/tiles.inc"
+}  // namespace avx2
+#undef LMFORGE_TILES
+#define LMFORGE_TILES LMFORGE_AVX512
+namespace avx512 {
+constexpr bool kWide = true;
+#include "decode/tiles.inc"
+}  // namespace avx512
+#undef LMFORGE_TILES
 #endif  // LMFORGE_X86
 
 using BlockFn = void (*)(const float*, size_t, size_t, const void*, size_t, size_t, size_t, float*, size_t);
 
-BlockFn pick_block(WeightType wt) {
+template <WeightType WT>
+BlockFn pick_typed() {
 #ifdef LMFORGE_X86
     if (cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed)) {
-        switch (wt) {
-            case WeightType::F32: return block_avx2<WeightType::F32>;
-            case WeightType::BF16: return block_avx2<WeightType::BF16>;
-            case WeightType::F16: return block_avx2<WeightType::F16>;
-            case WeightType::I8: return block_avx2<WeightType::I8>;
-        }
+        if (cpu_has_avx512() && !g_force_avx2.load(std::memory_order_relaxed)) return avx512::block<WT>;
+        return avx2::block<WT>;
     }
 #endif
+    return block_scalar<WT>;
+}
+
+BlockFn pick_block(WeightType wt) {
     switch (wt) {
-        case WeightType::BF16: return block_scalar<WeightType::BF16>;
-        case WeightType::F16: return block_scalar<WeightType::F16>;
-        case WeightType::I8: return block_scalar<WeightType::I8>;
-        default: return block_scalar<WeightType::F32>;
+        case WeightType::BF16: return pick_typed<WeightType::BF16>();
+        case WeightType::F16: return pick_typed<WeightType::F16>();
+        case WeightType::I8: return pick_typed<WeightType::I8>();
+        default: return pick_typed<WeightType::F32>();
     }
 }
 
@@ -275,11 +186,14 @@ void linear_rows(const float* x, size_t M, size_t K, const void* w, WeightType w
 
 const char* linear_isa() {
 #ifdef LMFORGE_X86
-    if (cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed)) return "avx2";
+    if (cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed))
+        return cpu_has_avx512() && !g_force_avx2.load(std::memory_order_relaxed) ? "avx512" : "avx2";
 #endif
     return "scalar";
 }
 
 void linear_force_scalar(bool on) { g_force_scalar.store(on); }
+
+void linear_force_avx2(bool on) { g_force_avx2.store(on); }
 
 }  // namespace lmforge

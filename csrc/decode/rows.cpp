@@ -1,6 +1,6 @@
 // The small per-token operations of a decode step: RMSNorm, RoPE into the KV cache, SwiGLU (contract in
-// kernels.h; Python: lmforge.generate.engine.CachedDecoder). One call each instead of several PyTorch
-// ops; rows are few (the batch), so these run on the calling thread.
+// kernels.h; called by the decode step, step.cpp; Python twins: the model's own layers). Rows are few (the
+// batch), so these run on the calling thread.
 #include <cmath>
 #include <cstring>
 

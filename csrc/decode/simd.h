@@ -1,5 +1,6 @@
 // CPU dispatch shared by the decode kernels in csrc/decode/ (Python: lmforge.generate.engine): whether
-// the AVX2 code may run, the switch that forces the scalar code (tests), and two AVX2 helpers, hsum and exp8.
+// the AVX2 and AVX-512 code may run, the switches that force the scalar or AVX2 code (tests), and two AVX2
+// helpers, hsum and exp8.
 #pragma once
 #include <atomic>
 
@@ -11,6 +12,7 @@
 namespace lmforge {
 
 inline std::atomic<bool> g_force_scalar{false};  // tests: run the scalar kernels on an AVX2 machine too
+inline std::atomic<bool> g_force_avx2{false};    // tests: run the AVX2 kernels on an AVX-512 machine too
 
 #ifdef LMFORGE_X86
 // AVX2 + FMA (+ F16C for fp16) code is compiled for those instructions whatever the build flags and
@@ -20,6 +22,15 @@ inline std::atomic<bool> g_force_scalar{false};  // tests: run the scalar kernel
 inline bool cpu_has_avx2() {
     static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                            __builtin_cpu_supports("f16c");
+    return ok;
+}
+
+// AVX-512 (F, VL, BW, DQ): the product kernels' wide build (products.cpp), also only when the CPU has it.
+#define LMFORGE_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq")))
+inline bool cpu_has_avx512() {
+    static const bool ok = cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512dq");
     return ok;
 }
 

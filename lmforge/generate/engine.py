@@ -2,9 +2,10 @@
 
 ``Engine.prefill`` runs the prompts through the model's own forward (``TransformerLM.hidden(idx, cache=...)``)
 into a :class:`~lmforge.model.KVCache`; ``Engine.step`` feeds one token per row. On CPU with float32 weights
-and the C++ extension built, a step is one C++ call per operation on weights packed for decoding
-(:class:`~lmforge.generate.packed.PackedLinear`: every matrix product, attention over the same cache tensors,
-RMSNorm, RoPE with the cache write, SwiGLU); everywhere else a step is the model's forward over the cache.
+and the C++ extension built, a step is one call into the C++ decode step (``_core.DecodeModel.step``: the
+embedding, every block's RMSNorm, products on weights packed for decoding
+(:class:`~lmforge.generate.packed.PackedLinear`), RoPE with the cache write, attention over the same cache
+tensors, SwiGLU, then the final norm and the head); everywhere else a step is the model's forward over the cache.
 Tests hold the kernel step to that forward.
 
 For serving, rows join and leave between steps (continuous batching): ``Engine.open_slots`` makes an empty
@@ -17,11 +18,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import math
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from lmforge._native import core
 from lmforge.checkpoint import unwrap_model
@@ -84,7 +84,9 @@ class Engine:
                              f"C++ extension built); this model is {self.dtype} on {self.device}: leave it unset")
         self.weight_dtype = wd or self.dtype
         self.model = model
-        self._layers: list[tuple[Any, ...]] = []
+        self._decoder: Any = None  # the C++ step's model (kernel path)
+        self._arrays: tuple[np.ndarray, ...] = ()  # numpy views of cache.k, .v, .lengths and tokens (kernel path)
+        self._vocab = 0  # logits per row of a kernel step
         if self._kernel:
             self._pack(model)
         self.cache: KVCache | None = None
@@ -94,7 +96,8 @@ class Engine:
 
     # ---------------------------------------------------------------------------------------------
     def _pack(self, model: Any) -> None:
-        """Pack the matrices for the kernel: per layer ``(ln1, q|k|v, out, ln2, w1|w3, w2)``, and the head.
+        """Pack the matrices for the kernel and build the C++ step's model (``self._decoder``): per layer
+        ``(ln1, q|k|v, out, ln2, w1|w3, w2)``, then the final norm and the head.
 
         With rounded storage (``weight_dtype`` other than float32), ``self.model`` becomes a private copy whose
         matrices hold the rounded values, so prefill (the model's forward) matches the kernel's steps.
@@ -112,18 +115,27 @@ class Engine:
                         twin.get_parameter(n).copy_(part)
             return packed
 
+        def vec(name: str) -> Any:
+            return sd[name].contiguous().numpy()
+
+        layers = []
         for i in range(self.cfg.n_layers):
             p = f"layers.{i}."
-            self._layers.append((sd[p + "ln1.weight"], pack(p + "attn.q_proj.weight", p + "attn.k_proj.weight",
-                                                            p + "attn.v_proj.weight"),
-                                 pack(p + "attn.output_proj.weight"), sd[p + "ln2.weight"],
-                                 pack(p + "ffn.w1.weight", p + "ffn.w3.weight"), pack(p + "ffn.w2.weight")))
-        self._head = pack("lm_head.weight")
-        self._ln_final = sd["ln_final.weight"]
-        rope = model.layers[0].attn.rope  # the model's one RoPE table
-        self._cos_sin = (rope.cos.contiguous().numpy(), rope.sin.contiguous().numpy())
+            layers.append((vec(p + "ln1.weight"),
+                           pack(p + "attn.q_proj.weight", p + "attn.k_proj.weight", p + "attn.v_proj.weight").spec(),
+                           pack(p + "attn.output_proj.weight").spec(), vec(p + "ln2.weight"),
+                           pack(p + "ffn.w1.weight", p + "ffn.w3.weight").spec(), pack(p + "ffn.w2.weight").spec()))
+        head = pack("lm_head.weight")
         if twin is not None:
             self.model = twin.eval()
+        rope = self.model.layers[0].attn.rope  # the model's one RoPE table
+        # The embedding the model's forward reads (the rounded head's, when tied and rounded).
+        embed = self.model.token_embeddings.weight.detach().contiguous().numpy()
+        self._decoder = core().DecodeModel(embed, rope.cos.contiguous().numpy(), rope.sin.contiguous().numpy(),
+                                           self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.d_ff,
+                                           float(self.cfg.norm_eps), layers, vec("ln_final.weight"), head.spec(),
+                                           head.n)
+        self._vocab = head.n
 
     @contextlib.contextmanager
     def serial_torch(self) -> Iterator[None]:
@@ -154,6 +166,13 @@ class Engine:
         """Tokens each row holds in the cache."""
         return [] if self.cache is None else self.cache.lengths.tolist()
 
+    def _new_cache(self, rows: int, capacity: int) -> None:
+        """An empty cache and token buffer of ``rows`` rows; on the kernel path also their numpy views."""
+        self.cache = KVCache.for_model(self.model, rows, capacity)
+        self.tokens = torch.zeros(rows, capacity, dtype=torch.long, device=self.device)
+        if self._kernel:  # the step's bookkeeping in numpy: a few microseconds less per token than in torch ops
+            self._arrays = (self.cache.k.numpy(), self.cache.v.numpy(), self.cache.lengths.numpy(), self.tokens.numpy())
+
     # ---------------------------------------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, cache: KVCache, last: torch.Tensor | None) -> torch.Tensor:
         """The model's forward over ``cache``; logits ``(B, V)`` at column ``last[b]`` of each row (None: the last)."""
@@ -183,8 +202,7 @@ class Engine:
         """
         B, T = len(rows), max(len(r) for r in rows)
         assert 0 < T <= capacity <= self.context_length, (T, capacity, self.context_length)
-        self.tokens = torch.zeros(B, capacity, dtype=torch.long, device=self.device)
-        self.cache = KVCache.for_model(self.model, B, capacity)
+        self._new_cache(B, capacity)
         self.active = B
         return self._fill(self.cache, self.tokens, rows)
 
@@ -202,8 +220,7 @@ class Engine:
         capacity = self.context_length if capacity is None else capacity
         if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
             raise ValueError(f"n_slots must be a positive integer (got {n_slots!r})")
-        self.cache = KVCache.for_model(self.model, n_slots, capacity)
-        self.tokens = torch.zeros(n_slots, capacity, dtype=torch.long, device=self.device)
+        self._new_cache(n_slots, capacity)
         self.active = 0
 
     @property
@@ -274,43 +291,31 @@ class Engine:
         assert self.cache is not None, "prefill not called"
         B = tokens.shape[0]
         assert 0 < B <= self.cache.batch_size, (B, self.cache.batch_size)
-        cache = self.cache if B == self.cache.batch_size else self.cache.rows(slice(0, B))  # the live rows
-        lengths = cache.lengths
-        if int(lengths.max()) == cache.capacity:  # one cheap check per step; the row list only when needed
-            self._slide(cache, (lengths == cache.capacity).nonzero().flatten().tolist())
-        self.tokens[torch.arange(B, device=self.device), lengths] = tokens
         if self._kernel:
-            return self._step_kernel(cache, tokens)
+            return self._step_kernel(tokens)
+        lengths = self.cache.lengths[:B]  # the live rows'
+        self._slide_full(B, lengths)
+        self.tokens[torch.arange(B, device=self.device), lengths] = tokens
+        cache = self.cache if B == self.cache.batch_size else self.cache.rows(slice(0, B))
         return self._run(tokens[:, None], cache, None)
 
-    def _step_kernel(self, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
-        """``step`` on CPU: each operation one call into the C++ kernels, on the cache's own tensors."""
-        _core = core()
-        B, C = tokens.shape[0], self.cfg.d_model
-        H, D, th = self.cfg.n_heads, self.cfg.head_dim, self._threads
-        eps = float(self.cfg.norm_eps)
-        pos = cache.lengths  # (B,) the column (= RoPE position) of the new token
-        ends = pos + 1
-        pos_np, ends_np = pos.numpy(), ends.numpy()
-        cos, sin = self._cos_sin
-        x = F.embedding(tokens, self.model.token_embeddings.weight.detach())  # (B, C), updated in place below
-        x_np = x.numpy()
-        h = torch.empty(B, C)
-        h_np = h.numpy()
-        q, att = torch.empty(B, H, D), torch.empty(B, H, D)
-        q_np, att_np = q.numpy(), att.numpy()
-        scale = 1.0 / math.sqrt(D)
-        for layer, (ln1, w_qkv, w_o, ln2, w_13, w_2) in enumerate(self._layers):
-            k_np, v_np = cache.k[layer].numpy(), cache.v[layer].numpy()
-            _core.rms_norm_rows(x_np, ln1.numpy(), eps, h_np)
-            _core.rope_cache_rows(w_qkv(h, th).numpy(), cos, sin, pos_np, k_np, v_np, q_np)
-            _core.attend_rows(q_np, k_np, v_np, ends_np, scale, att_np, th)
-            x += w_o(att.view(B, H * D), th)
-            _core.rms_norm_rows(x_np, ln2.numpy(), eps, h_np)
-            gate_up = w_13(h, th)
-            act = torch.empty(B, gate_up.shape[1] // 2)
-            _core.swiglu_rows(gate_up.numpy(), act.numpy())
-            x += w_2(act, th)
-        cache.lengths.copy_(ends)
-        _core.rms_norm_rows(x_np, self._ln_final.numpy(), eps, h_np)
-        return self._head(h, th)  # (B, V)
+    def _slide_full(self, B: int, lengths: Any) -> None:
+        """Slide the rows among the live rows ``0 .. B-1`` whose cache is full (``lengths``: theirs, a tensor
+        or an array); one cheap check per step, the row list only when needed."""
+        capacity = self.cache.capacity
+        if int(lengths.max()) == capacity:
+            cache = self.cache if B == self.cache.batch_size else self.cache.rows(slice(0, B))
+            self._slide(cache, [b for b in range(B) if int(lengths[b]) == capacity])
+
+    def _step_kernel(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``step`` on CPU: one call into the C++ decode step, on the cache's own tensors (the live rows are
+        its first ``B``); it writes their keys, values and lengths."""
+        B = tokens.shape[0]
+        k, v, lengths, history = self._arrays
+        lengths = lengths[:B]  # a view: the step moves the cache's lengths on
+        self._slide_full(B, lengths)
+        ids = np.ascontiguousarray(tokens.numpy(), dtype=np.int64)
+        history[np.arange(B), lengths] = ids
+        logits = torch.empty(B, self._vocab)  # (B, V)
+        self._decoder.step(ids, k, v, lengths, logits.numpy(), self._threads)
+        return logits

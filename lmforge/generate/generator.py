@@ -6,7 +6,7 @@ Layers, bottom up:
   top-k, top-p (nucleus), drawing from an explicit ``torch.Generator`` so a seed reproduces the output.
 * :class:`Engine` (in :mod:`lmforge.generate.engine`) is the inference engine. It speaks only token ids: it
   prefills the prompts through the model's own forward into the model's KV cache, then decodes one token per
-  step (on CPU, one call into the C++ decode kernels per operation, on weights packed once, optionally as
+  step (on CPU, one call into the C++ decode step per token, on weights packed once, optionally as
   bfloat16/float16/int8). Several prompts run as one batch: right padding and a length per row, so each row
   attends to its own tokens only. A row that fills the context slides: it drops its oldest quarter (by
   default) and re-prefills the rest, so generation goes on at an amortized cost.

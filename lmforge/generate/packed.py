@@ -75,6 +75,10 @@ class PackedLinear:
                        else self.packed.numpy())
         self._scales = None if self.scales is None else self.scales.numpy()
 
+    def spec(self) -> tuple[np.ndarray, int, np.ndarray | None]:
+        """``(packed array, kind, scales or None)``: the matrix as ``_core.DecodeModel`` takes it (arrays shared)."""
+        return self._array, self.kind, self._scales
+
     def weight(self) -> torch.Tensor:
         """The stored weight as ``(N, K)`` float32 (rounded to ``dtype``; int8 codes times their row scale)."""
         w = self.packed.transpose(1, 2).reshape(-1, self.k)[: self.n].float()

@@ -30,6 +30,10 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     = 1`` keeps every token), and one token is drawn with ``generator``.
     """
     if temperature == 0:
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+            # numpy's argmax: the same ids (the first maximum; a NaN counts as the maximum), in a fifth of the
+            # time of torch's on a decode step's few rows (microseconds that every generated token pays)
+            return torch.from_numpy(logits.numpy().argmax(-1))
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:

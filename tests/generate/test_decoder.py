@@ -27,16 +27,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Te
     return out
 
 
-@pytest.fixture(params=["native", "scalar"])
-def isa(request):
-    """Run a test on the CPU's vector kernels and again on the scalar ones (both must match the reference)."""
-    from lmforge import _core
-
-    _core.linear_force_scalar(request.param == "scalar")
-    yield request.param
-    _core.linear_force_scalar(False)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 70])
 def test_packed_linear_equals_reference(dtype, rows, isa):
@@ -169,29 +159,26 @@ def test_weight_dtype_errors():
         Engine(_model().double(), weight_dtype="bf16")
 
 
-def test_decoder_restores_torch_threads():
-    """A kernel step runs PyTorch on one thread (the kernel has its own pool) and puts the count back;
-    prefill is the model's forward and keeps PyTorch's threads."""
+def test_decoder_restores_torch_threads(monkeypatch):
+    """A kernel step runs PyTorch on one thread (the kernel has its own pool, given PyTorch's count) and puts
+    the count back; prefill is the model's forward and keeps PyTorch's threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         dec = Engine(_model())
         seen = []
-        original = torch.nn.functional.embedding  # the kernel step's only embedding lookup
+        original = Engine._step_kernel
 
-        def spy(x, *a, **k):
-            seen.append(torch.get_num_threads())
-            return original(x, *a, **k)
+        def spy(self, *a, **k):
+            seen.append((torch.get_num_threads(), self._threads))
+            return original(self, *a, **k)
 
-        torch.nn.functional.embedding = spy
-        try:
-            with torch.inference_mode():
-                logits = dec.prefill([[1, 2], [3, 4]], 10)
-                assert not seen and torch.get_num_threads() == 2
-                dec.step(logits.argmax(-1))
-        finally:
-            torch.nn.functional.embedding = original
-        assert seen == [1]
+        monkeypatch.setattr(Engine, "_step_kernel", spy)
+        with torch.inference_mode():
+            logits = dec.prefill([[1, 2], [3, 4]], 10)
+            assert not seen and torch.get_num_threads() == 2
+            dec.step(logits.argmax(-1))
+        assert seen == [(1, 2)]
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

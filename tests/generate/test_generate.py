@@ -109,6 +109,16 @@ def test_greedy_and_top_k():
     assert _draws(logits, top_k=100) == {0, 1, 2, 3}
 
 
+def test_greedy_is_torch_argmax():
+    """Greedy picks what ``torch.argmax`` picks (on CPU float32 it runs numpy's): ties to the lowest id, a NaN
+    as the maximum, on a column slice too (the generator cuts the model's padding ids off that way)."""
+    nan = float("nan")
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [nan, 1.0, nan, 2.0], [0.0, 0.0, 0.0, 0.0], [-1.0, -2.0, 5.0, 5.0]])
+    for x in (logits, logits[:, :3], logits.double(), logits.T.contiguous().T):
+        got = sample_next(x, temperature=0)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1))
+
+
 def test_top_p_keeps_smallest_set_reaching_p():
     logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
     assert _draws(logits, top_p=0.45) == {0}

@@ -1,0 +1,141 @@
+"""The C++ decode step (``_core.DecodeModel.step``, what ``Engine.step`` runs on CPU) against the model's own
+forward (``Engine(use_kernel=False)``): every weight dtype, batches of 1, 3 and 8 rows of different lengths,
+grouped-query attention, each instruction set of the kernels; rows joining and leaving (continuous batching);
+the argument checks of the binding."""
+
+import numpy as np
+import pytest
+import torch
+
+from lmforge._native import core
+from lmforge.generate.engine import Engine
+from lmforge.generate.packed import PackedLinear, kernel_available
+from lmforge.model import ModelConfig, TransformerLM
+
+pytestmark = pytest.mark.skipif(not kernel_available(), reason="C++ extension not built")
+VOCAB = 97
+
+
+def _model(seed: int = 0, **kw) -> TransformerLM:
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=VOCAB, context_length=40, d_model=64, n_layers=2, n_heads=4, d_ff=96) | kw
+    return TransformerLM(ModelConfig(**cfg)).eval()
+
+
+def _pair(model: TransformerLM, dtype: str) -> tuple[Engine, Engine]:
+    """The kernel engine and the reference: the model's forward on the same (rounded) matrices."""
+    fast = Engine(model, weight_dtype=dtype, window_drop=7)
+    assert fast._kernel
+    q = "layers.0.attn.q_proj.weight"
+    # the rounded copy the reference runs holds the stored weights (not the kernel's own say-so: rounded here)
+    torch.testing.assert_close(fast.model.get_parameter(q), PackedLinear(model.get_parameter(q), fast.weight_dtype).weight(),
+                               rtol=0, atol=0)
+    return fast, Engine(fast.model, window_drop=7, use_kernel=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_step_equals_the_forward(dtype, batch, kv_heads, isa):
+    """Prompts of different lengths, then steps through a slide past the context: the same logits (float32:
+    the same greedy tokens as well)."""
+    model = _model(seed=batch + kv_heads, n_kv_heads=kv_heads)
+    fast, ref = _pair(model, dtype)
+    g = torch.Generator().manual_seed(batch)
+    rows = [torch.randint(0, VOCAB, (1 + (5 * b) % 13,), generator=g).tolist() for b in range(batch)]
+    rows[-1] = rows[-1] + [3] * (30 - len(rows[-1]))  # the longest row slides within the 20 steps
+    with torch.inference_mode():
+        a, b = fast.prefill(rows, 40), ref.prefill(rows, 40)
+        for _ in range(20):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            if dtype == "float32":
+                assert torch.equal(a.argmax(-1), b.argmax(-1))
+            tok = b.argmax(-1)
+            a, b = fast.step(tok), ref.step(tok)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert fast.lengths == ref.lengths
+    assert torch.equal(fast.tokens, ref.tokens)
+
+
+def test_widest_and_avx2_products_are_bit_identical():
+    """The AVX-512 build of the product kernels sums in the AVX2 build's order (csrc/decode/tiles.inc): same bits."""
+    _core = core()
+    g = torch.Generator().manual_seed(0)
+    try:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
+            for n, k in [(1000, 64), (37, 19), (300, 333)]:
+                lin = PackedLinear(torch.randn(n, k, generator=g), dtype)
+                for rows in range(1, 18):
+                    x = torch.randn(rows, k, generator=g)
+                    wide = lin(x, 2)
+                    _core.linear_force_avx2(True)
+                    assert torch.equal(lin(x, 2), wide), (dtype, n, k, rows)
+                    _core.linear_force_avx2(False)
+    finally:
+        _core.linear_force_avx2(False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_rows_join_and_leave(dtype, isa):
+    """Continuous batching: admit into free rows, step the live prefix, release (the last row moves in);
+    every step equals the reference engine driven the same way."""
+    model = _model(seed=11, n_kv_heads=2)
+    fast, ref = _pair(model, dtype)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 2, 14, 7)]
+    with torch.inference_mode():
+        for e in (fast, ref):
+            e.open_slots(4, 40)
+        last = {}
+        for i, script in enumerate([("admit", 0), ("admit", 1), ("step",), ("admit", 2), ("step",), ("step",),
+                                    ("release", 0), ("step",), ("admit", 3), ("admit", 4), ("step",),
+                                    ("release", 2), ("step",), ("step",)]):
+            if script[0] == "admit":
+                (ra, la), (rb, lb) = fast.admit(prompts[script[1]]), ref.admit(prompts[script[1]])
+                assert ra == rb
+                torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
+                last[ra] = lb.argmax().item()
+            elif script[0] == "release":
+                moved = fast.release(script[1])
+                assert ref.release(script[1]) == moved
+                if moved is not None:
+                    last[script[1]] = last.pop(moved)
+                else:
+                    last.pop(script[1])
+            else:
+                tok = torch.tensor([last[r] for r in range(fast.active)])
+                a, b = fast.step(tok), ref.step(tok)
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+                last = {r: int(t) for r, t in enumerate(b.argmax(-1))}
+            assert fast.lengths == ref.lengths, i
+    assert torch.equal(fast.tokens[: fast.active], ref.tokens[: ref.active])
+
+
+def test_step_checks_its_arguments():
+    model = _model()
+    eng = Engine(model)
+    with torch.inference_mode():
+        eng.prefill([[1, 2, 3]], 8)
+        cache = eng.cache
+        dec = eng._decoder
+        logits = np.zeros((1, VOCAB), np.float32)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            dec.step(np.array([VOCAB], np.int64), cache.k.numpy(), cache.v.numpy(), cache.lengths.numpy(), logits, 1)
+        with pytest.raises(ValueError, match="full"):
+            dec.step(np.array([1], np.int64), cache.k.numpy(), cache.v.numpy(), np.array([8], np.int64), logits, 1)
+        with pytest.raises(ValueError, match="layers, rows"):
+            dec.step(np.array([1], np.int64), cache.k[:1].numpy(), cache.v[:1].numpy(), cache.lengths.numpy(), logits, 1)
+        with pytest.raises(ValueError, match="logits"):
+            dec.step(np.array([1], np.int64), cache.k.numpy(), cache.v.numpy(), cache.lengths.numpy(),
+                     np.zeros((1, 5), np.float32), 1)
+        assert eng.lengths == [3]  # nothing was written
+    spec = PackedLinear(torch.randn(64, 64)).spec()
+    with pytest.raises(ValueError, match="a layer is"):
+        core().DecodeModel(np.zeros((4, 64), np.float32), np.zeros((8, 8), np.float32), np.zeros((8, 8), np.float32),
+                           4, 4, 96, 1e-5, [(1, 2)], np.ones(64, np.float32), spec, 64)
+    with pytest.raises(ValueError, match="packed"):
+        core().DecodeModel(np.zeros((4, 64), np.float32), np.zeros((8, 8), np.float32), np.zeros((8, 8), np.float32),
+                           4, 4, 96, 1e-5, [], np.ones(64, np.float32), PackedLinear(torch.randn(64, 32)).spec(), 64)
+    with pytest.raises(ValueError, match="contiguous"):  # a float64 array would need a converted copy
+        core().DecodeModel(np.zeros((4, 64)), np.zeros((8, 8), np.float32), np.zeros((8, 8), np.float32),
+                           4, 4, 96, 1e-5, [], np.ones(64, np.float32), spec, 64)
