@@ -7,13 +7,15 @@ unless --device says otherwise). Prompt: 16 random tokens.
 HF runs in every configuration that may be its fastest, each a row: fp32 with its default dynamic cache,
 fp32 with a static cache (``cache_implementation="static"``), fp32 static cache with ``torch.compile`` on
 its forward (skipped, with the reason printed, if compiling fails or exceeds ``--compile-budget`` seconds;
-``--quick`` skips it) and bf16 weights (dynamic cache). The fp32 configurations must produce the same
-tokens as HF's default (else the script exits); bf16 prints how many of its tokens agree. lmforge runs in
-fp32 (the same weights: it must produce HF's tokens) and, on CPU, with its decoder's weights stored as
-bf16, fp16 and int8 (rounded weights: faster, not the same model; the script prints how far their logits
-move). All rows alternate (one run each per round, ``--repeats`` rounds after a warm-up run each); each is
-reported by its median tokens/s and range, and every lmforge ratio is against the fastest HF row by
-median.
+``--quick`` skips it), bf16 weights (dynamic cache, and static + compile) and, on CPU, PyTorch's dynamic int8
+quantization of every linear layer (``torch.ao.quantization.quantize_dynamic``: int8 weights, activations
+quantized per call). The fp32 configurations must produce the same tokens as HF's default (else the script
+exits); the others print how many of their tokens agree. lmforge runs in fp32 (the same weights: it must
+produce HF's tokens) and, on CPU, with its decoder's weights stored as bf16, fp16 and int8 (rounded weights:
+faster, not the same model; the script prints how far their logits move). All rows alternate (one run each
+per round, ``--repeats`` rounds after a warm-up run each); each is reported by its median tokens/s and range.
+Every lmforge row is set against the fastest HF row overall and against the fastest HF row that stores its
+weights at the same precision (fp32; 16-bit; int8): like for like.
 
 It also prints a floor: the same weight matrices multiplied in a chain with nothing else (no attention,
 norms or sampling), at 1 and at 8 rows, with MKL in fp32 and with lmforge's decode kernel in each storage
@@ -84,8 +86,21 @@ def hf_configs(ref, args: argparse.Namespace) -> dict[str, tuple[object, dict]]:
         compiled = copy.deepcopy(ref)
         compiled.forward = torch.compile(compiled.forward, fullgraph=True)
         configs["HF fp32 static+compile"] = (compiled, {"cache_implementation": "static"})
-    configs["HF bf16"] = (copy.deepcopy(ref).to(torch.bfloat16), {})
+    bf16 = copy.deepcopy(ref).to(torch.bfloat16)
+    configs["HF bf16"] = (bf16, {})
+    if args.compile:
+        compiled = copy.deepcopy(bf16)
+        compiled.forward = torch.compile(compiled.forward, fullgraph=True)
+        configs["HF bf16 static+compile"] = (compiled, {"cache_implementation": "static"})
+    if args.device == "cpu":  # PyTorch's int8 for CPU inference: int8 weights, activations quantized per call
+        configs["HF int8 dynamic"] = (torch.ao.quantization.quantize_dynamic(
+            copy.deepcopy(ref), {torch.nn.Linear}, dtype=torch.qint8), {})
     return configs
+
+
+def precision(row: str) -> str:
+    """The weight precision a row's name states: fp32, 16-bit (bf16, fp16) or int8."""
+    return "int8" if "int8" in row else "16-bit" if ("bf16" in row or "fp16" in row) else "fp32"
 
 
 def _chain_shapes(cfg) -> list[tuple[int, int]]:
@@ -227,7 +242,7 @@ def main() -> None:
                 raise SystemExit(f"{name} produced different tokens from HF's default generate: not the same work")
             if "compile" in name:
                 print(f"{name}: first run (compiling) took {first:.1f} s; not part of the timing")
-            if "bf16" in name:
+            if "fp32" not in name:
                 agree = sum(a == b for ra, rb in zip(toks, hf_tokens) for a, b in zip(ra, rb))
                 print(f"{name}: {agree}/{batch * n} tokens equal to HF fp32's (rounded weights: not the same model)")
             fns[name] = run
@@ -241,11 +256,17 @@ def main() -> None:
         times = alternate(fns, args.repeats, warmup=0)
         hf_names = [k for k in fns if k.startswith("HF")]
         fastest = min(hf_names, key=lambda k: median(times[k]))
-        print(f"| row | tok/s (median) | tok/s range | vs fastest HF ({fastest}) |")
-        print("|---|---:|---:|---:|")
+        # like for like: the fastest HF row storing its weights at the same precision as the row
+        peer = {prec: min((k for k in hf_names if precision(k) == prec), key=lambda k: median(times[k]), default=None)
+                for prec in ("fp32", "16-bit", "int8")}
+        print(f"| row | tok/s (median) | tok/s range | vs fastest HF ({fastest}) | vs fastest HF at its precision |")
+        print("|---|---:|---:|---:|---:|")
         for name, t in times.items():
+            same_prec = peer[precision(name)]
+            like = (f"{median(times[same_prec]) / median(t):.2f}x ({same_prec})"
+                    if same_prec and not name.startswith("HF") else "")
             print(f"| {name} | {batch * n / median(t):,.0f} | {batch * n / max(t):,.0f}..{batch * n / min(t):,.0f} "
-                  f"| {median(times[fastest]) / median(t):.2f}x |")
+                  f"| {median(times[fastest]) / median(t):.2f}x | {like} |")
         print(f"lmforge fp32 produced HF's tokens: {same}")
         print_limits(cfg, batch, n, times, bandwidth)
 
