@@ -7,6 +7,7 @@ test skips with the reason when either is missing. The server runs a hand-set mo
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 from pathlib import Path
@@ -36,14 +37,27 @@ def chromium():
         browser.close()
 
 
+@contextlib.contextmanager
+def open_page(chromium, server: ThreadServer, model: str | None = None, dialogs: list[str] | None = None):
+    """The chat page of ``server`` in a new tab (once it shows ``model``, if given); closes both after.
+    ``dialogs``: collects the message of every dialog the page opens, from the moment it loads."""
+    page = chromium.new_page()
+    if dialogs is not None:
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    try:
+        page.goto(server.url + "/")
+        if model is not None:
+            page.wait_for_function(f"document.getElementById('model').textContent === '{model}'")
+        yield page
+    finally:
+        page.close()
+        server.close()
+
+
 def test_page_streams_the_reply_as_text_and_starts_new_chats(chromium, tmp_path):
     s = ThreadServer(ServedModel.from_run(script_run(tmp_path / "scripted")))
-    page = chromium.new_page()
     dialogs: list[str] = []
-    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
-    try:
-        page.goto(s.url + "/")
-        page.wait_for_function("document.getElementById('model').textContent === 'scripted'")
+    with open_page(chromium, s, "scripted", dialogs) as page:
         sent: list[dict] = []
         page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
         page.fill("#temperature", "0")
@@ -66,27 +80,18 @@ def test_page_streams_the_reply_as_text_and_starts_new_chats(chromium, tmp_path)
         assert sent[1]["messages"][1]["content"] == REPLY
         page.click("#new-chat")
         assert page.locator(".msg").count() == 0
-    finally:
-        page.close()
-        s.close()
 
 
 def test_page_shows_server_errors(chromium, tmp_path):
     """An error answer (here: max tokens over the context) is shown in the conversation, as text."""
     s = ThreadServer(ServedModel.from_run(script_run(tmp_path / "scripted")))
-    page = chromium.new_page()
-    try:
-        page.goto(s.url + "/")
-        page.wait_for_function("document.getElementById('model').textContent === 'scripted'")
+    with open_page(chromium, s, "scripted") as page:
         page.fill("#max-tokens", "5000")
         page.fill("#input", "hello")
         page.click("#send")
         err = page.locator(".msg.error .content")
         sync_api.expect(err).to_contain_text("context length is 256", timeout=30_000)
         sync_api.expect(page.locator("#stop")).to_be_disabled()
-    finally:
-        page.close()
-        s.close()
 
 
 def test_stop_button_ends_the_reply_and_frees_the_row(chromium, tmp_path):
@@ -99,10 +104,7 @@ def test_stop_button_ends_the_reply_and_frees_the_row(chromium, tmp_path):
     # wide layers: a few ms per token, so the reply runs for seconds even on a quiet machine (the small model wrote
     # its 4k tokens in ~2 s, racing the click) without flooding the page with thousands of tokens per second
     s = ThreadServer(ServedModel.from_run(zero_run(tmp_path / "zero", d_model=512, n_layers=4)))
-    page = chromium.new_page()
-    try:
-        page.goto(s.url + "/")
-        page.wait_for_function("document.getElementById('model').textContent === 'zero'")
+    with open_page(chromium, s, "zero") as page:
         page.fill("#temperature", "0")
         page.fill("#input", "Talk forever")
         page.click("#send")
@@ -117,16 +119,11 @@ def test_stop_button_ends_the_reply_and_frees_the_row(chromium, tmp_path):
         sync_api.expect(page.locator("#send")).to_be_enabled()
         page.wait_for_function("""async () => (await (await fetch('/health')).json()).active === 0""",
                                timeout=10_000)
-    finally:
-        page.close()
-        s.close()
 
 
 def test_page_sends_the_api_key_when_the_server_wants_one(chromium, tmp_path):
     s = ThreadServer(ServedModel.from_run(script_run(tmp_path / "scripted")), api_key="page-key")
-    page = chromium.new_page()
-    try:
-        page.goto(s.url + "/")
+    with open_page(chromium, s) as page:
         sync_api.expect(page.locator("#key-label")).to_be_visible()
         page.fill("#input", "hello")
         page.click("#send")
@@ -135,9 +132,6 @@ def test_page_sends_the_api_key_when_the_server_wants_one(chromium, tmp_path):
         page.fill("#input", "hello again")
         page.click("#send")
         sync_api.expect(page.locator(".msg.assistant:not(.error) .content")).to_have_text(REPLY, timeout=30_000)
-    finally:
-        page.close()
-        s.close()
 
 
 def test_page_draws_a_fast_stream_at_most_once_per_frame(chromium, tmp_path):
@@ -146,10 +140,7 @@ def test_page_draws_a_fast_stream_at_most_once_per_frame(chromium, tmp_path):
     from serve_helpers import zero_run
 
     s = ThreadServer(ServedModel.from_run(zero_run(tmp_path / "zero")))
-    page = chromium.new_page()
-    try:
-        page.goto(s.url + "/")
-        page.wait_for_function("document.getElementById('model').textContent === 'zero'")
+    with open_page(chromium, s, "zero") as page:
         page.evaluate("""() => {
             window.counts = { writes: 0, frames: 0, live: true };
             new MutationObserver((records) => {
@@ -171,6 +162,3 @@ def test_page_draws_a_fast_stream_at_most_once_per_frame(chromium, tmp_path):
         assert len(text) == 1500, len(text)  # every token arrived (the zero model repeats one 1-byte token)
         # a write per frame at most (+1 for adding the message, +1 for the final flush, +2 for frame-edge slack)
         assert counts["writes"] <= counts["frames"] + 4, counts
-    finally:
-        page.close()
-        s.close()
