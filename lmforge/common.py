@@ -33,6 +33,18 @@ def check_output_path(path: str | os.PathLike, force: bool = False) -> Path:
     return p
 
 
+def check_apart(out: str | os.PathLike, *sources: str | os.PathLike, flag: str = "--out") -> None:
+    """``ValueError`` when the output path ``out`` is one of the ``sources`` a command reads, lies inside one,
+    or holds one: ``--force`` replaces what is at ``out``, and must never replace the command's own input."""
+    o = Path(out).resolve()
+    for source in sources:
+        s = Path(source).resolve()
+        where = "is" if o == s else "is inside" if s in o.parents else "holds" if o in s.parents else None
+        if where:
+            raise ValueError(f"{flag} {out} {where} {source}, which this command reads: writing there (even with "
+                             f"--force) would replace its own input; choose a {flag} outside it")
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
     """Open a temporary file beside ``path`` and rename it over ``path`` only on success.

@@ -121,6 +121,35 @@ def read_base(path: str | os.PathLike) -> dict[str, Any] | None:
     return record
 
 
+def check_no_other_checkpoints(path: str | os.PathLike, step: int, flag: str = "--out") -> None:
+    """``ValueError`` when ``path`` holds checkpoints other than ``step_{step}`` (``--force`` onto a trained run):
+    a model written there as one checkpoint would be outranked by a newer step, or mixed with a best or a
+    sharded one, and readers would open the old model. So is a LoRA run's ``base.json`` (readers would fold its
+    adapters into whatever is written there)."""
+    ckpts = CheckpointManager(path)
+    others = [p for s, p in ckpts.steps() if s != step] + [p for _, p in ckpts.dcp_steps()]
+    others += [ckpts.best_path] if ckpts.best_path.exists() else []
+    record = read_base(path) if Path(path).is_dir() else None
+    others += [Path(path) / BASE_FILE] if record and record.get("lora") else []
+    if others:
+        raise ValueError(f"{flag} {path} holds another model's checkpoints ({others[0].name}"
+                         f"{f' and {len(others) - 1} more' if len(others) > 1 else ''}); the model written there "
+                         f"would be mixed with them (the newest step wins), even with --force; choose a new {flag}, "
+                         "or delete that run first")
+
+
+def source_dirs(path: str | os.PathLike) -> list[Path]:
+    """The directories that reading the run ``path`` opens: the run, and for a LoRA run its base run (and that
+    one's base, while the bases are LoRA runs too). Writers check their output against them
+    (:func:`lmforge.common.check_apart`)."""
+    dirs = [Path(path)]
+    record = read_base(dirs[-1]) if dirs[-1].is_dir() else None
+    while record is not None and record.get("lora") and Path(record["run"]) not in dirs:
+        dirs.append(Path(record["run"]))
+        record = read_base(dirs[-1]) if dirs[-1].is_dir() else None
+    return dirs
+
+
 def _with_base(run_dir: Path, config: dict[str, Any], adapters: Checkpoint, record: dict[str, Any]) -> Checkpoint:
     """A LoRA run's checkpoint as a plain model's: the base checkpoint's weights, the embedding and head grown
     to ``model.vocab_size`` with mean rows and every adapter folded in (``W + alpha/rank · B A``): the same
@@ -135,7 +164,10 @@ def _with_base(run_dir: Path, config: dict[str, Any], adapters: Checkpoint, reco
     if sha256_file(base_path) != record["sha256"]:
         raise ValueError(f"{run_dir} holds LoRA adapters trained on another base: {base_path} changed since "
                          "(sha256 differs); restore the base checkpoint they were trained on")
-    base = read_checkpoint(base_path)
+    base_run = Path(record["run"])
+    inner = read_base(base_run) if base_run.is_dir() else None
+    # the base itself a LoRA run (fine-tuned from one): its own adapters are folded first
+    base = open_run(base_run, base_path).checkpoint if inner and inner.get("lora") else read_checkpoint(base_path)
     state = dict(base.model)
     vocab = int(config["model"]["vocab_size"])
     with torch.no_grad():

@@ -41,6 +41,21 @@ def test_check_output_path(tmp_path):
         common.check_output_path(tmp_path, force=True)
 
 
+def test_check_apart_refuses_the_source_inside_and_around_it_only(tmp_path):
+    run = tmp_path / "a" / "run"
+    (run / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(run)
+    for out, where in [(run, "is"), (run / "sub", "is inside"), (run / "new" / "deeper", "is inside"),
+                       (tmp_path / "a", "holds"), (tmp_path / "link", "is"), (run / "sub" / "..", "is")]:
+        with pytest.raises(ValueError, match=f"--out {out} {where} {run}, which this command reads: writing there "
+                                             r"\(even with --force\) would replace its own input"):
+            common.check_apart(out, tmp_path / "other", run)
+    for out in [tmp_path / "a" / "run2", tmp_path / "a" / "ru", tmp_path / "other" / "run"]:  # sharing a prefix
+        common.check_apart(out, run)
+    with pytest.raises(ValueError, match="--run-dir"):
+        common.check_apart(run, run, flag="--run-dir")
+
+
 def test_check_input_file(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         common.check_input_file(tmp_path / "missing.txt")

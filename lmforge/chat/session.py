@@ -10,9 +10,10 @@ reply, so what the model sees is exactly what SFT trained on. A reply streams to
 History and the context: before each reply, the prompt must leave room for the reply (``reserve`` tokens: at
 most half the context, or ``max_new_tokens`` if smaller). While it does not, the oldest turn (a user message
 and the assistant's answer to it) is dropped; ``send`` reports how many were dropped. The system message is
-kept. A reply is stored in history as messages (an assistant ``tool_call``, the ``tool`` result, and the
-continuation), so it is rendered back as the same ids; an empty reply (the model ended at once) is not kept,
-nor is the user message it answered, since the format has no empty assistant message.
+kept. A message that does not fit even alone is refused (``ValueError``) with the history untouched. A reply
+is stored in history as messages (an assistant ``tool_call``, the ``tool`` result, and the continuation), so it
+is rendered back as the same ids; an empty reply (the model ended at once) is not kept, nor is the user message
+it answered, since the format has no empty assistant message.
 """
 
 from __future__ import annotations
@@ -167,10 +168,11 @@ class ChatSession:
             if len(ids) + self.reserve <= self.context_length or dropped == len(turns):
                 break
             dropped += 1
-        if dropped:
-            self.history = [m for turn in turns[dropped:] for m in turn]
+        # refuse a message that does not fit even alone before touching the history: a refused paste loses nothing
         check_context(len(ids) + 1, self.context_length, what="the system message and your message (plus one "
                       "reply token)")
+        if dropped:
+            self.history = [m for turn in turns[dropped:] for m in turn]
         return ids, dropped
 
     def _turns(self) -> list[list[Message]]:

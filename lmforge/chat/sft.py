@@ -2,7 +2,8 @@
 
 What happens, in order (every check runs before anything is written):
 
-1. The base run is opened through :func:`lmforge.run.open_run` (its newest checkpoint, or the one given).
+1. The base run is opened through :func:`lmforge.run.open_run` (its newest checkpoint, or the one given); a
+   LoRA run is fine-tuned as every reader sees it, its adapters folded into its base.
 2. Its tokenizer gets the chat special tokens it lacks (:func:`~lmforge.chat.format.add_chat_tokens`, new ids
    appended); ``model.vocab_size`` grows to fit them if needed (the loop grows the embedding and head with mean
    rows when it loads the base weights).
@@ -31,12 +32,13 @@ import torch.distributed as dist
 
 from lmforge.chat.format import ChatFormat, add_chat_tokens, read_conversations
 from lmforge.checkpoint import CheckpointManager, apply_checkpoint, save_checkpoint
-from lmforge.common import sha256_file
+from lmforge.common import check_apart, remove_stale_temporaries, sha256_file
 from lmforge.config import apply_overrides, dump_yaml, from_dict, load_yaml
 from lmforge.data.conversations import ConversationDataset, check_packs, write_conversations
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.model.lora import apply_lora
-from lmforge.run import BASE_FILE, check_new_or_run, is_run_dir, mark, open_run, read_base, write_base
+from lmforge.run import (BASE_FILE, check_new_or_run, check_no_other_checkpoints, is_run_dir, mark, open_run,
+                         read_base, source_dirs, write_base)
 from lmforge.tokenizer import EOT, Tokenizer
 from lmforge.train import RunConfig, load_run_config, train
 from lmforge.train.distributed import barrier, cleanup_distributed, setup_distributed
@@ -89,8 +91,8 @@ def sft_config(base_config: dict[str, Any], vocab_size: int, run_dir: Path, base
     d = apply_overrides(d, overrides)
     d["sft"] = dict(d.get("sft") or {}, base_run=base["run"], base_checkpoint=base["checkpoint"],
                     base_sha256=base["sha256"], base_vocab_size=bc.model.vocab_size)
-    if d["sft"].get("pretrain_dir") is None:
-        d["sft"]["pretrain_dir"] = bc.data.dir
+    if d["sft"].get("pretrain_dir") is None:  # a fine-tuned base's data.dir holds conversations: its own shards
+        d["sft"]["pretrain_dir"] = bc.sft.pretrain_dir if bc.sft is not None else bc.data.dir
     return from_dict(RunConfig, d)
 
 
@@ -98,8 +100,15 @@ def render_file(path: str | os.PathLike, fmt: ChatFormat, context_length: int) -
     """``([(ids, mask), ...], skipped)``: the conversations of a JSONL file rendered; those longer than
     ``context_length + 1`` tokens are skipped and counted."""
     rendered, skipped = [], 0
-    for _, messages in read_conversations(path):
-        ids, mask = fmt.render(messages)
+    conversations = read_conversations(path)
+    if not conversations:
+        raise ValueError(f"{path} holds no conversations (it is empty, or blank lines only); give a JSONL file with "
+                         'one {"messages": [...]} object per line')
+    for lineno, messages in conversations:
+        try:
+            ids, mask = fmt.render(messages)
+        except ValueError as e:  # e.g. text the tokenizer cannot encode (a lone surrogate)
+            raise ValueError(f"{path}:{lineno}: {e}") from None
         if len(ids) > context_length + 1:
             skipped += 1
             continue
@@ -152,6 +161,7 @@ def sft(base: str | os.PathLike, data: str | os.PathLike, run_dir: str | os.Path
     """
     run_dir, base_dir = Path(run_dir).absolute(), Path(base).absolute()
     base_run = open_run(base_dir, checkpoint)
+    check_apart(run_dir, *source_dirs(base_dir), flag="--run-dir")
     resuming = _check_run_dir(run_dir, base_dir, force)
     started = resuming and any((run_dir / "checkpoints").glob("step_*.safetensors"))
     try:
@@ -212,22 +222,26 @@ def _lora_record(cfg: RunConfig) -> dict[str, Any] | None:
 def merge_run(run_dir: str | os.PathLike, out: str | os.PathLike, force: bool = False) -> Path:
     """Write ``out``: a plain run whose weights are the LoRA run ``run_dir``'s base with its adapters merged
     (``W + alpha/rank · B A``; the embedding grown as in training). Its logits equal base + adapters; every
-    ``--run`` command reads it without the base. ``out`` must not exist (or be empty) unless ``force``."""
+    ``--run`` command reads it without the base. ``out`` must not exist (or be empty) unless ``force``, and is
+    never the run or its base (nor inside them)."""
     src = open_run(run_dir)  # folds the adapters into the base (lmforge.run.open_run), refusing a changed base
     record = read_base(src.path)
     if record is None or not record.get("lora"):
         raise ValueError(f"{run_dir} is not a LoRA run (no adapters in {Path(run_dir) / BASE_FILE}); its "
                          "checkpoints already hold plain weights")
+    check_apart(out, *source_dirs(run_dir))
     dest = Path(out)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())) and not force:
-        raise ValueError(f"{dest} already exists and is not empty; choose another --out or pass --force")
     if dest.exists() and not dest.is_dir():
-        raise ValueError(f"{dest} is a file; give a directory for the merged run")
+        raise ValueError(f"--out {dest} is an existing file; give a directory for the merged run")
+    if dest.exists() and any(dest.iterdir()) and not force:
+        raise ValueError(f"--out {dest} already exists and is not empty; choose another --out or pass --force")
+    check_no_other_checkpoints(dest, src.checkpoint.iteration)
     config = copy.deepcopy(src.config)
     config["lora"] = None
     model = TransformerLM.for_loading(from_dict(ModelConfig, config["model"], path="model"))
     apply_checkpoint(src.checkpoint, model)  # checks every tensor's name and shape
     dest.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(dest)  # a killed merge's half-written files (lmforge's own temporaries only)
     mark(dest)
     dump_yaml(config, dest / "config.yaml")
     Tokenizer.load(src.tokenizer_path).save(dest / "tokenizer.json", force=True)

@@ -9,7 +9,8 @@ each top-level command; only the module of the command being run is imported, so
 load torch (or the library at all).
 
 Errors in user input (``ValueError``, missing files, bad flags) print one line and exit with code 2;
-no traceback. Nothing in the library imports this package.
+no traceback. A failed memory allocation (a model, batch or context too large for the machine) prints one
+line and exits with code 1. Nothing in the library imports this package.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import re
 import sys
 from typing import Callable, NoReturn, Sequence
 
@@ -124,6 +126,25 @@ def build_parser(only: str | None = None, sub: str | None = None) -> argparse.Ar
     return parser
 
 
+_ALLOCATION_FAILED = re.compile(r"can't allocate memory|out of memory|unable to allocate", re.IGNORECASE)
+
+
+def allocation_failure(e: BaseException) -> str | None:
+    """One line for a failed memory allocation (torch's ``RuntimeError`` "can't allocate memory" / CUDA out of
+    memory, numpy's or Python's ``MemoryError``), or None for any other error."""
+    text = str(e).strip()
+    if not isinstance(e, MemoryError) and not (isinstance(e, RuntimeError) and _ALLOCATION_FAILED.search(text)):
+        return None
+    size = re.search(r"tried to allocate (\d+) bytes", text)
+    if size:
+        detail = f"an allocation of {int(size.group(1)) / 2**30:,.1f} GiB failed"
+    else:  # numpy and CUDA name the size themselves; keep their first line without torch's "[enforce fail ...]"
+        detail = re.sub(r"^\[enforce fail[^\]]*\][^:]*:\s*", "", text.splitlines()[0] if text else "") or \
+            "an allocation failed"
+    return (f"not enough memory: {detail}; a smaller model, context length, batch size or --max-new-tokens "
+            "needs less")
+
+
 def _command_in(argv: Sequence[str]) -> tuple[str | None, str | None]:
     """The top-level command named in ``argv`` (its first word that is not an option), if it is one we know,
     and the word after it (a group's subcommand, or None)."""
@@ -146,6 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             PermissionError) as e:
         print(f"lmforge: error: {e}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as e:
+        line = allocation_failure(e)
+        if line is None:
+            raise
+        print(f"lmforge: error: {line}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("lmforge: interrupted", file=sys.stderr)
         return 130

@@ -22,6 +22,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from lmforge.model import ModelConfig
+from lmforge.model.transformer import MAX_CONTEXT_LENGTH
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -204,11 +205,23 @@ def _rope_theta(d: dict[str, Any], where: str) -> float:
     return float(theta)
 
 
+def _context_length(d: dict[str, Any], where: str) -> int:
+    """``max_position_embeddings`` (default 2048) as a context length lmforge can hold, or ``ValueError``."""
+    v = d.get("max_position_embeddings", 2048)
+    n = int(v) if isinstance(v, float) and v.is_integer() else v  # JSON writes 1e15 or 2048.0 as floats
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_CONTEXT_LENGTH:
+        shown = f"{v:g}" if isinstance(v, float) else repr(v)
+        raise ValueError(f"{where}: max_position_embeddings={shown} is not a context length lmforge can hold (an "
+                         f"integer from 1 to {MAX_CONTEXT_LENGTH:,}); set it to the context the model was trained on")
+    return n
+
+
 def model_config_from_hf(d: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """The ``ModelConfig`` of an HF Llama ``config.json`` (as a dict); ``ValueError`` for anything else.
 
     Refused, each with its own message: another architecture (named), biases, an activation other than SiLU,
-    a head dim other than ``hidden_size / num_attention_heads``, scaled RoPE, dropout.
+    a head dim other than ``hidden_size / num_attention_heads``, scaled RoPE, dropout, a
+    ``max_position_embeddings`` above :data:`~lmforge.model.transformer.MAX_CONTEXT_LENGTH`.
     """
     archs = d.get("architectures") or []
     if d.get("model_type") != "llama" or (archs and "LlamaForCausalLM" not in archs):
@@ -223,9 +236,10 @@ def model_config_from_hf(d: dict[str, Any], where: str = "config.json") -> Model
     if d.get("attention_dropout") or d.get("hidden_dropout"):
         raise ValueError(f"{where}: dropout is set (attention_dropout={d.get('attention_dropout')}), but lmforge's "
                          "model has no dropout; set it to 0 in config.json if you accept training without it")
+    context_length = _context_length(d, where)
     try:
         hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-        kw = dict(vocab_size=int(d["vocab_size"]), context_length=int(d.get("max_position_embeddings", 2048)),
+        kw = dict(vocab_size=int(d["vocab_size"]), context_length=context_length,
                   d_model=hidden, n_layers=int(d["num_hidden_layers"]), n_heads=heads,
                   n_kv_heads=int(d.get("num_key_value_heads") or heads), d_ff=int(d["intermediate_size"]))
     except KeyError as e:

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from lmforge.checkpoint import CheckpointManager, check_state_dict_fits, save_checkpoint
-from lmforge.common import check_input_file
+from lmforge.common import check_apart, check_input_file, remove_stale_temporaries
 from lmforge.config import dump_yaml, to_dict
 from lmforge.interop.hf import from_hf_state_dict, model_config_from_hf
 from lmforge.interop.source import architecture, check_output_dir
-from lmforge.run import mark
+from lmforge.run import check_no_other_checkpoints, mark
 from lmforge.tokenizer import Tokenizer
 from lmforge.train.config import DataConfig, RunConfig
 
@@ -106,14 +106,18 @@ def read_hf_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 def import_hf(model_dir: str | os.PathLike, out: str | os.PathLike, force: bool = False) -> Path:
     """Turn the HF Llama folder ``model_dir`` into the lmforge run ``out`` (see the module docstring).
 
-    ``out`` must not exist or be empty unless ``force``. Every check (files, architecture, options, tokenizer,
-    weights fitting the model) runs before anything is written. Returns ``out``.
+    ``out`` must not exist or be empty unless ``force``; it is never ``model_dir`` (nor inside it), nor a run
+    holding checkpoints other than the step 0 an import writes (they would outrank the imported weights).
+    Every check (files, architecture, options, tokenizer, weights fitting the model) runs before anything is
+    written. Returns ``out``.
     """
     folder = Path(model_dir)
     if not folder.is_dir():
         raise ValueError(f"{folder} is not a directory; give a local HF checkpoint folder (config.json, "
                          "tokenizer.json, model.safetensors)")
+    check_apart(out, folder)
     target = check_output_dir(out, force)
+    check_no_other_checkpoints(target, 0)
     config_path = _require(folder, "config.json", "the model architecture")
     tok_path = _require(folder, "tokenizer.json", "the byte-level BPE tokenizer")
     cfg = model_config_from_hf(_read_json(config_path), where=str(config_path))
@@ -147,6 +151,7 @@ def import_hf(model_dir: str | os.PathLike, out: str | os.PathLike, force: bool 
                                                    tokenizer=str((target / "tokenizer.json").resolve())))
 
     target.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(target)  # a killed import's half-written files (lmforge's own temporaries only)
     tokenizer.save(target / "tokenizer.json", force=True)
     dump_yaml(run_cfg, target / "config.yaml")
     save_checkpoint(model, None, 0, CheckpointManager(target).path_for(0),

@@ -33,10 +33,16 @@ from lmforge.model.layers import (Device, DType, Embedding, Linear, RMSNorm, Rot
 from lmforge.model.cache import KVCache, check_context
 from lmforge.model.losses import cross_entropy, linear_cross_entropy
 
-__all__ = ["ModelConfig", "TransformerLM", "TransformerBlock", "CausalSelfAttention", "KVCache", "Linear",
-           "Embedding", "RMSNorm", "SwiGLU", "RotaryPositionalEmbedding", "softmax", "silu",
+__all__ = ["ModelConfig", "MAX_CONTEXT_LENGTH", "TransformerLM", "TransformerBlock", "CausalSelfAttention", "KVCache",
+           "Linear", "Embedding", "RMSNorm", "SwiGLU", "RotaryPositionalEmbedding", "softmax", "silu",
            "scaled_dot_product_attention", "cross_entropy", "linear_cross_entropy", "num_params",
            "flops_per_token", "matmul_params_per_token"]
+
+
+MAX_CONTEXT_LENGTH = 1 << 20
+"""The longest ``context_length`` a model may have (1,048,576 tokens): the RoPE tables are built for every
+position, so an absurd value (``max_position_embeddings: 1e15`` in a config.json) fails here, in one line, rather
+than in every later command as an allocation of petabytes."""
 
 
 @dataclass
@@ -46,7 +52,7 @@ class ModelConfig:
     vocab_size: int
     """Number of token ids (the tokenizer's ``vocab_size``)."""
     context_length: int
-    """Longest sequence the model accepts (the RoPE table size)."""
+    """Longest sequence the model accepts (the RoPE table size); at most :data:`MAX_CONTEXT_LENGTH`."""
     d_model: int
     """Width of the residual stream."""
     n_layers: int
@@ -71,6 +77,10 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"model.{name} must be a positive integer, got {v!r}")
+        if self.context_length > MAX_CONTEXT_LENGTH:
+            raise ValueError(f"model.context_length={self.context_length:,} is above lmforge's limit of "
+                             f"{MAX_CONTEXT_LENGTH:,} tokens (the RoPE tables hold every position); use a shorter "
+                             "context")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.d_ff is None:
@@ -491,7 +501,10 @@ class TransformerLM(nn.Module):
             token_positions = cache.begin(T)  # checks the context
         elif token_positions is None:
             check_context(T, self.cfg.context_length)
-        x = self.token_embeddings(idx)  # (B, T, d_model)
+        # (B, T, d_model). The fast path looks rows up with F.embedding: its backward sums each row's gradients
+        # in index order, where indexing's (index_put_ with accumulate) adds them with atomics from parallel
+        # threads, so its sums depended on thread timing and training was bit for bit only at one thread.
+        x = F.embedding(idx, self.token_embeddings.weight) if self.cfg.fast else self.token_embeddings(idx)
         for i, layer in enumerate(self.layers):
             x = layer(x, token_positions, cache, i)
         if cache is not None:

@@ -3,7 +3,8 @@ target count, and what a fine-tuning checkpoint holds.
 
 :func:`train <lmforge.train.loop.train>` calls these where pretraining and fine-tuning differ:
 
-* ``_build``: :func:`build_model` starts from the base run's checkpoint (``cfg.sft``), grows the embedding and
+* ``_build``: :func:`build_model` starts from the base run's checkpoint (``cfg.sft``; a LoRA base is read
+  through :func:`lmforge.run.open_run`, its adapters folded in, as every reader sees it), grows the embedding and
   head to ``model.vocab_size`` (new rows = the mean rows, :meth:`TransformerLM.resize_vocab`) and, with a
   ``lora`` section, wraps the targeted projections with adapters and freezes everything else.
 * ``_check``: :func:`conversation_data` opens the rendered conversations (``data.kind: conversations``) and
@@ -21,13 +22,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from lmforge.checkpoint import apply_checkpoint, read_checkpoint
+from lmforge.checkpoint import apply_checkpoint
 from lmforge.common import sha256_file
 from lmforge.data import BlockLoader, TokenDataset
 from lmforge.data.conversations import (IGNORE_INDEX, ConversationDataset, ConversationLoader, MixedLoader,
                                         conversation_val_batches)
 from lmforge.model import TransformerLM
 from lmforge.model.lora import apply_lora, load_lora_state_dict, lora_state_dict
+from lmforge.run import open_run
 from lmforge.train.distributed import all_reduce_sum
 
 logger = logging.getLogger("lmforge")
@@ -62,7 +64,7 @@ def build_model(cfg: Any, device: Any, resuming: bool) -> Any:
         return TransformerLM(cfg.model).to(device)
     path = check_base_checkpoint(sft.base_checkpoint, sft.base_sha256)
     model = TransformerLM(dataclasses.replace(cfg.model, vocab_size=sft.base_vocab_size))
-    apply_checkpoint(read_checkpoint(path), model)
+    apply_checkpoint(open_run(sft.base_run, path).checkpoint, model)  # a LoRA base: its adapters folded in
     model.resize_vocab(cfg.model.vocab_size)
     if lora is not None:
         names = apply_lora(model, lora)

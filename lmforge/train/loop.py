@@ -5,7 +5,11 @@ every check passed), ``_build`` (model, optimizer), ``_resume`` (the newest vali
 ``_wrap`` (compile, DDP/FSDP), then per step ``_train_step``, ``_log``, ``_maybe_evaluate``, ``_maybe_checkpoint``,
 and ``_finish``. They share one :class:`_Run`. Everything that moves is checkpointed together (model,
 optimizer, step, RNG states of Python/NumPy/torch, data-loader position), so a run killed at any moment and
-started again logs the same losses, bit for bit on CPU, as one that never stopped.
+started again logs the same losses, bit for bit on CPU, as one that never stopped. That holds at torch's default
+thread count, under any machine load: the fast path's kernels split their work by the thread count alone (the
+embedding's backward sums each row in index order; indexing's backward, atomic adds from parallel threads,
+made runs differ in the last bits), so two fresh runs give the same losses and weights
+(``tests/train/test_train.py``); the thread count itself (``training.num_threads``) must be the same.
 
 A run directory holds ``config.yaml``, ``tokenizer.json``, ``checkpoints/``, ``metrics.jsonl``, ``loss.png`` and
 the marker ``lmforge-run.json``; see ``docs/DESIGN.md``.

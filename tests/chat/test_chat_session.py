@@ -150,14 +150,26 @@ def test_history_is_dropped_oldest_first_when_the_context_is_full(chat_run, monk
     fmt = session.fmt
     answer = fmt.tokenizer.encode("ok fine", special="plain") + [fmt.assistant_end_id]
     _cycle(gen, answer, monkeypatch)
+    seen_prompts = _capture_prompts(gen, monkeypatch)
     dropped = []
     for i in range(12):
         stream = session.send(f"message number {i} with some words")
         assert "".join(stream) == "ok fine"
         dropped.append(stream.reply.dropped_turns)
-        prompt = fmt.render_for_completion(session.messages()[:-2] + [session.history[-2]])
+        # the ids the model actually got: the system message, the newest turns kept, then this message
+        prompt = seen_prompts[-1]
+        assert prompt == fmt.render_for_completion(session.messages()[:-1])
         assert len(prompt) + session.reserve <= session.context_length
+        if i > 0:  # the previous turn is always the last one dropped
+            assert f"message number {i - 1} with" in fmt.tokenizer.decode(prompt)
+        if sum(dropped):
+            assert "message number 0 with" not in fmt.tokenizer.decode(prompt)
     assert sum(dropped) > 0 and dropped[0] == 0
+    # a message too long even alone is refused before anything is dropped: the conversation survives
+    before = session.messages()
+    with pytest.raises(ValueError, match="has .* tokens but the model's context length is 96"):
+        session.send("word " * 200)
+    assert session.messages() == before and len(seen_prompts) == 12
     msgs = session.messages()
     assert msgs[0] == {"role": "system", "content": "be brief"}
     assert msgs[-2]["content"] == "message number 11 with some words"
@@ -170,6 +182,19 @@ def test_history_is_dropped_oldest_first_when_the_context_is_full(chat_run, monk
         session.send("  ")
     with pytest.raises(ValueError, match="has .* tokens but the model's context length is 96"):
         session.send("word " * 200)
+
+
+def _capture_prompts(gen: Generator, monkeypatch) -> list[list[int]]:
+    """Record the prompt ids of every ``gen.turn`` call (what generation actually receives)."""
+    seen: list[list[int]] = []
+    real = gen.turn
+
+    def turn(prompt_ids, *args, **kwargs):
+        seen.append(list(prompt_ids))
+        return real(prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(gen, "turn", turn)
+    return seen
 
 
 def _cycle(gen: Generator, ids: list[int], monkeypatch) -> None:

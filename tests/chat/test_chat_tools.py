@@ -54,6 +54,30 @@ def test_anything_else_is_refused_with_the_reason(expr, match):
         calculate(expr)
 
 
+@pytest.mark.timeout(30, method="thread")  # a backstop: the guarded powers below take microseconds
+@pytest.mark.parametrize("expr", ["10**10**10", "10**10**10**10", "9**9**9**9", "(-10)**10**10", "(-10)**101",
+                                  "10**101", "10**1000", "2**333", "10.0**101", "0.1**-101", "99**51"])
+def test_a_huge_power_is_refused_by_the_guard_before_it_is_computed(expr, monkeypatch):
+    """The power guard alone refuses these: the real ``pow`` is never called with a result beyond the limit
+    (a guard that exempted base 10, or allowed 1000x more digits, would compute them; for the first four that
+    means minutes and gigabytes, so the spy refuses to compute instead of hanging)."""
+    import math
+
+    real = tools._BINARY[ast.Pow]
+    computed = []
+
+    def spy(a, b):
+        if a not in (0, 1, -1) and b * math.log10(abs(a)) >= tools.MAX_DIGITS:
+            raise AssertionError(f"{a!r:.20} ** {b!r:.20} was computed: the guard let it through")
+        computed.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setitem(tools._BINARY, ast.Pow, spy)
+    with pytest.raises(ValueError, match=r"gives a number beyond 10\*\*100; a tool call must be arithmetic"):
+        calculate(expr)
+    assert calculate("10**99") == "1" + "0" * 99 and computed[-1] == (10, 99)  # the largest power allowed
+
+
 def test_non_string_is_refused():
     with pytest.raises(ValueError, match="expected the expression as a string"):
         calculate(12)  # type: ignore[arg-type]

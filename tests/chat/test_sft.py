@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -420,6 +421,75 @@ def test_lora_on_a_changed_base_is_refused(base_run, convs, tmp_path) -> None:
         sft(base, convs["train"], out, overrides=LORA + ("training.max_steps=5",), progress=False)
 
 
+def test_sft_from_a_lora_run_starts_from_its_folded_model(base_run, convs, tmp_path) -> None:
+    """``sft --base <a LoRA run>`` fine-tunes the model every reader sees (base + adapters, as ``open_run`` folds
+    it), fully or with new adapters; each result opens as base + first adapters (+ second adapters)."""
+    from lmforge.config import from_dict
+    from lmforge.model import ModelConfig, TransformerLM
+    from lmforge.run import open_run
+    from lmforge.train import load_run_config
+    from lmforge.train.finetune import build_model
+
+    def plain(run_dir):
+        run = open_run(run_dir)
+        m = TransformerLM(from_dict(ModelConfig, run.config["model"]))
+        m.load_state_dict(run.checkpoint.model)
+        return m
+
+    lora1 = tmp_path / "lora1"
+    sft(base_run, convs["train"], lora1, overrides=LORA + ("training.max_steps=3",), progress=False)
+    idx = torch.randint(0, 310, (2, 12))
+    folded = _logits(plain(lora1), idx)
+    for name, sets in [("full", SMALL + ("training.max_steps=2", "sft.pretrain_mix=0.25")),  # the base's own shards
+                       ("lora2", LORA + ("training.max_steps=2",))]:
+        out = tmp_path / name
+        args = ["-q", "sft", "--base", str(lora1), "--data", str(convs["train"]), "--run-dir", str(out),
+                "--no-progress"]
+        assert cli.main(args + [a for s in sets for a in ("--set", s)]) == 0
+        cfg = load_run_config(out / "config.yaml")
+        start = build_model(cfg, torch.device("cpu"), resuming=False)  # what step 1 trained from
+        torch.testing.assert_close(_logits(start, idx), folded, rtol=0, atol=0)
+        assert _logits(plain(out), idx).shape == folded.shape  # every reader opens the result
+        assert cli.main(["-q", "generate", "--run", str(out), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+    # the second adapters open on top of the first: base + adapters 1 + adapters 2 (build_model + the saved factors)
+    from lmforge.checkpoint import CheckpointManager
+    from lmforge.model.lora import load_lora_state_dict
+    cfg = load_run_config(tmp_path / "lora2" / "config.yaml")
+    ref = build_model(cfg, torch.device("cpu"), resuming=False)
+    load_lora_state_dict(ref, CheckpointManager(tmp_path / "lora2").load_latest()[1].model)
+    torch.testing.assert_close(_logits(plain(tmp_path / "lora2"), idx), _logits(ref, idx), rtol=1e-5, atol=1e-5)
+
+
+def test_lora_merge_never_writes_onto_its_inputs_or_another_run(base_run, convs, tiny_run, tmp_path, capsys) -> None:
+    """``lora merge --force`` refuses --out = the LoRA run (it would delete the adapters), its base (it would
+    replace the base checkpoint the adapters need), a trained run (its newer checkpoints would outrank the merge)
+    and a file; ``sft`` refuses --run-dir = its base. Each in one line, exit 2, nothing changed."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(base_run, base)
+    lora = tmp_path / "lora"
+    sft(base, convs["train"], lora, overrides=LORA + ("training.max_steps=3",), progress=False)
+    trained = tmp_path / "trained"
+    shutil.copytree(tiny_run, trained)
+    (tmp_path / "afile").write_text("mine")
+    cases = [(["lora", "merge", "--run", str(lora), "--out", str(lora), "--force"], r"--out .*lora is .*lora, which "
+              r"this command reads: writing there \(even with --force\) would replace its own input"),
+             (["lora", "merge", "--run", str(lora), "--out", str(base), "--force"], r"--out .*base is .*base, which"),
+             (["lora", "merge", "--run", str(lora), "--out", str(lora / "merged"), "--force"], r"is inside .*lora"),
+             (["lora", "merge", "--run", str(lora), "--out", str(trained), "--force"],
+              r"--out .*trained holds another model's checkpoints \(step_00000004\.safetensors"),
+             (["lora", "merge", "--run", str(lora), "--out", str(tmp_path / "afile")], r"afile is an existing file"),
+             (["sft", "--base", str(base), "--data", str(convs["train"]), "--run-dir", str(base), "--force"],
+              r"--run-dir .*base is .*base, which this command reads")]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for argv, pattern in cases:
+        assert cli.main(["-q", *argv]) == 2, argv
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and re.search(pattern, lines[0]), (argv, lines)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
 class _View:
     def __init__(self, sd):
         self.sd = sd
@@ -439,6 +509,10 @@ _BAD_LINES = {
         {"messages": [{"role": "user", "content": "hi"}]}) + "\n", r"noassistant\.jsonl:2: .*no assistant message"),
     "empty.jsonl": (json.dumps({"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": "x"}]})
                     + "\n", r"empty\.jsonl:1: message 0 \(user\) has empty content"),
+    "nothing.jsonl": ("", r"nothing\.jsonl holds no conversations \(it is empty, or blank lines only\)"),
+    "blank.jsonl": ("\n  \n", r"blank\.jsonl holds no conversations"),
+    "surrogate.jsonl": (json.dumps(_conv("ok", "fine")) + "\n" + json.dumps(_conv("hi \ud800", "x")) + "\n",
+                        r"surrogate\.jsonl:2: text cannot be encoded as UTF-8 \(it contains lone surrogates\)"),
 }
 
 
@@ -457,6 +531,7 @@ _BAD_LINES = {
     ("--data {val} --set training.batch_size=64", r"split 'train' packs into \d+ rows of 49 tokens, fewer than one "
                                                   r"global batch \(64 rows"),
     ("--data {good} --set training.context_length=4", r"every conversation is longer than context_length \+ 1 = 5"),
+    ("--data {val} --val-data {tmp}/nothing.jsonl", r"nothing\.jsonl holds no conversations"),
     ("--data {good} --run-dir {other}", r"holds another run \(not a fine-tuning of this base\)"),
     ("--data {good} --run-dir {tmp}/notes", r"not an lmforge run directory; .* --force"),
 ])

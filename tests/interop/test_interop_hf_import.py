@@ -114,6 +114,10 @@ def _copy(src: Path, dst: Path, **config_changes) -> Path:
     ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
     ({"head_dim": 32}, r"head_dim=32 differs from hidden_size/num_attention_heads=16"),
     ({"attention_dropout": 0.1}, r"dropout is set"),
+    ({"max_position_embeddings": 1e15}, r"max_position_embeddings=1e\+15 is not a context length lmforge can hold"),
+    ({"max_position_embeddings": 2048.5}, r"max_position_embeddings=2048.5 is not a context length"),
+    ({"max_position_embeddings": float("inf")}, r"max_position_embeddings=inf is not a context length"),
+    ({"max_position_embeddings": 0}, r"max_position_embeddings=0 is not a context length"),
 ])
 def test_import_refuses_what_lmforge_cannot_hold(hf_folder, tmp_path, changes, message):
     src = _copy(hf_folder, tmp_path / "src", **changes)
@@ -163,6 +167,23 @@ def test_import_refuses_an_existing_target_without_force(hf_folder, tmp_path):
     assert CheckpointManager(out).steps()[0][1].read_bytes() == before
     import_hf(hf_folder, out, force=True)
     assert is_run_dir(out)
+
+
+def test_import_with_force_never_lands_on_a_trained_run_or_its_own_folder(hf_folder, tiny_run, tmp_path):
+    """A trained run's newer checkpoints would outrank the imported step 0 (every reader would open the old
+    model): refused even with --force, the run untouched; so is writing into the HF folder being read."""
+    run = tmp_path / "trained"
+    shutil.copytree(tiny_run, run)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=r"holds another model's checkpoints \(step_00000004\.safetensors"):
+        import_hf(hf_folder, run, force=True)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    src = _copy(hf_folder, tmp_path / "src")
+    with pytest.raises(ValueError, match=r"which this command reads: writing there \(even with --force\)"):
+        import_hf(src, src, force=True)
+    with pytest.raises(ValueError, match=r"is inside .*src, which this command reads"):
+        import_hf(src, src / "run", force=True)
+    assert sorted(p.name for p in src.iterdir()) == sorted(p.name for p in hf_folder.iterdir())
 
 
 def test_import_warns_about_a_post_processor_that_adds_a_bos(hf_folder, tmp_path, caplog):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -100,6 +101,15 @@ def test_config_file_and_cli_errors(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert rc == 2 and "did you mean 'training.eval_every'" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()
+
+
+def test_a_model_too_large_for_memory_is_one_line(tiny_run, tmp_path, capsys) -> None:
+    """An allocation that fails (here the embedding of 2**40 rows: 128 TiB) ends in one line, exit code 1."""
+    rc = cli.main(["-q", "train", str(tiny_run / "config.yaml"), "--run-dir", str(tmp_path / "r"),
+                   "--set", "model.vocab_size=1099511627776", "--set", "training.max_steps=2"])
+    err = capsys.readouterr().err
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert "not enough memory: an allocation of 131,072.0 GiB failed; a smaller model" in err
 
 
 def test_examples_parse() -> None:
@@ -260,6 +270,48 @@ def test_bf16_autocast_on_cpu(shards, tmp_path) -> None:
     (fp32, val32), (bf16, val16) = runs["fp32"], runs["bf16"]
     assert len(bf16) == len(fp32) == 4 and bf16 != fp32
     assert bf16 == pytest.approx(fp32, rel=2**-8) and val16 == pytest.approx(val32, rel=2**-8)
+
+
+# --------------------------------------------------------------------------------------------------
+# The default thread count: two fresh runs under load, bit for bit
+# --------------------------------------------------------------------------------------------------
+_HOG = "import time\nend = time.time() + 600\nwhile time.time() < end:\n    pass\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)  # ~30-90 s measured on 2 shared cores
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: no threads to race")
+def test_default_threads_give_the_same_run_bit_for_bit_under_load(shards, tmp_path) -> None:
+    """Two identical fresh runs with torch's default thread count, started together beside a busy-looping
+    process: the same losses and the same final weights, bit for bit. (The embedding gradient once went
+    through indexing's backward, whose atomic adds from parallel threads summed in timing order: such runs
+    differed in the last bits within a few steps.)"""
+    from lmforge.checkpoint import CheckpointManager
+
+    cfg = _cfg_dict(shards, model={"context_length": 64, "d_model": 64, "n_heads": 2},
+                    training={"max_steps": 6, "batch_size": 8, "grad_accum_steps": 1, "num_threads": None,
+                              "eval_every": 100, "checkpoint_every": 100})
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    hog = subprocess.Popen([sys.executable, "-c", _HOG])
+    procs = []
+    try:
+        for name in ("a", "b"):
+            procs.append(subprocess.Popen([sys.executable, "-m", "lmforge.cli", "-q", "train", str(cfg_path),
+                                           "--run-dir", str(tmp_path / name), "--no-progress"], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        for name, proc in zip("ab", procs):
+            assert _wait(proc, 200, f"run {name}") == 0, proc.stderr.read().decode()
+    finally:
+        for p in [hog, *procs]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert len(a) == 6 and [v.hex() for _, v in a] == [v.hex() for _, v in b]
+    wa, wb = (CheckpointManager(tmp_path / n).load_latest()[1].model for n in "ab")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), [k for k in wa if not torch.equal(wa[k], wb[k])]
 
 
 # --------------------------------------------------------------------------------------------------
