@@ -30,10 +30,11 @@ def byte_chat_tokenizer(extra: tuple[bytes, ...] = ()) -> Tokenizer:
 
 
 def write_run(path: Path, tok: Tokenizer, cfg: ModelConfig, fill: Callable[[TransformerLM], None] | None = None,
-              seed: int = 0) -> Path:
-    """A run directory (marker, config, tokenizer, one checkpoint) holding ``TransformerLM(cfg)`` after ``fill``."""
+              seed: int = 0, init: bool = True) -> Path:
+    """A run directory (marker, config, tokenizer, one checkpoint) holding ``TransformerLM(cfg)`` after ``fill``.
+    ``init=False``: the weights start uninitialised (seconds saved on wide models), for a ``fill`` setting them all."""
     torch.manual_seed(seed)
-    model = TransformerLM(cfg)
+    model = TransformerLM(cfg) if init else TransformerLM(cfg, device="meta").to_empty(device="cpu")
     if fill is not None:
         with torch.no_grad():
             fill(model)
@@ -63,7 +64,7 @@ def zero_run(path: Path, context_length: int = 4096, d_model: int = 64, n_layers
         for p in model.parameters():
             p.zero_()
 
-    return write_run(path, tok, cfg, zero)
+    return write_run(path, tok, cfg, zero, init=False)
 
 
 SCRIPT_WORDS = (b"<script>", b"alert('pwned')", b"</script>")
@@ -103,25 +104,49 @@ def script_run(path: Path) -> Path:
     return chain_run(path, ["<|assistant_start|>", 256, 257, 258, "<|assistant_end|>"], SCRIPT_WORDS)
 
 
-def calculator_run(path: Path) -> Path:
-    """The model calls the calculator (``6*7``) and ends its turn once the tool's output has been fed in."""
+def calculator_run(path: Path, then: str = "") -> Path:
+    """The model calls the calculator (``6*7``) and, once the tool's output has been fed in, says ``then`` (one
+    token per character, each distinct and none of ``6*7``) and ends its turn."""
+    after = ["<|output_end|>", *map(ord, then), "<|assistant_end|>"]
     return chain_run(path, ["<|assistant_start|>", "<|python_start|>", ord("6"), ord("*"), ord("7"),
-                            "<|python_end|>"], also=(("<|output_end|>", "<|assistant_end|>"),))
+                            "<|python_end|>"], also=tuple(zip(after, after[1:])))
+
+
+def wide_zero_run(path: Path) -> Path:
+    """The all-zero model with wide layers: a few ms per token even on a quiet machine, so 4,000 tokens take
+    many seconds (a budget no request can reach within a test's one-second deadline)."""
+    return zero_run(path, d_model=512, n_layers=4)
+
+
+def recorded_prompts(served: Any, monkeypatch: Any) -> list[list[int]]:
+    """The prompt ids of every request ``served``'s scheduler receives from now on (its ``submit`` wrapped)."""
+    seen: list[list[int]] = []
+    submit = served.scheduler.submit
+
+    def record(req: Any) -> None:
+        seen.append(list(req.prompt))
+        submit(req)
+
+    monkeypatch.setattr(served.scheduler, "submit", record)
+    return seen
 
 
 class ThreadServer:
-    """``create_app(served)`` under ``uvicorn.Server`` in a thread, on a free loopback port."""
+    """``create_app(served, **app_kw)`` under ``uvicorn.Server`` in a thread, on a free loopback port, with the
+    settings ``lmforge serve`` uses (:func:`~lmforge.serve.server.uvicorn_config`; ``header_timeout`` goes there)."""
 
     def __init__(self, served: Any, **app_kw: Any) -> None:
         import uvicorn
 
         from lmforge.serve import bind
         from lmforge.serve.app import create_app
+        from lmforge.serve.server import uvicorn_config
 
         self.served = served
         self.sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(served, **app_kw), log_level="warning"))
+        header_kw = {"header_timeout": app_kw.pop("header_timeout")} if "header_timeout" in app_kw else {}
+        self.server = uvicorn.Server(uvicorn_config(create_app(served, **app_kw), log_level="warning", **header_kw))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

@@ -84,7 +84,9 @@ def check_conversation(messages: Any, for_training: bool = True) -> list[Message
     """The messages, checked against the rules in the module docstring (``ValueError`` naming the message).
 
     ``for_training``: the conversation must end with a finished assistant reply (else it trains nothing);
-    otherwise (a prompt for :meth:`ChatFormat.render_for_completion`) it must end with a user message.
+    otherwise (a prompt for :meth:`ChatFormat.render_for_completion`) it must end with a user message, and an
+    assistant message may be empty (a model may end its turn at once, or right after a tool's output, and a
+    server's client sends such a reply back as it got it).
     """
     if isinstance(messages, tuple):
         messages = list(messages)
@@ -110,7 +112,7 @@ def check_conversation(messages: Any, for_training: bool = True) -> list[Message
             raise ValueError(f"{where} ({role}): content and tool_call must be strings, got {content!r:.60}")
         if call is not None and not call.strip():
             raise ValueError(f"{where} (assistant) has an empty tool_call; give the expression or drop the key")
-        if not content.strip() and call is None:
+        if not content.strip() and call is None and (for_training or role != "assistant"):
             raise ValueError(f"{where} ({role}) has empty content; give it text or drop the message")
         if role not in expect:
             raise ValueError(f"{where} has role {role!r} but {' or '.join(sorted(expect))} must come here: "

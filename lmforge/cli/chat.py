@@ -68,8 +68,8 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
                    "tokens with probability >= P")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, metavar="N", help="tokens per reply at most "
                    "(default 256)")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed (the same seed and messages "
-                   "give the same replies)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed, an integer in [-2**63, "
+                   "2**63 - 1] (the same seed and messages give the same replies)")
     p.add_argument("--no-tools", action="store_true", help="do not run calculator calls (the model's "
                    "<|python_start|>...<|python_end|> stays text)")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (default)")
@@ -86,7 +86,9 @@ def _chat(args: argparse.Namespace) -> int:
         raise CLIError("give --run DIR to talk to a chat model, or use `lmforge chat render FILE.jsonl --tokenizer T` "
                        "(see `lmforge chat --help`)")
     from lmforge.chat.session import ChatSession  # here: loads torch
+    from lmforge.generate.sampling import check_seed
 
+    check_seed(args.seed)  # before loading the model
     session = ChatSession.from_run(args.run, args.checkpoint, device=args.device, system=args.system,
                                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, tools=not args.no_tools)

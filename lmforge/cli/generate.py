@@ -9,6 +9,7 @@ from pathlib import Path
 from lmforge.cli import AddArgs, CLIError, Handler, positive_int
 from lmforge.common import check_input_file
 from lmforge.generate import Generator, check_sampling
+from lmforge.generate.sampling import check_seed
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
@@ -24,7 +25,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=positive_int, default=None, help="sample only from the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None,
                    help="sample only from the smallest set of tokens with total probability >= p, in (0, 1]")
-    p.add_argument("--seed", type=int, default=None, help="random seed (same seed, same output)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed, an integer in [-2**63, 2**63 - 1] (same seed, same output)")
     p.add_argument("--stop", action="append", default=[], help="stop at this string, not printed (repeatable)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
     p.add_argument("--weight-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "int8"],
@@ -58,6 +60,7 @@ def _run_dir(args: argparse.Namespace) -> str | Path:
 
 def _generate(args: argparse.Namespace) -> int:
     check_sampling(args.temperature, args.top_k, args.top_p)  # before loading or printing anything
+    check_seed(args.seed)
     prompts = _prompts(args)
     gen = Generator.from_run(_run_dir(args), args.checkpoint, device=args.device, weight_dtype=args.weight_dtype)
     opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -18,7 +18,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "then set an API key)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $LMFORGE_API_KEY, else no key)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (printable ASCII, no spaces). Prefer the "
+                        "environment variable LMFORGE_API_KEY, the default: a key on the command line shows in `ps` "
+                        "to every user of the machine (default: $LMFORGE_API_KEY, else no key)")
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="requests decoded together, one batched step for all (default 8)")
     p.add_argument("--max-queue", type=positive_int, default=64,
@@ -39,11 +41,17 @@ def _serve(args: argparse.Namespace) -> int:
     if missing:
         raise CLIError(f"lmforge serve needs {' and '.join(missing)}: pip install 'lmforge[serve]'")
     from lmforge.serve import ServedModel, serve
-    from lmforge.serve.server import API_KEY_ENV
+    from lmforge.serve.server import API_KEY_ENV, check_api_key
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
     if api_key is not None and not api_key.strip():
-        raise CLIError("--api-key is empty; give a key or leave the flag out")
+        raise CLIError(f"{source} is empty; give a key or leave the flag out")
+    if api_key is not None:
+        try:
+            check_api_key(api_key)  # before loading the model
+        except ValueError as e:
+            raise CLIError(f"{source}: {e}") from None
     served = ServedModel.from_run(args.run, args.checkpoint, device=args.device, weight_dtype=args.weight_dtype,
                                   max_batch=args.max_batch, max_queue=args.max_queue,
                                   max_tokens_cap=args.max_tokens_cap)

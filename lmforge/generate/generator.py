@@ -33,7 +33,7 @@ from lmforge.checkpoint import apply_checkpoint, unwrap_model
 from lmforge.common import resolve_device, token_ids
 from lmforge.config import from_dict
 from lmforge.generate.engine import Engine
-from lmforge.generate.sampling import check_sampling, sample_next
+from lmforge.generate.sampling import check_sampling, check_seed, sample_next
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.run import open_run
 from lmforge.tokenizer import EOT, Tokenizer
@@ -151,7 +151,9 @@ class Generator:
         self.engine = Engine(self.model, self.engine.window_drop, self.engine.weight_dtype)
 
     def rng(self, seed: int | None = None) -> torch.Generator:
-        """A random generator on the model's device: seeded with ``seed``, or from fresh entropy when None."""
+        """A random generator on the model's device: seeded with ``seed``, or from fresh entropy when None.
+        ``ValueError`` for a seed outside a signed 64-bit integer (:func:`~lmforge.generate.sampling.check_seed`)."""
+        check_seed(seed)
         gen = torch.Generator(device=self.device)
         if seed is None:
             gen.seed()
@@ -256,6 +258,7 @@ class Generator:
         single = len(prompt_ids) > 0 and not isinstance(prompt_ids[0], (list, tuple))
         rows = [list(prompt_ids)] if single else [list(r) for r in prompt_ids]
         check_sampling(temperature, top_k, top_p)
+        check_seed(seed)
         n_new = self._check_prompts(rows, max_new_tokens, overflow)
         if stop_ids is None:
             eot = getattr(self.tokenizer, "eot_id", None)
@@ -336,6 +339,7 @@ class Generator:
                 raise ValueError(f"prompt {i} is empty (or not a string); give some text to continue")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         check_sampling(temperature, top_k, top_p)
+        check_seed(seed)
         rows = [self.tokenizer.encode(t) for t in texts]
         n_new = self._check_prompts(rows, max_new_tokens, overflow)
         eot = getattr(self.tokenizer, "eot_id", None)

@@ -1,4 +1,9 @@
-"""Sampling the next token from logits: greedy, temperature, top-k, top-p (nucleus), reproducible by seed."""
+"""Sampling the next token from logits: greedy, temperature, top-k, top-p (nucleus), reproducible by seed.
+
+This module owns the sampling parameters' rules: which values are valid (:func:`check_sampling`,
+:func:`check_seed`), which temperatures are greedy (:func:`is_greedy`), and how a token is drawn
+(:func:`sample_next`).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,28 @@ import math
 
 import torch
 
-__all__ = ["check_sampling", "sample_next"]
+__all__ = ["MIN_TEMPERATURE", "SEED_MAX", "SEED_MIN", "check_sampling", "check_seed", "is_greedy", "sample_next"]
+
+MIN_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy: dividing float32 logits by a smaller one overflows to inf (1e-40 gives
+inf/NaN probabilities), and long before that the distribution is one-hot anyway (vLLM uses the same floor)."""
+
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+"""The seeds accepted: a signed 64-bit integer, the OpenAI API's range (``torch.Generator`` takes these)."""
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether ``temperature`` means greedy decoding (argmax): 0, or below :data:`MIN_TEMPERATURE`."""
+    return temperature < MIN_TEMPERATURE
+
+
+def check_seed(seed: int | None) -> None:
+    """``ValueError`` unless ``seed`` is None or an integer in ``[SEED_MIN, SEED_MAX]`` (a signed 64-bit integer)."""
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX:
+        raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1] (got {seed!r:.40}); any number in that "
+                         "range works, the same seed repeats the same sample")
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -24,12 +50,13 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
                 top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """Pick the next token of each row of ``logits`` ``(B, V)``; returns ``(B,)`` int64.
 
-    ``temperature == 0`` is greedy (argmax; ties go to the lowest id). Otherwise the logits are divided by
-    the temperature, then restricted to the ``top_k`` largest, then to the smallest set of tokens whose
-    probabilities add up to at least ``top_p`` (never empty: the most likely token is always kept; ``top_p
-    = 1`` keeps every token), and one token is drawn with ``generator``.
+    A temperature below :data:`MIN_TEMPERATURE` (0 included) is greedy (argmax; ties go to the lowest id).
+    Otherwise the logits are divided by the temperature, then restricted to the ``top_k`` largest, then to the
+    smallest set of tokens whose probabilities add up to at least ``top_p`` (never empty: the most likely token
+    is always kept, however small ``top_p``; ``top_p = 1`` keeps every token), and one token is drawn with
+    ``generator``.
     """
-    if temperature == 0:
+    if is_greedy(temperature):
         if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
             # numpy's argmax: the same ids (the first maximum; a NaN counts as the maximum), in a fifth of the
             # time of torch's on a decode step's few rows (microseconds that every generated token pays)
@@ -43,7 +70,8 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above
-        drop = mass_before >= top_p  # rank 0 has mass_before 0 < top_p: never dropped
+        drop = mass_before >= top_p
+        drop[:, 0] = False  # the most likely token stays, even for a top_p that rounds to 0 in float32 (1e-50)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)

@@ -3,8 +3,10 @@
 A :class:`Scheduler` owns an engine whose KV cache has ``max_batch`` rows (slots) and a queue of waiting
 requests. One iteration (:meth:`Scheduler.run_once`):
 
-1. rows whose request was cancelled (a client that disconnected) leave, freeing their slots;
-2. waiting requests join while slots are free: each prompt is prefilled alone into its row;
+1. rows whose request was cancelled (a client that disconnected) leave, freeing their slots (a cancelled
+   request that was still waiting has already left the queue: :meth:`Scheduler.cancel` removes it at once);
+2. waiting requests join while slots are free: each prompt is prefilled alone into its row (anything that
+   fails while one request joins ends that request alone, with ``finish_reason="error"``);
 3. one batched step feeds every live row one token: the token it sampled last, or the next of the tokens a
    tool forces into it; each row then samples its next token with its own temperature/top-k/top-p and its
    own seeded ``torch.Generator``, so a request's output does not depend on the others;
@@ -26,13 +28,13 @@ import collections
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import torch
 
 from lmforge.generate.engine import Engine
 from lmforge.generate.generator import _TextStream
-from lmforge.generate.sampling import check_sampling, sample_next
+from lmforge.generate.sampling import check_sampling, check_seed, is_greedy, sample_next
 from lmforge.model.cache import check_context
 from lmforge.tokenizer import Tokenizer
 
@@ -65,6 +67,8 @@ class Request:
     ``emit`` is called on the engine thread; it must not block (a server hands the update to its event
     loop). ``stop_ids`` end the completion without being part of it; ``stop`` strings end it at their first
     occurrence in the text (not emitted). ``tool(token_id) -> list[int] | None``: see the module docstring.
+    ``token_text`` maps token ids to the text emitted for them instead of their own (a server showing the
+    special tokens of a tool call in its own markup); ``seed`` is a signed 64-bit integer.
     """
 
     prompt: list[int]
@@ -77,10 +81,12 @@ class Request:
     stop_ids: Collection[int] = ()
     stop: Sequence[str] = ()
     tool: Callable[[int], list[int] | None] | None = None
+    token_text: Mapping[int, str] = field(default_factory=dict)
     cancelled: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_k, self.top_p)
+        check_seed(self.seed)
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
         if not self.prompt:
@@ -105,6 +111,7 @@ class _Row:
         else:
             self.gen.manual_seed(int(req.seed))
         self.stream = _TextStream(list(req.stop))
+        self.shown = {int(t): text.encode() for t, text in req.token_text.items()}  # ids shown as other text
         self.forced: collections.deque[int] = collections.deque()
         self.n = 0  # completion tokens
         self.next = -1  # the token to feed at the next step
@@ -168,9 +175,14 @@ class Scheduler:
             self._cv.notify()
 
     def cancel(self, req: Request) -> None:
-        """Drop ``req``: it leaves the queue or frees its row at the next step, and gets no more updates."""
+        """Drop ``req``: it leaves the queue now (its place is free for another) or frees its row at the next
+        step, and gets no more updates."""
         req.cancelled = True
         with self._cv:
+            try:
+                self._waiting.remove(req)  # identity (Request has eq=False); at most max_queue entries
+            except ValueError:  # not waiting: running, finished, or already taken by the engine thread
+                pass
             self._cv.notify()
 
     def load(self) -> dict[str, int]:
@@ -242,16 +254,16 @@ class Scheduler:
                 req = self._waiting.popleft()
             if req.cancelled:
                 continue
-            row = _Row(req, self.engine.device)
-            try:
-                _, logits = self.engine.admit(req.prompt)
-            except Exception as e:  # noqa: BLE001  (this prompt failed; the others go on)
-                logger.exception("prefill failed")
+            try:  # everything about one request joining: its row state, its prefill
+                row = _Row(req, self.engine.device)
+                _, logits = self.engine.admit(req.prompt)  # last: once it returns, the engine row is taken
+            except Exception as e:  # noqa: BLE001  (this request failed to join; the others go on)
+                logger.exception("a request failed to join the batch")
                 self._send(req, Update("", len(req.prompt), 0, "error", f"internal error: {type(e).__name__}: {e}"))
                 continue
             with self._cv:
                 self._rows.append(row)
-            self._advance(row, logits)
+            self._advance(row, logits)  # its own errors end this row only
         if not self._rows:
             return False
         self._finish_rows()
@@ -274,7 +286,7 @@ class Scheduler:
             if r.forced:
                 self._take(r, r.forced.popleft())
                 return
-            if req.temperature == 0 and argmax is not None:
+            if is_greedy(req.temperature) and argmax is not None:
                 t = argmax  # == sample_next at temperature 0
             else:
                 t = int(sample_next(logits[None, : self.vocab_limit], req.temperature, req.top_k, req.top_p, r.gen)[0])
@@ -298,7 +310,7 @@ class Scheduler:
         """Token ``t`` is the row's next completion token: its text, and whether it ends the row."""
         r.n += 1
         r.next = t
-        r.pending += r.stream.feed(self._bytes[t])
+        r.pending += r.stream.feed(r.shown.get(t, self._bytes[t]) if r.shown else self._bytes[t])
         if r.stream.done:
             r.finish = "stop"
         elif r.n >= r.req.max_tokens:

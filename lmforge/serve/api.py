@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from lmforge.generate.sampling import SEED_MAX, SEED_MIN
+
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "error_body", "parse"]
 
 
@@ -48,7 +50,7 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # OpenAI's range: a signed 64-bit integer
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1)
@@ -144,6 +146,8 @@ def parse(cls: type[_Request], body: bytes) -> Any:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply to parse; send a flat JSON object") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     try:

@@ -5,7 +5,10 @@ Routes: ``GET /`` (the web chat page, static files shipped in the package), ``GE
 scheduler (which runs the engine in its own thread) and answered from the updates the engine thread hands to
 this event loop (``call_soon_threadsafe``): as one JSON object, or streamed as server-sent events
 (``data: {chunk}`` lines, then ``data: [DONE]``). A client that goes away cancels its request, which frees
-its row at the next step. Every error has the OpenAI shape ``{"error": {message, type, param, code}}``.
+its row at the next step (or its place in the queue at once): a stream notices when it can no longer send, a
+plain request by watching the connection while it waits. A request body must arrive within ``body_timeout``
+seconds (else 408, and the connection is closed). Every error has the OpenAI shape
+``{"error": {message, type, param, code}}``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from lmforge.generate.scheduler import QueueFull, Update
 from lmforge.generate.scheduler import Request as Job
 from lmforge.serve import api
 from lmforge.serve.api import APIError, ChatCompletionRequest, CompletionRequest
+from lmforge.serve.server import check_api_key
 
 logger = logging.getLogger("lmforge")
 
@@ -34,19 +38,25 @@ __all__ = ["create_app"]
 STATIC = resources.files("lmforge.serve") / "static"
 _STATIC_TYPES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
 RETRY_AFTER_S = 1
+BODY_TIMEOUT_S = 30.0
+CLOSE = {"Connection": "close"}  # a slow body's 408: the connection closes, the rest is never read
 
 
 def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20) -> FastAPI:
+def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
+               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     """The app serving ``served`` (a :class:`~lmforge.serve.server.ServedModel`).
 
-    ``api_key``: required as ``Authorization: Bearer KEY`` on ``/v1/*`` (the page and ``/health`` stay open).
-    ``max_body``: the largest request body in bytes (beyond: 413). The app's lifespan starts and stops the
-    scheduler's engine thread.
+    ``api_key``: required as ``Authorization: Bearer KEY`` on ``/v1/*`` (the page and ``/health`` stay open);
+    ``ValueError`` if it could never match (:func:`~lmforge.serve.server.check_api_key`). ``max_body``: the
+    largest request body in bytes (beyond: 413). ``body_timeout``: seconds a request body may take to arrive
+    (beyond: 408, connection closed). The app's lifespan starts and stops the scheduler's engine thread.
     """
+    if api_key is not None:
+        check_api_key(api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -89,12 +99,17 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20)
             raise APIError(413, f"the request body has {declared} bytes, over this server's limit of {max_body}",
                            code="request_too_large")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body:
-                raise APIError(413, f"the request body is over this server's limit of {max_body} bytes",
-                               code="request_too_large")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(body_timeout):  # a client trickling its body does not hold a connection
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > max_body:
+                        raise APIError(413, f"the request body is over this server's limit of {max_body} bytes",
+                                       code="request_too_large")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {body_timeout:g} s ({size} bytes came); "
+                                "send it at once", code="request_timeout", headers=CLOSE) from None
         return b"".join(chunks)
 
     def check_model(name: str) -> None:
@@ -137,7 +152,7 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20)
         check_model(req.model)
         prompt = served.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages])
         limit = served.max_tokens(req.limit(), len(prompt), "messages")
-        job = _job(req, prompt, limit, served.chat_stops(), served.chat_tool())
+        job = _job(req, prompt, limit, served.chat_stops(), served.chat_tool(), served.tool_text)
         return await _answer(request, job, req, "chat")
 
     @app.post("/v1/completions")
@@ -152,16 +167,22 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20)
 
     # ---------------------------------------------------------------------------------------------
     def _job(req: Any, prompt: list[int], limit: int, stop_ids: list[int],
-             tool: Callable[[int], list[int] | None] | None) -> Job:
-        return Job(prompt, limit, _noop, temperature=req.temperature, top_p=None if req.top_p >= 1 else req.top_p,
-                   seed=req.seed, stop_ids=stop_ids, stop=req.stops(), tool=tool)
+             tool: Callable[[int], list[int] | None] | None, token_text: dict[int, str] | None = None) -> Job:
+        try:
+            return Job(prompt, limit, _noop, temperature=req.temperature,
+                       top_p=None if req.top_p >= 1 else req.top_p, seed=req.seed, stop_ids=stop_ids,
+                       stop=req.stops(), tool=tool, token_text=token_text or {})
+        except ValueError as e:  # a value the schema let through but the engine refuses
+            raise APIError(400, str(e)) from None
 
     async def _answer(request: Request, job: Job, req: Any, kind: str) -> Response:
         loop = asyncio.get_running_loop()
-        updates: asyncio.Queue[Update] = asyncio.Queue()
+        updates: asyncio.Queue[Update | None] = asyncio.Queue()  # None: the client went away
         job.emit = lambda u: loop.call_soon_threadsafe(updates.put_nowait, u)
         try:
             sched.submit(job)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
         except QueueFull as e:
             raise APIError(429, f"the server is busy: {e}", code="rate_limit_exceeded", type="rate_limit_error",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -172,19 +193,17 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20)
             return StreamingResponse(_stream(job, updates, rid, kind, req.include_usage()),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text, last = [], None
+        watcher = asyncio.create_task(_watch(request, job, updates))
         try:
             while last is None:
-                try:
-                    u = await asyncio.wait_for(updates.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        sched.cancel(job)
-                        return Response(status_code=499)
-                    continue
+                u = await updates.get()
+                if u is None:  # cancelled by the watcher
+                    return Response(status_code=499)
                 text.append(u.text)
                 if u.finish_reason is not None:
                     last = u
         finally:
+            watcher.cancel()
             if last is None:
                 sched.cancel(job)
         if last.finish_reason in ("error", "cancelled"):
@@ -195,7 +214,18 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20)
                                api.usage(last.prompt_tokens, last.completion_tokens)))
         return JSONResponse(body)
 
-    async def _stream(job: Job, updates: asyncio.Queue[Update], rid: str, kind: str,
+    async def _watch(request: Request, job: Job, updates: asyncio.Queue[Update | None]) -> None:
+        """Cancel ``job`` as soon as its client disconnects (the body is read: the next message the server
+        gives is the disconnect), however busy its row is; then wake the request's reader."""
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                await asyncio.sleep(0.05)  # (a server that answers anything else: look again, without spinning)
+        except Exception:  # noqa: BLE001  (the connection broke while waiting: gone as well)
+            pass
+        sched.cancel(job)
+        updates.put_nowait(None)
+
+    async def _stream(job: Job, updates: asyncio.Queue[Update | None], rid: str, kind: str,
                       include_usage: bool) -> AsyncIterator[bytes]:
         model_id, finished = served.model_id, False
 
@@ -209,7 +239,10 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20)
             if kind == "chat":
                 yield api.sse(api.chat_chunk(rid, model_id, {"role": "assistant", "content": ""}))
             while True:
+                if not updates.empty():  # a burst: let the loop notice a client that left before writing again
+                    await asyncio.sleep(0)  # (asyncio logs a warning for every write to a lost connection)
                 u = await updates.get()
+                assert u is not None  # (only the non-streaming watcher sends None)
                 if u.finish_reason in ("error", "cancelled"):
                     finished = True
                     msg = u.error or "the request was cancelled: the server is stopping"

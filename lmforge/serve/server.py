@@ -5,6 +5,13 @@ that batches every request on it; it turns API requests into prompt ids (chat me
 renderer, :class:`~lmforge.chat.format.ChatFormat`) and checks their limits. :func:`serve` binds the socket
 (127.0.0.1 unless told otherwise), runs uvicorn on :func:`~lmforge.serve.app.create_app`, and on SIGTERM or
 Ctrl-C stops taking connections, lets the requests in flight finish, and returns.
+
+Calculator calls over the API: a chat reply shows each call and its output in the text markup
+:data:`TOOL_TEXT` (``<calculator>6*7</calculator><output>42</output>``), never as special-token text, and an
+incoming assistant message is split back at that markup into the chat format's ``tool_call`` and ``tool``
+messages (:func:`messages_from_text`). So a client that sends a reply back as it got it (the web page, the
+``openai`` client, any script keeping ``content``) gets the prompt ids ``lmforge chat`` renders for the same
+conversation: the special ids of the call and its output, not ~60 byte tokens of their names.
 """
 
 from __future__ import annotations
@@ -12,13 +19,14 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import signal
 import socket
 import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from lmforge.chat.format import ChatFormat
+from lmforge.chat.format import ChatFormat, Message, check_conversation
 from lmforge.chat.tools import ToolUse
 from lmforge.generate import Generator
 from lmforge.generate.engine import Engine
@@ -28,9 +36,48 @@ from lmforge.tokenizer import Tokenizer
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["ServedModel", "bind", "exposure_warning", "serve"]
+__all__ = ["ServedModel", "TOOL_TEXT", "bind", "check_api_key", "exposure_warning", "messages_from_text", "serve"]
 
 API_KEY_ENV = "LMFORGE_API_KEY"
+
+TOOL_TEXT: dict[str, str] = {"<|python_start|>": "<calculator>", "<|python_end|>": "</calculator>",
+                             "<|output_start|>": "<output>", "<|output_end|>": "</output>"}
+"""How a chat reply over the API shows the calculator's special tokens (the call, then the tool's output)."""
+
+_TOOL_CALL = re.compile("{}(.*?){}{}(.*?){}".format(*map(re.escape, TOOL_TEXT.values())), re.DOTALL)
+
+
+def messages_from_text(content: str) -> list[Message]:
+    """An assistant message's text split at each calculator call shown in the :data:`TOOL_TEXT` markup:
+    ``assistant`` text with ``tool_call``, the ``tool`` output, ..., then the ``assistant`` text after the last
+    call (possibly empty: the model may end its turn right after the output). Text without the markup is one
+    assistant message; a call with a blank expression (the chat format has none) stays text.
+
+    >>> messages_from_text("Let me see. <calculator>6*7</calculator><output>42</output>It is 42.")
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [{'role': 'assistant', 'content': 'Let me see. ', 'tool_call': '6*7'}, {'role': 'tool', 'content': '42'},
+     {'role': 'assistant', 'content': 'It is 42.'}]
+    """
+    out: list[Message] = []
+    start = 0  # where the current assistant text starts
+    for m in _TOOL_CALL.finditer(content):
+        if not m.group(1).strip():
+            continue
+        out.append({"role": "assistant", "content": content[start:m.start()], "tool_call": m.group(1)})
+        out.append({"role": "tool", "content": m.group(2)})
+        start = m.end()
+    out.append({"role": "assistant", "content": content[start:]})
+    return out
+
+
+def check_api_key(key: str) -> None:
+    """``ValueError`` unless ``key`` can be sent in an ``Authorization: Bearer KEY`` header and match: printable
+    ASCII without spaces (a key with spaces or other characters could never be matched)."""
+    if not key or any(not "!" <= c <= "~" for c in key):
+        bad = next((c for c in key if not "!" <= c <= "~"), None)
+        what = "is empty" if not key else f"holds {'a space' if bad == ' ' else repr(bad)}"
+        raise ValueError(f"the API key {what}; a key must be printable ASCII without spaces (letters, digits, "
+                         "punctuation), since clients send it in an HTTP header, e.g. from `openssl rand -hex 24`")
 
 
 class ServedModel:
@@ -59,6 +106,9 @@ class ServedModel:
             self.no_chat = (f"model {model_id!r} has no chat format ({e}); fine-tune it for chat (lmforge sft), or "
                             "use /v1/completions with a raw prompt")
         self.eot_id = tokenizer.eot_id
+        self.tool_text: dict[int, str] = {}  # special id -> its markup in a reply (TOOL_TEXT)
+        if self.chat is not None:
+            self.tool_text = {self.chat.ids[t]: text for t, text in TOOL_TEXT.items()}
 
     @classmethod
     def from_run(cls, run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
@@ -69,18 +119,24 @@ class ServedModel:
 
     # ---------------------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Prompt ids of a conversation (ends with ``<|assistant_start|>``); APIError 400 when it is not valid."""
+        """Prompt ids of a conversation (ends with ``<|assistant_start|>``), each assistant message split at its
+        calculator calls (:func:`messages_from_text`); APIError 400 when it is not valid."""
         if self.chat is None:
             raise APIError(400, self.no_chat, "messages", "chat_not_supported")
         try:
-            return self.chat.render_for_completion(messages)
+            check_conversation(messages, for_training=False)  # errors name the messages as the client sent them
+            split = [part for m in messages
+                     for part in (messages_from_text(m["content"]) if m["role"] == "assistant" else [m])]
+            return self.chat.render_for_completion(split)
         except ValueError as e:
             raise APIError(400, f"messages: {e}", "messages") from None
 
     def chat_stops(self) -> list[int]:
-        """Ids that end a reply: ``<|assistant_end|>`` (and the document separator)."""
+        """Ids that end a reply: ``<|assistant_end|>``, ``<|user_start|>`` (a model starting the user's next turn,
+        as :class:`~lmforge.chat.session.ChatSession` stops it) and the document separator."""
         assert self.chat is not None
-        return [self.chat.assistant_end_id] + ([self.eot_id] if self.eot_id is not None else [])
+        return [self.chat.assistant_end_id, self.chat.ids["<|user_start|>"]] + \
+            ([self.eot_id] if self.eot_id is not None else [])
 
     def chat_tool(self) -> Callable[[int], list[int] | None]:
         """A fresh calculator state machine for one reply (its ``feed`` is the scheduler's forced-token hook)."""
@@ -88,10 +144,13 @@ class ServedModel:
         return ToolUse(self.chat).feed
 
     def text_prompt(self, text: str) -> list[int]:
-        """Prompt ids of a raw text; APIError 400 when it is empty."""
+        """Prompt ids of a raw text; APIError 400 when it is empty or cannot be encoded (a lone surrogate)."""
         if not text:
             raise APIError(400, "prompt is empty; give some text to continue", "prompt")
-        return self.tokenizer.encode(text)
+        try:
+            return self.tokenizer.encode(text)
+        except ValueError as e:
+            raise APIError(400, f"prompt: {e}", "prompt") from None
 
     def max_tokens(self, asked: int | None, prompt_tokens: int, prompt_param: str) -> int:
         """The request's ``max_tokens``: as asked (checked against the cap and the context), or by default
@@ -142,22 +201,61 @@ def bind(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
     return sock
 
 
+HEADER_TIMEOUT_S = 10.0
+KEEP_ALIVE_S = 5
+
+
+def uvicorn_config(app: Any, header_timeout: float = HEADER_TIMEOUT_S, **kw: Any) -> Any:
+    """A ``uvicorn.Config`` for ``app`` (``kw``: more of its settings) whose connections cannot be held open by
+    a slow client: each request's headers must arrive within ``header_timeout`` seconds of the connection
+    opening or of the previous response (else the connection is closed; uvicorn itself waits forever, even
+    for a client that sends nothing), an idle connection closes after :data:`KEEP_ALIVE_S` seconds, and the app
+    bounds the time a body may take (``create_app(body_timeout=...)``)."""
+    import uvicorn  # the optional extra: pip install lmforge[serve]
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):  # type: ignore[misc]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._header_deadline()
+
+        def on_response_complete(self) -> None:
+            answered = self.cycle
+            super().on_response_complete()
+            if self.cycle is answered:  # no pipelined request started: wait for the next one's headers
+                self._header_deadline()
+
+        def _header_deadline(self) -> None:
+            waiting = self.cycle  # a new request replaces it once its headers are in
+
+            def expire() -> None:
+                if self.cycle is waiting and not self.transport.is_closing():
+                    self.transport.close()
+
+            self.loop.call_later(header_timeout, expire)
+
+    return uvicorn.Config(app, http=Protocol, timeout_keep_alive=KEEP_ALIVE_S, **kw)
+
+
 def serve(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_body: int = 1 << 20, on_ready: Callable[[str], None] | None = None,
           drain_timeout: float = 300.0) -> None:
     """Serve ``served`` over HTTP until SIGTERM or Ctrl-C; requests in flight finish first (up to
-    ``drain_timeout`` seconds). ``on_ready(url)`` is called once the socket listens."""
+    ``drain_timeout`` seconds). ``on_ready(url)`` is called once the socket listens. ``ValueError`` for an
+    ``api_key`` that could never match (:func:`check_api_key`)."""
     import uvicorn  # the optional extra: pip install lmforge[serve]
 
     from lmforge.serve.app import create_app
 
+    if api_key is not None:
+        check_api_key(api_key)
     warning = exposure_warning(host, api_key)
     if warning:
         logger.warning("%s", warning)
     sock = bind(host, port)
     url = "http://%s:%d" % ((f"[{host}]" if ":" in host else host), sock.getsockname()[1])
     app = create_app(served, api_key=api_key, max_body=max_body)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=drain_timeout, access_log=False)
+    config = uvicorn_config(app, log_level="warning", timeout_graceful_shutdown=drain_timeout, access_log=False)
     server = uvicorn.Server(config)
     logger.info("serving %s on %s (web chat at %s/, API at %s/v1; %s)", served.model_id, url, url, url,
                 "API key required" if api_key else "no API key")

@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -357,3 +358,69 @@ def test_cli_generate_on_one_thread(tmp_path, tiny_tokenizer):
                        capture_output=True, text=True, timeout=120, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr
     assert r.stdout == "the king" + want + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# Tiny sampling values and seeds: the library, `lmforge generate` and `lmforge chat`
+# --------------------------------------------------------------------------------------------------
+def test_tiny_temperature_and_top_p_sample_the_likeliest_token():
+    """temperature 1e-40 overflowed float32 logits to inf (NaN probabilities, a RuntimeError) and top_p 1e-50
+    rounded to 0 in float32 (no token kept): below the floor a temperature is greedy, and top_p always keeps
+    the likeliest token."""
+    from lmforge.generate.sampling import MIN_TEMPERATURE, is_greedy
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 10
+    want = logits.argmax(-1)
+    g = torch.Generator().manual_seed(0)
+    for x in (logits, logits.double(), logits.bfloat16()):
+        for kw in (dict(temperature=1e-40), dict(temperature=1e-300), dict(temperature=1.0, top_p=1e-50),
+                   dict(temperature=2.0, top_p=1e-300, top_k=5), dict(temperature=MIN_TEMPERATURE * 0.99)):
+            assert torch.equal(sample_next(x, generator=g, **kw), x.argmax(-1)), (x.dtype, kw)
+    assert is_greedy(0) and is_greedy(1e-40) and not is_greedy(MIN_TEMPERATURE) and not is_greedy(0.7)
+    assert torch.equal(sample_next(logits, temperature=MIN_TEMPERATURE, generator=g), want)  # sharp enough
+
+
+@pytest.mark.parametrize("seed", [2 ** 63, -(2 ** 63) - 1, 2 ** 70, 1.5, True])
+def test_seeds_outside_a_signed_64_bit_integer_are_refused(seed):
+    gen = Generator(tiny_model(), byte_tokenizer())
+    msg = r"seed must be an integer in \[-2\*\*63, 2\*\*63 - 1\]"
+    with pytest.raises(ValueError, match=msg):
+        gen.generate_ids([1, 2], 3, seed=seed)
+    with pytest.raises(ValueError, match=msg):
+        gen.generate("ab", 3, seed=seed)
+    with pytest.raises(ValueError, match=msg):
+        gen.rng(seed)
+
+
+def test_seeds_at_both_ends_of_the_range_work():
+    gen = Generator(tiny_model(), byte_tokenizer())
+    for seed in (2 ** 63 - 1, -(2 ** 63)):
+        assert gen.generate_ids([1, 2], 4, seed=seed) == gen.generate_ids([1, 2], 4, seed=seed)
+
+
+def test_cli_generate_and_chat_take_tiny_sampling_values(tmp_path, tiny_tokenizer, capsys, monkeypatch):
+    """`lmforge generate` and `lmforge chat` with temperature 1e-40 or top_p 1e-50 print the greedy text (they
+    printed a traceback)."""
+    import io
+
+    from lmforge.chat.session import ChatSession
+    from lmforge.cli import main
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from serve_helpers import random_chat_run
+
+    model = make_run_dir(tmp_path / "run", tiny_tokenizer)
+    want = Generator(model, tiny_tokenizer).generate("the cat", 10, temperature=0)
+    for flags in (["--temperature", "1e-40"], ["--top-p", "1e-50"], ["--temperature", "1e-40", "--top-p", "1e-50"]):
+        assert main(["generate", "--run", str(tmp_path / "run"), "--prompt", "the cat", "--max-new-tokens", "10",
+                     "--seed", "1", *flags]) == 0
+        assert capsys.readouterr().out == "the cat" + want + "\n"
+    chat = random_chat_run(tmp_path / "chat")
+    session = ChatSession.from_run(chat, temperature=0, max_new_tokens=10)
+    greedy = "".join(session.send("Hello there"))
+    for flags in (["--temperature", "1e-40"], ["--top-p", "1e-50", "--seed", str(2 ** 63 - 1)]):
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Hello there\n")))
+        assert main(["chat", "--run", str(chat), "--max-new-tokens", "10", *flags]) == 0
+        out = capsys.readouterr().out
+        assert out == greedy.replace("\\", "\\\\").replace("\n", "\\n") + "\n"

@@ -235,3 +235,69 @@ def test_engine_release_moves_the_last_row():
         want = torch.stack([model(torch.tensor([q + [t]]))[0, -1] for q, t in zip(live, nxt.tolist())])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert eng.release(1) is None and eng.free_slots == 2
+
+
+def test_a_failure_while_joining_ends_that_request_only(monkeypatch):
+    """Anything that fails while one request joins the batch (here: building its row) ends that request with an
+    error; the rows already running and the requests after it go on as if it had never come."""
+    from lmforge.generate import scheduler as scheduler_module
+
+    model, tok = tiny_model(), byte_tokenizer()
+    real_row = scheduler_module._Row
+
+    def row(req, device):
+        if req.seed == 666:
+            raise RuntimeError("injected fault while joining")
+        return real_row(req, device)
+
+    monkeypatch.setattr(scheduler_module, "_Row", row)
+    s = Scheduler(Engine(model), tok, max_batch=3)
+    first, bad, after = Collect(), Collect(), Collect()
+    s.submit(Request(PROMPTS[0], 12, first, temperature=0))
+    s.run_once()
+    s.run_once()  # the first request is running
+    s.submit(Request(PROMPTS[1], 12, bad, temperature=0, seed=666))
+    s.submit(Request(PROMPTS[2], 12, after, temperature=0))
+    drain(s)
+    assert bad.last.finish_reason == "error" and "injected fault while joining" in bad.last.error
+    assert len(bad.updates) == 1 and s.engine.active == 0
+    for out, p in ((first, PROMPTS[0]), (after, PROMPTS[2])):
+        assert out.text == alone(model, tok, p, 12, temperature=0) and out.last.finish_reason == "length"
+
+
+def test_a_cancelled_waiting_request_leaves_the_queue_at_once():
+    """Its place is free at once: the queue count drops and another request fits, with no engine step."""
+    model, tok = tiny_model(), byte_tokenizer()
+    s = Scheduler(Engine(model), tok, max_batch=1, max_queue=2)
+    reqs = [Request([1, 2], 2, Collect()) for _ in range(2)]
+    for r in reqs:
+        s.submit(r)
+    with pytest.raises(QueueFull):
+        s.submit(Request([1, 2], 2, Collect()))
+    s.cancel(reqs[1])
+    assert s.load()["waiting"] == 1
+    late = Collect()
+    s.submit(Request([3, 4], 2, late, temperature=0))  # no QueueFull
+    drain(s)
+    assert late.text == alone(model, tok, [3, 4], 2, temperature=0) and not reqs[1].emit.updates
+
+
+def test_seed_range_tiny_temperature_and_token_text():
+    """Seeds are signed 64-bit integers (both ends work; beyond is a ValueError at once, not in the engine
+    thread); a temperature below the floor is greedy; ``token_text`` shows ids as other text."""
+    model, tok = tiny_model(), byte_tokenizer()
+    for seed in (2 ** 63, -(2 ** 63) - 1, 2 ** 70, 1.5):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[-2\*\*63, 2\*\*63 - 1\]"):
+            Request([1], 2, Collect(), seed=seed)
+    greedy = alone_ids(model, tok, PROMPTS[0], 8, temperature=0)
+    s = Scheduler(Engine(model), tok, max_batch=4)
+    outs = [Collect() for _ in range(4)]
+    s.submit(Request(PROMPTS[0], 8, outs[0], temperature=1e-40, seed=2 ** 63 - 1))
+    s.submit(Request(PROMPTS[0], 8, outs[1], temperature=1.0, top_p=1e-50, seed=-(2 ** 63)))
+    shown = {greedy[0]: "<first>", greedy[3]: ""}
+    s.submit(Request(PROMPTS[0], 8, outs[2], temperature=0, token_text=shown))
+    s.submit(Request(PROMPTS[0], 8, outs[3], temperature=0.9, seed=2 ** 63 - 1))
+    drain(s)
+    assert outs[0].text == outs[1].text == tok.decode(greedy)
+    want = b"".join(shown[t].encode() if t in shown else tok.decode_bytes([t]) for t in greedy)
+    assert outs[2].text == want.decode(errors="replace") and outs[3].last.finish_reason == "length"

@@ -28,7 +28,7 @@ from lmforge.generate import Generator  # noqa: E402
 from lmforge.serve import ServedModel, exposure_warning  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from serve_helpers import NO_PROXY, ThreadServer, openai_client, random_chat_run, zero_run  # noqa: E402
+from serve_helpers import NO_PROXY, ThreadServer, openai_client, random_chat_run, wide_zero_run, zero_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MSG = [{"role": "user", "content": "Hello, who are you?"}]
@@ -37,7 +37,7 @@ MSG = [{"role": "user", "content": "Hello, who are you?"}]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("serve")
-    return {"chat": random_chat_run(d / "chatty"), "zero": zero_run(d / "zero")}
+    return {"chat": random_chat_run(d / "chatty"), "zero": zero_run(d / "zero"), "wide": wide_zero_run(d / "wide")}
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,9 @@ def srv(runs):
 
 @pytest.fixture(scope="module")
 def guarded(runs):
-    """Key required, one row, one waiting request, 4 KiB bodies: the limits, on the all-zero model."""
-    s = ThreadServer(ServedModel.from_run(runs["zero"], max_batch=1, max_queue=1), api_key="sekrit", max_body=4096)
+    """Key required, one row, one waiting request, 4 KiB bodies: the limits, on the wide all-zero model (4,000
+    tokens take many seconds: a budget no request reaches within the tests' deadlines)."""
+    s = ThreadServer(ServedModel.from_run(runs["wide"], max_batch=1, max_queue=1), api_key="sekrit", max_body=4096)
     yield s
     s.close()
 
@@ -237,9 +238,11 @@ def test_a_base_run_serves_completions_and_refuses_chat(tiny_run, http):
 
 def test_api_key_body_limit_and_queue_limit(guarded, http):
     url = guarded.url + "/v1/completions"
-    body = {"model": "zero", "prompt": "hi", "max_tokens": 2, "temperature": 0}
+    body = {"model": "wide", "prompt": "hi", "max_tokens": 2, "temperature": 0}
     assert "API key" in _err(http.post(url, json=body), 401)
     _err(http.post(url, json=body, headers={"Authorization": "Bearer wrong"}), 401)
+    for other in ("Basic sekrit", "sekrit", "Token sekrit", "Bearer sekrit2", "Bearer"):  # only Bearer, only the key
+        _err(http.post(url, json=body, headers={"Authorization": other}), 401)
     _err(http.get(guarded.url + "/v1/models"), 401)
     with pytest.raises(openai.AuthenticationError):
         openai_client(guarded.url, api_key="wrong").models.list()
@@ -255,7 +258,7 @@ def test_api_key_body_limit_and_queue_limit(guarded, http):
     _err(http.post(url, content=chunked(), headers=key), 413)
 
     # one row and one waiting place: a third request is refused with 429 + Retry-After
-    long = {"model": "zero", "prompt": "go", "max_tokens": 4000, "stream": True, "temperature": 0}
+    long = {"model": "wide", "prompt": "go", "max_tokens": 4000, "stream": True, "temperature": 0}
     with httpx.Client(trust_env=False, timeout=60) as a, httpx.Client(trust_env=False, timeout=60) as b:
         with a.stream("POST", url, json=long, headers=key) as first:
             running = first.iter_lines()  # (kept: a dropped iterator closes the response)
@@ -270,7 +273,7 @@ def test_api_key_body_limit_and_queue_limit(guarded, http):
                 with pytest.raises(openai.RateLimitError):
                     openai_client(guarded.url, api_key="sekrit", max_retries=0).completions.create(**body)
         # both clients went away mid-generation: their rows are freed at once, not after 4000 tokens
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 1.0
     while (h := http.get(guarded.url + "/health").json())["active"] or h["waiting"]:
         assert time.monotonic() < deadline, h
         time.sleep(0.02)
@@ -353,13 +356,14 @@ def test_lmforge_serve_command_serves_the_client_and_drains_on_sigterm(runs):
 
 def test_chat_runs_the_calculator_tool_inside_the_reply(tmp_path, http):
     """The model calls the calculator; the server force-feeds the tool's output (the chat stage's ToolUse on
-    the scheduler's forced-token path) and the model, seeing it, ends its turn."""
+    the scheduler's forced-token path) and the model, seeing it, ends its turn. The reply shows the call in the
+    server's markup (test_serve_tools.py), not as special-token text."""
     from serve_helpers import calculator_run
 
     s = ThreadServer(ServedModel.from_run(calculator_run(tmp_path / "calc")))
     try:
         r = openai_client(s.url).chat.completions.create(model="calc", messages=MSG, temperature=0, max_tokens=30)
-        assert r.choices[0].message.content == "<|python_start|>6*7<|python_end|><|output_start|>42<|output_end|>"
+        assert r.choices[0].message.content == "<calculator>6*7</calculator><output>42</output>"
         assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 5 + 4  # call + tool output
     finally:
         s.close()

@@ -8,6 +8,7 @@ test skips with the reason when either is missing. The server runs a hand-set mo
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -96,15 +97,18 @@ def test_page_shows_server_errors(chromium, tmp_path):
 
 def test_stop_button_ends_the_reply_and_frees_the_row(chromium, tmp_path):
     """A long reply (the all-zero model repeats one token for thousands of steps) stopped from the page: the
-    browser drops the stream, the server frees the request's row at once."""
+    browser drops the stream, the server frees the request's row at once, and the stopped exchange is left out
+    of the history the next message sends (a cut reply is not a finished answer)."""
     import httpx
 
-    from serve_helpers import zero_run
+    from serve_helpers import wide_zero_run
 
     # wide layers: a few ms per token, so the reply runs for seconds even on a quiet machine (the small model wrote
     # its 4k tokens in ~2 s, racing the click) without flooding the page with thousands of tokens per second
-    s = ThreadServer(ServedModel.from_run(zero_run(tmp_path / "zero", d_model=512, n_layers=4)))
+    s = ThreadServer(ServedModel.from_run(wide_zero_run(tmp_path / "zero")))
     with open_page(chromium, s, "zero") as page:
+        sent: list[dict] = []
+        page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
         page.fill("#temperature", "0")
         page.fill("#input", "Talk forever")
         page.click("#send")
@@ -115,10 +119,68 @@ def test_stop_button_ends_the_reply_and_frees_the_row(chromium, tmp_path):
             document.querySelector('.msg.assistant .content').textContent.replace(/\\u0000/g, '').slice(-300)]""")
         assert state[0] is False, f"the reply ended before Stop was clicked: {state}"
         page.click("#stop")
-        sync_api.expect(page.locator("#status")).to_have_text("stopped")
+        sync_api.expect(page.locator("#status")).to_have_text(re.compile("^stopped"))
         sync_api.expect(page.locator("#send")).to_be_enabled()
         page.wait_for_function("""async () => (await (await fetch('/health')).json()).active === 0""",
                                timeout=10_000)
+        assert page.locator(".msg.unsent").count() == 2  # shown greyed: the question and the cut reply
+        page.fill("#max-tokens", "3")
+        page.fill("#input", "Once more")
+        page.click("#send")
+        sync_api.expect(page.locator(".msg.assistant .content").nth(1)).to_have_text("\x00" * 3, timeout=30_000)
+        assert sent[1]["messages"] == [{"role": "user", "content": "Once more"}]
+
+
+def test_a_failed_reply_is_left_out_of_the_history(chromium, tmp_path, monkeypatch):
+    """A reply that fails half-way (a fault injected into its row after its first token) shows the error and is
+    not sent back as a finished answer with the next message."""
+    s = ThreadServer(ServedModel.from_run(script_run(tmp_path / "scripted")))
+    calls = []
+
+    def failing_tool():
+        def feed(token: int) -> None:
+            calls.append(token)
+            if len(calls) == 2:
+                raise RuntimeError("injected fault")
+        return feed
+
+    monkeypatch.setattr(s.served, "chat_tool", failing_tool)
+    with open_page(chromium, s, "scripted") as page:
+        sent: list[dict] = []
+        page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/chat/completions") else None)
+        page.fill("#temperature", "0")
+        page.fill("#input", "first")
+        page.click("#send")
+        sync_api.expect(page.locator(".msg.error .content")).to_contain_text("injected fault", timeout=30_000)
+        assert page.locator(".msg.error .content").inner_text().startswith("<script>")  # the part that came
+        sync_api.expect(page.locator("#send")).to_be_enabled()
+        monkeypatch.undo()
+        page.fill("#input", "second")
+        page.click("#send")
+        sync_api.expect(page.locator(".msg.assistant .content").nth(1)).to_have_text(REPLY, timeout=30_000)
+        assert sent[1]["messages"] == [{"role": "user", "content": "second"}]
+
+
+def test_page_round_trips_a_calculator_call_to_the_chat_formats_ids(chromium, tmp_path, monkeypatch):
+    """The page shows a calculator call in the server's markup and sends it back as it came; the server renders
+    the next prompt exactly as ChatFormat renders the structured conversation (the call's special ids)."""
+    from lmforge.chat import ChatFormat
+    from serve_helpers import calculator_run, recorded_prompts
+
+    s = ThreadServer(ServedModel.from_run(calculator_run(tmp_path / "calc", then="!")))
+    prompts = recorded_prompts(s.served, monkeypatch)
+    shown = "<calculator>6*7</calculator><output>42</output>!"
+    with open_page(chromium, s, "calc") as page:
+        page.fill("#temperature", "0")
+        for k, text in enumerate(["What is 6*7?", "Again"]):
+            page.fill("#input", text)
+            page.click("#send")
+            sync_api.expect(page.locator(".msg.assistant .content").nth(k)).to_have_text(shown, timeout=30_000)
+            sync_api.expect(page.locator("#send")).to_be_enabled()
+    structured = [{"role": "user", "content": "What is 6*7?"}, {"role": "assistant", "content": "", "tool_call": "6*7"},
+                  {"role": "tool", "content": "42"}, {"role": "assistant", "content": "!"},
+                  {"role": "user", "content": "Again"}]
+    assert prompts[1] == ChatFormat(s.served.tokenizer).render_for_completion(structured)
 
 
 def test_page_sends_the_api_key_when_the_server_wants_one(chromium, tmp_path):

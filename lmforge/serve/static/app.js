@@ -1,5 +1,9 @@
 // lmforge web chat: talks to this server's /v1/chat/completions with stream: true.
 // Model output is only ever put into the page as text (textContent), never as HTML.
+// The history sent with each message holds only finished exchanges: a reply that was stopped or failed is
+// left out, with the message it answered (both stay on the page, greyed), so the model never sees a cut reply
+// as a finished answer. A calculator call shows as <calculator>…</calculator><output>…</output>; sent back
+// as it came, the server reads it as the call it was.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -71,7 +75,7 @@ async function* events(response) {
 
 async function send(text) {
   state.history.push({ role: "user", content: text });
-  addMessage("user", text);
+  const asked = addMessage("user", text);
   const out = addMessage("assistant", "");
   const controller = new AbortController();
   state.controller = controller;
@@ -113,19 +117,28 @@ async function send(text) {
       if (choice.finish_reason) finish = choice.finish_reason;
     }
     flush();
+    if (!finish) throw new Error("the reply ended without a finish reason");  // a cut connection
     $("status").textContent = finish === "length" ? "stopped at max tokens" : "";
   } catch (e) {
     flush();
+    finish = null;
     if (e.name === "AbortError") {
-      $("status").textContent = "stopped";
+      $("status").textContent = "stopped (this exchange is left out of the conversation)";
     } else {
       out.parentElement.classList.add("error");
       out.textContent = reply + (reply ? "\n" : "") + "error: " + e.message;
       $("status").textContent = "";
     }
   } finally {
-    if (reply) state.history.push({ role: "assistant", content: reply });
-    else state.history.pop();  // nothing came back: forget the unanswered message
+    if (finish && reply) {
+      state.history.push({ role: "assistant", content: reply });
+    } else {  // stopped, failed or empty: neither message goes back to the model
+      state.history.pop();
+      for (const body of [asked, out]) {
+        body.parentElement.classList.add("unsent");
+        body.parentElement.title = "left out of the conversation sent to the model";
+      }
+    }
     state.controller = null;
     setBusy(false);
   }
