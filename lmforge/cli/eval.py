@@ -18,7 +18,8 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
                         "boolq, sciq, csqa, socialiqa, lambada, mmlu)")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="score only the first N items of each task")
     p.add_argument("--batch-size", type=positive_int, default=16, metavar="N",
-                   help="requests (choices, windows or prompts) per forward pass (default 16)")
+                   help="requests (choices, windows or prompts) per forward pass (default 16); each chat reply "
+                        "keeps its own token budget, whatever shares its batch")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--checkpoint", default=None, help="checkpoint file, or 'best' (default: the newest valid one)")
     p.add_argument("--split", default=None, help="data split to evaluate on (default: the run's validation split)")

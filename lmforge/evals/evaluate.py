@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from lmforge.chat import ChatFormat
 from lmforge.common import atomic_open
 from lmforge.corpus import iter_documents
 from lmforge.evals.benchmarks import BENCHMARKS, load_benchmark
@@ -101,8 +102,9 @@ def run_task(model: TransformerLM, tokenizer: Tokenizer, task: Task, limit: int 
         for it in items:
             s = [next(scored) for _ in it.requests]
             lls = np.array([x.ll for x in s])
-            chars = np.array([len(c) for _, c in it.requests], dtype=np.float64)
-            n_bytes = np.array([len(c.encode("utf-8")) for _, c in it.requests], dtype=np.float64)
+            texts = it.choice_texts  # lm-eval's doc_to_choice: the continuations, or the contexts (Winogrande)
+            chars = np.array([len(c) for c in texts], dtype=np.float64)
+            n_bytes = np.array([len(c.encode("utf-8")) for c in texts], dtype=np.float64)
             acc.append(int(np.argmax(lls)) == it.gold)  # np.argmax: ties go to the first choice, as in lm-eval
             acc_norm.append(int(np.argmax(lls / chars)) == it.gold)
             acc_bytes.append(int(np.argmax(lls / n_bytes)) == it.gold)
@@ -186,6 +188,14 @@ def evaluate_tasks(run_dir: str | Path, tasks: Sequence[str | Path], checkpoint:
         raise ValueError("no task given; pass --task NAME|FILE (see `lmforge eval --help`)")
     resolved = [resolve_task(t, cache_dir) for t in tasks]
     model, tok, info = load_model(run_dir, checkpoint, device)
+    chat = [t.name for t in resolved if t.type == "chat"]
+    if chat:
+        try:
+            ChatFormat(tok)  # the chat format's own check of its special tokens
+        except ValueError:
+            raise ValueError(f"{', '.join(chat)} is a chat task but {run_dir} is not a chat model (its tokenizer "
+                             f"lacks the chat special tokens); fine-tune it first with `lmforge sft --base {run_dir} "
+                             "--data CHATS.jsonl --run-dir OUT`, then evaluate OUT") from None
     results = []
     for task in resolved:
         r = run_task(model, tok, task, limit, batch_size, details)

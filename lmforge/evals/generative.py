@@ -1,8 +1,10 @@
 """Generative exact match on chat conversations, through the one ``Generator`` (and its engine and KV cache).
 
 Each prompt is rendered by ``ChatFormat.render_for_completion``; replies are generated greedily, a batch of
-prompts at a time, until ``<|assistant_end|>`` (or the end-of-text token, or ``max_new_tokens``); a reply is
-correct when its final text equals the expected answer after stripping whitespace at both ends.
+prompts at a time, until ``<|assistant_end|>`` (or the end-of-text token, or its own budget: the answer's token
+count plus :data:`EXTRA_NEW_TOKENS`, whatever else shares its batch, so scores do not depend on the batch size);
+a reply is correct when its final text equals the expected answer (case included) after stripping whitespace at
+both ends.
 
 A reply that calls the calculator (``<|python_start|>EXPR<|python_end|>``) is generated again alone, the way the
 chat runs it (:class:`~lmforge.chat.tools.ToolUse` feeds the tool's output back and generation goes on); its
@@ -64,17 +66,20 @@ def exact_match(generator: Generator, items: Sequence[ChatItem], batch_size: int
     ended: list[bool] = []
     tool_calls = 0
     for i in range(0, len(prompts), batch_size):
-        rows, n_new = prompts[i: i + batch_size], max(budgets[i: i + batch_size])
-        longest = max(len(r) for r in rows)
-        n_new = min(n_new, ctx + 1 - longest)
-        outs = generator.generate_ids(rows, max_new_tokens=n_new, temperature=0.0, stop_ids=stop, overflow="stop")
-        for row, out in zip(rows, outs):
+        rows, own = prompts[i: i + batch_size], budgets[i: i + batch_size]
+        # One pass to the batch's largest budget; each row is then cut to its own, so a reply (and whether it
+        # ended or called the calculator) never depends on its batch. A row past the context slides: only its
+        # tokens after its own budget (which always fits, see above) are affected, and those are cut.
+        outs = generator.generate_ids(rows, max_new_tokens=max(own), temperature=0.0, stop_ids=stop,
+                                      overflow="slide")
+        for row, budget, full in zip(rows, own, outs):
+            out = full[:budget]
             if call not in out:
                 replies.append(tok.decode(out))
-                ended.append(len(out) < min(n_new, ctx + 1 - len(row)))  # stopped before its budget: an end token
+                ended.append(len(full) < budget)  # stopped before its budget: an end token
                 continue
             tool_calls += 1  # run it again as the chat does: the calculator's output is fed back
-            turn = generator.turn(row, max_new_tokens=max(1, min(n_new + TOOL_NEW_TOKENS, ctx - len(row))),
+            turn = generator.turn(row, max_new_tokens=max(1, min(budget + TOOL_NEW_TOKENS, ctx - len(row))),
                                   temperature=0.0, stop_ids=stop, inject=ToolUse(fmt).feed)
             for _ in turn:
                 pass

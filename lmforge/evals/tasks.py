@@ -16,7 +16,10 @@ item's keys; every line must then be of that type. Any problem is a ``ValueError
   choice has the highest log-likelihood; ``acc_norm`` when it has the highest log-likelihood divided by the
   choice's length in characters (``len(choice)``); ``acc_bytes`` the same divided by its length in UTF-8 bytes
   (lm-eval's docs call acc_norm byte-normalised; its code divides by characters and reports bytes as
-  ``acc_bytes``; the two differ only on non-ASCII text).
+  ``acc_bytes``; the two differ only on non-ASCII text). The "choice" is what lm-eval's ``doc_to_choice``
+  returns: in the first form the continuation, in the second each choice's *context* (lm-eval's Winogrande
+  ``doc_to_choice`` gives the sentence up to the blank with the option filled in), so there ``acc_norm`` divides
+  the shared continuation's log-likelihood by its context's length, exactly as lm-eval does.
   Ties go to the first choice (``argmax``), as in lm-eval.
 
 **cloze** — one gold continuation (LAMBADA)::
@@ -71,6 +74,14 @@ class ChoiceItem:
 
     requests: tuple[tuple[str, str], ...]
     gold: int
+
+    @property
+    def choice_texts(self) -> list[str]:
+        """What tells the choices apart, as lm-eval's ``doc_to_choice`` gives it (``acc_norm`` divides by its
+        length): each continuation when the context is shared, else each context (the Winogrande form)."""
+        if len({c for c, _ in self.requests}) == 1:
+            return [x for _, x in self.requests]
+        return [c for c, _ in self.requests]
 
     def to_json(self) -> dict[str, Any]:
         contexts = {c for c, _ in self.requests}
@@ -163,6 +174,9 @@ def parse_item(obj: Any, where: str, kind: str | None = None) -> tuple[str, Any]
         contexts, cont = obj["contexts"], _str(obj, "continuation", where)
         if not isinstance(contexts, list) or not all(isinstance(c, str) for c in contexts):
             raise ValueError(f"{where}: 'contexts' must be a list of strings")
+        if any(not c for c in contexts):
+            raise ValueError(f"{where}: a context is empty; in the contexts form each choice is its context "
+                             "(acc_norm divides by its length), so give each one text")
         requests = tuple((c, cont) for c in contexts)
     else:
         ctx, choices = _str(obj, "context", where), obj["choices"]

@@ -9,7 +9,10 @@ weights and tokenizer; llama.cpp's HF converter is not involved. What goes in:
   pre-tokenizer whose regex is lmforge's split pattern (:data:`PRE_TOKENIZERS`; other patterns are refused),
   the tokens in id order (ordinary tokens in GPT-2's byte-to-unicode spelling, special tokens as their text,
   typed NORMAL / CONTROL, padding rows UNUSED), the merges, and the bos/eos/eot ids (chat runs: eot is
-  ``<|assistant_end|>``, and the chat template rides along as ``tokenizer.chat_template``).
+  ``<|assistant_end|>``, and the chat template rides along as ``tokenizer.chat_template``). The BOS is the
+  end-of-text token and ``tokenizer.ggml.add_bos_token`` is true: llama.cpp starts every tokenized text with
+  it, as lmforge's evals condition every context on it and the HF export's tokenizer adds it (a chat prompt,
+  whose template already starts with it, gets it once).
 * tensors under llama.cpp's names (:data:`TENSOR_NAMES`), in float32 (``f32``), float16 (``f16``) or 8-bit
   blocks (``q8_0``); norms stay float32 as llama.cpp's converter keeps them. numpy's ``(rows, cols)`` becomes
   ggml's ``ne = [cols, rows]`` (the reader reports shapes reversed).
@@ -30,9 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from lmforge.common import atomic_path, check_output_path
+from lmforge.common import atomic_path, check_apart, check_output_path
 from lmforge.interop.hf_tokenizer import chat_template, has_chat_tokens, stop_token_ids
 from lmforge.interop.source import ExportSource, open_export_source
+from lmforge.run import source_dirs
 from lmforge.tokenizer import EOT
 from lmforge.tokenizer.reference import PATTERNS, bytes_to_unicode, resolve_pattern
 
@@ -172,7 +176,7 @@ def _write(src: ExportSource, path: str, dtype: str, name: str) -> None:
         writer.add_eos_token_id(eot)
     if stops:
         writer.add_eot_token_id(stops[-1])
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(eot is not None)  # llama.cpp starts a text with EOT, as HF export and lmforge's evals do
     writer.add_add_eos_token(False)
     if has_chat_tokens(tok):
         writer.add_chat_template(chat_template())
@@ -199,6 +203,7 @@ def export_gguf(run_dir: str | os.PathLike, out: str | os.PathLike, dtype: str =
 
     if importlib.util.find_spec("gguf") is None:
         raise ValueError("GGUF export needs the gguf package: pip install 'lmforge[export]' (or pip install gguf)")
+    check_apart(out, *source_dirs(run_dir))
     p = check_output_path(out, force)
     src = open_export_source(run_dir, checkpoint)
     gguf_pre_tokenizer(src.tokenizer.pattern)  # refuse before writing

@@ -6,8 +6,9 @@ The folder holds what ``LlamaForCausalLM.save_pretrained`` plus a fast tokenizer
     generation_config.json         bos/eos ids (eos: the end-of-text token, and <|assistant_end|> for chat runs)
     model.safetensors              float32 weights under HF names, q/k rows permuted (the key map)
       or model-0000k-of-0000n.safetensors + model.safetensors.index.json above max_shard_size
-    tokenizer.json, tokenizer_config.json, special_tokens_map.json   (lmforge.interop.hf_tokenizer;
-                                   chat runs carry the chat template)
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json   (lmforge.interop.hf_tokenizer: the
+                                   end-of-text token is the BOS and is added to every text, as lmforge's evals
+                                   condition on it; chat runs carry the chat template)
 
 Nothing is written before every check has passed (run, checkpoint, config expressible in Llama, target).
 """
@@ -20,10 +21,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lmforge.common import atomic_write_bytes, atomic_write_text
+from lmforge.common import atomic_write_bytes, atomic_write_text, check_apart, remove_stale_temporaries
 from lmforge.interop.hf import hf_config_dict, to_hf_state_dict
 from lmforge.interop.hf_tokenizer import stop_token_ids, write_hf_tokenizer
 from lmforge.interop.source import check_output_dir, open_export_source
+from lmforge.run import source_dirs
 from lmforge.tokenizer import EOT
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -89,9 +91,11 @@ def export_hf(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint: st
     """Export a run's checkpoint as an HF ``LlamaForCausalLM`` folder ``out`` (see the module docstring).
 
     ``checkpoint``: a file, ``"best"`` or None (the newest valid one). ``out`` must not exist or be empty
-    unless ``force``. Returns ``out``. ``ValueError`` (before anything is written) for a missing run or
-    checkpoint, a model option Llama cannot express, or an existing target without ``force``.
+    unless ``force``, and never the run itself (or inside it, or its base). Returns ``out``. ``ValueError`` (before
+    anything is written) for a missing run or checkpoint, a model option Llama cannot express, or an existing
+    target without ``force``.
     """
+    check_apart(out, *source_dirs(run_dir))
     target = check_output_dir(out, force)
     src = open_export_source(run_dir, checkpoint)
     tok = src.tokenizer
@@ -100,6 +104,7 @@ def export_hf(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint: st
     config = hf_config_dict(src.cfg, bos_token_id=eot, eos_token_id=stops[0] if len(stops) == 1 else stops or None)
     hf_state = to_hf_state_dict(src.state, src.cfg)
     target.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(target)  # a killed export's half-written files (lmforge's own temporaries only)
     save_hf_weights(hf_state, target, max_shard_size)
     atomic_write_text(target / "config.json", json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": eot, "eos_token_id": config["eos_token_id"], "do_sample": False}

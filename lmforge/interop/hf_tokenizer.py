@@ -1,8 +1,15 @@
 """The tokenizer half of an HF export: ``tokenizer.json`` and its config files, and the Jinja chat template.
 
-``tokenizer.json`` is the tokenizer stage's own HF writer (:meth:`lmforge.tokenizer.Tokenizer.save_hf`:
+``tokenizer.json`` is the tokenizer stage's own HF document (:func:`lmforge.tokenizer.formats.hf_tokenizer_dict`:
 Split(lmforge's regex) + ByteLevel, the BPE vocab and merges, every special token as an added token), so
 ``AutoTokenizer`` gives lmforge's ids, special tokens in text included (lmforge's ``special="allowed"``).
+
+The BOS: the export adds a post-processor that starts every encoded text with the end-of-text token, and names
+it ``bos_token`` (``add_bos_token: true``). lmforge conditions every scored context on it
+(:func:`lmforge.evals.loglik.encode_request`) and every pretraining document starts right after it, so HF tools
+with their defaults (``lm_eval --model hf --model_args pretrained=DIR``, ``tokenizer(text)`` then ``generate``)
+see what lmforge's model saw; ``encode(text, add_special_tokens=False)`` gives ``Tokenizer.encode(text)``.
+``apply_chat_template`` tokenizes without special tokens added, and its template starts with that token itself.
 
 The chat template is generated from the chat format's own token constants
 (:data:`lmforge.chat.format.CHAT_SPECIAL_TOKENS`) and held to :class:`lmforge.chat.format.ChatFormat` by
@@ -24,8 +31,9 @@ from typing import Any
 from lmforge.chat.format import CHAT_SPECIAL_TOKENS
 from lmforge.common import atomic_write_text
 from lmforge.tokenizer import EOT, Tokenizer
+from lmforge.tokenizer.formats import hf_tokenizer_dict
 
-__all__ = ["chat_template", "has_chat_tokens", "write_hf_tokenizer", "stop_token_ids"]
+__all__ = ["bos_post_processor", "chat_template", "has_chat_tokens", "write_hf_tokenizer", "stop_token_ids"]
 
 # The chat format's tokens, in the order CHAT_SPECIAL_TOKENS lists them (its docstring promises that order;
 # new tokens are appended, so the first eleven keep their meaning).
@@ -42,6 +50,17 @@ def stop_token_ids(tokenizer: Tokenizer) -> list[int]:
     """Ids where generation ends: the end-of-text token, and ``<|assistant_end|>`` when the chat tokens exist."""
     sp = tokenizer.special_tokens
     return [sp[t] for t in (EOT, _ASSISTANT_END) if t in sp]
+
+
+def bos_post_processor(eot_id: int) -> dict[str, Any]:
+    """``tokenizer.json``'s post-processor that starts every encoded text with the end-of-text token (lmforge's
+    BOS: every pretraining document starts right after it, and evals condition every context on it)."""
+    bos = {"SpecialToken": {"id": EOT, "type_id": 0}}
+    return {"type": "TemplateProcessing",
+            "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": EOT, "type_id": 1}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {EOT: {"id": EOT, "ids": [eot_id], "tokens": [EOT]}}}
 
 
 def _lit(s: str) -> str:
@@ -85,21 +104,25 @@ def chat_template() -> str:
 def write_hf_tokenizer(tokenizer: Tokenizer, out: str | Path, context_length: int) -> list[Path]:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` into ``out``.
 
-    ``AutoTokenizer.from_pretrained(out)`` then encodes like ``tokenizer`` (no BOS/EOS added, no clean-up
-    of spaces on decode) and, when the chat tokens exist, carries :func:`chat_template`. ``out`` must exist;
-    files are written atomically and replaced (the caller decides about overwriting).
+    ``AutoTokenizer.from_pretrained(out)`` then encodes like ``tokenizer`` after the end-of-text token as BOS
+    (module docstring; no EOS added, no clean-up of spaces on decode) and, when the chat tokens exist, carries
+    :func:`chat_template`. ``out`` must exist; files are written atomically and replaced (the caller decides
+    about overwriting).
     """
     out = Path(out)
     specials = tokenizer.special_tokens
     eot = EOT if EOT in specials else None
     others = [t for t in sorted(specials, key=specials.__getitem__) if t != eot]
-    tokenizer.save_hf(out / "tokenizer.json", force=True)
+    doc = hf_tokenizer_dict(tokenizer.vocab, tokenizer.merges, specials, tokenizer.pattern)
+    if eot is not None:
+        doc["post_processor"] = bos_post_processor(specials[eot])
+    atomic_write_text(out / "tokenizer.json", json.dumps(doc, ensure_ascii=False, indent=1) + "\n")
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": context_length,
         "bos_token": eot, "eos_token": eot, "unk_token": None, "pad_token": None,
         "additional_special_tokens": others,
-        "add_bos_token": False, "add_eos_token": False,
+        "add_bos_token": eot is not None, "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                                           "single_word": False, "special": True}

@@ -69,6 +69,7 @@ def test_task_files_of_each_type(tmp_path):
     ({"context": "x", "choices": [" a"], "gold": 0}, r"bad\.jsonl:2: .*at least 2 choices, got 1"),
     ({"context": "x", "choices": [" a", " b"], "gold": 2}, r"bad\.jsonl:2: 'gold' must be the 0-based index"),
     ({"context": "x", "choices": [" a", ""], "gold": 0}, r"bad\.jsonl:2: a choice is empty"),
+    ({"contexts": ["x", ""], "continuation": " a", "gold": 0}, r"bad\.jsonl:2: a context is empty"),
     ({"text": "a document"}, r"bad\.jsonl:2: a text item in a file of choice items"),
     ({"question": "x"}, r"bad\.jsonl:2: cannot tell the task type"),
     ([1, 2], r"bad\.jsonl:2: each line must be a JSON object"),
@@ -85,11 +86,25 @@ def test_chat_item_errors_name_the_line(tmp_path):
         read_task_file(p)
 
 
-def test_wilson_interval():
+@pytest.mark.parametrize("k, n", [(0, 1), (1, 1), (0, 10), (8, 10), (3, 7), (50, 100), (1, 200), (997, 1000)])
+def test_wilson_interval_equals_the_closed_form(k, n):
+    """Wilson (1927) as he wrote it, ``(k + z²/2)/(n + z²) ± z·sqrt(n)/(n + z²)·sqrt(p(1-p) + z²/(4n))`` with the
+    variance of ``p = k/n`` over ``n`` (not ``n - 1``), and scipy's ``binomtest(...).proportion_ci("wilson")``."""
+    z = 1.959963984540054
+    p = k / n
+    centre = (k + z * z / 2) / (n + z * z)
+    half = z * math.sqrt(n) / (n + z * z) * math.sqrt(p * (1 - p) + z * z / (4 * n))
+    lo, hi = wilson_interval(k, n)
+    assert abs(lo - max(0.0, centre - half)) < 1e-9 and abs(hi - min(1.0, centre + half)) < 1e-9
+    stats = pytest.importorskip("scipy.stats")
+    ci = stats.binomtest(k, n).proportion_ci(0.95, method="wilson")
+    assert abs(lo - ci.low) < 1e-9 and abs(hi - ci.high) < 1e-9
+
+
+def test_wilson_interval_edges():
     lo, hi = wilson_interval(0, 10)
     assert lo == 0.0 and 0.27 < hi < 0.28  # not zero-width at 0%
-    lo, hi = wilson_interval(50, 100)
-    assert abs((lo + hi) / 2 - 0.5) < 1e-12 and abs(hi - 0.5963) < 1e-3
+    assert wilson_interval(0, 0) == (0.0, 1.0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -132,19 +147,23 @@ def test_choice_metrics_are_lm_eval_acc_and_acc_norm(tiny_tokenizer):
     model = _model(tiny_tokenizer.vocab_size, seed=3)
     items = [ChoiceItem(tuple(("The cat sat on the", c) for c in (" mat", " big happy house", " naïve 世界")), g)
              for g in range(3)]
-    items.append(ChoiceItem((("The dog", " ran."), ("The girl", " ran.")), 1))
+    # the Winogrande form: lm-eval's doc_to_choice is each context, so acc_norm divides by the context's length
+    items += [ChoiceItem((("The sun", " ran."), ("The happy girl said it's a big day and", " ran.")), g)
+              for g in (0, 1)]
     r = run_task(model, tiny_tokenizer, Task("t", "choice", items, "test"), details=True)
     acc, norm, by_bytes = [], [], []
-    for it, rec in zip(items, r["items"]):
+    for k, (it, rec) in enumerate(zip(items, r["items"])):
         lls = [_naive_ll(model, *encode_request(tiny_tokenizer, c, x))[0] for c, x in it.requests]
         assert max(abs(a - b) for a, b in zip(lls, rec["lls"])) < 1e-4
-        char_norm = [ll / len(x) for ll, (_, x) in zip(lls, it.requests)]
-        byte_norm = [ll / len(x.encode()) for ll, (_, x) in zip(lls, it.requests)]
+        texts = [x for _, x in it.requests] if k < 3 else [c for c, _ in it.requests]
+        char_norm = [ll / len(t) for ll, t in zip(lls, texts)]
+        byte_norm = [ll / len(t.encode()) for ll, t in zip(lls, texts)]
         acc.append(max(range(len(lls)), key=lambda k: (lls[k], -k)) == it.gold)
         norm.append(max(range(len(lls)), key=lambda k: (char_norm[k], -k)) == it.gold)
         by_bytes.append(max(range(len(lls)), key=lambda k: (byte_norm[k], -k)) == it.gold)
-    assert r["acc"] == sum(acc) / 4 and r["acc_norm"] == sum(norm) / 4 and r["acc_bytes"] == sum(by_bytes) / 4
-    assert r["acc_ci"] == list(wilson_interval(sum(acc), 4)) and r["n"] == 4
+    assert r["acc"] == sum(acc) / 5 and r["acc_norm"] == sum(norm) / 5 and r["acc_bytes"] == sum(by_bytes) / 5
+    assert r["acc_ci"] == list(wilson_interval(sum(acc), 5)) and r["n"] == 5
+    assert acc[3:] == [True, False] and norm[3:] == [False, True]  # the per-context length decides acc_norm
 
 
 def test_cloze_scores_greedy_match_and_bits_per_byte(tiny_tokenizer):
@@ -208,7 +227,11 @@ def test_exact_match_uses_greedy_generation_until_assistant_end(tiny_tokenizer):
     # it is correct only if the model stops by itself; build the expected result the same way
     items = [ChatItem(prompt, answer), ChatItem(prompt, answer + " and more")]
     r = exact_match(gen, items, batch_size=2)
-    assert r["replies"][0] == r["replies"][1]
+    for it, reply in zip(items, r["replies"]):  # each reply is the naive greedy one within its own budget
+        budget = len(tok.encode(it.answer.strip(), special="plain")) + 16
+        ref = gen.generate_ids(fmt.render_for_completion(list(prompt)), max_new_tokens=budget, temperature=0.0,
+                               stop_ids=[fmt.assistant_end_id, tok.eot_id], naive=True)
+        assert reply == tok.decode(ref)
     assert r["replies"][0].startswith(answer)
     assert r["correct"] == [r["replies"][0].strip() == answer.strip(), False]
     summary = run_task(model, tok, Task("c", "chat", items, "test"), batch_size=2, details=True)
@@ -322,3 +345,79 @@ def test_exact_match_runs_the_calculator_like_the_chat(tiny_tokenizer) -> None:
     item = ChatItem(prompt=tuple(convo[:1]), answer="5535")
     r = exact_match(Generator(model.eval(), tok), [item, item], batch_size=2)
     assert r["tool_calls"] == 2 and r["correct"] == [True, True] and r["ended"] == [True, True], r["replies"]
+
+
+def _chain_model(tok, chain: dict[int, int], ctx: int = 128) -> TransformerLM:
+    """A hand-set model whose greedy next token depends only on the current one: ``chain[t]`` after ``t``.
+
+    Attention and feed-forward outputs are zero, so the residual stream is the token's embedding (random unit
+    directions); ``lm_head``'s row ``chain[t]`` points along ``t``'s, so its logit (8·sqrt(d)) beats any other
+    (at most a cosine of random 64-d directions times that) by a wide margin: no batch or kernel can flip it.
+    """
+    model = _model(tok.vocab_size, ctx=ctx, seed=7)
+    d = model.cfg.d_model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("output_proj.weight", "ffn.w2.weight")):
+                p.zero_()
+        emb = torch.nn.functional.normalize(torch.randn(tok.vocab_size, d, generator=torch.Generator().manual_seed(1)),
+                                            dim=-1)
+        model.token_embeddings.weight.copy_(emb)
+        model.ln_final.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        for src, dst in chain.items():
+            model.lm_head.weight[dst] += 8.0 * emb[src]
+    return model.eval()
+
+
+def _ids_of(tok, text: str) -> list[int]:
+    return tok.encode(text, special="plain")
+
+
+def test_exact_match_replies_do_not_depend_on_the_batch_size(tiny_tokenizer):
+    """Each reply stops at its own budget (answer tokens + 16; a reply that calls the calculator: that + 64), whatever
+    shares its batch: the same replies, ends and tool calls at batch sizes 1, 3 and 16. The model writes 20 letters,
+    the calculator call ``6*7``, and after the tool's output 70 more tokens and ``42``. Three budgets: the answer
+    "42" stops before the call (the old shared budget let it call and score right next to a long answer); a
+    middle one calls but its tool budget cuts the tail; a long one runs to the end."""
+    from lmforge.chat import ChatFormat
+
+    tok = add_chat_tokens(tiny_tokenizer)
+    fmt = ChatFormat(tok)
+    letters = [i for c in "abcdefghijklmnopqrst" for i in _ids_of(tok, c)]
+    path = [fmt.ids["<|assistant_start|>"], *letters, fmt.ids["<|python_start|>"], *_ids_of(tok, "6*7"),
+            fmt.ids["<|python_end|>"]]
+    forty_two = _ids_of(tok, "42")
+    filler = [i for i in range(300, 400) if i not in path + forty_two][:70]
+    tail = [fmt.ids["<|output_end|>"], *filler, *forty_two, fmt.assistant_end_id]
+    assert len(letters) == 20 and len(filler) == 70 and len(set(path + tail)) == len(path + tail)  # each token once
+    chain = {**dict(zip(path, path[1:])), **dict(zip(tail, tail[1:]))}
+    gen = Generator(_chain_model(tok, chain, ctx=256), tok)
+    user = ({"role": "user", "content": "What is 6*7?"},)
+    short, mid, long = (ChatItem(user, a) for a in ("42", " ".join(["x"] * 6), " ".join(["x"] * 30)))
+    budgets = [len(_ids_of(tok, it.answer)) + 16 for it in (short, mid, long)]
+    call, whole = len(path) - 1, len(path) - 1 + len(tail) - 1  # sampled tokens to the call, and to the end
+    assert budgets[0] < call <= budgets[1] and budgets[1] + 64 < whole <= budgets[2] + 64, budgets
+    items = [short, long, mid, short, mid, long, short]
+    results = [exact_match(gen, items, batch_size=b) for b in (1, 3, 16)]
+    alone = results[0]
+    assert alone["replies"][0] == "abcdefghijklmnopqrst"[:budgets[0]] and alone["correct"] == [False] * 7
+    assert alone["ended"] == [False, True, False, False, False, True, False] and alone["tool_calls"] == 4
+    assert alone["replies"][1].endswith("42") and alone["replies"][1] != alone["replies"][2]
+    for r in results[1:]:
+        assert (r["replies"], r["correct"], r["ended"], r["tool_calls"]) == \
+            (alone["replies"], alone["correct"], alone["ended"], alone["tool_calls"])
+
+
+def test_exact_match_is_case_sensitive_and_strips_only_whitespace(tiny_tokenizer):
+    """The built-in ``uppercase`` chat task asks for capitals: "honour" is not "HONOUR"."""
+    from lmforge.chat import ChatFormat
+
+    tok = add_chat_tokens(tiny_tokenizer)
+    fmt = ChatFormat(tok)
+    path = [fmt.ids["<|assistant_start|>"], *_ids_of(tok, "a"), *_ids_of(tok, "b"), fmt.assistant_end_id]
+    gen = Generator(_chain_model(tok, dict(zip(path, path[1:]))), tok)
+    user = ({"role": "user", "content": "Write ab in capital letters."},)
+    r = exact_match(gen, [ChatItem(user, a) for a in ("ab", "AB", "Ab", " ab\n", "ab.")], batch_size=2)
+    assert r["replies"] == ["ab"] * 5 and r["ended"] == [True] * 5
+    assert r["correct"] == [True, False, False, True, False]

@@ -83,7 +83,9 @@ def test_eval_on_a_shard_directory(run, tiny_run, capsys):
     (["--task", "{tmp}/bad.jsonl", "--split", "val"], r"--split and --batches apply to the validation loss"),
     (["--task", "{tmp}/bad.jsonl", "--limit", "0"], r"--limit: expected a positive integer"),
     (["--task", "{tmp}"], r"is a directory without manifest\.json"),
-    (["--task", "{tmp}/chat.jsonl"], r"the tokenizer lacks the chat special tokens"),
+    (["--task", "{tmp}/chat.jsonl"], r"^lmforge: error: chat is a chat task but .*run is not a chat model .*"
+                                     r"fine-tune it first with `lmforge sft --base .*run --data CHATS\.jsonl "
+                                     r"--run-dir OUT`, then evaluate OUT$"),
 ])
 def test_eval_bad_input_is_one_line_and_exit_2(run, tmp_path, capsys, argv, match):
     import re

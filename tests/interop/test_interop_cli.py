@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,22 @@ def test_export_hf_then_import_hf_then_generate(tiny_run, tmp_path, capsys):
     assert code == 0 and out.startswith("the"), err
 
 
+def test_export_hf_force_removes_a_killed_exports_temporaries(tiny_run, tmp_path, capsys):
+    """A sharded export killed mid-write leaves lmforge's temporary beside the shards; the next --force export
+    removes it (and only lmforge's own: a user's ``.notes.tmp`` stays)."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    code, _, err = _run(f"-q export hf --run {tiny_run} --out {out} --max-shard-size 40KB", capsys)
+    assert code == 0 and (out / "model.safetensors.index.json").is_file(), err
+    stale = out / ".model-00002-of-00003.safetensors.lmforge-0123456789abcdef.tmp"  # what atomic_open names it
+    stale.write_bytes(b"half a shard")
+    (out / ".notes.tmp").write_text("mine")
+    code, _, err = _run(f"-q export hf --run {tiny_run} --out {out} --max-shard-size 40KB --force", capsys)
+    assert code == 0, err
+    assert not stale.exists() and (out / ".notes.tmp").read_text() == "mine"
+    assert not [p for p in out.iterdir() if ".lmforge-" in p.name]
+
+
 def test_export_gguf(tiny_run, tmp_path, capsys):
     pytest.importorskip("gguf")
     code, out, err = _run(f"export gguf --run {tiny_run} --out {tmp_path}/m.gguf --dtype q8_0", capsys)
@@ -53,6 +70,16 @@ def places(tmp_path: Path, tiny_run: Path) -> dict[str, str]:
     notok = tmp_path / "notok"
     notok.mkdir()
     (notok / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    huge = tmp_path / "huge"  # a context no machine can hold: refused at import, not by every later command
+    huge.mkdir()
+    (huge / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                                  "max_position_embeddings": 1e15}))
+    (huge / "tokenizer.json").write_text("{}")
+    shutil.copytree(tiny_run, tmp_path / "mine")  # a run of this test's own, for --force onto the source
+    hugerun = tmp_path / "hugerun"  # such a run, imported before the bound existed
+    shutil.copytree(tiny_run, hugerun)
+    (hugerun / "config.yaml").write_text((tiny_run / "config.yaml").read_text().replace(
+        "context_length: 32", "context_length: 1000000000000000"))
     return {"tmp": str(tmp_path), "run": str(tiny_run)}
 
 
@@ -75,6 +102,19 @@ CASES = [
     ("import hf --model {tmp}/notok --out {tmp}/o", r"notok has no tokenizer.json \(the byte-level BPE tokenizer\)"),
     ("import hf --model {tmp}/full --out {tmp}/o", r"full has no config.json"),
     ("import hf --model {tmp}/gpt2 --out {tmp}/full", r"full already exists and is not empty"),
+    ("import hf --model {tmp}/huge --out {tmp}/o", r"max_position_embeddings=1e\+15 is not a context length lmforge "
+                                                   r"can hold \(an integer from 1 to 1,048,576\)"),
+    # --force never replaces a command's own input: not the source itself, nothing inside it, nothing holding it
+    ("export hf --run {tmp}/mine --out {tmp}/mine --force", r"--out .*mine is .*mine, which this command reads: "
+                                                           r"writing there \(even with --force\) would replace"),
+    ("export hf --run {tmp}/mine --out {tmp}/mine/hf --force", r"--out .*mine/hf is inside .*mine, which this"),
+    ("export hf --run {tmp}/mine --out {tmp} --force", r"--out .* holds .*mine, which this command reads"),
+    ("export gguf --run {tmp}/mine --out {tmp}/mine/config.yaml --force", r"config\.yaml is inside .*mine, which"),
+    ("import hf --model {tmp}/gpt2 --out {tmp}/gpt2 --force", r"--out .*gpt2 is .*gpt2, which this command reads"),
+    ("import hf --model {tmp}/gpt2 --out {tmp}/mine --force", r"--out .*mine holds another model's checkpoints "
+                                                             r"\(step_00000004\.safetensors"),
+    ("export hf --run {tmp}/hugerun --out {tmp}/o", r"model.context_length=1,000,000,000,000,000 is above lmforge's "
+                                                    r"limit of 1,048,576 tokens"),
 ]
 
 

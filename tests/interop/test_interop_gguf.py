@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from interop_helpers import TEXTS, make_run, make_tokenizer
+from lmforge.chat import ChatFormat
 from lmforge.generate import Generator
 from lmforge.interop.gguf import LLAMA3_REGEX, TENSOR_NAMES, export_gguf
 from lmforge.interop.hf_tokenizer import chat_template
@@ -49,7 +50,8 @@ def test_f32_metadata_vocab_and_tensors_read_back_equal(run, tmp_path):
               "tokenizer.ggml.bos_token_id": tok.special_tokens[EOT],
               "tokenizer.ggml.eos_token_id": tok.special_tokens[EOT],
               "tokenizer.ggml.eot_token_id": tok.special_tokens["<|assistant_end|>"],
-              "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": chat_template()}
+              "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": False,
+              "tokenizer.chat_template": chat_template()}
     for key, value in expect.items():
         assert _field(reader, key) == value, key
     assert _field(reader, "llama.rope.freq_base") == pytest.approx(500.0)
@@ -142,8 +144,16 @@ def test_llama_cpp_computes_lmforge_logits_and_greedy_tokens(run, tmp_path):
     out = export_gguf(path, tmp_path / "m.gguf")
     tok = make_tokenizer()
     llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    eot = tok.special_tokens[EOT]
     for text in TEXTS:  # llama.cpp's gpt-2 pre-tokenizer + our merges give lmforge's ids
         assert llm.tokenize(text.encode(), add_bos=False, special=True) == tok.encode(text), text
+        # by default after EOT, the BOS: what lmforge's evals condition on, as the HF export's tokenizer adds it
+        assert llm.tokenize(text.encode(), special=True) == [eot] + tok.encode(text), text
+    # a chat prompt through the file's template gets that EOT once (the template writes it; no BOS is added)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    llm.create_chat_completion(messages, max_tokens=1, temperature=0.0)
+    want = ChatFormat(tok).render_for_completion(messages)
+    assert [int(t) for t in llm.input_ids[: len(want)]] == want
     prompt = tok.encode("Hello, world! The quick")
     llm.reset()
     llm.eval(prompt)

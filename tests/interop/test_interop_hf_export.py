@@ -63,6 +63,14 @@ def test_logits_and_greedy_tokens_equal_lmforge(exported, chat_run):
     if out and out[-1] in stops:
         out = out[:-1]  # transformers returns the stop token; lmforge does not
     assert out == ref and len(ref) > 0
+    # from text: the tokenizer's BOS (EOT) comes first, so HF continues [EOT] + prompt, as a document starts
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    enc = hf_tok("Hello, world! The quick", return_tensors="pt")
+    assert enc["input_ids"][0].tolist() == [make_tokenizer().special_tokens[EOT]] + prompt
+    ref = Generator.from_run(run).generate_ids(enc["input_ids"][0].tolist(), max_new_tokens=24, temperature=0.0,
+                                               stop_ids=stops)
+    out = theirs.generate(**enc, max_new_tokens=24, do_sample=False)[0, len(prompt) + 1:].tolist()
+    assert (out[:-1] if out and out[-1] in stops else out) == ref
 
 
 def test_autotokenizer_gives_lmforge_ids(exported):
@@ -73,6 +81,25 @@ def test_autotokenizer_gives_lmforge_ids(exported):
         assert hf_tok.encode(text, add_special_tokens=False) == ids, text
         assert hf_tok.decode(ids) == tok.decode(ids), text
     assert hf_tok.eos_token == EOT
+
+
+def test_autotokenizer_starts_every_text_with_endoftext_as_lmforge_evals_do(exported):
+    """By default HF tools condition on what lmforge's evals condition on (``encode_request``: EOT, then the
+    context), so ``lm_eval --model hf --model_args pretrained=DIR`` needs no tokenizer option."""
+    from lmforge.evals import encode_request
+
+    tok = make_tokenizer()
+    eot = tok.special_tokens[EOT]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    assert hf_tok.bos_token == EOT and hf_tok.bos_token_id == eot
+    for text in TEXTS:
+        assert hf_tok.encode(text) == hf_tok(text)["input_ids"] == [eot] + tok.encode(text), text
+    for context, continuation in [("The quick brown", " fox"), ("Question: 2+2?\nAnswer: ", "4")]:
+        ctx, cont = encode_request(tok, context, continuation)
+        whole = hf_tok.encode(context + continuation)
+        assert hf_tok.encode(context.rstrip()) == ctx and whole == ctx + cont  # lm-eval's _encode_pair
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((exported / name).read_text())["bos_token_id"] == eot, name
 
 
 CONVERSATIONS = [
