@@ -74,7 +74,7 @@ def test_data_get_chat_tasks_through_the_cli(tmp_path, capsys):
     train, val = tmp_path / "t" / "train.jsonl", tmp_path / "t" / "val.jsonl"
     assert capsys.readouterr().out.split() == [str(train), str(val)]
     convs = load_conversations(train)  # the chat format's own reader accepts every line
-    assert len(convs) == 6000 and len(load_conversations(val)) == 300
+    assert len(convs) == 7000 and len(load_conversations(val)) == 350  # six tasks + function_call
     first = train.read_bytes()
     get_dataset("chat-tasks", cache_dir=cache, force=True)  # regenerated: byte for byte the same
     assert (cache / "chat-tasks" / "train.jsonl").read_bytes() == first
