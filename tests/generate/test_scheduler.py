@@ -502,6 +502,14 @@ def test_several_samples_of_one_prompt_share_one_prefill(monkeypatch):
     assert admits == [list(b"share")]
     for k, o in enumerate(outs):
         assert o.text == alone(model, tok, list(b"share"), 8, temperature=1.0, seed=10 + k)
+    # the copy is the prefill: a forked row's next logits equal its source row's, step after step
+    e = Engine(model)
+    e.open_slots(3)
+    e.admit(list(b"a longer shared prompt"))
+    assert e.fork(0) == 1 and e.fork(0) == 2 and e.lengths == [22, 22, 22]
+    for t in (5, 9, 77):
+        logits = e.step(torch.tensor([t, t, t]))
+        assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
     with pytest.raises(ValueError, match="max_batch"):
         s.submit_many([Request([1], 2, Collect()) for _ in range(5)])
     with pytest.raises(ValueError, match="same prompt"):
