@@ -32,6 +32,11 @@ from serve_helpers import NO_PROXY, ThreadServer, openai_client, random_chat_run
 
 ROOT = Path(__file__).resolve().parents[2]
 MSG = [{"role": "user", "content": "Hello, who are you?"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+    "additionalProperties": False}}}
+CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +202,36 @@ def _err(r: httpx.Response, status: int, param: str | None = None) -> str:
     (json.dumps({"model": "chatty", "messages": MSG, "temperature": "hot"}).encode(), "temperature", "hot"),
     (json.dumps({"model": "chatty", "messages": MSG, "temperature": 3}).encode(), "temperature", "2"),
     (json.dumps({"model": "chatty", "messages": MSG, "max_tokens": 0}).encode(), "max_tokens", "1"),
-    (json.dumps({"model": "chatty", "messages": MSG, "n": 2}).encode(), "n", "not supported"),
+    (json.dumps({"model": "chatty", "messages": MSG, "n": 5}).encode(), "n", "at most 4 rows"),
+    (json.dumps({"model": "chatty", "messages": MSG, "n": 3, "max_tokens": 40}).encode(), "n", "3 × 40 = 120"),
+    (json.dumps({"model": "chatty", "messages": MSG, "logprobs": True, "top_logprobs": 21}).encode(),
+     "top_logprobs", "20"),
+    (json.dumps({"model": "chatty", "messages": MSG, "top_logprobs": 2}).encode(), "top_logprobs", "logprobs: true"),
+    (json.dumps({"model": "chatty", "messages": MSG, "tools": [TOOL], "response_format": {"type": "json_object"}}
+                ).encode(), "response_format", "cannot be combined with tools"),
+    (json.dumps({"model": "chatty", "messages": MSG, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}).encode(), "tool_choice", "'nope'"),
+    (json.dumps({"model": "chatty", "messages": MSG, "tool_choice": "required"}).encode(), "tool_choice", "needs tools"),
+    (json.dumps({"model": "chatty", "messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "not": {"required": ["a"]}}}}]}).encode(),
+     "tools.0.function.parameters", "not"),
+    (json.dumps({"model": "chatty", "messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": "x"}}]}).encode(), "tools.0.function.parameters", "dictionary"),
+    (json.dumps({"model": "chatty", "messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "bad name!"}}]}).encode(), "tools.0.function.name", "pattern"),
+    (json.dumps({"model": "chatty", "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}).encode(),
+     "response_format.json_schema.schema", "uniqueItems"),
+    (json.dumps({"model": "chatty", "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strange"}}}}).encode(), "response_format.json_schema.schema", "strange"),
+    (json.dumps({"model": "chatty", "messages": MSG, "response_format": {"type": "xml"}}).encode(),
+     "response_format.type", "xml"),
+    (json.dumps({"model": "chatty", "messages": MSG, "structured_outputs": {"regex": "(unclosed"}}).encode(),
+     "structured_outputs.regex", "regular expression"),
+    (json.dumps({"model": "chatty", "messages": MSG + [CALLED, {"role": "tool", "tool_call_id": "other",
+                                                                "content": "1"}]}).encode(), "messages", "'other'"),
+    (json.dumps({"model": "chatty", "messages": MSG + [CALLED, {"role": "tool", "content": "1"}]}).encode(),
+     "messages.2.tool_call_id", "tool_call_id"),
     (json.dumps({"model": "chatty", "messages": MSG + [{"role": "assistant", "content": "hi"}]}).encode(),
      "messages", "must end with a user message"),
 ])
