@@ -327,10 +327,13 @@ def test_one_failing_request_does_not_take_down_the_others(srv, http, monkeypatc
     t = threading.Thread(target=lambda: box.update(c=http.post(srv.url + "/v1/completions", json={
         "model": "chatty", "prompt": "side by side", "max_tokens": 30, "temperature": 0})))
     t.start()
-    r = http.post(srv.url + "/v1/chat/completions", json={"model": "chatty", "messages": MSG, "max_tokens": 30})
+    # greedy: the first token is not a stop token (a sampled stop at token 0 would never reach the hook)
+    r = http.post(srv.url + "/v1/chat/completions", json={"model": "chatty", "messages": MSG, "max_tokens": 30,
+                                                          "temperature": 0})
     assert "injected fault" in _err(r, 500) and r.json()["error"]["type"] == "server_error"
     with http.stream("POST", srv.url + "/v1/chat/completions",
-                     json={"model": "chatty", "messages": MSG, "max_tokens": 30, "stream": True}) as s:
+                     json={"model": "chatty", "messages": MSG, "max_tokens": 30, "stream": True,
+                           "temperature": 0}) as s:
         events = [ln for ln in s.iter_lines() if ln]
     assert "injected fault" in json.loads(events[-2][6:])["error"]["message"] and events[-1] == "data: [DONE]"
     t.join(60)
