@@ -84,8 +84,9 @@ class Engine:
                              f"(this model is {self.dtype} on {self.device})")
         self._kernel = can if use_kernel is None else bool(use_kernel)
         if wd == INT4 and not self._kernel:
-            raise ValueError(f"int4 weights run on the CPU decode kernel only (no {self.device.type} path yet): "
-                             f"decode on CPU (--device cpu), or use weight_dtype int8/bf16 there")
+            raise ValueError(f"int4 weights run on the CPU decode kernel only (a float32 model on CPU with lmforge's "
+                             f"C++ extension); this model is {self.dtype} on {self.device.type}, and int4 has no "
+                             f"path there yet: decode on CPU (--device cpu)")
         if wd is not None and wd != self.dtype and not self._kernel:
             raise ValueError(f"weight_dtype={wd} needs the CPU decode kernel (a float32 model on CPU with lmforge's "
                              f"C++ extension built); this model is {self.dtype} on {self.device}: leave it unset")

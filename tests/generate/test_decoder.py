@@ -194,6 +194,10 @@ def test_weight_dtype_errors():
         Engine(_model(), weight_dtype=torch.float64)
     with pytest.raises(ValueError, match="needs the CPU decode kernel"):
         Engine(_model().double(), weight_dtype="bf16")
+    # int4 on a device without the kernel (CUDA, or here the meta device standing in for one): one line
+    with pytest.raises(ValueError, match=r"^int4 weights run on the CPU decode kernel only .* torch.float32 on meta, and "
+                                         r"int4 has no path there yet: decode on CPU \(--device cpu\)$"):
+        Engine(_model().to("meta"), weight_dtype="int4")
 
 
 def test_decoder_restores_torch_threads(monkeypatch):
