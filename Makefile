@@ -33,6 +33,8 @@ demo: install
 test: install-test
 	$(BIN)/python -m pytest -q
 
+# bench_llamacpp.py (lmforge vs llama.cpp) runs when llama-bench is built (`python benchmarks/bench_llamacpp.py
+# --build`, or LLAMA_BENCH=/path/to/llama-bench); without it, it prints how to get it and the rest go on.
 bench: $(VENV)/.base
 	$(PIP) install -q --no-build-isolation -e ".[test,bench]"
 	$(BIN)/python benchmarks/run_all.py

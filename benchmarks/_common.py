@@ -193,6 +193,27 @@ def print_table(title: str, rows: list[dict[str, Any]], mb: float) -> None:
     sys.stdout.flush()
 
 
+def write_run(root: Path, tok: Any, cfg: Any) -> Path:
+    """``root/run``: a run directory holding ``tok``, a config with ``cfg`` and one checkpoint of a ``TransformerLM``
+    of ``cfg`` with random weights (seed 0), as training would leave it (for the export and llama.cpp benchmarks)."""
+    import torch
+
+    from lmforge.checkpoint import CheckpointManager
+    from lmforge.config import dump_yaml
+    from lmforge.model import TransformerLM
+    from lmforge.run import mark
+    from lmforge.train.config import DataConfig, RunConfig
+
+    torch.manual_seed(0)
+    run = root / "run"
+    run.mkdir()
+    tok.save(run / "tokenizer.json")
+    dump_yaml(RunConfig(model=cfg, data=DataConfig(dir=str(root / "data"))), run / "config.yaml")
+    CheckpointManager(run).save(TransformerLM(cfg), None, 1)
+    mark(run)
+    return run
+
+
 def hf_twins(cfg: Any, device: str = "cpu", check_tokens: int = 32) -> tuple[Any, Any]:
     """``(ours, HF)``: lmforge's ``TransformerLM`` and a ``LlamaForCausalLM`` with the same weights (HF's seeded
     random init mapped through ``lmforge.interop.hf``), both in eval mode on ``device``; exits if their logits

@@ -22,34 +22,22 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import EOT, alternate, median, ratio, shakespeare_documents, spread, synthetic_documents  # noqa: E402
+from _common import (EOT, alternate, median, ratio, shakespeare_documents, spread, synthetic_documents,  # noqa: E402
+                     write_run)
 
 
 def make_run(root: Path, a: argparse.Namespace) -> Path:
     """A run directory of the demo shape with random weights and a BPE trained on Shakespeare (synthetic text
     with ``--quick``)."""
-    import torch
-
-    from lmforge.checkpoint import CheckpointManager
-    from lmforge.config import dump_yaml
-    from lmforge.model import ModelConfig, TransformerLM
-    from lmforge.run import mark
+    from lmforge.model import ModelConfig
     from lmforge.tokenizer import Tokenizer, train_bpe_from_iterator
-    from lmforge.train.config import DataConfig, RunConfig
 
     docs = synthetic_documents(30_000) if a.quick else shakespeare_documents()
     vocab, merges = train_bpe_from_iterator(docs, a.vocab, [EOT], progress=False)
     tok = Tokenizer(vocab, merges, [EOT])
     cfg = ModelConfig(vocab_size=tok.vocab_size, context_length=a.context, d_model=a.d_model, n_layers=a.layers,
                       n_heads=a.heads, tie_embeddings=True)
-    torch.manual_seed(0)
-    run = root / "run"
-    run.mkdir()
-    tok.save(run / "tokenizer.json")
-    dump_yaml(RunConfig(model=cfg, data=DataConfig(dir=str(root / "data"))), run / "config.yaml")
-    CheckpointManager(run).save(TransformerLM(cfg), None, 1)
-    mark(run)
-    return run
+    return write_run(root, tok, cfg)
 
 
 def main() -> int:

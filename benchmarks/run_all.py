@@ -22,6 +22,7 @@ HERE = Path(__file__).resolve().parent
 VARIANTS = {
     "bench_train_step.py": [[], ["--shape", "gpt2s", "--steps", "6", "--warmup", "1"]],
     "bench_generate.py": [[], ["--shape", "gpt2s"]],
+    "bench_llamacpp.py": [[], ["--shape", "gpt2s"]],
 }
 
 

@@ -122,6 +122,21 @@ nb::ndarray<nb::numpy, T, nb::ndim<1>> to_numpy(std::vector<T>&& v) {
 
 constexpr size_t kReleaseGilBytes = 4096;  // below this, releasing the GIL costs more than it frees
 
+// How a packed matrix of each weight type is stored (decode/kernels.h, linear_rows).
+nb::dlpack::dtype packed_dtype(WeightType wt) {
+    switch (wt) {
+        case WeightType::F32: return nb::dtype<float>();
+        case WeightType::I8: return nb::dtype<int8_t>();
+        case WeightType::I4: return nb::dtype<uint8_t>();
+        default: return nb::dtype<uint16_t>();
+    }
+}
+bool needs_scales(WeightType wt) { return wt == WeightType::I8 || wt == WeightType::I4; }
+size_t packed_k(WeightType wt, size_t K) { return wt == WeightType::I4 ? 16 * ((K + 31) / 32) : K; }
+size_t scale_count(WeightType wt, size_t N, size_t K) {
+    return wt == WeightType::I4 ? (N + 7) / 8 * ((K + 31) / 32) * 8 : N;
+}
+
 // The whole decode step (decode/step.cpp). The model points into the weight arrays it was built from;
 // it keeps them alive, and refuses arrays it would have to convert (a converted copy would not live).
 struct StepModel {
@@ -148,23 +163,23 @@ struct StepModel {
             throw std::invalid_argument(name + " must be (packed array, kind, scales or None)");
         auto w = take<nb::ndarray<nb::ro, nb::ndim<3>, nb::c_contig, nb::device::cpu>>(t[0], what);
         const int kind = nb::cast<int>(t[1]);
-        if (kind < 0 || kind > 3) throw std::invalid_argument(name + ": kind is 0, 1, 2 or 3");
+        if (kind < 0 || kind > 4) throw std::invalid_argument(name + ": kind is 0, 1, 2, 3 or 4");
         PackedMatrix pm;
         pm.wt = (WeightType)kind;
         pm.N = N;
         pm.K = K;
-        const nb::dlpack::dtype want = pm.wt == WeightType::F32 ? nb::dtype<float>()
-                                       : pm.wt == WeightType::I8 ? nb::dtype<int8_t>() : nb::dtype<uint16_t>();
-        if (w.dtype() != want) throw std::invalid_argument(name + " has the wrong dtype for its kind");
-        if (pm.wt == WeightType::I8) {
-            if (t[2].is_none()) throw std::invalid_argument(name + ": int8 weights need scales");
+        if (w.dtype() != packed_dtype(pm.wt)) throw std::invalid_argument(name + " has the wrong dtype for its kind");
+        if (needs_scales(pm.wt)) {
+            if (t[2].is_none()) throw std::invalid_argument(name + ": int8 and int4 weights need scales");
             auto sc = take<nb::ndarray<nb::ro, float, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(t[2], what);
-            if (sc.shape(0) < pm.N) throw std::invalid_argument(name + ": one scale per output row");
+            if (sc.shape(0) < scale_count(pm.wt, N, K))
+                throw std::invalid_argument(name + ": one scale per output row (int8) or per 8 rows x 32 columns (int4)");
             pm.scales = sc.data();
         }
-        if (w.shape(0) != (pm.N + 7) / 8 || w.shape(1) != K || w.shape(2) != 8)
-            throw std::invalid_argument(name + " must be packed as (ceil(N / 8), K, 8) with N = " +
-                                        std::to_string(pm.N) + ", K = " + std::to_string(K));
+        if (w.shape(0) != (pm.N + 7) / 8 || w.shape(1) != packed_k(pm.wt, K) || w.shape(2) != 8)
+            throw std::invalid_argument(name + " must be packed as (ceil(N / 8), K, 8) (int4: (ceil(N / 8), "
+                                        "16 ceil(K / 32), 8)) with N = " + std::to_string(pm.N) + ", K = " +
+                                        std::to_string(K));
         pm.w = w.data();
         return pm;
     }
@@ -174,7 +189,7 @@ struct StepModel {
 
 NB_MODULE(_core, m) {
     m.doc() = "lmforge C++ core: pre-tokenization, pre-token counting, BPE training and encoding, document splitting, decode-time matrix products and attention";
-    m.attr("ABI_VERSION") = 4;  // checked by lmforge._native.core(): bump both when a binding changes
+    m.attr("ABI_VERSION") = 5;  // checked by lmforge._native.core(): bump both when a binding changes
     m.attr("PATTERN_GPT2") = (int)kGPT2;
     m.attr("PATTERN_GPT4") = (int)kGPT4;
     m.attr("PATTERN_NANOCHAT") = (int)kNanochat;
@@ -200,20 +215,20 @@ NB_MODULE(_core, m) {
             const size_t M = x.shape(0), K = x.shape(1), N = y.shape(1);
             if (y.shape(0) != M || y.stride(1) != 1 || y.stride(0) < (int64_t)N)
                 throw std::invalid_argument("linear_rows: y must be (M, N) with contiguous rows, M = len(x)");
-            if (w.shape(0) != (N + 7) / 8 || w.shape(1) != K || w.shape(2) != 8)
-                throw std::invalid_argument("linear_rows: w must be packed as (ceil(N / 8), K, 8) for x (M, K), y (M, N)");
-            if (kind < 0 || kind > 3)
-                throw std::invalid_argument("linear_rows: kind is 0 (fp32), 1 (bf16), 2 (fp16) or 3 (int8)");
+            if (kind < 0 || kind > 4)
+                throw std::invalid_argument("linear_rows: kind is 0 (fp32), 1 (bf16), 2 (fp16), 3 (int8) or 4 (int4)");
             const auto wt = (WeightType)kind;
-            const nb::dlpack::dtype want = wt == WeightType::F32 ? nb::dtype<float>()
-                                           : wt == WeightType::I8 ? nb::dtype<int8_t>() : nb::dtype<uint16_t>();
-            if (w.dtype() != want)
-                throw std::invalid_argument("linear_rows: w must be float32 for kind 0, uint16 bits for kinds 1, 2 "
-                                            "and int8 for kind 3");
+            if (w.shape(0) != (N + 7) / 8 || w.shape(1) != packed_k(wt, K) || w.shape(2) != 8)
+                throw std::invalid_argument("linear_rows: w must be packed as (ceil(N / 8), K, 8) (int4: (ceil(N / 8), "
+                                            "16 ceil(K / 32), 8)) for x (M, K), y (M, N)");
+            if (w.dtype() != packed_dtype(wt))
+                throw std::invalid_argument("linear_rows: w must be float32 for kind 0, uint16 bits for kinds 1, 2, "
+                                            "int8 for kind 3 and uint8 for kind 4");
             const float* sp = nullptr;
-            if (wt == WeightType::I8) {
-                if (!scales || scales->shape(0) < N)
-                    throw std::invalid_argument("linear_rows: int8 weights need scales, one float32 per output row");
+            if (needs_scales(wt)) {
+                if (!scales || scales->shape(0) < scale_count(wt, N, K))
+                    throw std::invalid_argument("linear_rows: int8 weights need scales, one float32 per output row; "
+                                                "int4 weights one per 8 rows x 32 columns");
                 sp = scales->data();
             }
             const float* xp = x.data();
@@ -226,8 +241,9 @@ NB_MODULE(_core, m) {
         nb::arg("x"), nb::arg("w"), nb::arg("kind"), nb::arg("y"), nb::arg("threads"), nb::arg("scales") = nb::none(),
         "y[:] = x @ W.T for a few rows x (M, K) float32; W (N, K) comes packed in panels of 8 rows, "
         "w[p, k, j] = W[8p + j, k] (zero past N), as float32 (kind 0), bf16/fp16 bits in uint16 (kind 1/2) or "
-        "int8 codes (kind 3, W = w * scales[n] per output row). Accumulates in float32 on up to `threads` threads. "
-        "For decoding (M = batch size).");
+        "int8 codes (kind 3, W = w * scales[n] per output row) or int4 codes (kind 4, uint8 (ceil(N / 8), 16 ceil(K / 32), 8): "
+        "two k per byte, low nibble first; W = scales[(p * G + k // 32) * 8 + j] * (q - 8)). Accumulates in float32 on up "
+        "to `threads` threads; each output's sum runs in the same order whatever M and the threads (batch invariant).");
     m.def(
         "attend_rows",
         [](nb::ndarray<nb::ro, float, nb::ndim<3>, nb::c_contig, nb::device::cpu> q,
@@ -312,7 +328,7 @@ NB_MODULE(_core, m) {
 
     using F2 = nb::ndarray<nb::ro, float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
     nb::class_<StepModel>(m, "DecodeModel",
-                          "A model's weights for its decode step (.step): packed matrices (fp32/bf16/fp16/int8), norms, embeddings "
+                          "A model's weights for its decode step (.step): packed matrices (fp32/bf16/fp16/int8/int4), norms, embeddings "
                           "and the RoPE tables, borrowed (kept alive) from the arrays given.")
         .def(
             "__init__",
@@ -364,34 +380,40 @@ NB_MODULE(_core, m) {
                nb::ndarray<float, nb::ndim<5>, nb::c_contig, nb::device::cpu> k,
                nb::ndarray<float, nb::ndim<5>, nb::c_contig, nb::device::cpu> v,
                nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> lengths,
-               nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> logits, int threads) {
+               nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> logits, int threads, size_t first) {
                 const DecodeModel& d = s.m;
-                const size_t B = tokens.shape(0), rows = k.shape(1), S = k.shape(3);
+                const size_t B = lengths.shape(0), rows = k.shape(1), S = k.shape(3);
                 if (k.shape(0) != d.layers.size() || k.shape(2) != d.Hkv || k.shape(4) != d.D)
                     throw std::invalid_argument("DecodeModel.step: k and v must be (layers, rows, n_kv_heads, S, head_dim)");
                 for (size_t i = 0; i < 5; ++i)
                     if (v.shape(i) != k.shape(i)) throw std::invalid_argument("DecodeModel.step: v must be shaped like k");
-                if (B == 0 || B > rows || lengths.shape(0) != B || logits.shape(0) != B || logits.shape(1) != d.head.N)
-                    throw std::invalid_argument("DecodeModel.step: tokens and lengths (B,) with 0 < B <= rows, "
-                                                "logits (B, head_n)");
-                for (size_t b = 0; b < B; ++b) {
-                    if (tokens(b) < 0 || (size_t)tokens(b) >= d.vocab)
-                        throw std::invalid_argument("DecodeModel.step: token id " + std::to_string(tokens(b)) +
+                if (B == 0 || first + B > rows || tokens.shape(0) == 0 || tokens.shape(0) % B ||
+                    logits.shape(0) != B || logits.shape(1) != d.head.N)
+                    throw std::invalid_argument("DecodeModel.step: lengths (B,) with 0 < B <= rows - first, tokens "
+                                                "(B * T,), logits (B, head_n)");
+                const size_t T = tokens.shape(0) / B;
+                for (size_t i = 0; i < B * T; ++i)
+                    if (tokens(i) < 0 || (size_t)tokens(i) >= d.vocab)
+                        throw std::invalid_argument("DecodeModel.step: token id " + std::to_string(tokens(i)) +
                                                     " outside the vocabulary [0, " + std::to_string(d.vocab) + ")");
-                    if (lengths(b) < 0 || (size_t)lengths(b) >= S || (size_t)lengths(b) >= d.positions)
+                for (size_t b = 0; b < B; ++b)
+                    if (lengths(b) < 0 || (size_t)lengths(b) + T > S || (size_t)lengths(b) + T > d.positions)
                         throw std::invalid_argument("DecodeModel.step: a row's cache is full (or its length is "
                                                     "outside the cache and the RoPE tables)");
-                }
                 const int64_t* tp = tokens.data();
                 float *kp = k.data(), *vp = v.data(), *lp = logits.data();
                 int64_t* np = lengths.data();
                 nb::gil_scoped_release release;
-                decode_step(d, tp, B, kp, vp, rows, S, np, lp, threads);
+                decode_step(d, tp, B, T, kp, vp, rows, first, S, np, lp, threads);
             },
             nb::arg("tokens"), nb::arg("k"), nb::arg("v"), nb::arg("lengths"), nb::arg("logits"), nb::arg("threads"),
-            "One decode step of rows b < B = len(tokens): token tokens[b] at cache column lengths[b] of the cache "
-            "k, v (layers, rows, n_kv_heads, S, head_dim) (the live rows are its first B); writes each row's keys "
-            "and values there, the next-token logits (B, head_n), and lengths[b] += 1. On up to `threads` threads.");
+            nb::arg("first") = 0,
+            "Feed T = len(tokens) // B tokens to each of B = len(lengths) rows: row b's tokens "
+            "tokens[b * T:(b + 1) * T] go to cache row first + b at columns lengths[b] .. lengths[b] + T - 1 of the "
+            "cache k, v (layers, rows, n_kv_heads, S, head_dim); writes their keys and values there, the logits "
+            "(B, head_n) of the token after each row's last, and lengths[b] += T. T = 1: a decode step; T > 1: a "
+            "prompt, its tokens as the rows of each product. On up to `threads` threads; batch invariant (a row's "
+            "numbers do not depend on the other rows, on T or on the threads).");
 
     m.def(
         "split_documents",

@@ -29,7 +29,7 @@ def utf8_error_offset(data: bytes | bytearray | memoryview) -> int:
 
 def linear_rows(x: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu', writable=False)], w: Annotated[NDArray, dict(shape=(None, None, None), order='C', device='cpu', writable=False)], kind: int, y: Annotated[NDArray[numpy.float32], dict(shape=(None, None), device='cpu')], threads: int, scales: Annotated[NDArray[numpy.float32], dict(shape=(None,), order='C', device='cpu', writable=False)] | None = None) -> None:
     """
-    y[:] = x @ W.T for a few rows x (M, K) float32; W (N, K) comes packed in panels of 8 rows, w[p, k, j] = W[8p + j, k] (zero past N), as float32 (kind 0), bf16/fp16 bits in uint16 (kind 1/2) or int8 codes (kind 3, W = w * scales[n] per output row). Accumulates in float32 on up to `threads` threads. For decoding (M = batch size).
+    y[:] = x @ W.T for a few rows x (M, K) float32; W (N, K) comes packed in panels of 8 rows, w[p, k, j] = W[8p + j, k] (zero past N), as float32 (kind 0), bf16/fp16 bits in uint16 (kind 1/2), int8 codes (kind 3, W = w * scales[n] per output row) or int4 codes (kind 4, uint8 (ceil(N / 8), 16 ceil(K / 32), 8): two k per byte, low nibble first; W = scales[(p * G + k // 32) * 8 + j] * (q - 8)). Accumulates in float32 on up to `threads` threads; each output's sum runs in the same order whatever M and the threads (batch invariant).
     """
 
 def attend_rows(q: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None), order='C', device='cpu', writable=False)], k: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None), order='C', device='cpu', writable=False)], v: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None), order='C', device='cpu', writable=False)], lengths: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], scale: float, out: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None), order='C', device='cpu')], threads: int) -> None:
@@ -63,7 +63,7 @@ def linear_force_avx2(on: bool) -> None:
 
 class DecodeModel:
     """
-    A model's weights for its decode step (.step): packed matrices (fp32/bf16/fp16/int8), norms, embeddings and the RoPE tables, borrowed (kept alive) from the arrays given.
+    A model's weights for its decode step (.step): packed matrices (fp32/bf16/fp16/int8/int4), norms, embeddings and the RoPE tables, borrowed (kept alive) from the arrays given.
     """
 
     def __init__(self, embed: object, cos: object, sin: object, n_heads: int, n_kv_heads: int, d_ff: int, eps: float, layers: list, ln_final: object, head: object, head_n: int) -> None:
@@ -71,9 +71,9 @@ class DecodeModel:
         embed (V, C) and cos, sin (P, head_dim / 2) float32; layers: [(ln1, qkv, out, ln2, up, down)] with norms (C,) and matrices (packed (ceil(N/8), K, 8), kind, scales or None): qkv = [q | k | v] ((H + 2 Hkv) D, C), out (C, H D), up = [w1 | w3] (2 d_ff, C), down (C, d_ff); head (head_n, C).
         """
 
-    def step(self, tokens: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], k: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None, None), order='C', device='cpu')], v: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None, None), order='C', device='cpu')], lengths: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], logits: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu')], threads: int) -> None:
+    def step(self, tokens: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], k: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None, None), order='C', device='cpu')], v: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None, None), order='C', device='cpu')], lengths: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')], logits: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu')], threads: int, first: int = 0) -> None:
         """
-        One decode step of rows b < B = len(tokens): token tokens[b] at cache column lengths[b] of the cache k, v (layers, rows, n_kv_heads, S, head_dim) (the live rows are its first B); writes each row's keys and values there, the next-token logits (B, head_n), and lengths[b] += 1. On up to `threads` threads.
+        Feed T = len(tokens) // B tokens to each of B = len(lengths) rows: row b's tokens tokens[b * T:(b + 1) * T] go to cache row first + b at columns lengths[b] .. lengths[b] + T - 1 of the cache k, v (layers, rows, n_kv_heads, S, head_dim); writes their keys and values there, the logits (B, head_n) of the token after each row's last, and lengths[b] += T. T = 1: a decode step; T > 1: a prompt, its tokens as the rows of each product. On up to `threads` threads; batch invariant (a row's numbers do not depend on the other rows, on T or on the threads).
         """
 
 def split_documents(data: bytes | bytearray | memoryview, sep: bytes, final: bool, want_crc: bool) -> tuple[int, int, numpy.ndarray, numpy.ndarray, numpy.ndarray | None, int]:

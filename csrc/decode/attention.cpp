@@ -113,7 +113,7 @@ void attend_one_scalar(const float* q, const float* k, const float* v, size_t n,
 struct AttendJob {
     const float *q, *k, *v;
     const int64_t* lengths;
-    size_t B, H, Hkv, S, D, per;
+    size_t B, H, Hkv, S, D, per, T;
     float scale;
     float* out;
     bool vec;
@@ -126,7 +126,7 @@ void attend_chunk(void* ctx, uint32_t chunk) {
     const size_t G = j.H / j.Hkv, end = std::min(j.B * j.H, (chunk + 1) * j.per);
     for (size_t i = chunk * j.per; i < end; ++i) {
         const size_t b = i / j.H, h = i % j.H;
-        const size_t base = (b * j.Hkv + h / G) * j.S * j.D;
+        const size_t base = (b / j.T * j.Hkv + h / G) * j.S * j.D;
         const float* q = j.q + i * j.D;
         float* o = j.out + i * j.D;
 #ifdef LMFORGE_X86
@@ -142,7 +142,7 @@ void attend_chunk(void* ctx, uint32_t chunk) {
 }  // namespace
 
 void attend_rows(const float* q, const float* k, const float* v, const int64_t* lengths, size_t B, size_t H,
-                 size_t Hkv, size_t S, size_t D, float scale, float* out, int threads) {
+                 size_t Hkv, size_t S, size_t D, float scale, float* out, int threads, size_t T) {
     if (B == 0 || H == 0) return;
     std::lock_guard<std::mutex> lk(g_pool_mu);
     bool vec = false;
@@ -151,7 +151,7 @@ void attend_rows(const float* q, const float* k, const float* v, const int64_t* 
 #endif
     const size_t pairs = B * H;
     size_t per = std::max<size_t>(1, pairs / (8 * (size_t)std::max(threads, 1)));
-    AttendJob job{q, k, v, lengths, B, H, Hkv, S, D, per, scale, out, vec};
+    AttendJob job{q, k, v, lengths, B, H, Hkv, S, D, per, T, scale, out, vec};
     const uint32_t chunks = (uint32_t)((pairs + per - 1) / per);
     if (threads <= 1 || pairs < 4) {
         for (uint32_t c = 0; c < chunks; ++c) attend_chunk(&job, c);

@@ -1,7 +1,7 @@
 // The decode kernels' contract (Python: lmforge.generate.engine and .packed, through the bindings): a whole
 // decode step of the model in one call (step.cpp), built from skinny matrix products y (M, N) = x (M, K) . W^T
-// for a few rows M, with W (N, K) pre-packed in panels of 8 rows and stored as fp32, bf16, fp16 or int8 with
-// a scale per row, fp32 accumulation (products.cpp); one-query attention over a KV cache (attention.cpp),
+// for a few rows M, with W (N, K) pre-packed in panels of 8 rows and stored as fp32, bf16, fp16, int8 with
+// a scale per row or int4 with a scale per group of 32, fp32 accumulation (products.cpp); one-query attention over a KV cache (attention.cpp),
 // both on a small persistent thread pool of their own (pool.h); the per-token RMSNorm, RoPE and SwiGLU rows
 // (rows.cpp). Pure-PyTorch twins: lmforge.generate.packed.PackedLinear.reference and the model's own forward
 // (Engine(use_kernel=False)); tests/generate/test_decoder.py and tests/generate/test_decode_step.py hold them equal.
@@ -12,30 +12,36 @@
 
 namespace lmforge {
 
-enum class WeightType { F32 = 0, BF16 = 1, F16 = 2, I8 = 3 };
+enum class WeightType { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, I4 = 4 };
 
 // y[m * ldy + n] = sum_k x[m * K + k] * W[n][k], for m < M, n < N, where w holds W packed in panels of 8
 // rows: w[(p * K + k) * 8 + j] = W[8p + j][k] (zero past N); w's element type is `wt`. For I8 the weights
-// are int8 codes and W[n][k] = w * scales[n] (scales: at least N floats); other types ignore scales.
+// are int8 codes and W[n][k] = w * scales[n] (scales: at least N floats). For I4 (groups of 32 k, G =
+// ceil(K / 32)) w holds codes q in [0, 15], two k per byte: w[(p * 16 G + k / 2) * 8 + j] has q[8p + j][k] in
+// its low nibble for even k, its high nibble for odd k, and W[n][k] = scales[(p * G + k / 32) * 8 + j] * (q - 8)
+// (scales: ceil(N / 8) * G * 8 floats). Other types ignore scales.
+// Batch invariant: each y[m][n] is summed in an order that depends only on K (not on M, m, other rows or the
+// thread count), so a row's outputs are the same bits whatever it is multiplied with.
 // threads <= 1 runs on the calling thread only; concurrent calls from several threads are serialised.
 // y must not overlap x or w.
 void linear_rows(const float* x, size_t M, size_t K, const void* w, WeightType wt, size_t N, float* y, size_t ldy,
                  int threads, const float* scales = nullptr);
 
 // Attention of one new query per row over a KV cache, for decoding. q and out are (B, H, D); k and v are
-// (B, Hkv, S, D) with H a multiple of Hkv (query head h reads cache head h / (H / Hkv)); row b attends to
-// cache columns [0, lengths[b]), 1 <= lengths[b] <= S. Softmax in fp32 with the row maximum subtracted.
+// (B / T, Hkv, S, D) with H a multiple of Hkv (query head h reads cache head h / (H / Hkv)); query row b reads
+// cache row b / T (T queries per cache row: a prompt's tokens) and attends to its columns [0, lengths[b]),
+// 1 <= lengths[b] <= S. Softmax in fp32 with the row maximum subtracted; each query alone, on one thread.
 void attend_rows(const float* q, const float* k, const float* v, const int64_t* lengths, size_t B, size_t H,
-                 size_t Hkv, size_t S, size_t D, float scale, float* out, int threads);
+                 size_t Hkv, size_t S, size_t D, float scale, float* out, int threads, size_t T = 1);
 
 // The small operations of a decode step (calling thread only), matching the model's definitions:
 // out = x / sqrt(mean(x^2) + eps) * w per row of x (M, C).
 void rms_norm_rows(const float* x, size_t M, size_t C, const float* w, float eps, float* out);
 // From fused projections qkv (B, (H + 2 Hkv) D): RoPE (pairs (2i, 2i+1) turned by the angle at position
 // pos[b], tables cos/sin (positions, D/2)) on the q and k heads; q to q_out (B, H, D), k and v written
-// into the caches (B, Hkv, S, D) at column pos[b].
+// into the caches (B / T, Hkv, S, D) at column pos[b] of cache row b / T.
 void rope_cache_rows(const float* qkv, size_t B, size_t H, size_t Hkv, size_t D, const float* cos, const float* sin,
-                     const int64_t* pos, float* k_cache, float* v_cache, size_t S, float* q_out);
+                     const int64_t* pos, float* k_cache, float* v_cache, size_t S, float* q_out, size_t T = 1);
 // out (M, F) = silu(g) * u for gate_up (M, 2F) = [g | u].
 void swiglu_rows(const float* gate_up, size_t M, size_t F, float* out);
 
@@ -56,7 +62,7 @@ struct PackedMatrix {
     const void* w = nullptr;
     WeightType wt = WeightType::F32;
     size_t N = 0, K = 0;
-    const float* scales = nullptr;  // I8 only: N floats
+    const float* scales = nullptr;  // I8: N floats; I4: ceil(N / 8) * ceil(K / 32) * 8 floats
 };
 
 // One pre-norm block: x += out(attention(rope(qkv(rms(x) * ln1)))); x += down(swiglu(up(rms(x) * ln2))),
@@ -80,14 +86,18 @@ struct DecodeModel {
     size_t positions = 0;
 };
 
-// One token per row for rows b < B: logits (B, head.N) of the token after tokens[b], which sits at cache
-// column lengths[b] (its RoPE position). k and v are the model's whole cache (layers, rows, Hkv, S, D) with
-// B <= rows (the live rows are its first B); each row's new keys and values are written at its column, and
-// lengths[b] is incremented. Runs the same kernels, in the same order, as the per-operation calls above
-// (embedding, then per layer: rms_norm_rows, linear_rows, rope_cache_rows, attend_rows, linear_rows and the
-// residual add, rms_norm_rows, linear_rows, swiglu_rows, linear_rows and the add; then the final norm and the
-// head). The caller checks the shapes, token ids (< vocab) and lengths (< S and < positions).
-void decode_step(const DecodeModel& m, const int64_t* tokens, size_t B, float* k, float* v, size_t rows, size_t S,
-                 int64_t* lengths, float* logits, int threads);
+// T tokens per row for rows b < B: logits (B, head.N) of the token after the last of row b's tokens
+// tokens[b * T .. b * T + T - 1], which go to cache columns lengths[b] .. lengths[b] + T - 1 (their RoPE
+// positions) of cache row first + b. k and v are the model's whole cache (layers, rows, Hkv, S, D) with
+// first + B <= rows; the new keys and values are written there and lengths[b] += T. T = 1 is a decode step;
+// T > 1 a prompt (prefill), whose T tokens go through the products as T rows: weights are read once for all
+// of them. Runs the same kernels, in the same order, as the per-operation calls above (embedding, then per
+// layer: rms_norm_rows, linear_rows, rope_cache_rows, attend_rows, linear_rows and the residual add,
+// rms_norm_rows, linear_rows, swiglu_rows, linear_rows and the add; then the final norm and the head on each
+// row's last token). Every kernel is batch invariant, so a token's numbers are the same bits whether it comes
+// in a prompt of T or in a step, and whatever the other rows are. The caller checks the shapes, token ids
+// (< vocab) and lengths (lengths[b] + T <= S and <= positions).
+void decode_step(const DecodeModel& m, const int64_t* tokens, size_t B, size_t T, float* k, float* v, size_t rows,
+                 size_t first, size_t S, int64_t* lengths, float* logits, int threads);
 
 }  // namespace lmforge

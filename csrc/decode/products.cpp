@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 #include "decode/kernels.h"
 #include "decode/pool.h"
@@ -76,10 +77,11 @@ inline float load1(const void* w, size_t i) {
 
 constexpr size_t kPanel = 8;
 
-// Scalar kernel: every CPU (the compiler vectorizes the j loop). Panels [p0, p1), all M rows.
+// Scalar kernels: every CPU (the compiler vectorizes the j loops). Panels [p0, p1), all M rows; each output
+// summed over k in order, as the vector tiles do (same order, not the same bits: no FMA here).
 template <WeightType WT>
-void block_scalar(const float* x, size_t M, size_t K, const void* w, size_t N, size_t p0, size_t p1, float* y,
-                  size_t ldy) {
+void block_scalar(const float* x, const float*, size_t M, size_t K, const void* w, const float*, size_t N, size_t p0,
+                  size_t p1, float* y, size_t ldy) {
     for (size_t p = p0; p < p1; ++p) {
         for (size_t m = 0; m < M; ++m) {
             float acc[kPanel] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -93,8 +95,37 @@ void block_scalar(const float* x, size_t M, size_t K, const void* w, size_t N, s
     }
 }
 
+// int4 (layout in tiles.inc, tile4): per group of 32 k, the even and the odd k summed apart, part = even + odd,
+// then acc += s * (part - 8 * xs[g]).
+void block_scalar4(const float* x, const float* xs, size_t M, size_t K, const void* wv, const float* sc, size_t N,
+                   size_t p0, size_t p1, float* y, size_t ldy) {
+    const auto* w = static_cast<const uint8_t*>(wv);
+    const size_t G = (K + 31) / 32, KP = 16 * G;
+    for (size_t p = p0; p < p1; ++p) {
+        for (size_t m = 0; m < M; ++m) {
+            float acc[kPanel] = {0, 0, 0, 0, 0, 0, 0, 0};
+            const float* xr = x + m * K;
+            for (size_t g = 0; g < G; ++g) {
+                float even[kPanel] = {0, 0, 0, 0, 0, 0, 0, 0}, odd[kPanel] = {0, 0, 0, 0, 0, 0, 0, 0};
+                for (size_t k = 32 * g; k < std::min(K, 32 * g + 32); ++k) {
+                    const uint8_t* at = w + (p * KP + k / 2) * kPanel;
+                    if (k & 1) {
+                        for (size_t j = 0; j < kPanel; ++j) odd[j] += xr[k] * (float)(at[j] >> 4);
+                    } else {
+                        for (size_t j = 0; j < kPanel; ++j) even[j] += xr[k] * (float)(at[j] & 0xF);
+                    }
+                }
+                const float* s = sc + (p * G + g) * kPanel;
+                const float x8 = 8.0f * xs[m * G + g];
+                for (size_t j = 0; j < kPanel; ++j) acc[j] += s[j] * ((even[j] + odd[j]) - x8);
+            }
+            for (size_t j = 0; j < kPanel && p * kPanel + j < N; ++j) y[m * ldy + p * kPanel + j] = acc[j];
+        }
+    }
+}
+
 template <WeightType WT>
-constexpr size_t sizeof_w() { return WT == WeightType::F32 ? 4 : WT == WeightType::I8 ? 1 : 2; }
+constexpr size_t sizeof_w() { return WT == WeightType::F32 ? 4 : WT == WeightType::I8 || WT == WeightType::I4 ? 1 : 2; }
 constexpr size_t kPrefetch = 1024;  // weights ahead (in elements): software prefetch over the stream
 
 #ifdef LMFORGE_X86
@@ -113,7 +144,8 @@ constexpr bool kWide = true;
 #undef LMFORGE_TILES
 #endif  // LMFORGE_X86
 
-using BlockFn = void (*)(const float*, size_t, size_t, const void*, size_t, size_t, size_t, float*, size_t);
+using BlockFn = void (*)(const float*, const float*, size_t, size_t, const void*, const float*, size_t, size_t,
+                         size_t, float*, size_t);
 
 template <WeightType WT>
 BlockFn pick_typed() {
@@ -123,7 +155,8 @@ BlockFn pick_typed() {
         return avx2::block<WT>;
     }
 #endif
-    return block_scalar<WT>;
+    if constexpr (WT == WeightType::I4) return block_scalar4;
+    else return block_scalar<WT>;
 }
 
 BlockFn pick_block(WeightType wt) {
@@ -131,6 +164,7 @@ BlockFn pick_block(WeightType wt) {
         case WeightType::BF16: return pick_typed<WeightType::BF16>();
         case WeightType::F16: return pick_typed<WeightType::F16>();
         case WeightType::I8: return pick_typed<WeightType::I8>();
+        case WeightType::I4: return pick_typed<WeightType::I4>();
         default: return pick_typed<WeightType::F32>();
     }
 }
@@ -138,13 +172,15 @@ BlockFn pick_block(WeightType wt) {
 struct Job {
     BlockFn block;
     const float* x;
+    const float* xs;  // int4: the group sums of x (M, G); else null
     size_t M, K;
     const void* w;
     size_t N;
     float* y;
     size_t ldy;
     size_t panels_per_chunk;
-    const float* scales;  // int8 weights: per output row, applied after the products; else null
+    const float* scales;  // int8: per output row, applied after the products; int4: per group (in the tiles)
+    bool row_scales;      // int8
 };
 
 // y[m][n] *= scales[n] for outputs [n0, n1) of all rows (int8 weights hold w / scale).
@@ -158,8 +194,8 @@ void run_chunk(void* ctx, uint32_t chunk) {
     const size_t panels = (j.N + kPanel - 1) / kPanel;
     const size_t p0 = std::min(panels, j.panels_per_chunk * chunk), p1 = std::min(panels, p0 + j.panels_per_chunk);
     if (p0 >= p1) return;
-    j.block(j.x, j.M, j.K, j.w, j.N, p0, p1, j.y, j.ldy);
-    if (j.scales) apply_scales(j.scales, j.M, p0 * kPanel, std::min(j.N, p1 * kPanel), j.y, j.ldy);
+    j.block(j.x, j.xs, j.M, j.K, j.w, j.scales, j.N, p0, p1, j.y, j.ldy);
+    if (j.row_scales) apply_scales(j.scales, j.M, p0 * kPanel, std::min(j.N, p1 * kPanel), j.y, j.ldy);
 }
 
 }  // namespace
@@ -169,19 +205,28 @@ void linear_rows(const float* x, size_t M, size_t K, const void* w, WeightType w
     if (M == 0 || N == 0) return;
     std::lock_guard<std::mutex> lk(g_pool_mu);
     const BlockFn block = pick_block(wt);
-    const float* sc = wt == WeightType::I8 ? scales : nullptr;
+    // int4: each row's sum over each group of 32 k, in order (the tiles take 8 * xs off per group)
+    thread_local std::vector<float> xs;
+    if (wt == WeightType::I4) {
+        const size_t G = (K + 31) / 32;
+        xs.assign(M * G, 0.0f);
+        for (size_t m = 0; m < M; ++m)
+            for (size_t k = 0; k < K; ++k) xs[m * G + k / 32] += x[m * K + k];
+    }
+    Job job{block, x, wt == WeightType::I4 ? xs.data() : nullptr, M, K, w, N, y, ldy, 0, scales,
+            wt == WeightType::I8};
+    const size_t panels = (N + kPanel - 1) / kPanel;
     // Below ~64k weights (a 256 x 256 matrix) the hand-off costs more than the second thread saves.
     if (threads <= 1 || N * K < (size_t)65536 || N < 64) {
-        block(x, M, K, w, N, 0, (N + kPanel - 1) / kPanel, y, ldy);
-        if (sc) apply_scales(sc, M, 0, N, y, ldy);
+        job.panels_per_chunk = panels;
+        run_chunk(&job, 0);
         return;
     }
     threads = std::min(threads, 64);
-    // About 8 chunks per thread, each a multiple of 4 panels (the kernel's panel groups).
-    const size_t panels = (N + kPanel - 1) / kPanel;
-    const size_t per = std::max<size_t>(4, (panels / (8 * (size_t)threads) + 3) & ~(size_t)3);
-    Job job{block, x, M, K, w, N, y, ldy, per, sc};
-    pool_of(threads)->run(run_chunk, &job, (uint32_t)((panels + per - 1) / per));
+    // About 8 chunks per thread, each a multiple of 4 panels (the kernel's panel groups). Threads split the
+    // outputs, never a sum over k: every output is one thread's, in the same order whatever the thread count.
+    job.panels_per_chunk = std::max<size_t>(4, (panels / (8 * (size_t)threads) + 3) & ~(size_t)3);
+    pool_of(threads)->run(run_chunk, &job, (uint32_t)((panels + job.panels_per_chunk - 1) / job.panels_per_chunk));
 }
 
 const char* linear_isa() {

@@ -38,7 +38,7 @@ void rms_norm_rows(const float* x, size_t M, size_t C, const float* w, float eps
 }
 
 void rope_cache_rows(const float* qkv, size_t B, size_t H, size_t Hkv, size_t D, const float* cos, const float* sin,
-                     const int64_t* pos, float* k_cache, float* v_cache, size_t S, float* q_out) {
+                     const int64_t* pos, float* k_cache, float* v_cache, size_t S, float* q_out, size_t T) {
     const size_t half = D / 2, width = (H + 2 * Hkv) * D;
     for (size_t b = 0; b < B; ++b) {
         const float* row = qkv + b * width;
@@ -53,7 +53,7 @@ void rope_cache_rows(const float* qkv, size_t B, size_t H, size_t Hkv, size_t D,
         };
         for (size_t h = 0; h < H; ++h) rotate(row + h * D, q_out + (b * H + h) * D);
         for (size_t h = 0; h < Hkv; ++h) {
-            const size_t at = ((b * Hkv + h) * S + (size_t)pos[b]) * D;
+            const size_t at = ((b / T * Hkv + h) * S + (size_t)pos[b]) * D;
             rotate(row + (H + h) * D, k_cache + at);
             std::memcpy(v_cache + at, row + (H + Hkv + h) * D, D * sizeof(float));
         }

@@ -29,10 +29,12 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                    help="random seed, an integer in [-2**63, 2**63 - 1] (same seed, same output)")
     p.add_argument("--stop", action="append", default=[], help="stop at this string, not printed (repeatable)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
-    p.add_argument("--weight-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "int8"],
-                   help="CPU only: store the decoder's weights in 16 bits (bf16/fp16: half the bytes read per token) "
-                        "or as int8 with a scale per row (a quarter), faster; outputs then follow the rounded weights "
-                        "(default: the model's float32, exact)")
+    p.add_argument("--weight-dtype", default=None,
+                   choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "int8", "int4"],
+                   help="CPU only: store the decoder's weights in 16 bits (bf16/fp16: half the bytes read per token), "
+                        "as int8 with a scale per row (a quarter) or int4 with a scale per 32 weights (llama.cpp's "
+                        "Q4_0 rounding), faster; outputs then follow the rounded weights (default: the model's "
+                        "float32, exact)")
     p.add_argument("--no-stream", action="store_true", help="print each result when done (batches several prompts)")
 
 

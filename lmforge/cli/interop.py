@@ -53,7 +53,8 @@ def _export_gguf_args(p: argparse.ArgumentParser) -> None:
     _source_args(p)
     p.add_argument("--out", required=True, help="output .gguf file (refused if it exists, unless --force)")
     p.add_argument("--dtype", default="f32",
-                   help="weight type: f32 (exact), f16, or q8_0 (8-bit blocks); norms stay f32 (default f32)")
+                   help="weight type: f32 (exact), f16, q8_0 (8-bit blocks) or q4_0 (4-bit blocks, the rounding of "
+                        "lmforge's int4 decoder); norms stay f32 (default f32)")
 
 
 def _export_gguf(args: argparse.Namespace) -> int:
@@ -82,7 +83,7 @@ def _import_hf(args: argparse.Namespace) -> int:
 EXPORT: list[Command] = [
     ("hf", "write a run as a Hugging Face LlamaForCausalLM folder (safetensors, tokenizer, chat template)",
      _export_hf_args, _export_hf),
-    ("gguf", "write a run as one GGUF file for llama.cpp (f32, f16 or q8_0)", _export_gguf_args, _export_gguf),
+    ("gguf", "write a run as one GGUF file for llama.cpp (f32, f16, q8_0 or q4_0)", _export_gguf_args, _export_gguf),
 ]
 IMPORT: list[Command] = [
     ("hf", "turn a local Hugging Face Llama checkpoint folder into an lmforge run", _import_hf_args, _import_hf),

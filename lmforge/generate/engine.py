@@ -1,12 +1,14 @@
 """The inference engine: a model, its one KV cache, and the C++ decode step as the fast path.
 
-``Engine.prefill`` runs the prompts through the model's own forward (``TransformerLM.hidden(idx, cache=...)``)
-into a :class:`~lmforge.model.KVCache`; ``Engine.step`` feeds one token per row. On CPU with float32 weights
-and the C++ extension built, a step is one call into the C++ decode step (``_core.DecodeModel.step``: the
-embedding, every block's RMSNorm, products on weights packed for decoding
+``Engine.prefill`` runs the prompts into a :class:`~lmforge.model.KVCache`; ``Engine.step`` feeds one token per
+row. On CPU with float32 weights and the C++ extension built, both are calls into the C++ decode step
+(``_core.DecodeModel.step``: the embedding, every block's RMSNorm, products on weights packed for decoding
 (:class:`~lmforge.generate.packed.PackedLinear`), RoPE with the cache write, attention over the same cache
-tensors, SwiGLU, then the final norm and the head); everywhere else a step is the model's forward over the cache.
-Tests hold the kernel step to that forward.
+tensors, SwiGLU, then the final norm and the head): a step feeds one token per row, a prompt its T tokens as the
+T rows of each product (the weights read once for all of them). Its kernels are batch invariant, so a row's
+numbers are the same bits whatever else is in the batch, and a prompt's tokens get the numbers T steps would
+give them. Everywhere else prefill and steps are the model's own forward over the cache
+(``TransformerLM.hidden(idx, cache=...)``); tests hold the kernel path to that forward.
 
 For serving, rows join and leave between steps (continuous batching): ``Engine.open_slots`` makes an empty
 cache of N rows, ``Engine.admit`` prefills one prompt into the next free row (``Engine.fork`` copies a row into
@@ -26,7 +28,7 @@ import torch
 
 from lmforge._native import core
 from lmforge.checkpoint import unwrap_model
-from lmforge.generate.packed import PackedLinear, kernel_available, weight_dtype_of
+from lmforge.generate.packed import INT4, PackedLinear, kernel_available, weight_dtype_of
 from lmforge.model import KVCache
 from lmforge.model.lora import has_lora, merged_copy
 
@@ -54,9 +56,11 @@ class Engine:
     0, and goes on; so a row re-prefills once per ``window_drop`` steps (default: a quarter of the context).
 
     On the kernel path the weights are packed once: a copy, so build a new engine (``Generator.refresh()``)
-    after changing the model. ``weight_dtype`` (kernel path only) stores them as bfloat16, float16 or int8 with
-    a scale per row; prefill then runs a copy of the model with the same rounded matrices, so prefill and steps
-    compute one function. ``use_kernel=False`` forces the PyTorch path (the reference for the kernels).
+    after changing the model. ``weight_dtype`` (kernel path only) stores them as bfloat16, float16, int8 with
+    a scale per row or int4 with a scale per 32 weights (llama.cpp's Q4_0 rounding); prefill and steps then
+    compute the model whose matrices are rounded that way, and ``self.model`` becomes a copy holding those
+    rounded matrices (what the reference, ``Engine(engine.model, use_kernel=False)``, runs).
+    ``use_kernel=False`` forces the PyTorch path (the reference for the kernels).
     """
 
     def __init__(self, model: Any, window_drop: int | None = None,
@@ -80,6 +84,10 @@ class Engine:
             raise ValueError(f"use_kernel=True needs a float32 model on CPU and lmforge's C++ extension "
                              f"(this model is {self.dtype} on {self.device})")
         self._kernel = can if use_kernel is None else bool(use_kernel)
+        if wd == INT4 and not self._kernel:
+            raise ValueError(f"int4 weights run on the CPU decode kernel only (a float32 model on CPU with lmforge's "
+                             f"C++ extension); this model is {self.dtype} on {self.device.type}, and int4 has no "
+                             f"path there yet: decode on CPU (--device cpu)")
         if wd is not None and wd != self.dtype and not self._kernel:
             raise ValueError(f"weight_dtype={wd} needs the CPU decode kernel (a float32 model on CPU with lmforge's "
                              f"C++ extension built); this model is {self.dtype} on {self.device}: leave it unset")
@@ -181,17 +189,32 @@ class Engine:
         h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
         return self.model.lm_head(h)  # (B, V)
 
-    def _fill(self, cache: KVCache, buf: torch.Tensor, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Run the prompts ``rows`` into the empty ``cache`` (its rows' token buffer ``buf``); next-token logits."""
+    def _fill(self, cache: KVCache, buf: torch.Tensor, rows: Sequence[Sequence[int]], first: int = 0) -> torch.Tensor:
+        """Run the prompts ``rows`` into the empty ``cache`` (its rows' token buffer ``buf``; on the kernel path
+        they are rows ``first ..`` of ``self.cache``); next-token logits."""
         T = max(len(r) for r in rows)
         assert 0 < T <= cache.capacity, (T, cache.capacity)
         lengths = torch.tensor([len(r) for r in rows], device=self.device)  # (B,)
         buf[:, :T] = 0  # right-padded prompts
         for b, r in enumerate(rows):
             buf[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+        if self._kernel:
+            return torch.cat([self._prompt_kernel(first + b, buf[b, : len(r)]) for b, r in enumerate(rows)])
         # Right padding: a row's real tokens never see its pads under causal attention (pads come after).
         logits = self._run(buf[:, :T], cache, None if bool((lengths == T).all()) else lengths - 1)
         cache.lengths.copy_(lengths)  # the pads are forgotten: their columns are overwritten next
+        return logits
+
+    @_serial_torch
+    def _prompt_kernel(self, row: int, ids: torch.Tensor) -> torch.Tensor:
+        """Kernel path: the tokens ``ids (T,)`` into the empty cache row ``row`` of ``self.cache``, as one call of
+        the C++ step with the prompt's tokens as rows (the same kernels and numbers as T single steps); the next
+        token's logits ``(1, V)``."""
+        k, v, lengths, _ = self._arrays
+        lengths[row] = 0
+        logits = torch.empty(1, self._vocab)
+        self._decoder.step(np.ascontiguousarray(ids.numpy(), dtype=np.int64), k, v, lengths[row: row + 1],
+                           logits.numpy(), self._threads, row)
         return logits
 
     @torch.inference_mode()
@@ -240,7 +263,7 @@ class Engine:
         row = self.active
         view = self.cache.rows(row)
         view.reset()
-        logits = self._fill(view, self.tokens[row: row + 1], [prompt])
+        logits = self._fill(view, self.tokens[row: row + 1], [prompt], first=row)
         self.active += 1
         return row, logits[0]
 
@@ -278,7 +301,11 @@ class Engine:
         """Empty the cache rows ``rows`` and run ``kept (b, n)`` into them (a sliding row's re-prefill)."""
         view = self.cache.rows(rows)
         view.reset()
-        self.model.hidden(kept, cache=view)
+        if self._kernel:
+            for b in range(kept.shape[0]):
+                self._prompt_kernel(rows.start + b, kept[b])
+        else:
+            self.model.hidden(kept, cache=view)
 
     def _slide(self, cache: KVCache, full: list[int]) -> None:
         """Rows ``full`` of the live rows' ``cache`` (at capacity) keep their newest ``keep - 1`` tokens,

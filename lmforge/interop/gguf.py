@@ -13,8 +13,12 @@ weights and tokenizer; llama.cpp's HF converter is not involved. What goes in:
   end-of-text token and ``tokenizer.ggml.add_bos_token`` is true: llama.cpp starts every tokenized text with
   it, as lmforge's evals condition every context on it and the HF export's tokenizer adds it (a chat prompt,
   whose template already starts with it, gets it once).
-* tensors under llama.cpp's names (:data:`TENSOR_NAMES`), in float32 (``f32``), float16 (``f16``) or 8-bit
-  blocks (``q8_0``); norms stay float32 as llama.cpp's converter keeps them. numpy's ``(rows, cols)`` becomes
+* tensors under llama.cpp's names (:data:`TENSOR_NAMES`), in float32 (``f32``), float16 (``f16``), 8-bit
+  blocks (``q8_0``) or 4-bit blocks (``q4_0``: a float16 scale per 32 values, the rounding of lmforge's int4
+  decoder, :func:`lmforge.generate.packed.quantize_q4_0`); norms stay float32 as llama.cpp's converter keeps
+  them. A matrix whose rows are not a multiple of 32 long is written as float16 under ``q8_0`` (llama.cpp's
+  converter does the same) and refused under ``q4_0`` (a 4-bit file with 16-bit matrices would not be what
+  was asked for). numpy's ``(rows, cols)`` becomes
   ggml's ``ne = [cols, rows]`` (the reader reports shapes reversed).
 
 The q/k layout: llama.cpp's ``llama`` architecture applies RoPE to *adjacent* pairs ``(2i, 2i+1)`` of each head
@@ -45,7 +49,7 @@ __all__ = ["export_gguf", "gguf_tensors", "gguf_pre_tokenizer", "GGUF_DTYPES", "
 
 logger = logging.getLogger("lmforge")
 
-GGUF_DTYPES = ("f32", "f16", "q8_0")
+GGUF_DTYPES = ("f32", "f16", "q8_0", "q4_0")
 """Weight types ``export_gguf`` writes (norm vectors are always float32)."""
 
 PRE_TOKENIZERS: dict[str, str] = {"gpt2": "gpt-2", "gpt4": "llama-bpe", "cl100k": "llama-bpe"}
@@ -135,10 +139,22 @@ def _add_tensor(writer: Any, name: str, w: np.ndarray, dtype: str) -> None:
     if w.ndim == 1 or dtype == "f32":
         writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
     elif dtype == "f16" or w.shape[-1] % 32:  # q8_0 packs rows in blocks of 32; llama.cpp's fallback is f16
-        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float16))
+        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float16))  # (q4_0 refused such rows before)
     else:
-        q = quants.quantize(np.ascontiguousarray(w, dtype=np.float32), GGMLQuantizationType.Q8_0)
-        writer.add_tensor(name, q, raw_dtype=GGMLQuantizationType.Q8_0)
+        qtype = GGMLQuantizationType.Q8_0 if dtype == "q8_0" else GGMLQuantizationType.Q4_0
+        q = quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype)
+        writer.add_tensor(name, q, raw_dtype=qtype)
+
+
+def check_blocks(src: ExportSource, dtype: str) -> None:
+    """``ValueError`` naming the first matrix whose rows do not split into q4_0's blocks of 32."""
+    if dtype != "q4_0":
+        return
+    for name, w in gguf_tensors(src):
+        if w.ndim == 2 and w.shape[1] % 32:
+            raise ValueError(f"q4_0 stores each row in blocks of 32 values, but {name} is {w.shape[0]} x {w.shape[1]} "
+                             f"(rows of {w.shape[1]}); export this model with --dtype q8_0 (which writes such "
+                             "matrices as f16) or f16, or train it with sizes that are multiples of 32")
 
 
 def _write(src: ExportSource, path: str, dtype: str, name: str) -> None:
@@ -158,9 +174,9 @@ def _write(src: ExportSource, path: str, dtype: str, name: str) -> None:
     writer.add_layer_norm_rms_eps(float(cfg.norm_eps))
     writer.add_vocab_size(cfg.vocab_size)
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[dtype]
     writer.add_file_type(int(file_type))
-    if dtype == "q8_0":
+    if dtype in ("q8_0", "q4_0"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     tokens, types, merges = _vocab(src)
@@ -193,9 +209,10 @@ def export_gguf(run_dir: str | os.PathLike, out: str | os.PathLike, dtype: str =
                 checkpoint: str | os.PathLike | None = None, force: bool = False) -> Path:
     """Write a run's checkpoint as the GGUF file ``out`` (see the module docstring); returns its path.
 
-    ``dtype``: ``f32``, ``f16`` or ``q8_0`` (matrices; norms stay f32). ``ValueError`` before anything is
-    written for an unknown dtype, an existing ``out`` without ``force``, a missing run or checkpoint, a model
-    option Llama cannot express, or a split pattern llama.cpp has no pre-tokenizer for.
+    ``dtype``: ``f32``, ``f16``, ``q8_0`` or ``q4_0`` (matrices; norms stay f32). ``ValueError`` before anything
+    is written for an unknown dtype, an existing ``out`` without ``force``, a missing run or checkpoint, a model
+    option Llama cannot express, a split pattern llama.cpp has no pre-tokenizer for, or (``q4_0``) a matrix
+    whose rows are not a multiple of 32 long.
     """
     if dtype not in GGUF_DTYPES:
         raise ValueError(f"GGUF dtype {dtype!r} is not supported; use one of {', '.join(GGUF_DTYPES)}")
@@ -207,6 +224,7 @@ def export_gguf(run_dir: str | os.PathLike, out: str | os.PathLike, dtype: str =
     p = check_output_path(out, force)
     src = open_export_source(run_dir, checkpoint)
     gguf_pre_tokenizer(src.tokenizer.pattern)  # refuse before writing
+    check_blocks(src, dtype)
     with atomic_path(p) as tmp:  # GGUFWriter opens the file itself; renamed over ``out`` only on success
         _write(src, str(tmp), dtype, name=src.run.path.resolve().name)
     logger.info("exported %s (step %d) to %s (%s)", src.run.checkpoint_path, src.step, p, dtype)

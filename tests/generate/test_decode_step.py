@@ -33,7 +33,7 @@ def _pair(model: TransformerLM, dtype: str) -> tuple[Engine, Engine]:
     return fast, Engine(fast.model, window_drop=7, use_kernel=False)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8", "int4"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_step_equals_the_forward(dtype, batch, kv_heads, isa):
@@ -139,3 +139,47 @@ def test_step_checks_its_arguments():
     with pytest.raises(ValueError, match="contiguous"):  # a float64 array would need a converted copy
         core().DecodeModel(np.zeros((4, 64)), np.zeros((8, 8), np.float32), np.zeros((8, 8), np.float32),
                            4, 4, 96, 1e-5, [], np.ones(64, np.float32), spec, 64)
+
+
+DTYPES = ["float32", "bfloat16", "float16", "int8", "int4"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rows_logits_do_not_depend_on_its_batch(dtype, isa):
+    """Batch invariance (seeded requests rely on it): one row's logits, bit for bit, alone and in batches of
+    2..16 live rows of other prompts and lengths, at various row positions, on 1, 2 and 3 threads (prefill and
+    steps alike). Matrices are large enough (N * K >= 65536) for the products to split over threads. And a
+    prompt prefilled whole gives the bits of its first token prefilled and the rest fed as steps."""
+    model = _model(seed=7, d_model=128, n_heads=4, n_kv_heads=2, d_ff=288, vocab_size=520, context_length=48)
+    eng = Engine(model, weight_dtype=dtype)
+    g = torch.Generator().manual_seed(5)
+    target = torch.randint(0, 520, (9,), generator=g).tolist()
+    steps = [int(t) for t in torch.randint(0, 520, (3,), generator=g)]
+
+    def run(n_rows: int, at: int, threads: int) -> list[torch.Tensor]:
+        torch.set_num_threads(threads)
+        others = [torch.randint(0, 520, (1 + (7 * i + n_rows) % 23,), generator=g).tolist() for i in range(n_rows)]
+        with torch.inference_mode():
+            eng.open_slots(n_rows, 48)
+            for p in others[:at]:
+                eng.admit(p)
+            out = [eng.admit(target)[1].clone()]
+            for p in others[at + 1:]:
+                eng.admit(p)
+            for t in steps:  # rows of 1..23 tokens, the target at 9 + step
+                toks = torch.randint(0, 520, (n_rows,), generator=g)
+                toks[at] = t
+                out.append(eng.step(toks)[at].clone())
+        return out
+
+    alone = run(1, 0, 1)
+    for n_rows, at, threads in [(2, 1, 2), (5, 2, 1), (9, 8, 3), (16, 11, 2)]:
+        got = run(n_rows, at, threads)
+        for a, b in zip(alone, got):
+            assert torch.equal(a, b), (dtype, n_rows, at, threads, (a - b).abs().max().item())
+    with torch.inference_mode():  # the prompt's tokens one by one: the first prefilled, the rest as steps
+        eng.open_slots(1, 48)
+        eng.admit(target[:1])
+        for t in target[1:-1]:
+            eng.step(torch.tensor([t]))
+        assert torch.equal(eng.step(torch.tensor([target[-1]]))[0], alone[0])

@@ -10,12 +10,12 @@ import torch
 
 from lmforge._native import core
 from lmforge.generate.engine import Engine
-from lmforge.generate.packed import PackedLinear, kernel_available, weight_dtype_of
+from lmforge.generate.packed import INT4, PackedLinear, kernel_available, quantize_q4_0, weight_dtype_of
 from lmforge.generate import Generator
 from lmforge.model import ModelConfig, TransformerLM
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="C++ extension not built")
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, INT4]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
@@ -37,10 +37,39 @@ def test_packed_linear_equals_reference(dtype, rows, isa):
         ref = lin.reference(x)
         if dtype == torch.int8:  # codes times row scales: within half a step of the weight
             assert ((lin.weight() - w).abs() <= w.abs().amax(1, keepdim=True) / 254 * 1.0001).all()
+        elif dtype == INT4:  # half a step of each block of 32 (step: max|block| / 8), plus the fp16 scale's rounding;
+            # Q4_0 codes -8..7: a value near minus the block's extreme clamps to 7 steps (within one step)
+            blocks = torch.nn.functional.pad(w, (0, -k % 32)).view(n, -1, 32)
+            step = (blocks.abs().amax(2, keepdim=True) / 8).expand(-1, -1, 32).reshape(n, -1)[:, :k]
+            err, top = (lin.weight() - w).abs(), quantize_q4_0(w)[0][:, :k] == 15
+            assert (err[~top] <= step[~top] * (0.5 + 8 / 2048) * 1.0001).all()
+            assert (err <= step * (1 + 8 / 2048) * 1.0001).all()
         else:
             torch.testing.assert_close(lin.weight(), w.to(dtype).float(), rtol=0, atol=0)  # packing loses nothing
         for threads in (1, 2, 3):
             torch.testing.assert_close(lin(x, threads), ref, rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+def test_int4_rounds_as_llama_cpp_q4_0():
+    """int4 codes and scales are the gguf package's Q4_0 (ggml's reference rounding) bit for bit, so a q4_0
+    export and the int4 decoder hold the same weights; blocks of equal magnitudes and zeros included."""
+    gguf = pytest.importorskip("gguf")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 128, generator=g)
+    w[0, :32] = 0  # an all-zero block: scale 0, codes 8
+    w[1, :32] = 1.5
+    w[1, 5] = -1.5  # equal magnitudes: the first is the one that sets the sign of the scale
+    w[2] *= 1e-6
+    codes, scales = quantize_q4_0(w)
+    blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0).reshape(-1, 18)  # 2-byte d + 16
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(24, 4)
+    qs = blocks[:, 2:]
+    theirs = np.concatenate([qs & 0xF, qs >> 4], axis=1).reshape(24, 128)  # low nibbles: the block's first 16
+    np.testing.assert_array_equal(codes.numpy(), theirs)
+    np.testing.assert_array_equal(scales.numpy(), d)
+    back = gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0),
+                                  gguf.GGMLQuantizationType.Q4_0)
+    np.testing.assert_array_equal(PackedLinear(w, INT4).weight().numpy(), back.reshape(24, 128))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -68,9 +97,17 @@ def test_packed_linear_rejects_bad_shapes():
         PackedLinear(torch.full((8, 8), 1e5), torch.float16)
     with pytest.raises(ValueError, match="finite"):
         PackedLinear(torch.full((8, 8), float("inf")), torch.int8)
+    with pytest.raises(ValueError, match="int4 weights need finite"):
+        PackedLinear(torch.full((8, 8), float("nan")), INT4)
     with pytest.raises(ValueError, match="need scales"):
         _core.linear_rows(np.zeros((1, 8), np.float32), PackedLinear(torch.randn(16, 8), torch.int8)._array, 3,
                           np.zeros((1, 16), np.float32), 1)
+    q4 = PackedLinear(torch.randn(16, 40), INT4)  # K = 40: two groups, (2, 32, 8) codes, 2 * 2 * 8 scales
+    assert q4._array.shape == (2, 32, 8) and q4._scales.shape == (32,)
+    with pytest.raises(ValueError, match="int4 weights one per 8 rows x 32 columns"):
+        _core.linear_rows(np.zeros((1, 40), np.float32), q4._array, 4, np.zeros((1, 16), np.float32), 1, q4._scales[:31])
+    with pytest.raises(ValueError, match=r"16 ceil\(K / 32\)"):
+        _core.linear_rows(np.zeros((1, 70), np.float32), q4._array, 4, np.zeros((1, 16), np.float32), 1, q4._scales)
 
 
 def _attention_reference(q, k, v, lengths, scale):
@@ -122,9 +159,9 @@ def _rounded(model, dtype):
     return copy
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8", "int4"])
 def test_low_precision_weights_match_the_rounded_model(dtype):
-    """With bf16/fp16/int8 weights the decoder computes the model whose matrices are stored that way."""
+    """With bf16/fp16/int8/int4 weights the decoder computes the model whose matrices are stored that way."""
     model = _model(n_kv_heads=2)
     rounded = _rounded(model, weight_dtype_of(dtype))
     dec = Engine(model, weight_dtype=dtype)
@@ -152,11 +189,15 @@ def test_generator_weight_dtype_and_refresh():
 
 def test_weight_dtype_errors():
     with pytest.raises(ValueError, match="unknown weight dtype"):
-        Engine(_model(), weight_dtype="int4")
-    with pytest.raises(ValueError, match="float32, bfloat16, float16 or int8"):
+        Engine(_model(), weight_dtype="int3")
+    with pytest.raises(ValueError, match="float32, bfloat16, float16, int8 or int4"):
         Engine(_model(), weight_dtype=torch.float64)
     with pytest.raises(ValueError, match="needs the CPU decode kernel"):
         Engine(_model().double(), weight_dtype="bf16")
+    # int4 on a device without the kernel (CUDA, or here the meta device standing in for one): one line
+    with pytest.raises(ValueError, match=r"^int4 weights run on the CPU decode kernel only .* torch.float32 on meta, and "
+                                         r"int4 has no path there yet: decode on CPU \(--device cpu\)$"):
+        Engine(_model().to("meta"), weight_dtype="int4")
 
 
 def test_decoder_restores_torch_threads(monkeypatch):

@@ -335,8 +335,12 @@ def test_cli_generate(tmp_path, tiny_tokenizer, capsys):
     assert main(["generate", "--run", run, "--prompt", "the cat", "--temperature", "0", "--max-new-tokens", "15",
                  "--weight-dtype", "bf16"]) == 0
     assert capsys.readouterr().out == "the cat" + want16 + "\n"
+    want4 = Generator(model, tiny_tokenizer, weight_dtype="int4").generate("the cat", 15, temperature=0)
+    assert main(["generate", "--run", run, "--prompt", "the cat", "--temperature", "0", "--max-new-tokens", "15",
+                 "--weight-dtype", "int4"]) == 0
+    assert capsys.readouterr().out == "the cat" + want4 + "\n"
     with pytest.raises(SystemExit) as bad_dtype:  # argparse refuses an unknown choice with exit code 2
-        main(["generate", "--run", run, "--prompt", "x", "--weight-dtype", "int4"])
+        main(["generate", "--run", run, "--prompt", "x", "--weight-dtype", "int3"])
     assert bad_dtype.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
     for bad in (["--prompt", "x", "--top-p", "0"], ["--prompt", "x", "--temperature", "-1"], [],

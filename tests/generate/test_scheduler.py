@@ -327,10 +327,6 @@ def _step_alone_and_batched(engine, prompts, feeds, sizes, seed=0):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "csrc/decode/tiles.inc ku_for(MR): linear_rows sums each output over k in 2 partial sums (even/odd k) in a "
-    "tile of 1-2 rows but in 1 from 3 rows on, so a row's products depend on how many rows share its tile "
-    "(the batch size and its place in it); reported to the lead, owned by issue 27 (csrc/decode)"))
 def test_decode_step_is_batch_invariant():
     """The C++ decode step gives a row the same logits, bit for bit, alone and in batches of 2..16 mixed rows:
     what a seeded sample needs to be the same whatever else is in the batch."""
@@ -348,22 +344,18 @@ def test_decode_step_is_batch_invariant():
     assert differ == []
 
 
-def test_linear_rows_batch_invariance_names_the_kernel():
-    """Where the step's batch dependence comes from: one packed product, row 0 alone vs among M rows (M = 2
-    agrees: same tile kind; M = 3 does not). Kept beside the xfail above so the report stays true: when the
-    kernel is fixed both flip."""
+def test_linear_rows_is_batch_invariant_across_tile_sizes():
+    """One packed product, row 0 alone vs among M = 2..9 rows (1-, 2-row and full tiles): the same bits, the
+    property the step's batch invariance rests on."""
     from lmforge.generate.packed import PackedLinear, kernel_available
 
     if not kernel_available():
         pytest.skip("the C++ extension is not built")
     torch.manual_seed(0)
     p = PackedLinear(torch.randn(64, 96))
-    x = torch.randn(3, 96)
+    x = torch.randn(9, 96)
     alone = p(x[:1], threads=1)[0]
-    assert torch.equal(p(x[:2], threads=1)[0], alone)
-    invariant = torch.equal(p(x[:3], threads=1)[0], alone)
-    if invariant:  # the kernel was fixed: remove this test and the xfail marker above
-        pytest.fail("linear_rows is batch-invariant now: drop the xfail of test_decode_step_is_batch_invariant")
+    assert all(torch.equal(p(x[:m], threads=1)[0], alone) for m in range(2, 10))
 
 
 def test_seeded_tokens_alone_and_in_a_batch_of_16_mixed_requests():

@@ -94,7 +94,7 @@ CASES = [
     ("export hf --run {run} --out {tmp}/o --max-shard-size 0", r"expected a positive size"),
     ("export hf --run {run} --out {tmp}/o --max-shard-size lots", r"expected a size such as 500MB"),
     ("export hf --run {run} --out {tmp}/o --checkpoint {tmp}/afile", r"checkpoint .*afile is truncated"),
-    ("export gguf --run {run} --out {tmp}/o.gguf --dtype q4_0", r"GGUF dtype 'q4_0' is not supported"),
+    ("export gguf --run {run} --out {tmp}/o.gguf --dtype q4_k", r"GGUF dtype 'q4_k' is not supported"),
     ("export gguf --run {run} --out {tmp}/afile", r"afile already exists; pass force=True \(CLI: --force\)"),
     ("export gguf --run {tmp}/nockpt --out {tmp}/o.gguf", r"no checkpoint in"),
     ("import hf --model {tmp}/nope --out {tmp}/o", r"nope is not a directory; give a local HF checkpoint folder"),

@@ -1,0 +1,43 @@
+"""benchmarks/bench_llamacpp.py: without llama-bench it says how to get it and exits 0; with it (``$LLAMA_BENCH``
+or the repository's ``.llama.cpp/`` build), ``--quick`` prints a row with both sides' speeds per precision."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks/bench_llamacpp.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def test_without_llama_bench_it_says_how_to_get_it(tmp_path):
+    env = dict(os.environ, LLAMA_BENCH=str(tmp_path / "no-such-llama-bench"))
+    out = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "llama-bench not found" in out.stdout and "--build" in out.stdout and "LLAMA_BENCH" in out.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_llamacpp_quick(tmp_path):
+    pytest.importorskip("gguf")
+    from bench_llamacpp import find_llama_bench
+
+    if find_llama_bench() is None:
+        pytest.skip("llama-bench not built (python benchmarks/bench_llamacpp.py --build, or set LLAMA_BENCH)")
+    out = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"Read bandwidth [\d.]+ GB/s, fp32 matmul peak \d+ GFLOP/s, load average", out.stdout)
+    for pair in ("float32 / f32", "bfloat16 / f16", "float16 / f16", "int8 / q8_0", "int4 / q4_0"):
+        row = next(x for x in out.stdout.splitlines() if x.startswith(f"| {pair} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        speeds = [float(cells[i].split()[0].replace(",", "")) for i in (1, 2, 5, 6)]
+        assert all(s > 0 for s in speeds), row
+        assert cells[3].endswith("x") and cells[7].endswith("x"), row
+    assert "int4 / int8 decode (lmforge):" in out.stdout
+    assert list(tmp_path.iterdir()) == []
