@@ -215,6 +215,9 @@ def resolve_device(name: str = "auto") -> "Any":
         raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from e
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available; use --device cpu or auto")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= (n := torch.cuda.device_count()):
+        raise ValueError(f"device {name!r} is out of range: this machine has {n} CUDA device{'s' if n > 1 else ''} "
+                         f"(cuda:0{f' .. cuda:{n - 1}' if n > 1 else ''}); use one of those, cuda or auto")
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device {name!r} requested but MPS is not available; use --device cpu or auto")
     return dev

@@ -4,13 +4,15 @@ DDP with NCCL in one process. Marked ``gpu``; each skips, saying why, where ther
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from test_model import model_pair
-from test_train import _cfg, _losses, _make_shards
+sys.path.insert(0, str(Path(__file__).parents[1] / "model"))  # test_model's helpers, also when this file runs alone
+from test_model import model_pair  # noqa: E402
+from test_train import _cfg, _losses, _make_shards  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible to torch)")]
