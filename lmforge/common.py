@@ -223,6 +223,20 @@ def resolve_device(name: str = "auto") -> "Any":
     return dev
 
 
+def cuda_matmul_defaults(device: Any) -> str:
+    """On CUDA, let float32 matmuls run on the tensor cores as TF32 (10-bit mantissa inputs, float32 sums), as
+    nanoGPT and Lightning advise, unless the caller chose a precision; returns the setting to restore after.
+
+    Only torch's default (``"highest"``) is changed, and only for a CUDA ``device``: CPU numerics stay exact.
+    """
+    import torch  # here: the tokenizer and data stages run without torch
+
+    previous = torch.get_float32_matmul_precision()
+    if getattr(device, "type", None) == "cuda" and previous == "highest":
+        torch.set_float32_matmul_precision("high")
+    return previous
+
+
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
 

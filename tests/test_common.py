@@ -110,6 +110,21 @@ def test_a_cuda_index_past_the_visible_devices_is_refused_early(monkeypatch):
         common.resolve_device("cuda:8")
 
 
+def test_cuda_matmul_defaults_turn_tf32_on_for_cuda_only():
+    """Training on CUDA runs float32 matmuls as TF32 unless the user chose a precision; a CPU is never touched
+    (conftest puts the global setting back after the test)."""
+    import torch
+
+    torch.set_float32_matmul_precision("highest")
+    assert common.cuda_matmul_defaults(torch.device("cpu")) == "highest"
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert common.cuda_matmul_defaults(torch.device("cuda")) == "highest"  # only sets a flag: no GPU needed
+    assert torch.get_float32_matmul_precision() == "high"
+    torch.set_float32_matmul_precision("medium")
+    assert common.cuda_matmul_defaults(torch.device("cuda", 0)) == "medium"
+    assert torch.get_float32_matmul_precision() == "medium"  # a choice the user made stays
+
+
 def test_human_bytes():
     assert common.human_bytes(512) == "512 B"
     assert common.human_bytes(1536) == "1.5 KiB"
