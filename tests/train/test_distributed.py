@@ -30,27 +30,44 @@ def _model() -> TransformerLM:
     return TransformerLM(ModelConfig(vocab_size=32, context_length=8, d_model=16, n_layers=2, n_heads=2))
 
 
-def test_ddp_is_compiled_from_outside_so_buckets_overlap_the_backward(group) -> None:
-    """``torch.compile(DDP(m))``: dynamo sees DDP and splits the graph at its buckets (compiling inside DDP hides
-    the buckets, so no all-reduce starts before the whole backward ends). Compilation itself is lazy: not run here."""
+def test_compile_is_per_block_in_place_inside_the_parallel_wrapper(group, monkeypatch) -> None:
+    """``training.compile`` compiles each block in place (names and state_dict keys unchanged, no wrapper to
+    unwrap), inside DDP (its hooks stay outside the graphs); the compiled model computes eager's loss and gradients
+    (traced here with aot_eager and fullgraph=True: a graph break inside a block would fail), from one graph."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = _model()
-    wrapped = D.wrap_model(model, "ddp", group, compile=True)
-    assert isinstance(wrapped, torch._dynamo.eval_frame.OptimizedModule) and isinstance(wrapped._orig_mod, DDP)
-    assert unwrap_model(wrapped) is model
-    assert isinstance(D.wrap_model(_model(), "ddp", group), DDP)  # not compiled: DDP alone
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(D, "_COMPILE_OPTIONS", {"backend": "aot_eager", "fullgraph": True})
+    torch._dynamo.reset()
+    counters.clear()
+    model, twin = _model(), _model()
+    twin.load_state_dict(model.state_dict())
+    keys = list(model.state_dict())
+    wrapped = D.wrap_model(model, "ddp", group, compile=True, activation_checkpointing=True)
+    assert isinstance(wrapped, DDP) and unwrap_model(wrapped) is model and list(model.state_dict()) == keys
+    assert all(b._compiled_call_impl is not None for b in model.layers) and model._compiled_call_impl is None
+    x, y = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    loss, want = wrapped(x, targets=y), twin(x, targets=y)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for both blocks: compile time of one block
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+    assert D.wrap_model(_model(), "none", group) is not None and all(
+        b._compiled_call_impl is None for b in D.wrap_model(_model(), "none", group).layers)
 
 
 def test_gradient_sync_is_skipped_before_the_last_micro_batch(group) -> None:
-    """DDP (also inside a compiled wrapper): ``no_sync`` for the micro-batches before the last; FSDP2: gradient
-    reduction switched off and back on; a plain model: nothing."""
-    ddp = D.wrap_model(_model(), "ddp", group, compile=True)
+    """DDP: ``no_sync`` for the micro-batches before the last; FSDP2: gradient reduction switched off and back on;
+    a plain model: nothing."""
+    ddp = D.wrap_model(_model(), "ddp", group)
     with D.gradient_sync(ddp, False):
-        assert ddp._orig_mod.require_backward_grad_sync is False
-    assert ddp._orig_mod.require_backward_grad_sync is True
+        assert ddp.require_backward_grad_sync is False
+    assert ddp.require_backward_grad_sync is True
     with D.gradient_sync(ddp, True):
-        assert ddp._orig_mod.require_backward_grad_sync is True
+        assert ddp.require_backward_grad_sync is True
 
     class FSDPLike:  # FSDP2's switch, recorded (the real one runs in the FSDP tests, whose losses must not move)
         def __init__(self) -> None:
