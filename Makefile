@@ -8,7 +8,7 @@ PIP    := $(BIN)/python -m pip
 # torch==2.13.0 is pinned so that pip picks the CPU wheel available locally instead of a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test install install-test bench clean
+.PHONY: demo test install install-test bench gpu-check gpu-check-prepare clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,16 @@ test: install-test
 bench: $(VENV)/.base
 	$(PIP) install -q --no-build-isolation -e ".[test,bench]"
 	$(BIN)/python benchmarks/run_all.py
+
+# The GPU check (tools/gpu_check.py): on the GPU machine with its own python3 (torch + CUDA there), no network;
+# the wheels and corpus it may need come from `make gpu-check-prepare` on a machine with PyPI access (.gpu-check/).
+# `make gpu-check GPU_PYTHON=.venv/bin/python ARGS=--dry-run` runs every stage on this CPU at tiny shapes.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHON=$(GPU_PYTHON) bash tools/gpu_check.sh $(ARGS)
+
+gpu-check-prepare: install-test
+	PYTHON=$(BIN)/python bash tools/gpu_check.sh --prepare
 
 clean:
 	rm -rf build $(VENV) *.egg-info

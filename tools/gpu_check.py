@@ -131,6 +131,7 @@ class Check:
         self.out = Path(a.out or os.environ.get("OUT") or ROOT / "gpu-check-out")
         self.out.mkdir(parents=True, exist_ok=True)
         self.work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="lmforge-gpu-check-"))
+        self.work.mkdir(parents=True, exist_ok=True)
         self.log = self.out / "gpu_check.log"
         self.log.write_text("")
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
