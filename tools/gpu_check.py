@@ -15,6 +15,27 @@ left; optional). Every figure goes to ``OUT/gpu_check.json`` (rewritten after ea
 still leaves what it measured), the children's output to ``OUT/gpu_check.log``, the tables to ``OUT/summary.md``.
 ``OUT`` is ``--out``, else ``$OUT``, else ``gpu-check-out/``. Exit 0: every stage passed; 1: a stage failed,
 timed out or found no time; 2: no CUDA device, no bf16, or a dependency missing with no wheel for it.
+
+The time plan for one H100 (16 cores), 470 s in all so that a machine's 10-minute command limit leaves room; the
+expected times are estimates until the first run replaces them, and a stage whose cap would pass the deadline gets
+only what is left (the most important stages come first; ``suite`` takes whatever remains):
+
+===========  =====  ========  =============================================================================
+stage        cap s  expect s  where the time goes
+===========  =====  ========  =============================================================================
+device         120         5  importing torch, one CUDA query
+install        150        45  the C++ extension (61 CPU-seconds of compiling, measured on the dev machine)
+probe           40         8  20 bf16 products of 8192^2 (~1.4 ms each at ~800 TFLOP/s)
+tests          100        45  10 GPU tests (one inductor compile) and the CLI's 69-case bad-input sweep
+train-gpt2     120        65  HF init; 4 runs x (3 warm-up + 10 timed steps of ~50-90 ms); 2 block compiles
+train-d20      130        75  the same at ~3.5x the FLOPs per token
+resume          70        35  three train() processes (start, NCCL, 12 small steps each)
+generate       100        55  HF compiles its static-cache forward once per batch size (CUDA graphs)
+serve           70        30  the server's start, 64 clients x 64 tokens, 6 sequential HF requests
+loop            80        40  a tokenizer and shards from 3 MB, then train(): 30 steps with a block compile
+speedrun        80        45  tokenizer, data, 300 + 60 steps of the medium model, evals
+suite         rest         -  model/train/generate tests (not slow) on the GPU machine's torch (optional)
+===========  =====  ========  =============================================================================
 """
 
 from __future__ import annotations
@@ -154,8 +175,9 @@ class Check:
               flush=True)
 
     def stage(self, name: str, argv: list[str], cap: float, optional: bool = False) -> list[dict]:
-        """Run ``argv`` (a child that appends JSON lines to ``--result``) within ``cap`` seconds and the deadline."""
-        cap = min(cap, self.left() - RESERVE_S)
+        """Run ``argv`` (a child that appends JSON lines to ``--result``) within ``cap`` seconds and the deadline
+        (a dry run: four times the cap; the caps are sized for the GPU machine's 16 cores)."""
+        cap = min(cap * (4 if self.a.dry_run else 1), self.left() - RESERVE_S)
         if cap < MIN_STAGE_S:
             self.record(name, "skipped" if optional else "no time", 0.0, max(cap, 0), [], "the budget is spent")
             return []
@@ -300,10 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="where gpu_check.json, gpu_check.log, summary.md go "
                                                 "(default: $OUT, else gpu-check-out/)")
     ap.add_argument("--work", default=None, help="scratch folder for shards and runs (default: a new temp folder)")
-    ap.add_argument("--budget", type=float, default=470.0, help="seconds for the whole run (default 470)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole run (default 470; a dry run: 1800, its caps 4x: a shared CPU is slow)")
     ap.add_argument("--only", default=None, help="comma-separated stages to run (default: all)")
     ap.add_argument("--no-install", action="store_true", help="lmforge is installed already: skip that stage")
     a = ap.parse_args(argv)
+    a.budget = a.budget or (1800.0 if a.dry_run else 470.0)
     if a.prepare:
         return prepare()
     c = Check(a)

@@ -110,7 +110,7 @@ def test_a_stage_cut_at_its_cap_keeps_what_it_wrote(tmp_path: Path, monkeypatch)
     monkeypatch.setattr(gpu_check, "MIN_STAGE_S", 0.0)
     monkeypatch.setattr(gpu_check, "RESERVE_S", 0.0)
     c = gpu_check.Check(gpu_check.argparse.Namespace(out=str(tmp_path / "out"), work=str(tmp_path), budget=60,
-                                                     dry_run=True))
+                                                     dry_run=False))
     write = "import json, sys, time; open(sys.argv[-1], 'a').write(json.dumps({'kind': 'x', 'ok': %s}) + '\\n'); %s"
     slow = [sys.executable, "-c", "import json, subprocess, sys, time; s = subprocess.Popen(['sleep', '60']); "
             "open(sys.argv[-1], 'a').write(json.dumps({'kind': 'x', 'ok': True, 'pid': s.pid}) + '\\n'); time.sleep(60)"]

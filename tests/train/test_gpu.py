@@ -157,7 +157,7 @@ def test_gqa_fast_path_on_cuda_matches_the_reference_in_bf16(head_dim: int) -> N
     x = torch.randint(0, 97, (3, 64), device="cuda")
     with torch.no_grad():
         a, b = fast(x).float(), ref(x).float()
-    assert (a - b).norm() <= 2e-2 * b.norm(), (a - b).norm() / b.norm()
+    assert (a - b).norm() <= 5e-2 * b.norm(), (a - b).norm() / b.norm()  # a wrong head mapping: O(1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
