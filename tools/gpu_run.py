@@ -20,14 +20,19 @@ from gpu_train import emit  # noqa: E402
 
 
 def pytest(args: list[str], result: str) -> int:
-    """Run pytest with ``args``; its counts from the summary line."""
-    p = subprocess.run([sys.executable, "-m", "pytest", *args], capture_output=True, text=True, cwd=ROOT)
-    sys.stdout.write(p.stdout[-20000:] + p.stderr[-5000:])
-    last = (p.stdout.strip().splitlines() or [""])[-1]
+    """Run pytest with ``args``, its output passed through as it comes (a stage cut short keeps it in the log);
+    its counts from the summary line."""
+    p = subprocess.Popen([sys.executable, "-m", "pytest", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, cwd=ROOT)
+    last = ""
+    for line in p.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        last = line.strip() or last
+    rc = p.wait()
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed)", last)}
-    emit(result, {"kind": "pytest", "rc": p.returncode, "ok": p.returncode == 0, "summary": last.strip("= "),
-                  **counts})
-    return p.returncode
+    emit(result, {"kind": "pytest", "rc": rc, "ok": rc == 0, "summary": last.strip("= "), **counts})
+    return rc
 
 
 def speedrun(corpus: str, out: str, device: str, result: str) -> int:

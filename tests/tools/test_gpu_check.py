@@ -120,11 +120,14 @@ def test_a_stage_cut_at_its_cap_keeps_what_it_wrote(tmp_path: Path, monkeypatch)
     assert not status.exists() or "State:\tZ" in status.read_text()  # what the child started went with it
     assert c.stage("bad", [sys.executable, "-c", write % ("False", "")], cap=30) == [{"kind": "x", "ok": False}]
     assert c.stage("crash", [sys.executable, "-c", write % ("True", "sys.exit(3)")], cap=30)
+    assert c.stage("optional", [sys.executable, "-c", "import time; time.sleep(60)"], cap=1, optional=True) == []
     c.deadline = 0.0
     assert c.stage("late", [sys.executable, "-c", "pass"], cap=30) == []
+    assert c.stage("late-optional", [sys.executable, "-c", "pass"], cap=30, optional=True) == []
     doc = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert {k: v["status"] for k, v in doc["stages"].items()} == {"slow": "timeout", "bad": "failed",
-                                                                 "crash": "failed", "late": "no time"}
+    assert {k: v["status"] for k, v in doc["stages"].items()} == {
+        "slow": "timeout", "bad": "failed", "crash": "failed", "optional": "cut", "late": "no time",
+        "late-optional": "skipped"}
     assert 2.5 < doc["stages"]["slow"]["seconds"] < 20
 
 
