@@ -257,10 +257,11 @@ def train(a: argparse.Namespace) -> None:
                 rec = _time_run(impl, mode == "compiled", cfg, hf_state, batches, dev, warmup, steps)
                 break
             except torch.cuda.OutOfMemoryError:
-                _free(dev)
                 if b == 1:
                     raise
-                b //= 2
+            batches = []
+            _free(dev)  # here, past the except block: its traceback no longer holds the failed run's tensors
+            b //= 2
         tps = rec["tokens_per_s"]
         emit(a.result, {"kind": "train", "shape": a.shape, "impl": impl, "compile": mode, "batch": b, "context": T,
                         "flops_per_token": fpt, "mfu": tps * fpt / a.peak if a.peak else None,
@@ -270,6 +271,25 @@ def train(a: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------------------------
 # data for the loop and resume stages
 # --------------------------------------------------------------------------------------------------
+def corpus_slice(corpus: str | None, n_bytes: int, eot: str) -> str:
+    """The first ``n_bytes`` of ``corpus`` (synthetic English-like text if None) as ~10 kB documents joined by
+    ``eot``: cut at line ends, so that a split by document gives every split some (Shakespeare has 41 works)."""
+    if corpus is None:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from _common import synthetic_documents
+
+        return eot.join(synthetic_documents(n_bytes))
+    with open(corpus, encoding="utf-8") as f:
+        text = f.read(n_bytes).replace(eot, "\n")
+    docs, start = [], 0
+    while start < len(text):
+        end = text.find("\n", start + 10_000)
+        end = len(text) if end < 0 else end + 1
+        docs.append(text[start:end])
+        start = end
+    return eot.join(docs)
+
+
 def shards(work: Path, corpus: str | None, vocab: int) -> Path:
     """Token shards of ``corpus`` (a local text file; synthetic English-like text if None) with a BPE tokenizer of
     ``vocab`` tokens trained on it; built once in ``work`` and reused by later stages."""
@@ -281,17 +301,10 @@ def shards(work: Path, corpus: str | None, vocab: int) -> Path:
     from lmforge.tokenizer import Tokenizer, train_bpe
 
     work.mkdir(parents=True, exist_ok=True)
-    text = work / "corpus.txt"
-    if corpus:
-        with open(corpus, encoding="utf-8") as f:
-            text.write_text(f.read(3_000_000), encoding="utf-8")  # 3 MB: tokenizer and shards in seconds
-    else:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from _common import synthetic_documents
-
-        text.write_text(EOT.join(synthetic_documents(400_000)), encoding="utf-8")
+    text = work / "corpus.txt"  # 3 MB of a corpus (400 kB synthetic): tokenizer and shards in seconds
+    text.write_text(corpus_slice(corpus, 3_000_000 if corpus else 400_000, EOT), encoding="utf-8")
     v, merges = train_bpe(text, vocab, [EOT], progress=False)
-    prepare(Tokenizer(v, merges, [EOT]), text, out, val_fraction=0.05, progress=False)
+    prepare(Tokenizer(v, merges, [EOT]), text, out, val_fraction=0.1, progress=False)
     return out
 
 

@@ -131,6 +131,20 @@ def test_a_stage_cut_at_its_cap_keeps_what_it_wrote(tmp_path: Path, monkeypatch)
     assert 2.5 < doc["stages"]["slow"]["seconds"] < 20
 
 
+def test_corpus_slices_are_many_documents_so_every_split_gets_some(tmp_path: Path) -> None:
+    """Shakespeare has 41 works: a 2 MB slice of whole works could leave the validation split empty (the speedrun
+    and the loop would fail on the GPU machine), so the check cuts its slices into ~10 kB documents at line ends."""
+    from gpu_train import corpus_slice
+
+    work = "".join(f"line {i} of a long work\n" for i in range(5000))  # ~120 kB, one document
+    text = "<E>".join([work, work, work])
+    (tmp_path / "c.txt").write_text(text, encoding="utf-8")
+    docs = corpus_slice(str(tmp_path / "c.txt"), 300_000, "<E>").split("<E>")
+    assert len(docs) >= 25 and all(d.endswith("\n") for d in docs[:-1]) and max(map(len, docs)) < 10_100
+    assert "".join(docs) == text[:300_000].replace("<E>", "\n")  # nothing lost, nothing added
+    assert len(corpus_slice(None, 50_000, "<E>").split("<E>")) > 10
+
+
 def test_targets_and_summary_read_the_figures() -> None:
     def rec(impl, mfu, tps, mode="eager"):
         return {"kind": "train", "shape": "gpt2", "impl": impl, "compile": mode, "batch": 32, "context": 1024,
