@@ -8,7 +8,7 @@ PIP    := $(BIN)/python -m pip
 # torch==2.13.0 is pinned so that pip picks the CPU wheel available locally instead of a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test install install-test bench gpu-check gpu-check-prepare clean
+.PHONY: demo test install install-test bench gpu-check gpu-check-dry gpu-check-prepare clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,10 +39,14 @@ bench: $(VENV)/.base
 
 # The GPU check (tools/gpu_check.py): on the GPU machine with its own python3 (torch + CUDA there), no network;
 # the wheels and corpus it may need come from `make gpu-check-prepare` on a machine with PyPI access (.gpu-check/).
-# `make gpu-check GPU_PYTHON=.venv/bin/python ARGS=--dry-run` runs every stage on this CPU at tiny shapes.
+# `make gpu-check-dry` runs every stage on this CPU at tiny shapes (minutes); `make test` runs the same at its
+# smallest (tools/gpu_check.sh --quick, in tests/tools).
 GPU_PYTHON ?= python3
 gpu-check:
 	PYTHON=$(GPU_PYTHON) bash tools/gpu_check.sh $(ARGS)
+
+gpu-check-dry: install-test
+	PYTHON=$(BIN)/python bash tools/gpu_check.sh --dry-run $(ARGS)
 
 gpu-check-prepare: install-test
 	PYTHON=$(BIN)/python bash tools/gpu_check.sh --prepare

@@ -2,7 +2,8 @@
 
     tools/gpu_check.sh --prepare     # on a machine with PyPI: wheels of what a bare GPU image may lack + a corpus
     tools/gpu_check.sh               # on the GPU machine (no network): install, test, measure; ~8 minutes
-    tools/gpu_check.sh --dry-run     # the same stages on the CPU at tiny shapes (the test suite runs this)
+    tools/gpu_check.sh --dry-run     # the same stages on the CPU at tiny shapes (make gpu-check-dry; minutes)
+    tools/gpu_check.sh --quick       # the dry run at its smallest: every stage, a step or two (the test suite's)
 
 Stages, in order, each in its own process under its own time cap (cut further so the whole run ends within
 ``--budget`` seconds): ``device`` (a CUDA device with bf16, else one line and exit 2), ``install`` (the wheels in
@@ -158,7 +159,7 @@ class Check:
         self.log.write_text("")
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
         self.doc: dict[str, Any] = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                                    "dry_run": a.dry_run, "budget_s": a.budget, "device": {}, "stages": {}}
+                                    "dry_run": a.dry_run, "quick": getattr(a, "quick", False), "budget_s": a.budget, "device": {}, "stages": {}}
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -168,9 +169,11 @@ class Check:
         self.doc["targets"] = targets(self.doc)
         atomic_write_text(self.out / "gpu_check.json", json.dumps(self.doc, indent=1) + "\n")
 
-    def record(self, name: str, status: str, seconds: float, cap: float, records: list, note: str = "") -> None:
+    def record(self, name: str, status: str, seconds: float, cap: float, records: list, note: str = "",
+               cpu_s: float | None = None) -> None:
         self.doc["stages"][name] = {"status": status, "seconds": round(seconds, 1), "cap_s": round(cap, 1),
-                                    "records": records, "note": note}
+                                    "cpu_s": None if cpu_s is None else round(cpu_s, 1), "records": records,
+                                    "note": note}
         self.save()
         print(f"[{time.monotonic() - self.t0:6.1f}s] {name}: {status} ({seconds:.1f} s of {cap:.0f}){' - ' + note if note else ''}",
               flush=True)
@@ -187,7 +190,7 @@ class Check:
         with open(self.log, "a") as log:
             log.write(f"\n===== {name}: {' '.join(argv)}\n")
             log.flush()
-            t = time.monotonic()
+            t, cpu = time.monotonic(), _children_cpu()
             p = subprocess.Popen([*argv, "--result", str(result)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                  env=self.env, start_new_session=True)
             try:
@@ -196,13 +199,13 @@ class Check:
                 os.killpg(p.pid, signal.SIGKILL)  # the child and whatever it started (a server, a run)
                 p.wait()
                 rc = None
-            seconds = time.monotonic() - t
+            seconds, cpu = time.monotonic() - t, _children_cpu() - cpu
         records = [json.loads(x) for x in result.read_text().splitlines()] if result.exists() else []
         bad = [r for r in records if r.get("ok") is False]
         # an optional stage (the suite, in the time left) cut at the deadline is not a failure
         status = ("cut" if optional else "timeout") if rc is None else "failed" if rc or bad else "ok"
         note = "" if status == "ok" else self._tail(name)
-        self.record(name, status, seconds, cap, records, note)
+        self.record(name, status, seconds, cap, records, note, cpu)
         return records
 
     def _tail(self, name: str, lines: int = 12) -> str:
@@ -223,6 +226,15 @@ class Check:
                                       timeout=max(cap, 1)).returncode == 0
             except subprocess.TimeoutExpired:
                 return False
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished children and theirs: a stage's cost apart from the
+    machine's load (a stage killed at its cap leaves its grandchildren uncounted)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def _python_json(code: str, env: dict[str, str]) -> dict[str, Any]:
@@ -275,17 +287,19 @@ def _speedrun_corpus(c: Check) -> Path:
 
     dest = c.work / "speedrun_corpus.txt"
     real = CORPUS.exists() and not c.a.dry_run
-    dest.write_text(corpus_slice(str(CORPUS) if real else None, 2_000_000 if real else 200_000, EOT), encoding="utf-8")
+    size = 2_000_000 if real else 30_000 if getattr(c.a, "quick", False) else 200_000
+    dest.write_text(corpus_slice(str(CORPUS) if real else None, size, EOT), encoding="utf-8")
     return dest
 
 
 def run(c: Check) -> None:
     a, py = c.a, sys.executable
     dry = ["--dry-run"] if a.dry_run else []
+    quick = ["--quick"] if a.quick else []
     train = [py, "tools/gpu_train.py"]
     infer = [py, "tools/gpu_infer.py"]
     wanted: Callable[[str], bool] = lambda s: not a.only or s in a.only.split(",")  # noqa: E731
-    probe = c.stage("probe", [*train, "probe", *dry], 40) if wanted("probe") else []
+    probe = c.stage("probe", [*train, "probe", *dry, *quick], 40) if wanted("probe") else []
     peak = [f"--peak={probe[0]['peak_flops']}"] if probe else []
     if probe and probe[0].get("datasheet_bf16_flops"):
         peak.append(f"--datasheet={probe[0]['datasheet_bf16_flops']}")
@@ -296,16 +310,17 @@ def run(c: Check) -> None:
     run_cmd = [py, "tools/gpu_run.py"]  # pytest and the speedrun, with their exit codes and figures as JSON lines
     plan: list[tuple[str, list[str], float, bool]] = [
         ("tests", [*run_cmd, "pytest", *pytest, *tests], 100, False),
-        ("train-gpt2", [*train, "train", "--shape", "tiny" if a.dry_run else "gpt2", *dry, *peak, *work,
+        ("train-gpt2", [*train, "train", "--shape", "tiny" if a.dry_run else "gpt2", *dry, *quick, *peak, *work,
                         *(["--runs=lmforge:eager,hf:eager,lmforge:compiled"] if a.dry_run else [])], 120, False),
-        ("train-d20", [*train, "train", "--shape", "tiny20" if a.dry_run else "d20", *dry, *peak, *work,
-                       *(["--runs=lmforge:eager,hf:eager"] if a.dry_run else [])], 130, False),
-        ("resume", [*train, "resume", *dry, *work], 70, False),
-        ("generate", [*infer, "generate", *dry], 100, False),
-        ("serve", [*infer, "serve", *dry], 70, False),
-        ("loop", [*train, "loop", *dry, *peak, *work], 80, False),
+        ("train-d20", [*train, "train", "--shape", "tiny20" if a.dry_run else "d20", *dry, *quick, *peak, *work,
+                       *(["--runs=lmforge:eager" + ("" if a.quick else ",hf:eager")] if a.dry_run else [])], 130,
+         False),
+        ("resume", [*train, "resume", *dry, *quick, *work], 70, False),
+        ("generate", [*infer, "generate", *dry, *quick], 100, False),
+        ("serve", [*infer, "serve", *dry, *quick], 70, False),
+        ("loop", [*train, "loop", *dry, *quick, *peak, *work], 80, False),
         ("speedrun", [*run_cmd, "speedrun", str(_speedrun_corpus(c)), str(c.work / "speedrun"),
-                      "cpu" if a.dry_run else "cuda"], 80, False),
+                      "cpu" if a.dry_run else "cuda", *quick], 80, False),
         ("suite", [*run_cmd, "pytest", *pytest, "-m", "not slow and not gpu",
                    *(["-n", "8"] if importlib.util.find_spec("xdist") else []),
                    "tests/model", "tests/train", "tests/generate"], 10**4, True),
@@ -319,6 +334,9 @@ def run(c: Check) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="every stage on the CPU at tiny shapes (no install)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the dry run at its smallest (implies --dry-run): every stage's code, a step or two each, "
+                         "a 30 kB corpus; what the test suite runs")
     ap.add_argument("--prepare", action="store_true", help="download the wheels and a corpus into .gpu-check/")
     ap.add_argument("--out", default=None, help="where gpu_check.json, gpu_check.log, summary.md go "
                                                 "(default: $OUT, else gpu-check-out/)")
@@ -328,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated stages to run (default: all)")
     ap.add_argument("--no-install", action="store_true", help="lmforge is installed already: skip that stage")
     a = ap.parse_args(argv)
-    a.budget = a.budget or (1800.0 if a.dry_run else 470.0)
+    a.dry_run = a.dry_run or a.quick
+    a.budget = a.budget or (600.0 if a.quick else 1800.0 if a.dry_run else 470.0)
     if a.prepare:
         return prepare()
     c = Check(a)
@@ -341,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.dry_run and (why := refusal(dev)):
         print(why, file=sys.stderr)
         return 2
-    print(f"gpu_check{' --dry-run' if a.dry_run else ''}: {dev.get('name') or 'cpu'}, torch {dev['torch']}; "
+    mode = " --quick" if a.quick else " --dry-run" if a.dry_run else ""
+    print(f"gpu_check{mode}: {dev.get('name') or 'cpu'}, torch {dev['torch']}; "
           f"budget {a.budget:.0f} s; figures in {c.out / 'gpu_check.json'}", flush=True)
     if not (a.dry_run or a.no_install) and not install(c):
         c.save()

@@ -10,7 +10,7 @@
   per request) so the stage fits its cap.
 
 Each appends JSON lines to ``--result`` as it goes. ``--dry-run``: tiny shapes on the CPU (HF's static cache
-without its compile), seconds.
+without its compile); ``--quick`` besides: fewer tokens, rounds and clients (the test suite's).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def generate(a: argparse.Namespace) -> None:
     dev = torch.device("cpu" if a.dry_run else "cuda")
     cfg = _cfg("tiny" if a.dry_run else "gpt2")
     ours, ref = hf_twins(cfg, str(dev), check_tokens=16)  # same weights, logits checked equal in float32
-    n_new, prompt_len = (8, 8) if a.dry_run else (128, 16)
+    n_new, prompt_len = (4, 8) if a.quick else (8, 8) if a.dry_run else (128, 16)
     check = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(1))
     want = ref.generate(check.to(dev), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, prompt_len:].tolist()
     got = Generator(ours).generate_ids(check[0].tolist(), 8, temperature=0)
@@ -69,7 +69,7 @@ def generate(a: argparse.Namespace) -> None:
     ours.to(torch.bfloat16)  # timed in bf16, both; a near tie may then flip a token (reported, not failed)
     ref.to(torch.bfloat16)
     gen = Generator(ours)
-    batches = (1, 4) if a.dry_run else (1, 64)
+    batches = (1, 2) if a.quick else (1, 4) if a.dry_run else (1, 64)
     g = torch.Generator().manual_seed(0)
     for batch in batches:
         prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=g)
@@ -88,7 +88,7 @@ def generate(a: argparse.Namespace) -> None:
         warm: dict[str, float] = {}
         for name, fn in runs.items():  # the first call warms up (and compiles HF's static-cache forward)
             warm[name], toks[name] = _timed(fn, dev)
-        for _ in range(2 if a.dry_run else 3):  # alternating rounds; the best of each
+        for _ in range(1 if a.quick else 2 if a.dry_run else 3):  # alternating rounds; the best of each
             for name, fn in runs.items():
                 best[name] = min(best.get(name, float("inf")), _timed(fn, dev)[0])
         agree = sum(x == y for r, h in zip(toks["lmforge"], toks["hf_static_compiled"]) for x, y in zip(r, h))
@@ -105,7 +105,7 @@ def serve(a: argparse.Namespace) -> None:
     dev = torch.device("cpu" if a.dry_run else "cuda")
     d, layers, heads, ctx, vocab, _ = SHAPES["tiny" if a.dry_run else "gpt2"]
     shape = argparse.Namespace(vocab=vocab, context=ctx, d_model=d, layers=layers, heads=heads, d_ff=None)
-    clients, n_new, hf_sample = (4, 8, 2) if a.dry_run else (64, 64, 6)
+    clients, n_new, hf_sample = (2, 4, 1) if a.quick else (4, 8, 2) if a.dry_run else (64, 64, 6)
     with tempfile.TemporaryDirectory(prefix="lmforge-gpu-serve-") as tmp:
         run_dir = Path(tmp) / "bench"
         ref, tok = build(shape, run_dir)  # HF twin (float32) and the run directory the server loads
@@ -140,6 +140,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("stage", choices=("generate", "serve"))
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--quick", action="store_true", help="with --dry-run: fewer tokens, rounds and clients")
     ap.add_argument("--result", default=None, help="append JSON lines here")
     a = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

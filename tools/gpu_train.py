@@ -13,7 +13,8 @@
   ``torch.use_deterministic_algorithms`` (warn-only), else the largest relative difference is reported.
 
 Each stage appends JSON lines to ``--result`` as it finishes each part, so a stage killed at its cap leaves what it
-measured. ``--dry-run``: tiny shapes on the CPU, seconds (the test suite runs it through ``gpu_check.py``).
+measured. ``--dry-run``: tiny shapes on the CPU; ``--quick`` besides: a step or two of each, a 100 kB corpus (the
+test suite runs that through ``gpu_check.py --quick``).
 """
 
 from __future__ import annotations
@@ -90,10 +91,10 @@ def probe(a: argparse.Namespace) -> None:
                    datasheet_bf16_flops=datasheet_peak(p.name))
     else:
         rec.update(name="cpu", bf16=True, datasheet_bf16_flops=None)
-    n = 256 if a.dry_run else 8192
+    n = 64 if a.quick else 256 if a.dry_run else 8192
     dt = torch.bfloat16 if rec["bf16"] else torch.float16
     rec["peak_n"] = n
-    rec["peak_flops"] = matmul_peak_flops(dev, n, dt, repeats=3 if a.dry_run else 20)
+    rec["peak_flops"] = matmul_peak_flops(dev, n, dt, repeats=1 if a.quick else 3 if a.dry_run else 20)
     emit(a.result, rec)
 
 
@@ -247,7 +248,7 @@ def train(a: argparse.Namespace) -> None:
     if not same:
         sys.exit(f"lmforge and HF disagree on the first loss from the same weights ({first}): not the same work; "
                  "check the weight mapping (lmforge.interop.hf)")
-    warmup, steps = (2, 2) if a.dry_run else (3, 10)
+    warmup, steps = (1, 1) if a.quick else (2, 2) if a.dry_run else (3, 10)
     for run in a.runs.split(","):
         impl, mode = run.split(":")
         b = batch
@@ -290,9 +291,9 @@ def corpus_slice(corpus: str | None, n_bytes: int, eot: str) -> str:
     return eot.join(docs)
 
 
-def shards(work: Path, corpus: str | None, vocab: int) -> Path:
-    """Token shards of ``corpus`` (a local text file; synthetic English-like text if None) with a BPE tokenizer of
-    ``vocab`` tokens trained on it; built once in ``work`` and reused by later stages."""
+def shards(work: Path, corpus: str | None, vocab: int, synthetic_bytes: int = 400_000) -> Path:
+    """Token shards of ``corpus`` (a local text file; ``synthetic_bytes`` of synthetic English-like text if None)
+    with a BPE tokenizer of ``vocab`` tokens trained on it; built once in ``work`` and reused by later stages."""
     out = work / f"shards_{vocab}"
     if (out / "manifest.json").exists():
         return out
@@ -302,10 +303,15 @@ def shards(work: Path, corpus: str | None, vocab: int) -> Path:
 
     work.mkdir(parents=True, exist_ok=True)
     text = work / "corpus.txt"  # 3 MB of a corpus (400 kB synthetic): tokenizer and shards in seconds
-    text.write_text(corpus_slice(corpus, 3_000_000 if corpus else 400_000, EOT), encoding="utf-8")
+    text.write_text(corpus_slice(corpus, 3_000_000 if corpus else synthetic_bytes, EOT), encoding="utf-8")
     v, merges = train_bpe(text, vocab, [EOT], progress=False)
     prepare(Tokenizer(v, merges, [EOT]), text, out, val_fraction=0.1, progress=False)
     return out
+
+
+def _shards(a: argparse.Namespace) -> Path:
+    """The loop and resume stages' shards (the same for both: built by the first)."""
+    return shards(Path(a.work), a.corpus, 300 if a.dry_run else 8192, 100_000 if a.quick else 400_000)
 
 
 def _run_config(data: Path, shape: str, dev: Any, **training: Any) -> dict[str, Any]:
@@ -329,8 +335,8 @@ def loop(a: argparse.Namespace) -> None:
 
         distributed._COMPILE_OPTIONS.update(backend="aot_eager")
     shape = "tiny" if a.dry_run else "gpt2"
-    steps, every = (6, 2) if a.dry_run else (30, 10)
-    data = shards(Path(a.work), a.corpus, 300 if a.dry_run else 8192)
+    steps, every = (6, 2) if a.dry_run else (30, 10)  # past the warm-up's 5 steps
+    data = _shards(a)
     cfg = load_run_config(base=_run_config(data, shape, dev, max_steps=steps, log_every=every, compile=True,
                                            num_threads=None))
     t0 = time.perf_counter()
@@ -392,8 +398,8 @@ def resume(a: argparse.Namespace) -> None:
 
     dev = _device(a)
     work = Path(a.work)
-    data = shards(work, a.corpus, 300 if a.dry_run else 8192)
-    steps, every, kill_at = 12, 4, 8
+    data = _shards(a)
+    steps, every, kill_at = 12, 4, 8  # tiny steps cost milliseconds: the quick run keeps these (room to kill)
     cfg = _run_config(data, "tiny" if a.dry_run else "small", dev, max_steps=steps, checkpoint_every=every,
                       parallel="fsdp", checkpoint_format="dcp", dtype="fp32" if a.dry_run else "bf16",
                       num_threads=None)
@@ -431,6 +437,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("stage", choices=("probe", "train", "loop", "resume"))
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--quick", action="store_true", help="with --dry-run: a step or two of each part")
     ap.add_argument("--result", default=None, help="append JSON lines here")
     ap.add_argument("--shape", default="gpt2", choices=list(SHAPES))
     ap.add_argument("--runs", default="lmforge:eager,hf:eager,lmforge:compiled,hf:compiled",
