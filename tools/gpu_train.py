@@ -399,7 +399,8 @@ def resume(a: argparse.Namespace) -> None:
     dev = _device(a)
     work = Path(a.work)
     data = _shards(a)
-    steps, every, kill_at = 12, 4, 8  # tiny steps cost milliseconds: the quick run keeps these (room to kill)
+    # killed once a step past kill_at is logged; steps - kill_at - 1 steps, a checkpoint and the eval are the room
+    steps, every, kill_at = (8, 4, 4) if a.quick else (12, 4, 8)
     cfg = _run_config(data, "tiny" if a.dry_run else "small", dev, max_steps=steps, checkpoint_every=every,
                       parallel="fsdp", checkpoint_format="dcp", dtype="fp32" if a.dry_run else "bf16",
                       num_threads=None)
