@@ -8,7 +8,7 @@ PIP    := $(BIN)/python -m pip
 # torch==2.13.0 is pinned so that pip picks the CPU wheel available locally instead of a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test install install-test bench clean
+.PHONY: demo test install install-test bench gpu-check gpu-check-dry gpu-check-prepare clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,21 @@ test: install-test
 bench: $(VENV)/.base
 	$(PIP) install -q --no-build-isolation -e ".[test,bench]"
 	$(BIN)/python benchmarks/run_all.py
+
+# The GPU check (tools/gpu_check.py): on the GPU machine with its own python3 (torch + CUDA there), no network;
+# the wheels and corpus it may need come from `make gpu-check-prepare` on a machine with PyPI access (.gpu-check/).
+# `make gpu-check-dry` runs every stage on this CPU at tiny shapes (minutes), then the whole --quick dry run's test;
+# `make test` runs the probe, generation and serving stages at their smallest (tests/tools/test_gpu_check.py).
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHON=$(GPU_PYTHON) bash tools/gpu_check.sh $(ARGS)
+
+gpu-check-dry: install-test
+	PYTHON=$(BIN)/python bash tools/gpu_check.sh --dry-run $(ARGS)
+	LMFORGE_GPU_DRY_RUN=1 $(BIN)/python -m pytest -q tests/tools/test_gpu_check.py
+
+gpu-check-prepare: install-test
+	PYTHON=$(BIN)/python bash tools/gpu_check.sh --prepare
 
 clean:
 	rm -rf build $(VENV) *.egg-info

@@ -70,10 +70,10 @@ def prompts(n: int) -> list[str]:
     return [f"Request {i}: " + " ".join(words[(i + k) % len(words)] for k in range(3)) for i in range(n)]
 
 
-def start_server(run_dir: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
+def start_server(run_dir: Path, max_batch: int, device: str = "auto") -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, NO_PROXY=NO_PROXY, no_proxy=NO_PROXY)
     p = subprocess.Popen([sys.executable, "-m", "lmforge.cli", "-q", "serve", "--run", str(run_dir), "--port", "0",
-                          "--max-batch", str(max_batch), "--max-queue", "1024"],
+                          "--max-batch", str(max_batch), "--max-queue", "1024", "--device", device],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     line = p.stdout.readline()
     if "http://" not in line:

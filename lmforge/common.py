@@ -215,9 +215,26 @@ def resolve_device(name: str = "auto") -> "Any":
         raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from e
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available; use --device cpu or auto")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= (n := torch.cuda.device_count()):
+        raise ValueError(f"device {name!r} is out of range: this machine has {n} CUDA device{'s' if n > 1 else ''} "
+                         f"(cuda:0{f' .. cuda:{n - 1}' if n > 1 else ''}); use one of those, cuda or auto")
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device {name!r} requested but MPS is not available; use --device cpu or auto")
     return dev
+
+
+def cuda_matmul_defaults(device: Any) -> str:
+    """On CUDA, let float32 matmuls run on the tensor cores as TF32 (10-bit mantissa inputs, float32 sums), as
+    nanoGPT and Lightning advise, unless the caller chose a precision; returns the setting to restore after.
+
+    Only torch's default (``"highest"``) is changed, and only for a CUDA ``device``: CPU numerics stay exact.
+    """
+    import torch  # here: the tokenizer and data stages run without torch
+
+    previous = torch.get_float32_matmul_precision()
+    if getattr(device, "type", None) == "cuda" and previous == "highest":
+        torch.set_float32_matmul_precision("high")
+    return previous
 
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",

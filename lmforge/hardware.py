@@ -9,6 +9,7 @@ square products (the speedrun does this to report MFU, ``benchmarks/`` to put th
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
@@ -16,12 +17,29 @@ import torch
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["GPU_PEAK_BF16", "peak_flops_for", "matmul_peak_flops", "fit_matmul_size"]
+__all__ = ["GPU_PEAK_BF16", "datasheet_peak", "peak_flops_for", "matmul_peak_flops", "fit_matmul_size"]
 
-# Dense bf16 tensor-core peak FLOP/s by GPU name (vendor datasheets), for MFU when not configured.
-GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "A6000": 155e12,
-                 "4090": 165e12, "3090": 71e12, "A10G": 70e12, "A10": 125e12, "L4": 121e12, "V100": 125e12,
-                 "T4": 65e12}
+# Dense bf16 tensor-core peak FLOP/s (no sparsity) by GPU model, from the vendors' datasheets, for MFU when not
+# configured. A name is matched as whole words in ``torch.cuda.get_device_name`` ("L4" is not "L40", "A10" not
+# "A10G" or "A100"), the first match wins: so a model's variants come before its plain name (an H100 reports
+# "NVIDIA H100 80GB HBM3" for SXM, "NVIDIA H100 PCIe", "NVIDIA H100 NVL"). V100 and T4 have no bf16: fp16 figures.
+GPU_PEAK_BF16: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+    ("H800 PCIe", 756e12), ("H800", 989e12),
+    ("H200 NVL", 835e12), ("GH200", 989e12), ("H200", 989e12),
+    ("A100", 312e12), ("A800", 312e12),
+    ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12),
+    ("A10G", 70e12), ("A10", 125e12), ("A6000", 155e12),
+    ("4090", 165e12), ("3090", 71e12), ("V100", 125e12), ("T4", 65e12),
+)
+
+
+def datasheet_peak(name: str) -> float | None:
+    """The dense bf16 peak FLOP/s of the GPU called ``name`` (as CUDA reports it), or None if not in the table."""
+    for key, flops in GPU_PEAK_BF16:
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name):
+            return flops
+    return None
 
 
 def peak_flops_for(device: Any, configured: float | None) -> float | None:
@@ -30,10 +48,10 @@ def peak_flops_for(device: Any, configured: float | None) -> float | None:
         return float(configured)
     if getattr(device, "type", None) == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, flops in GPU_PEAK_BF16.items():
-            if key in name:
-                return flops
-        logger.info("unknown GPU %r: set training.peak_flops to report MFU", name)
+        flops = datasheet_peak(name)
+        if flops is None:
+            logger.info("unknown GPU %r: set training.peak_flops to report MFU", name)
+        return flops
     return None
 
 

@@ -144,9 +144,11 @@ def test_one_owner_per_fact():
 
 def test_tests_mirror_the_package():
     """tests/<stage>/ holds the tests of lmforge/<stage>/; the root the shared modules, the CLI and this file;
-    tests/benchmarks/ smoke-runs benchmarks/; tests/fixtures/ holds committed input files."""
+    tests/benchmarks/ smoke-runs benchmarks/, tests/tools/ the scripts of tools/; tests/fixtures/ holds committed
+    input files."""
     tests = Path(__file__).parent
     folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert folders <= set(STAGES) | {"benchmarks", "fixtures"}, sorted(folders - set(STAGES) - {"benchmarks", "fixtures"})
+    other = {"benchmarks", "tools", "fixtures"}
+    assert folders <= set(STAGES) | other, sorted(folders - set(STAGES) - other)
     for folder in folders - {"fixtures"}:
         assert list((tests / folder).glob("test_*.py")), f"tests/{folder}/ has no tests"

@@ -91,6 +91,40 @@ def test_devices_and_dtypes():
         common.resolve_dtype("int3")
 
 
+def test_a_cuda_index_past_the_visible_devices_is_refused_early(monkeypatch):
+    """``cuda:7`` on a one-GPU machine: a ValueError naming the devices there, before anything touches CUDA
+    (checked here with CUDA faked present: the real check runs in the GPU suite's CLI sweep)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"'cuda:7' is out of range: this machine has 1 CUDA device \(cuda:0\)"):
+        common.resolve_device("cuda:7")
+    with pytest.raises(ValueError, match=r"'cuda:1' is out of range"):
+        common.resolve_device("cuda:1")
+    assert common.resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert common.resolve_device("cuda") == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert common.resolve_device("cuda:7") == torch.device("cuda", 7)
+    with pytest.raises(ValueError, match=r"8 CUDA devices \(cuda:0 \.\. cuda:7\)"):
+        common.resolve_device("cuda:8")
+
+
+def test_cuda_matmul_defaults_turn_tf32_on_for_cuda_only():
+    """Training on CUDA runs float32 matmuls as TF32 unless the user chose a precision; a CPU is never touched
+    (conftest puts the global setting back after the test)."""
+    import torch
+
+    torch.set_float32_matmul_precision("highest")
+    assert common.cuda_matmul_defaults(torch.device("cpu")) == "highest"
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert common.cuda_matmul_defaults(torch.device("cuda")) == "highest"  # only sets a flag: no GPU needed
+    assert torch.get_float32_matmul_precision() == "high"
+    torch.set_float32_matmul_precision("medium")
+    assert common.cuda_matmul_defaults(torch.device("cuda", 0)) == "medium"
+    assert torch.get_float32_matmul_precision() == "medium"  # a choice the user made stays
+
+
 def test_human_bytes():
     assert common.human_bytes(512) == "512 B"
     assert common.human_bytes(1536) == "1.5 KiB"

@@ -2,7 +2,9 @@
 
 import torch
 
-from lmforge.hardware import fit_matmul_size, matmul_peak_flops, peak_flops_for
+import pytest
+
+from lmforge.hardware import datasheet_peak, fit_matmul_size, matmul_peak_flops, peak_flops_for
 
 
 def test_fit_size_keeps_n_within_budget_and_shrinks_past_it():
@@ -20,3 +22,22 @@ def test_matmul_peak_is_positive_and_finite():
 def test_peak_flops_for_prefers_the_configured_figure_and_has_none_for_a_cpu():
     assert peak_flops_for(torch.device("cpu"), 2.5e12) == 2.5e12
     assert peak_flops_for(torch.device("cpu"), None) is None
+
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989),
+    ("NVIDIA H200 NVL", 835), ("NVIDIA GH200 480GB", 989), ("NVIDIA A100-SXM4-80GB", 312),
+    ("NVIDIA A100 80GB PCIe", 312), ("NVIDIA L40S", 362), ("NVIDIA L40", 181), ("NVIDIA L4", 121),
+    ("NVIDIA A10G", 70), ("NVIDIA A10", 125), ("NVIDIA RTX A6000", 155), ("NVIDIA GeForce RTX 4090", 165),
+    ("Tesla V100-SXM2-16GB", 125), ("Tesla T4", 65), ("NVIDIA RTX A1000", None), ("NVIDIA B200", None),
+])
+def test_datasheet_peak_matches_the_exact_model(name, tflops):
+    """Variants are told apart (H100 SXM/PCIe/NVL), and a name inside another is no match (L4 in L40S, A10 in
+    A10G/A100); an unknown GPU has no figure (MFU then needs training.peak_flops)."""
+    assert datasheet_peak(name) == (None if tflops is None else tflops * 1e12)
+
+
+def test_peak_flops_for_a_cuda_device_reads_its_name(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    assert peak_flops_for(torch.device("cuda"), None) == 756e12
+    assert peak_flops_for(torch.device("cuda"), 1e12) == 1e12

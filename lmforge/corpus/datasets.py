@@ -44,8 +44,6 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-import platformdirs
-
 from lmforge.common import atomic_open, atomic_write_text, check_output_path, sha256_file
 from lmforge.corpus.chat_data import chat_tasks, chitchat_conversations, common_words, to_jsonl, with_function_tasks
 from lmforge.corpus.specials import EOT
@@ -73,6 +71,10 @@ def resolve_cache_dir(override: str | os.PathLike | None = None) -> Path:
     env = os.environ.get("LMFORGE_CACHE")
     if env:
         return Path(env)
+    try:
+        import platformdirs  # here: importing lmforge.train (which loads this module) must not need it
+    except ImportError:  # a bare Python (a GPU image installed with --no-deps): the XDG default it would give
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmforge"
     return Path(platformdirs.user_cache_dir("lmforge"))
 
 

@@ -51,6 +51,10 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     Per chunk, in float32: logits GEMM into buffer A; softmax A -> B (one fused kernel); the loss of a
     row is ``-log p[target]`` (exact ``logsumexp - logit`` from A for rows whose ``p[target]`` is below
     1e-30, where ``log`` would lose digits); B becomes ``p - onehot`` in place and feeds both gradient GEMMs.
+    That test of ``p[target]`` is a host sync per chunk and a data-dependent branch, free on a CPU but a
+    stall on a GPU and a graph break for ``torch.compile``: off the CPU, and when compiled, each chunk takes
+    the sync-free form instead (:func:`_chunk_sync_free`: log-softmax, exact for any ``p[target]``, then
+    ``exp`` for the gradient; one more pass over the chunk, no branch).
     """
 
     @staticmethod
@@ -58,6 +62,14 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 scale: float) -> Tensor:
         N = h.shape[0]
         f32 = cdtype == torch.float32
+        if not _sync_ok(h):
+            with torch.autocast(h.device.type, enabled=False):
+                loss, grad_h, grad_w = _chunk_sync_free(h.to(cdtype), w.to(cdtype), targets, valid, chunk, scale,
+                                                        ctx.needs_input_grad[1])
+            ctx.save_for_backward(grad_h, grad_w)
+            ctx.dtypes = (h.dtype, w.dtype)
+            ctx.used = False
+            return loss
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(cdtype), w.to(cdtype)  # no copy when already cdtype
             grad_h = torch.empty_like(hc)  # (N, d)
@@ -108,17 +120,58 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        if not _sync_ok(g):  # a GPU or a compiled graph: scale out of place (x * 1.0 == x), no host read of g
+            return ((grad_h * g).to(h_dtype), None if grad_w is None else (grad_w * g).to(w_dtype),
+                    None, None, None, None, None)
         if ctx.used:  # the saved gradients are scaled in place below, so a second pass would be wrong
             raise RuntimeError("linear_cross_entropy: backward through the same loss twice is not supported; "
                                "recompute the loss instead of retain_graph=True")
         ctx.used = True
-        grad_h, grad_w = ctx.saved_tensors
-        h_dtype, w_dtype = ctx.dtypes
-        if not (g.device.type == "cpu" and float(g) == 1.0):  # loss.backward(): already scaled
+        if float(g) != 1.0:  # loss.backward(): already scaled
             grad_h.mul_(g)
             if grad_w is not None:
                 grad_w.mul_(g)
         return grad_h.to(h_dtype), None if grad_w is None else grad_w.to(w_dtype), None, None, None, None, None
+
+
+def _sync_ok(t: Tensor) -> bool:
+    """Whether the fused loss may read values on the host: on a CPU (where that is free), eager only."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _chunk_sync_free(hc: Tensor, wc: Tensor, targets: Tensor, valid: Tensor | None, chunk: int, scale: float,
+                     want_w: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(scale · summed loss, its gradient for h, for w or None)`` of ``hc wcᵀ``, ``chunk`` rows at a time,
+    with no host sync and no data-dependent branch (the GPU and compiled form of :class:`_LinearCrossEntropySum`).
+
+    Per chunk: logits in the compute dtype; their float32 log-softmax gives the loss exactly however small
+    ``p[target]`` is; ``exp`` of it is the softmax, which becomes ``p - onehot`` in place and feeds both
+    gradient GEMMs (``h``'s in the compute dtype, ``w``'s accumulated in float32).
+    """
+    N = hc.shape[0]
+    f32 = hc.dtype == torch.float32
+    grad_w = torch.zeros(wc.shape, dtype=torch.float32, device=wc.device) if want_w else None
+    losses, grads_h = [], []
+    for s in range(0, N, chunk):
+        e = min(N, s + chunk)
+        t = targets[s:e, None]  # (n, 1)
+        logp = torch.log_softmax((hc[s:e] @ wc.T).float(), dim=-1)  # (n, V)
+        nll = logp.gather(1, t).squeeze(1).neg()  # (n,)
+        p = logp.exp_()  # (n, V) softmax, in place
+        p.scatter_add_(1, t, torch.full_like(t, -1.0, dtype=p.dtype))  # d(sum nll)/d logits = p - onehot
+        if valid is not None:
+            nll = nll * valid[s:e]
+            p.mul_(valid[s:e, None])
+        losses.append(nll.sum())
+        if scale != 1.0:
+            p.mul_(scale)
+        pc = p if f32 else p.to(hc.dtype)
+        grads_h.append(pc @ wc)  # (n, d)
+        if grad_w is not None:
+            grad_w.add_(pc.T @ hc[s:e])  # (V, d)
+    return torch.stack(losses).sum() * scale, torch.cat(grads_h), grad_w
 
 
 def _valid_rows(targets: Tensor, ignore_index: int | None) -> tuple[Tensor, Tensor | None, Tensor | int]:
@@ -158,11 +211,18 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int | None = No
     return total if reduction == "sum" else total / count
 
 
-def _chunk_rows(n_rows: int, vocab_size: int) -> int:
-    """Rows per chunk of :func:`linear_cross_entropy`: the rows split evenly into chunks of at most ~8 M
-    logits (32 MB in float32). Measured at 2048 x 10k (CPU, 2 threads): three chunks of 683 rows beat
-    five of 410; equal chunks avoid a short last GEMM."""
-    budget = max(64, (1 << 23) // vocab_size)
+# Logits per chunk of linear_cross_entropy, by device type. CPU: ~8 M (32 MB in float32), measured at 2048 x 10k
+# on 2 threads (three chunks of 683 rows beat five of 410). Elsewhere (a GPU): 128 M, so that the GEMMs have
+# thousands of rows (~2.7k at a 50k vocabulary) and a step launches few chunks, for ~1.6 GB of temporaries
+# (the chunk's logits, their float32 log-softmax, its compute-dtype copy); not yet measured on a GPU.
+_CHUNK_LOGITS = {"cpu": 1 << 23}
+_CHUNK_LOGITS_ACCELERATOR = 1 << 27
+
+
+def _chunk_rows(n_rows: int, vocab_size: int, device_type: str = "cpu") -> int:
+    """Rows per chunk of :func:`linear_cross_entropy`: the rows split evenly into chunks of at most
+    ``_CHUNK_LOGITS`` logits for the device (equal chunks avoid a short last GEMM)."""
+    budget = max(64, _CHUNK_LOGITS.get(device_type, _CHUNK_LOGITS_ACCELERATOR) // vocab_size)
     n_chunks = max(1, -(-n_rows // budget))
     return max(1, -(-n_rows // n_chunks))
 
@@ -183,7 +243,7 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, ignore_inde
     safe, valid, count = _valid_rows(targets.reshape(-1).long(), ignore_index)
     dev = h.device.type
     cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
-    chunk = chunk_rows or _chunk_rows(h2.shape[0], weight.shape[0])
+    chunk = chunk_rows or _chunk_rows(h2.shape[0], weight.shape[0], dev)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         if reduction == "mean" and valid is None and h2.shape[0]:  # the 1/N rides in the GEMMs (see _LinearCrossEntropySum)
             return _LinearCrossEntropySum.apply(h2, weight, safe, valid, chunk, cdtype, 1.0 / h2.shape[0])

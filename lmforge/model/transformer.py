@@ -489,7 +489,10 @@ class TransformerLM(nn.Module):
         if idx.dim() != 2 or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
             raise ValueError(f"idx must be integer token ids of shape (batch, seq), got {idx.dtype} "
                              f"{tuple(idx.shape)}; add a batch dimension with idx[None] if needed")
-        if not torch.compiler.is_compiling() and idx.numel():
+        # On the CPU only: on a GPU reading the ids back would stall every forward (every decoded token) on a
+        # host sync; there the embedding kernel's bounds check (a device-side assert) stops a bad id, and lmforge's
+        # callers check ids before they reach the device (shards' recorded max id, prompts through token_ids).
+        if idx.device.type == "cpu" and not torch.compiler.is_compiling() and idx.numel():
             lo, hi = (int(v) for v in torch.aminmax(idx))  # one pass; a negative id would index from the end
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(f"token id {lo if lo < 0 else hi} is out of range [0, {self.cfg.vocab_size}) for "

@@ -149,7 +149,7 @@ class TrainingConfig:
     dtype: Literal["fp32", "bf16"] = "fp32"
     """``bf16`` runs forward/backward under bfloat16 autocast (weights and optimizer stay fp32)."""
     compile: bool = False
-    """Compile the model with ``torch.compile``."""
+    """Compile each Transformer block with ``torch.compile``, in place (one graph serves every block)."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """Data parallelism under ``torchrun``: ``ddp`` (replicate) or ``fsdp`` (shard); ignored in one process."""
     seed: int = 1337

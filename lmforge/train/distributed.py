@@ -9,10 +9,11 @@ sharded by ``rank``/``world_size``, and :func:`all_reduce_mean` averages metrics
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,8 @@ from lmforge.common import resolve_device
 logger = logging.getLogger("lmforge")
 
 __all__ = ["DistInfo", "setup_distributed", "cleanup_distributed", "is_main_process", "get_rank", "get_world_size",
-           "all_reduce_mean", "all_reduce_sum", "barrier", "checkpoint_blocks", "wrap_model", "full_state_dicts",
-           "load_full_optimizer_state"]
+           "all_reduce_mean", "all_reduce_sum", "barrier", "checkpoint_blocks", "compile_blocks", "gradient_sync",
+           "wrap_model", "full_state_dicts", "load_full_optimizer_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +83,11 @@ def setup_distributed(device: str = "auto", backend: str | None = None, init_met
         if not dist.is_available():
             raise ValueError("torch.distributed is not available in this PyTorch build; run without torchrun")
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
-        dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=rank, world_size=world_size)
+        # NCCL bound to this rank's GPU from the start (no guessing from the current device at the first collective)
+        bound = (dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())) \
+            if backend == "nccl" else None
+        dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
+                                device_id=bound)
         logger.info("joined process group: rank %d/%d (local %d), backend %s, device %s",
                     rank, world_size, local_rank, backend, dev)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=dev)
@@ -159,12 +164,32 @@ def checkpoint_blocks(model: Any) -> int:
     return len(blocks)
 
 
+_COMPILE_OPTIONS: dict[str, Any] = {}
+"""``torch.compile`` options of each block (defaults: inductor, graph breaks allowed; tests trace with others)."""
+
+
+def compile_blocks(model: Any) -> int:
+    """Compile each Transformer block in place (regional compilation, as torchtitan); returns the number of blocks.
+
+    The blocks run one code object, so dynamo compiles one graph and reuses it for every block: seconds where the
+    whole GPT-2 traced as one graph takes a minute or more. Compiled in place (``nn.Module.compile``), the module
+    names and ``state_dict`` keys stay the same, and data-parallel wrappers keep their hooks outside the graphs
+    (DDP's bucketed all-reduces overlap the backward; FSDP2 gathers and frees per block). The embedding, the final
+    norm and the fused loss run eagerly (the loss's chunks are large GEMMs: little for a compiler to fuse).
+    """
+    blocks = list(getattr(model, "layers", []))
+    for block in blocks:
+        block.compile(**_COMPILE_OPTIONS)
+    return len(blocks)
+
+
 def wrap_model(model: Any, mode: Literal["none", "ddp", "fsdp"], info: DistInfo, compile: bool = False,
                activation_checkpointing: bool = False) -> Any:
     """Compile and/or wrap a single-device model for data parallelism (no wrapping without a process group).
 
-    ``ddp`` replicates the model and averages gradients (compiled first, then wrapped); ``fsdp`` shards
-    parameters, gradients and optimizer state per Transformer block (FSDP2 ``fully_shard``, then compiled).
+    In torchtitan's order, innermost first: activation checkpointing per block, ``compile`` per block
+    (:func:`compile_blocks`, in place), then ``ddp`` (replicate the model and average gradients) or ``fsdp``
+    (shard parameters, gradients and optimizer state per Transformer block with FSDP2 ``fully_shard``).
     With ``fsdp`` build the optimizer *after* wrapping, and save/load through :func:`full_state_dicts`
     and :func:`load_full_optimizer_state`. Checkpoints always hold the full, unwrapped weights.
     """
@@ -172,19 +197,36 @@ def wrap_model(model: Any, mode: Literal["none", "ddp", "fsdp"], info: DistInfo,
         raise ValueError(f"training.parallel must be none, ddp or fsdp, got {mode!r}")
     if activation_checkpointing:  # first, inside every other wrapper (as torchtitan: AC, compile, then FSDP)
         checkpoint_blocks(model)
+    if compile:
+        compile_blocks(model)
     if mode == "fsdp" and _active():
-
         for block in getattr(model, "layers", []):
             fully_shard(block)
         fully_shard(model)
-        return torch.compile(model) if compile else model
-    if compile:
-        model = torch.compile(model)
-    if mode == "ddp" and _active():
-
+    elif mode == "ddp" and _active():
         ids = [info.device.index] if info.device.type == "cuda" else None
-        return DDP(model, device_ids=ids)
+        model = DDP(model, device_ids=ids)
     return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: Any, enabled: bool) -> Iterator[None]:
+    """Reduce gradients across ranks in this backward (``enabled``) or only accumulate them locally, for the
+    micro-batches before a step's last: DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``;
+    nothing to do for a model that is not data-parallel."""
+    if enabled:
+        yield
+    elif hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 class _StateView:

@@ -17,7 +17,6 @@ the marker ``lmforge-run.json``; see ``docs/DESIGN.md``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -32,7 +31,7 @@ import torch.distributed as dist
 
 from lmforge.checkpoint import CheckpointManager, unwrap_model
 from lmforge.hardware import peak_flops_for
-from lmforge.common import remove_stale_temporaries, seed_everything
+from lmforge.common import cuda_matmul_defaults, remove_stale_temporaries, seed_everything
 from lmforge.config import diff_dicts, dump_yaml, load_yaml, to_dict
 from lmforge.data import BlockLoader, TokenDataset, val_batches
 from lmforge.data.conversations import IGNORE_INDEX, ConversationDataset
@@ -45,7 +44,8 @@ from lmforge.train.batching import BatchPlan, plan_batch
 from lmforge.train.config import _HARMLESS, _INCOMPATIBLE, DataConfig, OptimConfig, RunConfig
 from lmforge.train.dcp import load_dcp, read_dcp_extra, read_dcp_meta, save_dcp
 from lmforge.train.distributed import (all_reduce_sum, barrier, cleanup_distributed, full_state_dicts,
-                                       is_main_process, load_full_optimizer_state, setup_distributed, wrap_model)
+                                       gradient_sync, is_main_process, load_full_optimizer_state, setup_distributed,
+                                       wrap_model)
 from lmforge.train.evaluate import evaluate
 from lmforge.train.finetune import (build_model, conversation_data, global_target_count, load_trained_state,
                                     loss_scale, masked, trained_state)
@@ -242,6 +242,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = setup_distributed(tc.device)
     threads = torch.get_num_threads()
+    precision = cuda_matmul_defaults(info.device)  # TF32 for float32 matmuls on CUDA; restored below
     try:
         if tc.num_threads:
             torch.set_num_threads(tc.num_threads)
@@ -261,6 +262,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
         return _finish(run)
     finally:
         torch.set_num_threads(threads)
+        torch.set_float32_matmul_precision(precision)
         if owns_group:
             cleanup_distributed()
 
@@ -393,8 +395,7 @@ def _train_step(run: _Run) -> tuple[float, float, float]:
     for i, (x, y) in enumerate(batches):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         last_micro = i == run.batch.accum_steps - 1
-        no_sync = model.no_sync() if not last_micro and hasattr(model, "no_sync") else contextlib.nullcontext()
-        with no_sync:
+        with gradient_sync(model, last_micro):  # DDP/FSDP reduce gradients once, after the last micro-batch
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16"):
                 micro = model(x, targets=y, ignore_index=ignore, reduction="sum")
             (micro / denom).backward()

@@ -17,11 +17,19 @@ from typing import Any
 from lmforge.common import atomic_open, atomic_write_text
 
 logger = logging.getLogger("lmforge")
+_warned_no_plot: list[bool] = []  # the missing-matplotlib warning is logged once per process
 
 
-def plot_losses(records: list[dict[str, Any]], path: str | Path) -> None:
-    """Write a PNG of train loss (and val loss, if any) against step, atomically."""
-    import matplotlib  # here, not at the top: ~0.2 s of import (measured) that only plotting needs
+def plot_losses(records: list[dict[str, Any]], path: str | Path) -> bool:
+    """Write a PNG of train loss (and val loss, if any) against step, atomically; False (and no file) when
+    matplotlib is not installed: the plot is the one thing training can do without."""
+    try:
+        import matplotlib  # here, not at the top: ~0.2 s of import (measured) that only plotting needs
+    except ImportError:
+        if not _warned_no_plot:
+            _warned_no_plot.append(True)
+            logger.warning("matplotlib is not installed: no %s (pip install matplotlib)", Path(path).name)
+        return False
 
     matplotlib.use("Agg")  # no display needed; set here, not at import, so we never change a user's backend early
     import matplotlib.pyplot as plt
@@ -41,6 +49,7 @@ def plot_losses(records: list[dict[str, Any]], path: str | Path) -> None:
     with atomic_open(path, "wb") as f:
         fig.savefig(f, format="png")
     plt.close(fig)
+    return True
 
 
 def require_wandb() -> Any:

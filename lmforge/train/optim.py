@@ -357,16 +357,38 @@ def clip_grad_norm(params: Iterable[Tensor], max_norm: float, eps: float = 1e-6)
 
     Returns the norm before clipping (a 0-dim tensor; ``float()`` it to log). A non-finite norm leaves the
     gradients untouched, so the caller can see it and skip the step.
+
+    On a CPU the decision reads the norm on the host (free there) and skips the pass when nothing is clipped; on
+    a GPU that read would be a host sync per step (three), so there the factor stays on the device: 1 when not
+    clipping (``x * 1.0 == x``): the same float32 gradients either way (a 16-bit gradient is scaled by the factor
+    rounded to its dtype).
     """
     if not max_norm > 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}; to disable clipping do not call clip_grad_norm")
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params)
-    if params and torch.isfinite(norm) and norm > max_norm:
-        scale = float(max_norm / (norm + eps))
-        for bucket in _buckets([(p.grad,) for p in params], key=lambda r: None).values():
-            torch._foreach_mul_([r[0] for r in bucket], scale)
+    if not params:
+        return norm
+    buckets = _buckets([(p.grad,) for p in params], key=lambda r: None).values()
+    if _host_reads_free(params[0].grad):
+        if torch.isfinite(norm) and norm > max_norm:
+            scale = float(max_norm / (norm + eps))
+            for bucket in buckets:
+                torch._foreach_mul_([r[0] for r in bucket], scale)
+        return norm
+    if isinstance(norm, DTensor):  # FSDP: the global norm as a plain tensor, as torchtitan does
+        norm = norm.full_tensor()
+    clip = torch.isfinite(norm) & (norm > max_norm)
+    coef = torch.where(clip, max_norm / (norm + eps), torch.ones_like(norm))  # 0-dim, on the device
+    for bucket in buckets:
+        grads = [r[0] for r in bucket]
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
     return norm
+
+
+def _host_reads_free(t: Tensor) -> bool:
+    """Whether reading a value of ``t`` on the host costs nothing (a CPU tensor: no device to wait for)."""
+    return t.device.type == "cpu"
 
 
 def param_groups_for(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

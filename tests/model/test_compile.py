@@ -1,7 +1,8 @@
 """``torch.compile`` on the fast path gives the eager numbers (forward and gradients).
 
-The compiled graph takes branches eager never does (``_rope_fast``'s real-arithmetic form), so this is
-their only check. The default test traces with dynamo + AOT autograd (``aot_eager``: our code as the
+The compiled graph takes branches eager never does (``_rope_fast``'s real-arithmetic form, the fused loss's
+sync-free chunks), so this is their only check; ``fullgraph=True`` makes any graph break (a host sync, a
+data-dependent branch) fail the test. The default test traces with dynamo + AOT autograd (``aot_eager``: our code as the
 compiler sees it, in seconds); the inductor test generates and runs C++ kernels too, which takes a
 minute or more on 2 cores, so it runs only with ``LMFORGE_TEST_INDUCTOR=1``.
 """
@@ -38,7 +39,7 @@ def test_compiled_model_matches_eager_forward_and_backward(backend):
     model.zero_grad(set_to_none=True)
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)  # one graph: a break anywhere is an error
     loss_c = compiled(x, targets=y)
     loss_c.backward()
     torch.testing.assert_close(loss_c, loss_eager, rtol=1e-5, atol=1e-5)

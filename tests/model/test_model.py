@@ -164,9 +164,20 @@ def test_cross_entropy_matches_torch_and_ignore_index():
     assert torch.isfinite(cross_entropy(huge, torch.tensor([2])))
 
 
+@pytest.fixture(params=["host", "sync-free"])
+def loss_form(request, monkeypatch) -> str:
+    """Both forms of the fused loss's chunks: the CPU's (reads ``p[target]`` on the host) and the one a GPU and a
+    compiled graph take (no host sync, no data-dependent branch), each held to torch below."""
+    if request.param == "sync-free":
+        from lmforge.model import losses
+
+        monkeypatch.setattr(losses, "_sync_ok", lambda t: False)
+    return request.param
+
+
 @pytest.mark.parametrize("ignore", [None, 3])
 @pytest.mark.parametrize("chunk_rows", [None, 4])
-def test_fast_cross_entropies_gradients_match_torch(ignore, chunk_rows):
+def test_fast_cross_entropies_gradients_match_torch(ignore, chunk_rows, loss_form):
     torch.manual_seed(0)
     h = torch.randn(13, 16, requires_grad=True)
     w = torch.randn(23, 16, requires_grad=True)
@@ -185,7 +196,7 @@ def test_fast_cross_entropies_gradients_match_torch(ignore, chunk_rows):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_linear_cross_entropy_plain_backward_matches_torch(reduction):
+def test_linear_cross_entropy_plain_backward_matches_torch(reduction, loss_form):
     """``loss.backward()`` (incoming gradient 1): the 1/N folded into the GEMMs, no scaling in backward."""
     torch.manual_seed(1)
     h = torch.randn(11, 16, requires_grad=True)
@@ -202,7 +213,7 @@ def test_linear_cross_entropy_plain_backward_matches_torch(reduction):
     torch.testing.assert_close(w.grad, gw)
 
 
-def test_linear_cross_entropy_rows_whose_target_probability_underflows():
+def test_linear_cross_entropy_rows_whose_target_probability_underflows(loss_form):
     """Rows where softmax[target] underflows float32 take the exact logsumexp formula: finite, equal to torch."""
     torch.manual_seed(2)
     h = (torch.randn(6, 8) * 30).requires_grad_()  # logit gaps of hundreds: p[target] == 0 in float32
@@ -224,9 +235,30 @@ def test_linear_cross_entropy_default_chunks_are_even():
     assert _chunk_rows(2048, 10_000) == 683  # three chunks, not four full ones and a short fifth
     assert _chunk_rows(10, 10_000) == 10
     assert _chunk_rows(0, 10_000) == 1
+    # a GPU takes chunks ~16x larger (thousands of rows per GEMM): GPT-2's 50k vocabulary, 32k tokens -> 13 chunks
+    assert _chunk_rows(32 * 1024, 50_257, "cuda") == 2521 and _chunk_rows(32 * 1024, 50_257) < 200
 
 
-def test_linear_cross_entropy_under_bf16_autocast():
+def test_linear_cross_entropy_compiles_without_a_graph_break():
+    """Compiled (``fullgraph=True``: any graph break is an error) the fused loss takes its sync-free form and
+    gives eager's loss and gradients; a host read of ``p[target]`` would break the graph here and on a GPU."""
+    torch.manual_seed(3)
+    h = torch.randn(13, 16, requires_grad=True)
+    w = torch.randn(23, 16, requires_grad=True)
+    t = torch.randint(0, 23, (13,))
+
+    def loss_and_grads(fn):
+        loss = fn(h, w, t)
+        return (loss, *torch.autograd.grad(loss * 3, (h, w)))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, c: linear_cross_entropy(a, b, c, chunk_rows=4), backend="aot_eager",
+                             fullgraph=True)
+    for got, want in zip(loss_and_grads(compiled), loss_and_grads(lambda a, b, c: F.cross_entropy(a @ b.T, c))):
+        torch.testing.assert_close(got, want)
+
+
+def test_linear_cross_entropy_under_bf16_autocast(loss_form):
     torch.manual_seed(0)
     h = torch.randn(10, 16, requires_grad=True)
     w = torch.randn(23, 16, requires_grad=True)

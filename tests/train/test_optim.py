@@ -133,6 +133,37 @@ def test_clip_grad_norm():
         clip_grad_norm(ps, 0.0)
 
 
+@pytest.mark.parametrize("max_norm, poison", [(1.0, None), (1e9, None), (1.0, float("nan")), (1.0, float("inf"))])
+def test_clip_grad_norm_on_the_device_equals_the_host_decision(monkeypatch, max_norm, poison):
+    """The GPU form (the factor kept on the device, no host sync) scales float32 gradients bit for bit as the CPU
+    form (the norm read on the host): clipped, not clipped, and a non-finite norm (gradients left untouched)."""
+    from lmforge.train import optim
+
+    torch.manual_seed(4)
+    grads = [torch.randn(5, 3) * 3, torch.randn(7), torch.randn(2, 2).to(torch.bfloat16)]
+    if poison is not None:
+        grads[1][2] = poison
+    out = {}
+    for form in ("host", "device"):
+        monkeypatch.setattr(optim, "_host_reads_free", lambda t: form == "host")
+        ps = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        norm = clip_grad_norm(ps, max_norm)
+        out[form] = (norm, [p.grad for p in ps])
+    (n_host, g_host), (n_dev, g_dev) = out["host"], out["device"]
+    assert torch.equal(n_host, n_dev) or (n_host.isnan() and n_dev.isnan())
+    for a, b, g in zip(g_host, g_dev, grads):
+        if g.dtype == torch.bfloat16:  # the factor is rounded to the gradient's dtype on the device: one bf16 ulp
+            torch.testing.assert_close(a, b, rtol=2**-7, atol=0, equal_nan=True)
+        else:
+            assert torch.equal(a, b) or (poison is not None and torch.equal(a.isnan(), b.isnan()))
+    clipped = poison is None and max_norm == 1.0
+    assert clipped == (not torch.equal(g_dev[0], grads[0]))  # clipped exactly when the norm is finite and over
+    if not clipped:
+        assert all(torch.equal(a, g) or torch.equal(a.isnan(), g.isnan()) for a, g in zip(g_dev, grads))
+
+
 def test_param_groups_rule():
     model = TransformerLM(ModelConfig(vocab_size=50, context_length=8, d_model=16, n_layers=2, n_heads=2,
                                       tie_embeddings=True))
