@@ -55,12 +55,12 @@ from lmforge.evals import read_task_file
 from lmforge.evals.evaluate import load_model
 from lmforge.evals.generative import exact_match
 from lmforge.generate import Generator
-from lmforge.hardware import matmul_peak_flops
+from lmforge.hardware import matmul_peak_flops, resolve_train_dtype
 from lmforge.model import TransformerLM
 from lmforge.report import REPORT_FILE, write_speedrun_report
 from lmforge.tokenizer import Tokenizer, train_bpe_from_iterator
 from lmforge.train import evaluate_run, load_run_config, train
-from lmforge.train.optim import AdamW
+from lmforge.train.loop import _build_optimizer  # the loop's own builder: the step timed is the step trained
 
 logger = logging.getLogger("lmforge")
 
@@ -97,6 +97,10 @@ _STAGES = ("tokenizer", "data", "plan", "train", "eval", "samples", "chat-data",
 CHAT_SAMPLE = ("Hi, my name is Ada. Who are you?", "What is 48+7?", "Spell the word honour.",
                "Use the calculator: what is 123*45?")
 """The user messages of the sample conversation in the report (one conversation, in order)."""
+RECIPE: tuple[str, ...] = ()
+"""The pretraining recipe: ``section.key=value`` settings on top of the preset and the fitted schedule, each
+kept because it cut the time to the target bits/byte in the ablation of ``benchmarks/bench_speedrun.py``
+(docs/benchmarks.md, "CPU speedrun")."""
 SFT_SETTINGS = ("optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "training.eval_every=1000000")
 """The speedrun's fine-tuning settings on top of ``chat.sft``'s defaults (a small model takes a higher rate;
 the chat stages measure accuracy instead of a validation loss every few steps)."""
@@ -206,19 +210,21 @@ def _data_stats(data_dir: Path) -> dict[str, Any]:
 
 
 def _step_seconds(cfg: Any, device: Any, steps: int = 4) -> float:
-    """Wall time of one training step (forward, backward, AdamW) at ``cfg``'s shapes, on random tokens.
+    """Wall time of one training step (forward, backward, the run's optimizer) at ``cfg``'s shapes, on random
+    tokens.
 
     The fastest of ``steps`` (after a warm-up step): what the machine does when nothing else competes
     for it, so the planned number of steps, and with it the result, does not depend on momentary load.
     """
     tc = cfg.training
     model = TransformerLM(cfg.model).to(device)
-    opt = AdamW(model.parameters(), lr=1e-4)
+    opt = _build_optimizer(model, cfg.optimizer)
+    bf16 = resolve_train_dtype(tc.dtype, device) == "bf16"
     x = torch.randint(0, cfg.model.vocab_size, (tc.batch_size, cfg.context_length), device=device)
     best = float("inf")
     for i in range(steps + 1):
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = model(x, targets=x)
         loss.backward()
         opt.step()
@@ -231,16 +237,17 @@ def _step_seconds(cfg: Any, device: Any, steps: int = 4) -> float:
 
 
 def _run_config(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, device: Any, max_steps: int,
-                peak_flops: float | None) -> Any:
+                peak_flops: float | None, recipe: tuple[str, ...] = RECIPE, target_bpb: float | None = None) -> Any:
+    """The pretraining run's config: ``preset``'s shapes, the schedule fitted to ``max_steps``, then ``recipe``."""
     model_vocab = 64 * math.ceil(vocab_size / 64)  # a multiple of 64 keeps the LM-head matmul aligned
-    warmup = max(1, min(100, max_steps // 10))
-    return load_run_config(base={
+    warmup = max(0, min(100, max_steps // 10, max_steps - 1))
+    return load_run_config(overrides=recipe, base={
         "model": {"vocab_size": model_vocab, "context_length": preset.context_length, "d_model": preset.d_model,
                   "n_layers": preset.n_layers, "n_heads": preset.n_heads, "tie_embeddings": False},
         "optimizer": {"lr": preset.lr, "min_lr": float(f"{preset.lr / 10:.3g}"), "warmup_steps": warmup, "weight_decay": 0.1,
                       "betas": [0.9, 0.95], "grad_clip": 1.0},
         "training": {"max_steps": max_steps, "batch_size": preset.batch_size, "device": str(device),
-                     "dtype": "bf16" if device.type == "cuda" else "fp32", "seed": 1337,
+                     "dtype": "auto", "seed": 1337, "target_val_bpb": target_bpb,
                      "log_every": max(1, min(10, max_steps // 20)), "eval_every": max(10, max_steps // 5),
                      "eval_batches": 10, "checkpoint_every": max(10, max_steps // 5), "keep_last": 2,
                      "peak_flops": peak_flops},
