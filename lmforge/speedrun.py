@@ -248,7 +248,8 @@ def _run_config(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path
                       "betas": [0.9, 0.95], "grad_clip": 1.0},
         "training": {"max_steps": max_steps, "batch_size": preset.batch_size, "device": str(device),
                      "dtype": "auto", "seed": 1337, "target_val_bpb": target_bpb,
-                     "log_every": max(1, min(10, max_steps // 20)), "eval_every": max(10, max_steps // 5),
+                     "log_every": max(1, min(10, max_steps // 20)),
+                     "eval_every": max(10, max_steps // (5 if target_bpb is None else 20)),
                      "eval_batches": 10, "checkpoint_every": max(10, max_steps // 5), "keep_last": 2,
                      "peak_flops": peak_flops},
         "data": {"dir": str(data_dir), "tokenizer": str(tokenizer), "val_split": "val"},
@@ -274,6 +275,28 @@ def _evaluate(run_dir: Path, device: Any, max_batches: int = 64) -> dict[str, An
     ev = evaluate_run(run_dir, split="val", max_batches=max_batches, device=str(device))
     return {"checkpoint": ev["checkpoint"], "step": ev["step"], "val_loss": ev["loss"], "val_ppl": ev["ppl"],
             "val_bpb": ev["bpb"], "val_tokens": ev["tokens"]}
+
+
+def _target_summary(run_dir: Path, target: float, train_rec: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    """Whether pretraining reached ``target`` bits/byte at an evaluation, when, and the best it reached."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+               if line.strip()]
+    vals = [(r["step"], r["val_bpb"]) for r in records if r.get("val_bpb") is not None]
+    best_step, best = min(vals, key=lambda v: v[1]) if vals else (None, None)
+    hit = next(((s, b) for s, b in vals if b <= target), None)
+    rec: dict[str, Any] = {"target_bpb": target, "reached": hit is not None, "best_bpb": best, "best_step": best_step}
+    if hit is not None:
+        step_s = plan.get("step_seconds")
+        rec.update(step=hit[0], bpb=hit[1], train_seconds=train_rec["seconds"],
+                   projected_quiet_seconds=hit[0] * step_s if step_s else None)
+        quiet = f"; {hit[0]} steps x {step_s:.3f} s/step = {hit[0] * step_s:.0f} s at the planned speed" if step_s else ""
+        rec["text"] = (f"reached the target of {target:g} bits/byte at step {hit[0]} ({hit[1]:.4f}) after "
+                       f"{train_rec['seconds']:.0f} s of pretraining{quiet}")
+    else:
+        never = " (a target <= 0 can never be reached)" if target <= 0 else ""
+        best_text = f"; the best was {best:.4f} at step {best_step}" if best is not None else ""
+        rec["text"] = f"did not reach the target of {target:g} bits/byte within the budget{never}{best_text}"
+    return rec
 
 
 def _samples(run_dir: Path, device: Any, max_new_tokens: int) -> dict[str, Any]:
@@ -362,14 +385,16 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
              budget: str | int | float = "8min", device: str = "auto", vocab_size: int = 4096,
              val_fraction: float = 0.1, sample_tokens: int = 200, force: bool = False,
              progress: bool = True, sft_budget: str | int | float | None = "2.5min",
-             chat_eval_items: int = 40) -> dict[str, Any]:
+             chat_eval_items: int = 40, target_bpb: float | None = None) -> dict[str, Any]:
     """Run (or resume) the whole pipeline in ``out`` and write ``out/report.md``; returns the stage records.
 
     ``corpus``: ``"shakespeare"`` or a path/glob of text/jsonl/parquet files. ``model_size``: a key of
     :data:`PRESETS`. ``budget``: training minutes (``"8min"``) or steps (``"300steps"``). ``device``:
     ``auto`` uses CUDA (with bf16) when present. ``sft_budget``: the chat fine-tuning on the built-in chat
     tasks after pretraining (minutes or steps, like ``budget``; ``None`` skips the chat stages), scored before
-    and after on the first ``chat_eval_items`` validation items of each task.
+    and after on the first ``chat_eval_items`` validation items of each task. ``target_bpb``: stop pretraining
+    at the first evaluation at or below it and report the time to it (a target <= 0, or one not reached
+    within the budget, is reported at the end with the best reached); the record is ``stages["target"]``.
     """
     if model_size not in PRESETS:
         raise ValueError(f"unknown model size {model_size!r}; choose one of {', '.join(PRESETS)}")
@@ -381,6 +406,11 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     chat_budget = parse_budget(sft_budget) if sft_budget is not None else None
     if isinstance(chat_eval_items, bool) or not isinstance(chat_eval_items, int) or chat_eval_items < 1:
         raise ValueError(f"chat_eval_items must be a positive integer, got {chat_eval_items!r}")
+    if target_bpb is not None and not (isinstance(target_bpb, (int, float)) and math.isfinite(target_bpb)):
+        raise ValueError(f"target_bpb must be a number of bits per byte, got {target_bpb!r}")
+    if target_bpb is not None and target_bpb <= 0:
+        logger.warning("--target-bpb %g: bits per byte are never <= 0, so the target cannot be reached; training "
+                       "the whole budget", target_bpb)
     dev = resolve_device(device)
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -390,7 +420,8 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     inputs = [(str(p), p.stat().st_size, sha256_file(p)) for p in paths]
     settings = {"corpus": corpus, "inputs": _digest(inputs), "vocab_size": vocab_size, "model_size": model_size,
                 "budget": list(plan_budget), "val_fraction": val_fraction,
-                "sft_budget": list(chat_budget) if chat_budget else None, "chat_eval_items": chat_eval_items}
+                "sft_budget": list(chat_budget) if chat_budget else None, "chat_eval_items": chat_eval_items,
+                "target_bpb": target_bpb}
     state = _State(out, settings, force)
     tok_path, data_dir, run_dir = out / "tokenizer.json", out / "data", out / "run"
     ran: list[str] = []
@@ -421,7 +452,9 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     # ---- plan: how many steps fit in the budget --------------------------------------------------------
     plan = stage("plan", _digest(tok["fingerprint"], dataclasses.asdict(preset), plan_budget),
                  lambda: _plan(preset, vocab_size, data_dir, tok_path, dev, plan_budget))
-    cfg = _run_config(preset, vocab_size, data_dir, tok_path, dev, plan["max_steps"], plan["peak_flops"])
+    stop_at = target_bpb if target_bpb is not None and target_bpb > 0 else None
+    cfg = _run_config(preset, vocab_size, data_dir, tok_path, dev, plan["max_steps"], plan["peak_flops"],
+                      target_bpb=stop_at)
     # ---- train (resumes from the newest checkpoint in run/) -------------------------------------------
     cfg_dict = to_dict(cfg)
     train_key = _digest({k: v for k, v in cfg_dict.items() if k != "training"},
@@ -431,6 +464,10 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     # ---- eval: validation loss and bits per byte of the final model ------------------------------------
     ev = stage("eval", _digest(tr["checkpoint"], tr["step"]), lambda: _evaluate(run_dir, dev))
     logger.info("final validation loss %.4f (%.4f bits/byte)", ev["val_loss"], ev["val_bpb"])
+    if target_bpb is not None:  # not a stage: a reading of the run's metrics, redone each time
+        state.data["stages"]["target"] = _target_summary(run_dir, target_bpb, tr, plan)
+        state.save()
+        logger.info("%s", state.data["stages"]["target"]["text"])
     # ---- samples ---------------------------------------------------------------------------------------
     stage("samples", _digest(tr["checkpoint"], tr["step"], SAMPLE_PROMPTS, sample_tokens),
           lambda: _samples(run_dir, dev, sample_tokens))

@@ -111,6 +111,32 @@ def test_cli_speedrun(tmp_path, corpus, capsys):
     assert (out / "sft" / "report.md").is_file()  # the fine-tuning run's card
     assert main([*args[:-1], "--model-size", "small", "--no-progress"]) == 2  # other settings, no --force
     assert "--force" in capsys.readouterr().err
+    assert main([*args, "--target-bpb", "1000", "--force"]) == 0
+    assert "pretraining reached the target of 1000 bits/byte at step" in capsys.readouterr().out
+    assert main([*args[:-1], "--model-size", "small", "--no-progress"]) == 2  # other settings, no --force
+    assert "--force" in capsys.readouterr().err
+
+
+def test_speedrun_target_bpb_stops_at_the_first_evaluation_reaching_it(tmp_path, corpus, caplog):
+    """A reachable target stops pretraining at the first evaluation at or below it and reports the time; one that
+    cannot be reached (<= 0) is warned about at the start and reported at the end with the best reached."""
+    from lmforge.speedrun import _target_summary
+
+    out = tmp_path / "sr"
+    stages = run(out, corpus, budget="12steps", target_bpb=100.0)
+    tgt = stages["target"]
+    assert stages["train"]["step"] == 10 and stages["train"]["reached_target"]  # evaluations at 10 and 12
+    assert tgt["reached"] and tgt["step"] == 10 and tgt["bpb"] <= 100 and tgt["train_seconds"] > 0
+    assert "reached the target of 100 bits/byte at step 10" in (out / "report.md").read_text()
+    never = _target_summary(out / "run", -1, stages["train"], stages["plan"])
+    assert not never["reached"] and never["best_step"] == 10 and never["best_bpb"] == tgt["bpb"]
+    assert never["text"] == ("did not reach the target of -1 bits/byte within the budget (a target <= 0 can never "
+                             f"be reached); the best was {tgt['bpb']:.4f} at step 10")
+    with caplog.at_level(logging.WARNING, logger="lmforge"), pytest.raises(ValueError, match="other settings"):
+        run(out, corpus, budget="12steps", target_bpb=-1)  # warned before anything else is looked at
+    assert "cannot be reached" in caplog.text
+    with pytest.raises(ValueError, match="target_bpb must be a number"):
+        run(tmp_path / "nan", corpus, target_bpb=float("nan"))
 
 
 def test_speedrun_bad_input(tmp_path, corpus):

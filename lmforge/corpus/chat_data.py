@@ -26,6 +26,14 @@ Words are the most frequent lowercase words of the built-in Shakespeare corpus (
 items are drawn first; a training item whose user message equals a validation item's is drawn again, so no
 validation prompt appears in training.
 
+**How the training items teach** (``teach=True``, the default; validation items are drawn exactly as without it,
+from the same random stream): an ``arithmetic`` training item answers through the calculator, as nanochat's
+GSM8K data teaches tool use (``What is 482+37?`` -> a ``tool_call`` ``482+37``, the ``tool`` result ``519``, then
+``519``), so the model copies the expression instead of adding in its head; and ``spelling`` and ``uppercase``
+get one training item for every word of the list that is not one of their own validation words, so the letters
+of each word's tokens are taught in one task or the other (every validation word of one of them is a training
+word of the other). Measured: docs/benchmarks.md, "Chat tasks".
+
 **Chitchat** (:func:`chitchat_conversations`): the ``dataset.json`` of the PyPI package ``chitchat-dataset``
 (BYU PCC lab's Chit-Chat Challenge, MIT licence, 7,168 two-person conversations). Each conversation is a list of
 turns; a turn is one or more consecutive utterances of one sender, which we join with a space (the package's own
@@ -108,12 +116,32 @@ TASKS: dict[str, Callable[[random.Random, list[str]], Record]] = {
 """Each built-in chat task: a function drawing one record from a seeded ``random.Random`` and a word list."""
 
 
-def chat_tasks(words: list[str], n_train: int = 1000, n_val: int = 50, seed: int = 0,
-               tasks: Iterable[str] = tuple(TASKS)) -> tuple[list[Record], list[Record]]:
-    """``(train, val)`` records: ``n_train`` / ``n_val`` per task, train shuffled, val in task order.
+def _through_calculator(r: Record) -> Record:
+    """An ``arithmetic`` item answered through the calculator: the question's expression as the tool call."""
+    question, answer = r["messages"][0]["content"], r["messages"][-1]["content"]
+    expr = question.removeprefix("What is ").removesuffix("?")
+    return {"task": r["task"], "messages": [
+        {"role": "user", "content": question}, {"role": "assistant", "content": "", "tool_call": expr},
+        {"role": "tool", "content": answer}, {"role": "assistant", "content": answer}]}
 
-    Validation prompts are distinct and never appear in training (see the module docstring). ``ValueError``
-    when the word list is too small to draw ``n_val`` distinct validation items of a task.
+
+_TEACH: dict[str, Callable[[Record], Record]] = {"arithmetic": _through_calculator}
+"""How a task's training items are rewritten to teach it (see the module docstring)."""
+_EVERY_WORD: dict[str, Callable[[str], Record]] = {
+    "spelling": lambda w: _qa("spelling", f"Spell the word {w}.", "-".join(w)),
+    "uppercase": lambda w: _qa("uppercase", f"Write {w} in capital letters.", w.upper()),
+}
+"""Tasks that get one training item per word of the list (their own validation words excepted)."""
+
+
+def chat_tasks(words: list[str], n_train: int = 1000, n_val: int = 50, seed: int = 0,
+               tasks: Iterable[str] = tuple(TASKS), teach: bool = True) -> tuple[list[Record], list[Record]]:
+    """``(train, val)`` records: ``n_train`` / ``n_val`` per task (with ``teach``, also one ``spelling`` and one
+    ``uppercase`` item per word), train shuffled, val in task order.
+
+    Validation prompts are distinct and never appear in training (see the module docstring); ``teach`` changes
+    the training items only. ``ValueError`` when the word list is too small to draw ``n_val`` distinct
+    validation items of a task.
     """
     names = list(tasks)
     unknown = [t for t in names if t not in TASKS]
@@ -143,7 +171,10 @@ def chat_tasks(words: list[str], n_train: int = 1000, n_val: int = 50, seed: int
                     break
             else:
                 raise ValueError(f"task {name}: every item drawn is a validation item; give more words")
-            train.append(r)
+            train.append(_TEACH[name](r) if teach and name in _TEACH else r)
+        if teach and name in _EVERY_WORD:  # no random draws here: the validation items that follow stay the same
+            every = (_EVERY_WORD[name](w) for w in dict.fromkeys(words))
+            train.extend(r for r in every if r["messages"][0]["content"] not in seen)
     rng.shuffle(train)
     return train, val
 
