@@ -37,6 +37,7 @@ from _common import default_cache_dir, synthetic_documents  # noqa: E402
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     "baseline": (),
+    "adamw": ("optimizer.name=adamw",),
     "muon": ("optimizer.name=muon",),
     "lr-3e-3": ("optimizer.lr=3e-3", "optimizer.min_lr=3e-4"),
     "lr-1e-3": ("optimizer.lr=1e-3", "optimizer.min_lr=1e-4"),
@@ -53,7 +54,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "warmup-0": ("optimizer.warmup_steps=0",),
     "wd-0": ("optimizer.weight_decay=0.0",),
 }
-"""Each ablation: its settings on top of the speedrun's recipe. A ``+`` joins variants (``muon+wsd``)."""
+"""Each ablation: its settings on top of the speedrun's ``RECIPE`` (recorded with every result, since the recipe
+moves as changes are kept: the first rows were measured with an empty recipe, AdamW). A ``+`` joins variants
+(``muon+wsd``)."""
 
 
 def settings_of(name: str) -> tuple[str, ...]:
@@ -83,7 +86,7 @@ def prepared(root: Path, vocab: int, quick: bool) -> Path:
         if quick:
             root.mkdir(parents=True, exist_ok=True)
             corpus = str(root / "synthetic.txt")
-            Path(corpus).write_text("<|endoftext|>".join(synthetic_documents(300_000)), encoding="utf-8")
+            Path(corpus).write_text("<|endoftext|>".join(synthetic_documents(100_000)), encoding="utf-8")
         speedrun(out, corpus=corpus, model_size="tiny" if quick else "small", budget="2steps", vocab_size=vocab,
                  device="cpu", progress=False, sft_budget=None, force=True)
     return out
@@ -106,7 +109,7 @@ def config_for(name: str, prep: Path, steps: int, seed: int, eval_every: int, qu
 
 
 def train_mode(a: argparse.Namespace) -> None:
-    from lmforge.speedrun import _evaluate
+    from lmforge.speedrun import RECIPE, _evaluate
     from lmforge.train import train
 
     out = Path(a.out)
@@ -124,7 +127,8 @@ def train_mode(a: argparse.Namespace) -> None:
                 curve = [(r["step"], r["val_bpb"]) for r in recs if "val_bpb" in r]
                 final = _evaluate(run_dir, "cpu")
             hit = next((s for s, b in curve if b <= a.target), None)
-            row = {"variant": name, "settings": list(settings_of(name)), "vocab": vocab_of(name, a.vocab),
+            row = {"variant": name, "recipe": list(RECIPE), "settings": list(settings_of(name)),
+                   "vocab": vocab_of(name, a.vocab),
                    "seed": seed, "steps": a.steps, "target": a.target, "steps_to_target": hit,
                    "final_bpb": final["val_bpb"], "curve": curve, "train_seconds": res["train_seconds"],
                    "wall_seconds": wall, "load": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M UTC",
@@ -139,7 +143,7 @@ def time_mode(a: argparse.Namespace) -> None:
     import torch
 
     from lmforge.hardware import matmul_peak_flops
-    from lmforge.speedrun import _step_seconds
+    from lmforge.speedrun import RECIPE, _step_seconds
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,7 +155,7 @@ def time_mode(a: argparse.Namespace) -> None:
         for n, cfg in cfgs.items():
             times[n].append(_step_seconds(cfg, torch.device("cpu"), steps=a.step_repeats))
     peak_after, load_after = matmul_peak_flops("cpu"), os.getloadavg()[0]
-    row = {"mode": "time", "times": times, "peak_flops": [peak_before, peak_after], "load": [load_before, load_after],
+    row = {"mode": "time", "recipe": list(RECIPE), "times": times, "peak_flops": [peak_before, peak_after], "load": [load_before, load_after],
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     with open(out / "results.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
@@ -166,25 +170,25 @@ def time_mode(a: argparse.Namespace) -> None:
 
 def table_mode(a: argparse.Namespace) -> None:
     rows = [json.loads(x) for x in (Path(a.out) / "results.jsonl").read_text().splitlines() if x.strip()]
-    timed: dict[str, list[float]] = {}
+    timed: dict[tuple[str, str], list[float]] = {}
     for r in rows:
         if r.get("mode") == "time":
             for n, ts in r["times"].items():
-                timed.setdefault(n, []).extend(ts)
-    by: dict[tuple[str, int], list[dict]] = {}
+                timed.setdefault((n, " ".join(r.get("recipe", [])) or "-"), []).extend(ts)
+    by: dict[tuple[str, str, int], list[dict]] = {}
     for r in rows:
         if r.get("mode") != "time":
-            by.setdefault((r["variant"], r["steps"]), []).append(r)
-    print("| variant | steps | seeds | final bits/byte: median (range) | steps to target: median (range) | "
-          "step time (s) | time to target (s) |\n|---|---:|---:|---:|---:|---:|---:|")
-    for (name, steps), rs in by.items():
+            by.setdefault((r["variant"], " ".join(r.get("recipe", [])) or "-", r["steps"]), []).append(r)
+    print("| variant | on recipe | steps | seeds | final bits/byte: median (range) | steps to target: median (range) | "
+          "step time (s) | time to target (s) |\n|---|---|---:|---:|---:|---:|---:|---:|")
+    for (name, recipe, steps), rs in by.items():
         finals = [r["final_bpb"] for r in rs]
         hits = [r["steps_to_target"] for r in rs if r["steps_to_target"] is not None]
-        st = statistics.median(timed[name]) if name in timed else None
+        st = statistics.median(timed[name, recipe]) if (name, recipe) in timed else None
         hit = (f"{statistics.median(hits):.0f} ({min(hits)}..{max(hits)})" + ("" if len(hits) == len(rs) else
                f", {len(rs) - len(hits)} never") if hits else "never")
         ttt = f"{statistics.median(hits) * st:.0f}" if hits and st else "-"
-        print(f"| {name} | {steps} | {len(rs)} | {statistics.median(finals):.4f} ({min(finals):.4f}..{max(finals):.4f})"
+        print(f"| {name} | {recipe} | {steps} | {len(rs)} | {statistics.median(finals):.4f} ({min(finals):.4f}..{max(finals):.4f})"
               f" | {hit} | {f'{st:.3f}' if st else '-'} | {ttt} |")
 
 

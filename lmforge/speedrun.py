@@ -97,10 +97,11 @@ _STAGES = ("tokenizer", "data", "plan", "train", "eval", "samples", "chat-data",
 CHAT_SAMPLE = ("Hi, my name is Ada. Who are you?", "What is 48+7?", "Spell the word honour.",
                "Use the calculator: what is 123*45?")
 """The user messages of the sample conversation in the report (one conversation, in order)."""
-RECIPE: tuple[str, ...] = ()
+RECIPE: tuple[str, ...] = ("optimizer.name=muon",)
 """The pretraining recipe: ``section.key=value`` settings on top of the preset and the fitted schedule, each
 kept because it cut the time to the target bits/byte in the ablation of ``benchmarks/bench_speedrun.py``
-(docs/benchmarks.md, "CPU speedrun")."""
+(docs/benchmarks.md, "CPU speedrun"): Muon for the blocks' matrices (``muon_lr`` 0.02, Newton–Schulz in fp32
+where bf16 is not native), AdamW at the preset's ``lr`` for the embeddings, head and norms."""
 SFT_SETTINGS = ("optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "training.eval_every=1000000")
 """The speedrun's fine-tuning settings on top of ``chat.sft``'s defaults (a small model takes a higher rate;
 the chat stages measure accuracy instead of a validation loss every few steps)."""
@@ -311,9 +312,10 @@ def _samples(run_dir: Path, device: Any, max_new_tokens: int) -> dict[str, Any]:
             "generation_tokens_per_s": sum(map(len, ids)) / dt, "generation_batch": len(rows)}
 
 
-def _chat_data(paths: list[Path], dest: Path, max_bytes: int = 20 << 20) -> dict[str, Any]:
+def _chat_data(paths: list[Path], dest: Path, max_bytes: int = 20 << 20, teach: bool = True) -> dict[str, Any]:
     """The built-in chat tasks over the corpus's common words (the first ``max_bytes`` of text) in ``dest``:
-    ``train.jsonl`` and ``val.jsonl``, as ``lmforge data get chat-tasks`` makes them from Shakespeare's."""
+    ``train.jsonl`` and ``val.jsonl``, as ``lmforge data get chat-tasks`` makes them from Shakespeare's
+    (``teach``: see :func:`~lmforge.corpus.chat_data.chat_tasks`)."""
     text, size = [], 0
     for doc in iter_documents(paths):
         text.append(doc)
@@ -322,7 +324,7 @@ def _chat_data(paths: list[Path], dest: Path, max_bytes: int = 20 << 20) -> dict
             break
     words = common_words("\n".join(text))
     n_val = max(1, min(50, len(words) // 5))  # 50 per task (as `data get chat-tasks`) unless the corpus is tiny
-    train, val = chat_tasks(words, n_train=min(1000, 20 * n_val), n_val=n_val)
+    train, val = chat_tasks(words, n_train=min(1000, 20 * n_val), n_val=n_val, teach=teach)
     dest.mkdir(parents=True, exist_ok=True)
     rec: dict[str, Any] = {"train_conversations": len(train), "val_conversations": len(val)}
     for name, records in (("train", train), ("val", val)):
@@ -368,6 +370,14 @@ def _chat_sft(sft_dir: Path, val_path: Path, device: Any, per_task: int) -> dict
             pass
     rec["conversation"] = chat.messages()
     return rec
+
+
+def _sft(run_dir: Path, train_path: Path, val_path: Path, sft_dir: Path, steps: int, device: Any,
+         progress: bool) -> dict[str, Any]:
+    """Fine-tune the pretrained run on the chat tasks for ``steps`` steps with :data:`SFT_SETTINGS`."""
+    return _jsonable(fine_tune(run_dir, train_path, sft_dir, val_data=val_path, progress=progress, overrides=[
+        f"training.max_steps={steps}", f"optimizer.warmup_steps={min(10, steps // 4)}",
+        f"training.device={device.type}", *SFT_SETTINGS]))
 
 
 def _sft_steps(plan: dict[str, Any], budget: tuple[str, float]) -> int:
@@ -483,11 +493,8 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
         sft_key = _digest(tr["checkpoint"], tr["step"], chat, steps, SFT_SETTINGS)
         if "train" in ran and sft_dir.exists():
             shutil.rmtree(sft_dir)  # the base changed: fine-tune it from the start (else an interrupted one resumes)
-        ft = stage("sft", sft_key, lambda: _jsonable(fine_tune(
-            run_dir, train_path, sft_dir, val_data=val_path, progress=progress,
-            overrides=[f"training.max_steps={steps}", f"optimizer.warmup_steps={min(10, steps // 4)}",
-                       f"training.device={dev.type}", *SFT_SETTINGS])),
-            lambda rec: Path(rec.get("checkpoint") or "").exists())
+        ft = stage("sft", sft_key, lambda: _sft(run_dir, train_path, val_path, sft_dir, steps, dev, progress),
+                   lambda rec: Path(rec.get("checkpoint") or "").exists())
         stage("chat-sft", _digest(ft["checkpoint"], ft["step"], chat["val_sha256"], chat_eval_items, CHAT_SAMPLE),
               lambda: _chat_sft(sft_dir, val_path, dev, chat_eval_items))
 
