@@ -62,7 +62,8 @@ def test_chat_tasks_are_deterministic_disjoint_and_exact(tiny_tokenizer):
 
 def test_teaching_changes_training_items_only():
     """The validation items are those of the original generator (its sha256 pinned before ``teach`` existed);
-    arithmetic trains through the calculator; spelling and uppercase cover every word but their own val words."""
+    arithmetic, spelling and uppercase train through the calculator; spelling and uppercase cover every word but
+    their own val words."""
     train, val = chat_tasks(WORDS, n_train=200, n_val=20, seed=3)
     plain_train, plain_val = chat_tasks(WORDS, n_train=200, n_val=20, seed=3, teach=False)
     pinned = "add2cd2ab8651e8c359b49e5edb62446d2cea03f84c4fa89b13be35ff4b76b3f"
@@ -70,7 +71,14 @@ def test_teaching_changes_training_items_only():
     arith = [r for r in train if r["task"] == "arithmetic"]
     assert len(arith) == 200 and all(r["messages"][1]["tool_call"] == r["messages"][0]["content"][8:-1]
                                      and r["messages"][2]["content"] == r["messages"][3]["content"] for r in arith)
-    assert all(len(r["messages"]) == 2 for r in plain_train if r["task"] == "arithmetic")
+    taught = [r for r in train if r["task"] in ("arithmetic", "spelling", "uppercase")]
+    assert all(len(r["messages"]) == 4 and calculate(r["messages"][1]["tool_call"]) == r["messages"][2]["content"]
+               == r["messages"][3]["content"] for r in taught)  # the calculator's own result is the answer
+    for r in taught:  # the call holds the question's word with its space: the same token as in the question
+        if r["task"] != "arithmetic":
+            assert f"' {r['messages'][0]['content'].split()[-1 if r['task'] == 'spelling' else 1].rstrip('.')}'" \
+                in r["messages"][1]["tool_call"]
+    assert all(len(r["messages"]) == 2 for r in plain_train if r["task"] in ("arithmetic", "spelling", "uppercase"))
     for task, prompt in (("spelling", "Spell the word {}."), ("uppercase", "Write {} in capital letters.")):
         val_prompts = {r["messages"][0]["content"] for r in val if r["task"] == task}
         trained = {r["messages"][0]["content"] for r in train if r["task"] == task}
