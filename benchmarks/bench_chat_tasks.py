@@ -7,7 +7,8 @@ and scores the first ``--items`` validation items of each task (``_chat_eval``: 
 minutes, so the comparison does not depend on the machine's load; fine-tuning and scoring are deterministic.
 
 Variants: ``plain`` (the training items as the validation items are asked and answered), ``teach``
-(``chat_tasks(teach=True)``: arithmetic through the calculator, spelling and uppercase over every word).
+(``chat_tasks(teach=True)``: arithmetic, spelling and uppercase through the calculator, spelling and uppercase
+over every word).
 
     python benchmarks/bench_chat_tasks.py --base runs/speedrun/run --steps 190
     python benchmarks/bench_chat_tasks.py --quick     # a smoke run: a tiny speedrun as the base
