@@ -333,6 +333,14 @@ def _chat_data(paths: list[Path], dest: Path, max_bytes: int = 20 << 20, teach: 
     return rec
 
 
+def _chat_data_rules() -> str:
+    """A digest of how the chat tasks are generated and taught: the records ``chat_tasks`` draws from a fixed
+    word list. Part of the ``chat-data`` stage's key, so a speedrun directory made before the generator or its
+    teaching changed writes its chat data again instead of reusing the old."""
+    words = ["honour", "sword", "crown", "light", "night", "heart"]
+    return _digest(to_jsonl(sum(chat_tasks(words, n_train=3, n_val=2, seed=0), [])))
+
+
 def _chat_eval(model: Any, tokenizer: Any, val_path: Path, per_task: int) -> dict[str, Any]:
     """Exact match (greedy, tools run) of ``model`` on the first ``per_task`` validation items of each chat task,
     and the share of replies that ended with ``<|assistant_end|>``."""
@@ -485,7 +493,8 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     # ---- chat: the built-in tasks, scored before and after fine-tuning on them ---------------------------
     if chat_budget is not None:
         train_path, val_path = out / CHAT_DIR / "train.jsonl", out / CHAT_DIR / "val.jsonl"
-        chat = stage("chat-data", settings["inputs"], lambda: _chat_data(paths, out / CHAT_DIR),
+        chat = stage("chat-data", _digest(settings["inputs"], _chat_data_rules()),
+                     lambda: _chat_data(paths, out / CHAT_DIR),
                      lambda rec: val_path.exists() and sha256_file(val_path) == rec["val_sha256"])
         stage("chat-base", _digest(tr["checkpoint"], tr["step"], chat["val_sha256"], chat_eval_items),
               lambda: _chat_base(run_dir, val_path, dev, chat_eval_items))

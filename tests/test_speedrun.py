@@ -9,7 +9,8 @@ import math
 import pytest
 from conftest import make_corpus_text
 
-from lmforge.speedrun import parse_budget, speedrun
+import lmforge.corpus.chat_data as chat_data
+from lmforge.speedrun import _chat_data_rules, _digest, parse_budget, speedrun
 
 SECTIONS = ["# lmforge speedrun report", "## Results", "final validation loss", "bits per byte", "training throughput",
             "MFU", "![loss curves](run/loss.png)", "## Time per stage", "## Tokenizer", "## Data", "| train |",
@@ -96,6 +97,16 @@ def test_speedrun_chat_stages_fine_tune_and_score_before_and_after(tmp_path, cor
     assert val and not train & set(val)
     again = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2)  # everything reused
     assert again["chat-sft"] == after
+    settings = json.loads((out / "speedrun.json").read_text(encoding="utf-8"))["settings"]
+    assert again["chat-data"]["key"] == _digest(settings["inputs"], _chat_data_rules())  # the rules in the key
+
+
+def test_chat_data_key_follows_the_teaching_rules(monkeypatch):
+    """A speedrun directory made before the chat data's teaching changed writes the chat data again."""
+    before = _chat_data_rules()
+    assert _chat_data_rules() == before  # deterministic
+    monkeypatch.delitem(chat_data._TEACH, "spelling")
+    assert _chat_data_rules() != before
 
 
 @pytest.mark.slow

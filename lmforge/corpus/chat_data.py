@@ -187,7 +187,8 @@ def chat_tasks(words: list[str], n_train: int = 1000, n_val: int = 50, seed: int
             train.append(_TEACH[name](r) if teach and name in _TEACH else r)
         if teach and name in _EVERY_WORD:  # no random draws here: the validation items that follow stay the same
             every = (_EVERY_WORD[name](w) for w in dict.fromkeys(words))
-            train.extend(_TEACH[name](r) for r in every if r["messages"][0]["content"] not in seen)
+            teach_one = _TEACH.get(name, lambda r: r)
+            train.extend(teach_one(r) for r in every if r["messages"][0]["content"] not in seen)
     rng.shuffle(train)
     return train, val
 
