@@ -55,12 +55,12 @@ from lmforge.evals import read_task_file
 from lmforge.evals.evaluate import load_model
 from lmforge.evals.generative import exact_match
 from lmforge.generate import Generator
-from lmforge.hardware import matmul_peak_flops
+from lmforge.hardware import matmul_peak_flops, resolve_train_dtype
 from lmforge.model import TransformerLM
 from lmforge.report import REPORT_FILE, write_speedrun_report
 from lmforge.tokenizer import Tokenizer, train_bpe_from_iterator
 from lmforge.train import evaluate_run, load_run_config, train
-from lmforge.train.optim import AdamW
+from lmforge.train.loop import _build_optimizer  # the loop's own builder: the step timed is the step trained
 
 logger = logging.getLogger("lmforge")
 
@@ -97,6 +97,11 @@ _STAGES = ("tokenizer", "data", "plan", "train", "eval", "samples", "chat-data",
 CHAT_SAMPLE = ("Hi, my name is Ada. Who are you?", "What is 48+7?", "Spell the word honour.",
                "Use the calculator: what is 123*45?")
 """The user messages of the sample conversation in the report (one conversation, in order)."""
+RECIPE: tuple[str, ...] = ("optimizer.name=muon",)
+"""The pretraining recipe: ``section.key=value`` settings on top of the preset and the fitted schedule, each
+kept because it cut the time to the target bits/byte in the ablation of ``benchmarks/bench_speedrun.py``
+(docs/benchmarks.md, "CPU speedrun"): Muon for the blocks' matrices (``muon_lr`` 0.02, Newton–Schulz in fp32
+where bf16 is not native), AdamW at the preset's ``lr`` for the embeddings, head and norms."""
 SFT_SETTINGS = ("optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "training.eval_every=1000000")
 """The speedrun's fine-tuning settings on top of ``chat.sft``'s defaults (a small model takes a higher rate;
 the chat stages measure accuracy instead of a validation loss every few steps)."""
@@ -206,19 +211,21 @@ def _data_stats(data_dir: Path) -> dict[str, Any]:
 
 
 def _step_seconds(cfg: Any, device: Any, steps: int = 4) -> float:
-    """Wall time of one training step (forward, backward, AdamW) at ``cfg``'s shapes, on random tokens.
+    """Wall time of one training step (forward, backward, the run's optimizer) at ``cfg``'s shapes, on random
+    tokens.
 
     The fastest of ``steps`` (after a warm-up step): what the machine does when nothing else competes
     for it, so the planned number of steps, and with it the result, does not depend on momentary load.
     """
     tc = cfg.training
     model = TransformerLM(cfg.model).to(device)
-    opt = AdamW(model.parameters(), lr=1e-4)
+    opt = _build_optimizer(model, cfg.optimizer)
+    bf16 = resolve_train_dtype(tc.dtype, device) == "bf16"
     x = torch.randint(0, cfg.model.vocab_size, (tc.batch_size, cfg.context_length), device=device)
     best = float("inf")
     for i in range(steps + 1):
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = model(x, targets=x)
         loss.backward()
         opt.step()
@@ -231,17 +238,19 @@ def _step_seconds(cfg: Any, device: Any, steps: int = 4) -> float:
 
 
 def _run_config(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, device: Any, max_steps: int,
-                peak_flops: float | None) -> Any:
+                peak_flops: float | None, recipe: tuple[str, ...] = RECIPE, target_bpb: float | None = None) -> Any:
+    """The pretraining run's config: ``preset``'s shapes, the schedule fitted to ``max_steps``, then ``recipe``."""
     model_vocab = 64 * math.ceil(vocab_size / 64)  # a multiple of 64 keeps the LM-head matmul aligned
-    warmup = max(1, min(100, max_steps // 10))
-    return load_run_config(base={
+    warmup = max(0, min(100, max_steps // 10, max_steps - 1))
+    return load_run_config(overrides=recipe, base={
         "model": {"vocab_size": model_vocab, "context_length": preset.context_length, "d_model": preset.d_model,
                   "n_layers": preset.n_layers, "n_heads": preset.n_heads, "tie_embeddings": False},
         "optimizer": {"lr": preset.lr, "min_lr": float(f"{preset.lr / 10:.3g}"), "warmup_steps": warmup, "weight_decay": 0.1,
                       "betas": [0.9, 0.95], "grad_clip": 1.0},
         "training": {"max_steps": max_steps, "batch_size": preset.batch_size, "device": str(device),
-                     "dtype": "bf16" if device.type == "cuda" else "fp32", "seed": 1337,
-                     "log_every": max(1, min(10, max_steps // 20)), "eval_every": max(10, max_steps // 5),
+                     "dtype": "auto", "seed": 1337, "target_val_bpb": target_bpb,
+                     "log_every": max(1, min(10, max_steps // 20)),
+                     "eval_every": max(10, max_steps // (5 if target_bpb is None else 20)),
                      "eval_batches": 10, "checkpoint_every": max(10, max_steps // 5), "keep_last": 2,
                      "peak_flops": peak_flops},
         "data": {"dir": str(data_dir), "tokenizer": str(tokenizer), "val_split": "val"},
@@ -269,6 +278,28 @@ def _evaluate(run_dir: Path, device: Any, max_batches: int = 64) -> dict[str, An
             "val_bpb": ev["bpb"], "val_tokens": ev["tokens"]}
 
 
+def _target_summary(run_dir: Path, target: float, train_rec: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    """Whether pretraining reached ``target`` bits/byte at an evaluation, when, and the best it reached."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+               if line.strip()]
+    vals = [(r["step"], r["val_bpb"]) for r in records if r.get("val_bpb") is not None]
+    best_step, best = min(vals, key=lambda v: v[1]) if vals else (None, None)
+    hit = next(((s, b) for s, b in vals if b <= target), None)
+    rec: dict[str, Any] = {"target_bpb": target, "reached": hit is not None, "best_bpb": best, "best_step": best_step}
+    if hit is not None:
+        step_s = plan.get("step_seconds")
+        rec.update(step=hit[0], bpb=hit[1], train_seconds=train_rec["seconds"],
+                   projected_quiet_seconds=hit[0] * step_s if step_s else None)
+        quiet = f"; {hit[0]} steps x {step_s:.3f} s/step = {hit[0] * step_s:.0f} s at the planned speed" if step_s else ""
+        rec["text"] = (f"reached the target of {target:g} bits/byte at step {hit[0]} ({hit[1]:.4f}) after "
+                       f"{train_rec['seconds']:.0f} s of pretraining{quiet}")
+    else:
+        never = " (a target <= 0 can never be reached)" if target <= 0 else ""
+        best_text = f"; the best was {best:.4f} at step {best_step}" if best is not None else ""
+        rec["text"] = f"did not reach the target of {target:g} bits/byte within the budget{never}{best_text}"
+    return rec
+
+
 def _samples(run_dir: Path, device: Any, max_new_tokens: int) -> dict[str, Any]:
     """Continue each of :data:`SAMPLE_PROMPTS` (temperature 0.8, top-k 50, seed 0) and time the generation."""
     gen = Generator.from_run(run_dir, device=str(device))
@@ -281,9 +312,10 @@ def _samples(run_dir: Path, device: Any, max_new_tokens: int) -> dict[str, Any]:
             "generation_tokens_per_s": sum(map(len, ids)) / dt, "generation_batch": len(rows)}
 
 
-def _chat_data(paths: list[Path], dest: Path, max_bytes: int = 20 << 20) -> dict[str, Any]:
+def _chat_data(paths: list[Path], dest: Path, max_bytes: int = 20 << 20, teach: bool = True) -> dict[str, Any]:
     """The built-in chat tasks over the corpus's common words (the first ``max_bytes`` of text) in ``dest``:
-    ``train.jsonl`` and ``val.jsonl``, as ``lmforge data get chat-tasks`` makes them from Shakespeare's."""
+    ``train.jsonl`` and ``val.jsonl``, as ``lmforge data get chat-tasks`` makes them from Shakespeare's
+    (``teach``: see :func:`~lmforge.corpus.chat_data.chat_tasks`)."""
     text, size = [], 0
     for doc in iter_documents(paths):
         text.append(doc)
@@ -292,13 +324,21 @@ def _chat_data(paths: list[Path], dest: Path, max_bytes: int = 20 << 20) -> dict
             break
     words = common_words("\n".join(text))
     n_val = max(1, min(50, len(words) // 5))  # 50 per task (as `data get chat-tasks`) unless the corpus is tiny
-    train, val = chat_tasks(words, n_train=min(1000, 20 * n_val), n_val=n_val)
+    train, val = chat_tasks(words, n_train=min(1000, 20 * n_val), n_val=n_val, teach=teach)
     dest.mkdir(parents=True, exist_ok=True)
     rec: dict[str, Any] = {"train_conversations": len(train), "val_conversations": len(val)}
     for name, records in (("train", train), ("val", val)):
         atomic_write_text(dest / f"{name}.jsonl", to_jsonl(records))
         rec[f"{name}_sha256"] = sha256_file(dest / f"{name}.jsonl")
     return rec
+
+
+def _chat_data_rules() -> str:
+    """A digest of how the chat tasks are generated and taught: the records ``chat_tasks`` draws from a fixed
+    word list. Part of the ``chat-data`` stage's key, so a speedrun directory made before the generator or its
+    teaching changed writes its chat data again instead of reusing the old."""
+    words = ["honour", "sword", "crown", "light", "night", "heart"]
+    return _digest(to_jsonl(sum(chat_tasks(words, n_train=3, n_val=2, seed=0), [])))
 
 
 def _chat_eval(model: Any, tokenizer: Any, val_path: Path, per_task: int) -> dict[str, Any]:
@@ -340,6 +380,14 @@ def _chat_sft(sft_dir: Path, val_path: Path, device: Any, per_task: int) -> dict
     return rec
 
 
+def _sft(run_dir: Path, train_path: Path, val_path: Path, sft_dir: Path, steps: int, device: Any,
+         progress: bool) -> dict[str, Any]:
+    """Fine-tune the pretrained run on the chat tasks for ``steps`` steps with :data:`SFT_SETTINGS`."""
+    return _jsonable(fine_tune(run_dir, train_path, sft_dir, val_data=val_path, progress=progress, overrides=[
+        f"training.max_steps={steps}", f"optimizer.warmup_steps={min(10, steps // 4)}",
+        f"training.device={device.type}", *SFT_SETTINGS]))
+
+
 def _sft_steps(plan: dict[str, Any], budget: tuple[str, float]) -> int:
     """Fine-tuning steps: the budget's steps, or its minutes over the pretraining step time (the same shape)."""
     unit, amount = budget
@@ -355,14 +403,16 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
              budget: str | int | float = "8min", device: str = "auto", vocab_size: int = 4096,
              val_fraction: float = 0.1, sample_tokens: int = 200, force: bool = False,
              progress: bool = True, sft_budget: str | int | float | None = "2.5min",
-             chat_eval_items: int = 40) -> dict[str, Any]:
+             chat_eval_items: int = 40, target_bpb: float | None = None) -> dict[str, Any]:
     """Run (or resume) the whole pipeline in ``out`` and write ``out/report.md``; returns the stage records.
 
     ``corpus``: ``"shakespeare"`` or a path/glob of text/jsonl/parquet files. ``model_size``: a key of
     :data:`PRESETS`. ``budget``: training minutes (``"8min"``) or steps (``"300steps"``). ``device``:
     ``auto`` uses CUDA (with bf16) when present. ``sft_budget``: the chat fine-tuning on the built-in chat
     tasks after pretraining (minutes or steps, like ``budget``; ``None`` skips the chat stages), scored before
-    and after on the first ``chat_eval_items`` validation items of each task.
+    and after on the first ``chat_eval_items`` validation items of each task. ``target_bpb``: stop pretraining
+    at the first evaluation at or below it and report the time to it (a target <= 0, or one not reached
+    within the budget, is reported at the end with the best reached); the record is ``stages["target"]``.
     """
     if model_size not in PRESETS:
         raise ValueError(f"unknown model size {model_size!r}; choose one of {', '.join(PRESETS)}")
@@ -374,6 +424,11 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     chat_budget = parse_budget(sft_budget) if sft_budget is not None else None
     if isinstance(chat_eval_items, bool) or not isinstance(chat_eval_items, int) or chat_eval_items < 1:
         raise ValueError(f"chat_eval_items must be a positive integer, got {chat_eval_items!r}")
+    if target_bpb is not None and not (isinstance(target_bpb, (int, float)) and math.isfinite(target_bpb)):
+        raise ValueError(f"target_bpb must be a number of bits per byte, got {target_bpb!r}")
+    if target_bpb is not None and target_bpb <= 0:
+        logger.warning("--target-bpb %g: bits per byte are never <= 0, so the target cannot be reached; training "
+                       "the whole budget", target_bpb)
     dev = resolve_device(device)
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -383,7 +438,8 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     inputs = [(str(p), p.stat().st_size, sha256_file(p)) for p in paths]
     settings = {"corpus": corpus, "inputs": _digest(inputs), "vocab_size": vocab_size, "model_size": model_size,
                 "budget": list(plan_budget), "val_fraction": val_fraction,
-                "sft_budget": list(chat_budget) if chat_budget else None, "chat_eval_items": chat_eval_items}
+                "sft_budget": list(chat_budget) if chat_budget else None, "chat_eval_items": chat_eval_items,
+                "target_bpb": target_bpb}
     state = _State(out, settings, force)
     tok_path, data_dir, run_dir = out / "tokenizer.json", out / "data", out / "run"
     ran: list[str] = []
@@ -414,7 +470,9 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     # ---- plan: how many steps fit in the budget --------------------------------------------------------
     plan = stage("plan", _digest(tok["fingerprint"], dataclasses.asdict(preset), plan_budget),
                  lambda: _plan(preset, vocab_size, data_dir, tok_path, dev, plan_budget))
-    cfg = _run_config(preset, vocab_size, data_dir, tok_path, dev, plan["max_steps"], plan["peak_flops"])
+    stop_at = target_bpb if target_bpb is not None and target_bpb > 0 else None
+    cfg = _run_config(preset, vocab_size, data_dir, tok_path, dev, plan["max_steps"], plan["peak_flops"],
+                      target_bpb=stop_at)
     # ---- train (resumes from the newest checkpoint in run/) -------------------------------------------
     cfg_dict = to_dict(cfg)
     train_key = _digest({k: v for k, v in cfg_dict.items() if k != "training"},
@@ -424,6 +482,10 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     # ---- eval: validation loss and bits per byte of the final model ------------------------------------
     ev = stage("eval", _digest(tr["checkpoint"], tr["step"]), lambda: _evaluate(run_dir, dev))
     logger.info("final validation loss %.4f (%.4f bits/byte)", ev["val_loss"], ev["val_bpb"])
+    if target_bpb is not None:  # not a stage: a reading of the run's metrics, redone each time
+        state.data["stages"]["target"] = _target_summary(run_dir, target_bpb, tr, plan)
+        state.save()
+        logger.info("%s", state.data["stages"]["target"]["text"])
     # ---- samples ---------------------------------------------------------------------------------------
     stage("samples", _digest(tr["checkpoint"], tr["step"], SAMPLE_PROMPTS, sample_tokens),
           lambda: _samples(run_dir, dev, sample_tokens))
@@ -431,7 +493,8 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     # ---- chat: the built-in tasks, scored before and after fine-tuning on them ---------------------------
     if chat_budget is not None:
         train_path, val_path = out / CHAT_DIR / "train.jsonl", out / CHAT_DIR / "val.jsonl"
-        chat = stage("chat-data", settings["inputs"], lambda: _chat_data(paths, out / CHAT_DIR),
+        chat = stage("chat-data", _digest(settings["inputs"], _chat_data_rules()),
+                     lambda: _chat_data(paths, out / CHAT_DIR),
                      lambda rec: val_path.exists() and sha256_file(val_path) == rec["val_sha256"])
         stage("chat-base", _digest(tr["checkpoint"], tr["step"], chat["val_sha256"], chat_eval_items),
               lambda: _chat_base(run_dir, val_path, dev, chat_eval_items))
@@ -439,11 +502,8 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
         sft_key = _digest(tr["checkpoint"], tr["step"], chat, steps, SFT_SETTINGS)
         if "train" in ran and sft_dir.exists():
             shutil.rmtree(sft_dir)  # the base changed: fine-tune it from the start (else an interrupted one resumes)
-        ft = stage("sft", sft_key, lambda: _jsonable(fine_tune(
-            run_dir, train_path, sft_dir, val_data=val_path, progress=progress,
-            overrides=[f"training.max_steps={steps}", f"optimizer.warmup_steps={min(10, steps // 4)}",
-                       f"training.device={dev.type}", *SFT_SETTINGS])),
-            lambda rec: Path(rec.get("checkpoint") or "").exists())
+        ft = stage("sft", sft_key, lambda: _sft(run_dir, train_path, val_path, sft_dir, steps, dev, progress),
+                   lambda rec: Path(rec.get("checkpoint") or "").exists())
         stage("chat-sft", _digest(ft["checkpoint"], ft["step"], chat["val_sha256"], chat_eval_items, CHAT_SAMPLE),
               lambda: _chat_sft(sft_dir, val_path, dev, chat_eval_items))
 

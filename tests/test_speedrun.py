@@ -9,7 +9,8 @@ import math
 import pytest
 from conftest import make_corpus_text
 
-from lmforge.speedrun import parse_budget, speedrun
+import lmforge.corpus.chat_data as chat_data
+from lmforge.speedrun import _chat_data_rules, _digest, parse_budget, speedrun
 
 SECTIONS = ["# lmforge speedrun report", "## Results", "final validation loss", "bits per byte", "training throughput",
             "MFU", "![loss curves](run/loss.png)", "## Time per stage", "## Tokenizer", "## Data", "| train |",
@@ -96,6 +97,16 @@ def test_speedrun_chat_stages_fine_tune_and_score_before_and_after(tmp_path, cor
     assert val and not train & set(val)
     again = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2)  # everything reused
     assert again["chat-sft"] == after
+    settings = json.loads((out / "speedrun.json").read_text(encoding="utf-8"))["settings"]
+    assert again["chat-data"]["key"] == _digest(settings["inputs"], _chat_data_rules())  # the rules in the key
+
+
+def test_chat_data_key_follows_the_teaching_rules(monkeypatch):
+    """A speedrun directory made before the chat data's teaching changed writes the chat data again."""
+    before = _chat_data_rules()
+    assert _chat_data_rules() == before  # deterministic
+    monkeypatch.delitem(chat_data._TEACH, "spelling")
+    assert _chat_data_rules() != before
 
 
 @pytest.mark.slow
@@ -111,6 +122,32 @@ def test_cli_speedrun(tmp_path, corpus, capsys):
     assert (out / "sft" / "report.md").is_file()  # the fine-tuning run's card
     assert main([*args[:-1], "--model-size", "small", "--no-progress"]) == 2  # other settings, no --force
     assert "--force" in capsys.readouterr().err
+    assert main([*args, "--target-bpb", "1000", "--force"]) == 0
+    assert "pretraining reached the target of 1000 bits/byte at step" in capsys.readouterr().out
+    assert main([*args[:-1], "--model-size", "small", "--no-progress"]) == 2  # other settings, no --force
+    assert "--force" in capsys.readouterr().err
+
+
+def test_speedrun_target_bpb_stops_at_the_first_evaluation_reaching_it(tmp_path, corpus, caplog):
+    """A reachable target stops pretraining at the first evaluation at or below it and reports the time; one that
+    cannot be reached (<= 0) is warned about at the start and reported at the end with the best reached."""
+    from lmforge.speedrun import _target_summary
+
+    out = tmp_path / "sr"
+    stages = run(out, corpus, budget="12steps", target_bpb=100.0)
+    tgt = stages["target"]
+    assert stages["train"]["step"] == 10 and stages["train"]["reached_target"]  # evaluations at 10 and 12
+    assert tgt["reached"] and tgt["step"] == 10 and tgt["bpb"] <= 100 and tgt["train_seconds"] > 0
+    assert "reached the target of 100 bits/byte at step 10" in (out / "report.md").read_text()
+    never = _target_summary(out / "run", -1, stages["train"], stages["plan"])
+    assert not never["reached"] and never["best_step"] == 10 and never["best_bpb"] == tgt["bpb"]
+    assert never["text"] == ("did not reach the target of -1 bits/byte within the budget (a target <= 0 can never "
+                             f"be reached); the best was {tgt['bpb']:.4f} at step 10")
+    with caplog.at_level(logging.WARNING, logger="lmforge"), pytest.raises(ValueError, match="other settings"):
+        run(out, corpus, budget="12steps", target_bpb=-1)  # warned before anything else is looked at
+    assert "cannot be reached" in caplog.text
+    with pytest.raises(ValueError, match="target_bpb must be a number"):
+        run(tmp_path / "nan", corpus, target_bpb=float("nan"))
 
 
 def test_speedrun_bad_input(tmp_path, corpus):

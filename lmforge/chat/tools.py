@@ -5,12 +5,19 @@ force-feed (``<|output_start|>RESULT<|output_end|>``, from :meth:`ChatFormat.too
 (:class:`~lmforge.chat.session.ChatSession`, a server's batched scheduler) keeps one per row.
 
 The expression is parsed with :mod:`ast` and walked over a whitelist: int and float literals, ``+ - * / // %
-**`` and unary ``+ -``, with parentheses. Size bounds make time bounded without a timer: at most
-:data:`MAX_CHARS` characters and :data:`MAX_NODES` syntax nodes, integers below ``10**MAX_DIGITS`` at every
-step (``**`` is checked *before* it is computed), so each step is a small-number operation.
+**`` and unary ``+ -``, with parentheses; and string literals with the few string methods of
+:data:`STRING_METHODS` (``upper``, ``lower``, ``strip``, ``count``, ``join``), as nanochat's calculator counts
+letters with ``.count``: the chat tasks teach spelling and upper-casing through them (``'-'.join(' honour'.strip())``,
+``' honour'.strip().upper()``), since a small model cannot see the letters inside its tokens. Strings take no
+operators (no ``+`` or ``*``). Size bounds make time bounded without a timer: at most :data:`MAX_CHARS`
+characters and :data:`MAX_NODES` syntax nodes, integers below ``10**MAX_DIGITS`` at every step (``**`` is checked
+*before* it is computed), strings at most :data:`MAX_STRING` characters (``join`` is checked before it joins), so
+each step is a small operation.
 
 >>> calculate("12*7"), calculate("(1 + 2) / 4"), calculate("2**10 - -3"), calculate("7 // 2")
 ('84', '0.75', '1027', '3')
+>>> calculate("'-'.join(' honour'.strip())"), calculate("' honour'.strip().upper()"), calculate("'honour'.count('o')")
+('h-o-n-o-u-r', 'HONOUR', '2')
 """
 
 from __future__ import annotations
@@ -23,12 +30,15 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     from lmforge.chat.format import ChatFormat
 
-__all__ = ["calculate", "run_tool", "ToolUse", "MAX_CHARS", "MAX_NODES", "MAX_DIGITS"]
+__all__ = ["calculate", "run_tool", "ToolUse", "MAX_CHARS", "MAX_NODES", "MAX_DIGITS", "MAX_STRING", "STRING_METHODS"]
 
 MAX_CHARS = 200
 MAX_NODES = 64
 MAX_DIGITS = 100
+MAX_STRING = 1000
 _LIMIT = 10 ** MAX_DIGITS
+STRING_METHODS: dict[str, int] = {"upper": 0, "lower": 0, "strip": 0, "count": 1, "join": 1}
+"""The string methods a call may use, with their number of (string) arguments."""
 
 _BINARY: dict[type, Callable[[float, float], float]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -38,7 +48,7 @@ _UNARY: dict[type, Callable[[float], float]] = {ast.UAdd: operator.pos, ast.USub
 
 def _fail(expr: str, why: str) -> ValueError:
     return ValueError(f"calculator: {expr!r:.80} {why}; a tool call must be arithmetic on numbers with "
-                      "+ - * / // % ** and parentheses")
+                      "+ - * / // % ** and parentheses, or a string's " + ", ".join(STRING_METHODS))
 
 
 def _check_size(expr: str, x: float) -> float:
@@ -47,13 +57,45 @@ def _check_size(expr: str, x: float) -> float:
     return x
 
 
-def _eval(node: ast.AST, expr: str) -> float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # not bool, complex or str
+def _number(node: ast.AST, expr: str) -> float:
+    x = _eval(node, expr)
+    if isinstance(x, str):
+        raise _fail(expr, f"uses the string {x!r:.20} as a number")
+    return x
+
+
+def _string(node: ast.AST, expr: str) -> str:
+    x = _eval(node, expr)
+    if not isinstance(x, str):
+        raise _fail(expr, f"uses the number {x!r:.20} as a string")
+    return x
+
+
+def _method(node: ast.Call, expr: str) -> str | int:
+    """``STRING.method(ARGS)`` for a method of :data:`STRING_METHODS` (positional string arguments only)."""
+    func = node.func
+    if not isinstance(func, ast.Attribute) or func.attr not in STRING_METHODS:
+        what = f"the method {func.attr!r}" if isinstance(func, ast.Attribute) else type(func).__name__ + " calls"
+        raise _fail(expr, f"uses Call ({what}), which is not allowed")
+    if node.keywords or len(node.args) != STRING_METHODS[func.attr]:
+        raise _fail(expr, f"calls {func.attr} with other arguments than {STRING_METHODS[func.attr]} string(s)")
+    text, args = _string(func.value, expr), [_string(a, expr) for a in node.args]
+    if func.attr == "join" and len(args[0]) + max(0, len(args[0]) - 1) * len(text) > MAX_STRING:
+        raise _fail(expr, f"gives a string longer than {MAX_STRING} characters")
+    return getattr(str, func.attr)(text, *args)
+
+
+def _eval(node: ast.AST, expr: str) -> float | str:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # not bool, complex or bytes
         return _check_size(expr, node.value)
+    if isinstance(node, ast.Constant) and type(node.value) is str:
+        return node.value
+    if isinstance(node, ast.Call):
+        return _method(node, expr)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_eval(node.operand, expr))
+        return _UNARY[type(node.op)](_number(node.operand, expr))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        a, b = _eval(node.left, expr), _eval(node.right, expr)
+        a, b = _number(node.left, expr), _number(node.right, expr)
         if isinstance(node.op, ast.Pow) and a not in (0, 1, -1):
             # |a ** b| = 10 ** (b · log10|a|): refuse before computing a huge power
             if b * math.log10(abs(a)) >= MAX_DIGITS:
@@ -74,10 +116,11 @@ def _eval(node: ast.AST, expr: str) -> float:
 
 
 def calculate(expr: str) -> str:
-    """The value of an arithmetic expression as text (ints exact, floats to 12 significant digits).
+    """The value of an arithmetic expression or a string-method expression as text (ints exact, floats to 12
+    significant digits, strings as they are).
 
-    ``ValueError`` for anything else: names, calls, attributes, strings, too long, too many operations,
-    division by zero, or a number beyond ``10**MAX_DIGITS``.
+    ``ValueError`` for anything else: names, other calls and attributes, operators on strings, too long, too
+    many operations, division by zero, a number beyond ``10**MAX_DIGITS`` or a string beyond ``MAX_STRING``.
     """
     if not isinstance(expr, str):
         raise ValueError(f"calculator: expected the expression as a string, got {type(expr).__name__}")

@@ -28,6 +28,9 @@ def _speedrun_args(p: argparse.ArgumentParser) -> None:
                    help="chat fine-tuning on the built-in chat tasks after pretraining: minutes or steps, like "
                         "--budget (default 2.5min)")
     p.add_argument("--no-chat", action="store_true", help="skip the chat stages (fine-tuning and its scores)")
+    p.add_argument("--target-bpb", type=float, default=None,
+                   help="stop pretraining at the first evaluation with validation bits/byte at or below this, and "
+                        "report the time to it (not reached: the best is reported)")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
     p.add_argument("--device", default="auto", help="auto (CUDA with bf16 when present), cpu, cuda, cuda:N or mps")
     p.add_argument("--force", action="store_true", help="delete the previous speedrun in --out and start over")
@@ -37,7 +40,8 @@ def _speedrun_args(p: argparse.ArgumentParser) -> None:
 def _speedrun(args: argparse.Namespace) -> int:
     stages = speedrun(args.out, corpus=args.corpus, model_size=args.model_size, budget=args.budget,
                       device=args.device, vocab_size=args.vocab_size, force=args.force,
-                      progress=not args.no_progress, sft_budget=None if args.no_chat else args.sft_budget)
+                      progress=not args.no_progress, sft_budget=None if args.no_chat else args.sft_budget,
+                      target_bpb=args.target_bpb)
     from lmforge.report import write_run_card
 
     write_run_card(Path(args.out) / "run")
@@ -48,6 +52,8 @@ def _speedrun(args: argparse.Namespace) -> int:
             "exact match after fine-tuning") if "chat-sft" in stages else ""
     print(f"validation loss {ev['val_loss']:.4f} ({ev['val_bpb']:.4f} bits/byte) after {stages['train']['step']} "
           f"steps{chat}; report: {args.out}/report.md")
+    if "target" in stages:
+        print(f"pretraining {stages['target']['text']}")
     return 0
 
 

@@ -26,6 +26,16 @@ Words are the most frequent lowercase words of the built-in Shakespeare corpus (
 items are drawn first; a training item whose user message equals a validation item's is drawn again, so no
 validation prompt appears in training.
 
+**How the training items teach** (``teach=True``, the default; validation items are drawn exactly as without it,
+from the same random stream, and answered the same): ``arithmetic``, ``spelling`` and ``uppercase`` training
+items answer through the calculator, as nanochat's GSM8K data teaches tool use (``What is 482+37?`` -> a
+``tool_call`` ``482+37``, the ``tool`` result ``519``, then ``519``; ``Spell the word honour.`` -> ``'-'.join('
+honour'.strip())`` -> ``h-o-n-o-u-r``; ``Write honour in capital letters.`` -> ``' honour'.strip().upper()`` ->
+``HONOUR``), so the model copies the question's tokens into the call and the result into the answer instead of
+computing in its head or seeing letters inside its tokens; and ``spelling`` and ``uppercase`` get one training
+item for every word of the list that is not one of their own validation words. Measured: docs/benchmarks.md,
+"Chat tasks".
+
 **Chitchat** (:func:`chitchat_conversations`): the ``dataset.json`` of the PyPI package ``chitchat-dataset``
 (BYU PCC lab's Chit-Chat Challenge, MIT licence, 7,168 two-person conversations). Each conversation is a list of
 turns; a turn is one or more consecutive utterances of one sender, which we join with a space (the package's own
@@ -108,12 +118,43 @@ TASKS: dict[str, Callable[[random.Random, list[str]], Record]] = {
 """Each built-in chat task: a function drawing one record from a seeded ``random.Random`` and a word list."""
 
 
-def chat_tasks(words: list[str], n_train: int = 1000, n_val: int = 50, seed: int = 0,
-               tasks: Iterable[str] = tuple(TASKS)) -> tuple[list[Record], list[Record]]:
-    """``(train, val)`` records: ``n_train`` / ``n_val`` per task, train shuffled, val in task order.
+def _through_calculator(r: Record, expr: str) -> Record:
+    """Item ``r`` answered through the calculator: the tool call ``expr``, its result, then the same answer."""
+    question, answer = r["messages"][0]["content"], r["messages"][-1]["content"]
+    return {"task": r["task"], "messages": [
+        {"role": "user", "content": question}, {"role": "assistant", "content": "", "tool_call": expr},
+        {"role": "tool", "content": answer}, {"role": "assistant", "content": answer}]}
 
-    Validation prompts are distinct and never appear in training (see the module docstring). ``ValueError``
-    when the word list is too small to draw ``n_val`` distinct validation items of a task.
+
+def _last_word(r: Record) -> str:
+    """The word a ``spelling`` or ``uppercase`` question asks about."""
+    q = r["messages"][0]["content"]
+    return q.split()[-1].rstrip(".") if r["task"] == "spelling" else q.split()[1]
+
+
+_TEACH: dict[str, Callable[[Record], Record]] = {
+    # the expression as the question writes it; the word with the space it has in the question, so the call
+    # copies the question's own token
+    "arithmetic": lambda r: _through_calculator(r, r["messages"][0]["content"].removeprefix("What is ")[:-1]),
+    "spelling": lambda r: _through_calculator(r, f"'-'.join(' {_last_word(r)}'.strip())"),
+    "uppercase": lambda r: _through_calculator(r, f"' {_last_word(r)}'.strip().upper()"),
+}
+"""How a task's training items are rewritten to teach it (see the module docstring)."""
+_EVERY_WORD: dict[str, Callable[[str], Record]] = {
+    "spelling": lambda w: _qa("spelling", f"Spell the word {w}.", "-".join(w)),
+    "uppercase": lambda w: _qa("uppercase", f"Write {w} in capital letters.", w.upper()),
+}
+"""Tasks that get one training item per word of the list (their own validation words excepted)."""
+
+
+def chat_tasks(words: list[str], n_train: int = 1000, n_val: int = 50, seed: int = 0,
+               tasks: Iterable[str] = tuple(TASKS), teach: bool = True) -> tuple[list[Record], list[Record]]:
+    """``(train, val)`` records: ``n_train`` / ``n_val`` per task (with ``teach``, also one ``spelling`` and one
+    ``uppercase`` item per word), train shuffled, val in task order.
+
+    Validation prompts are distinct and never appear in training (see the module docstring); ``teach`` changes
+    the training items only. ``ValueError`` when the word list is too small to draw ``n_val`` distinct
+    validation items of a task.
     """
     names = list(tasks)
     unknown = [t for t in names if t not in TASKS]
@@ -143,7 +184,11 @@ def chat_tasks(words: list[str], n_train: int = 1000, n_val: int = 50, seed: int
                     break
             else:
                 raise ValueError(f"task {name}: every item drawn is a validation item; give more words")
-            train.append(r)
+            train.append(_TEACH[name](r) if teach and name in _TEACH else r)
+        if teach and name in _EVERY_WORD:  # no random draws here: the validation items that follow stay the same
+            every = (_EVERY_WORD[name](w) for w in dict.fromkeys(words))
+            teach_one = _TEACH.get(name, lambda r: r)
+            train.extend(teach_one(r) for r in every if r["messages"][0]["content"] not in seen)
     rng.shuffle(train)
     return train, val
 

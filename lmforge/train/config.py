@@ -36,8 +36,11 @@ class OptimConfig:
     """Steps of linear warmup from 0 to ``lr``."""
     decay_steps: int | None = None
     """Step at which the cosine reaches ``min_lr``; ``null`` = ``training.max_steps``."""
-    schedule: Literal["cosine", "constant"] = "cosine"
-    """``cosine``: warmup, cosine decay to ``min_lr``; ``constant``: warmup, then ``lr``."""
+    schedule: Literal["cosine", "constant", "wsd"] = "cosine"
+    """``cosine``: warmup, cosine decay to ``min_lr``; ``constant``: warmup, then ``lr``; ``wsd``: warmup, ``lr``,
+    then a linear decay to ``min_lr`` over the last ``cooldown_frac`` of the steps up to ``decay_steps``."""
+    cooldown_frac: float = 0.4
+    """With ``wsd``: the share of the run (up to ``decay_steps`` or ``training.max_steps``) spent decaying."""
     weight_decay: float = 0.1
     """Decoupled weight decay for matrices (vectors, norms and biases are never decayed)."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -58,8 +61,9 @@ class OptimConfig:
     """Newton–Schulz iterations per step."""
     muon_ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
     """Coefficients (a, b, c) of the quintic Newton–Schulz iteration (Keller Jordan's)."""
-    muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"
-    """Precision of the Newton–Schulz iteration: ``bf16`` as Keller Jordan, nanochat and torch.optim.Muon."""
+    muon_ns_dtype: Literal["bf16", "fp32", "auto"] = "auto"
+    """Precision of the Newton–Schulz iteration: ``bf16`` as Keller Jordan, nanochat and torch.optim.Muon;
+    ``auto`` = ``bf16`` where the device multiplies it natively (CUDA, avx512_bf16/AMX), else ``fp32``."""
     muon_adjust_lr: Literal["original", "match_rms_adamw"] = "original"
     """Per-matrix LR multiplier: ``original`` sqrt(max(1, rows/cols)); ``match_rms_adamw`` 0.2*sqrt(max(rows, cols))
     (then ``muon_lr`` near AdamW's ``lr`` is the usual choice)."""
@@ -74,6 +78,8 @@ class OptimConfig:
         if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
             raise ValueError(f"optimizer.decay_steps={self.decay_steps} must exceed optimizer.warmup_steps="
                              f"{self.warmup_steps} (or be null for training.max_steps)")
+        if not 0 <= self.cooldown_frac <= 1:
+            raise ValueError(f"optimizer.cooldown_frac must be in [0, 1] (a share of the run), got {self.cooldown_frac}")
         if self.weight_decay < 0:
             raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
         if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
@@ -146,8 +152,10 @@ class TrainingConfig:
     """Training sequence length; ``null`` = ``model.context_length`` (may not exceed it: the RoPE table size)."""
     device: str = "auto"
     """``auto`` (cuda > mps > cpu), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``."""
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    """``bf16`` runs forward/backward under bfloat16 autocast (weights and optimizer stay fp32)."""
+    dtype: Literal["fp32", "bf16", "auto"] = "fp32"
+    """``bf16`` runs forward/backward under bfloat16 autocast (weights and optimizer stay fp32); ``auto`` = ``bf16``
+    where the device multiplies bf16 natively (CUDA, a CPU with avx512_bf16 or AMX), else ``fp32``. A run saves
+    the dtype it resolved to. ``bf16`` on a CPU without native bf16 works but warns: it is many times slower."""
     compile: bool = False
     """Compile each Transformer block with ``torch.compile``, in place (one graph serves every block)."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
@@ -164,6 +172,9 @@ class TrainingConfig:
     """Validation batches per evaluation (a fixed, deterministic set)."""
     eval_batch_size: int | None = None
     """Sequences per validation batch; ``null`` = ``batch_size`` (lower it for a small validation split)."""
+    target_val_bpb: float | None = None
+    """Stop at the first evaluation whose validation bits per byte is at or below this (saving a checkpoint
+    there); ``null`` = train ``max_steps``."""
     checkpoint_every: int = 500
     """Save a checkpoint every this many steps (and at the end)."""
     keep_last: int = 3
@@ -194,6 +205,8 @@ class TrainingConfig:
             raise ValueError(f"training.eval_batch_size must be >= 1 (or null for batch_size), got {self.eval_batch_size}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"training.num_threads must be >= 1 (or null), got {self.num_threads}")
+        if self.target_val_bpb is not None and not self.target_val_bpb > 0:
+            raise ValueError(f"training.target_val_bpb must be > 0 (or null), got {self.target_val_bpb}")
         if self.peak_flops is not None and not self.peak_flops > 0:
             raise ValueError(f"training.peak_flops must be > 0 (or null), got {self.peak_flops}")
 
@@ -257,7 +270,7 @@ class RunConfig:
         if T is not None and T > self.model.context_length:
             raise ValueError(f"training.context_length={T} is longer than model.context_length="
                              f"{self.model.context_length} (the RoPE table); lower it or raise model.context_length")
-        if self.optimizer.warmup_steps >= self.training.max_steps and self.optimizer.schedule == "cosine" \
+        if self.optimizer.warmup_steps >= self.training.max_steps and self.optimizer.schedule != "constant" \
                 and self.optimizer.decay_steps is None:
             raise ValueError(f"optimizer.warmup_steps={self.optimizer.warmup_steps} must be < training.max_steps="
                              f"{self.training.max_steps}; shorten the warmup")

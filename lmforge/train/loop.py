@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.checkpoint import CheckpointManager, unwrap_model
-from lmforge.hardware import peak_flops_for
+from lmforge.hardware import peak_flops_for, resolve_train_dtype
 from lmforge.common import cuda_matmul_defaults, remove_stale_temporaries, seed_everything
 from lmforge.config import diff_dicts, dump_yaml, load_yaml, to_dict
 from lmforge.data import BlockLoader, TokenDataset, val_batches
@@ -51,7 +51,7 @@ from lmforge.train.finetune import (build_model, conversation_data, global_targe
                                     loss_scale, masked, trained_state)
 from lmforge.train.metrics import MetricsLog, require_wandb
 from lmforge.train.optim import (SGD, AdamW, Muon, clip_grad_norm, cosine_lr, describe_groups, global_grad_norm,
-                                 muon_param_groups, param_groups_for)
+                                 muon_param_groups, param_groups_for, wsd_lr)
 
 logger = logging.getLogger("lmforge")
 
@@ -150,6 +150,9 @@ def _lr_at(step: int, oc: OptimConfig, max_steps: int) -> float:
     t = step + 1
     if oc.schedule == "constant":
         return oc.lr * min(1.0, t / oc.warmup_steps) if oc.warmup_steps else oc.lr
+    if oc.schedule == "wsd":
+        total = oc.decay_steps or max_steps
+        return wsd_lr(t, oc.lr, oc.min_lr, oc.warmup_steps, total, round(oc.cooldown_frac * total))
     return cosine_lr(t, oc.lr, oc.min_lr, oc.warmup_steps, oc.decay_steps or max_steps)
 
 
@@ -214,6 +217,7 @@ class _Run:
     interval_tokens: int = 0
     flops_per_token: float = 0.0  # for MFU, with ``peak`` (None: unknown, MFU not reported)
     peak: float | None = None
+    reached_target: bool = False  # an evaluation reached ``training.target_val_bpb``: save and stop
 
     @property
     def fsdp(self) -> bool:
@@ -234,13 +238,16 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
 
     The returned dict holds ``step``, ``loss`` (last logged train loss), ``val_loss``, ``val_ppl``,
     ``val_bpb`` (last evaluation, None without a validation split), ``best_val_loss``, ``tokens``,
-    ``tokens_per_s``, ``mfu``, ``train_seconds`` (step time of this session, excluding eval and saves) and
-    ``checkpoint`` (path of the last one saved).
+    ``tokens_per_s``, ``mfu``, ``train_seconds`` (step time of this session, excluding eval and saves),
+    ``checkpoint`` (path of the last one saved) and ``reached_target`` (an evaluation reached
+    ``training.target_val_bpb``, and training stopped there).
     Raises ``ValueError`` for bad configs or data and :class:`NonFiniteLossError` if the loss diverges.
     """
-    tc = cfg.training
     owns_group = not (dist.is_available() and dist.is_initialized())
-    info = setup_distributed(tc.device)
+    info = setup_distributed(cfg.training.device)
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(  # dtype auto: what this device runs fast
+        cfg.training, dtype=resolve_train_dtype(cfg.training.dtype, info.device)))
+    tc = cfg.training
     threads = torch.get_num_threads()
     precision = cuda_matmul_defaults(info.device)  # TF32 for float32 matmuls on CUDA; restored below
     try:
@@ -259,6 +266,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
                 bar.update(1)  # after the postfix, so a plain progress line shows this step's figures
                 _maybe_evaluate(run)
                 _maybe_checkpoint(run)
+                if run.reached_target:
+                    break
         return _finish(run)
     finally:
         torch.set_num_threads(threads)
@@ -453,14 +462,19 @@ def _maybe_evaluate(run: _Run) -> None:
             run.ckpts.save_best(*state, run.step, ev.loss, _train_state(run))
     run.best_val = ev.loss if better else run.best_val
     run.log.plot()
+    if tc.target_val_bpb is not None and ev.bpb is not None and ev.bpb <= tc.target_val_bpb:
+        run.reached_target = True
+        logger.info("step %d: validation bits/byte %.4f reached the target %.4f; stopping", run.step, ev.bpb,
+                    tc.target_val_bpb)
 
 
 def _maybe_checkpoint(run: _Run) -> None:
     """Every ``checkpoint_every`` steps and at the end: save everything that moves, together."""
     tc = run.cfg.training
-    if (run.step % tc.checkpoint_every == 0 or run.step == tc.max_steps) and tc.checkpoint_format == "dcp":
+    due = run.step % tc.checkpoint_every == 0 or run.step == tc.max_steps or run.reached_target
+    if due and tc.checkpoint_format == "dcp":
         run.last_ckpt = save_dcp(run.ckpts, run.raw_model, run.optimizer, run.step, _train_state(run))
-    elif run.step % tc.checkpoint_every == 0 or run.step == tc.max_steps:
+    elif due:
         state = _snapshot(run)
         if run.info.is_main:
             run.last_ckpt = run.ckpts.save(*state, run.step, _train_state(run))
@@ -490,4 +504,5 @@ def _finish(run: _Run) -> dict[str, Any]:
             "val_ppl": last_val.get("val_ppl"), "val_bpb": last_val.get("val_bpb"), "best_val_loss": run.best_val,
             "tokens": run.step * run.tokens_per_step, "tokens_per_s": last_train.get("tokens_per_s"),
             "mfu": last_train.get("mfu"), "train_seconds": run.elapsed,
-            "checkpoint": str(run.last_ckpt) if run.last_ckpt else None, "run_dir": str(run.run_dir)}
+            "checkpoint": str(run.last_ckpt) if run.last_ckpt else None, "run_dir": str(run.run_dir),
+            "reached_target": run.reached_target}

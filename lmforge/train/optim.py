@@ -19,7 +19,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["SGD", "AdamW", "Muon", "newton_schulz", "newton_schulz_batched", "muon_lr_ratio", "muon_param_groups", "describe_groups", "cosine_lr", "clip_grad_norm", "param_groups_for", "global_grad_norm"]
+from lmforge.hardware import native_bf16
+
+__all__ = ["SGD", "AdamW", "Muon", "newton_schulz", "newton_schulz_batched", "muon_lr_ratio", "muon_param_groups", "describe_groups", "cosine_lr", "wsd_lr", "clip_grad_norm", "param_groups_for", "global_grad_norm"]
 
 
 def _buckets(tensors_by_param: list[tuple[Tensor, ...]], key) -> dict[Any, list[tuple[Tensor, ...]]]:
@@ -248,8 +250,12 @@ class Muon(AdamW):
             raise ValueError(f"Muon momentum must be in [0, 1), got {momentum}")
         if len(ns_coefficients) != 3 or not 1 <= ns_steps < 100:
             raise ValueError(f"Muon needs 3 ns_coefficients and 1 <= ns_steps < 100, got {ns_coefficients}, {ns_steps}")
+        params = list(params)
+        if ns_dtype == "auto":  # bf16 where it is native; an AVX2-only CPU multiplies bf16 ~100x slower than fp32
+            first = next((p for g in params for p in (g["params"] if isinstance(g, dict) else [g])), None)
+            ns_dtype = "bf16" if first is None or native_bf16(first.device) else "fp32"
         if ns_dtype not in _NS_DTYPES:
-            raise ValueError(f"Muon ns_dtype must be 'bf16' or 'fp32', got {ns_dtype!r}")
+            raise ValueError(f"Muon ns_dtype must be 'bf16', 'fp32' or 'auto', got {ns_dtype!r}")
         muon_lr_ratio((1, 1), adjust_lr)  # validates adjust_lr
         if impl not in ("batched", "reference"):
             raise ValueError(f"Muon impl must be 'batched' or 'reference', got {impl!r}")
@@ -337,6 +343,26 @@ def cosine_lr(t: int, max_lr: float, min_lr: float, warmup_iters: int, cosine_cy
             return max_lr
         frac = (t - warmup_iters) / (cosine_cycle_iters - warmup_iters)
         return min_lr + 0.5 * (1.0 + math.cos(math.pi * frac)) * (max_lr - min_lr)
+    return min_lr
+
+
+def wsd_lr(t: int, max_lr: float, min_lr: float, warmup_iters: int, total_iters: int, cooldown_iters: int) -> float:
+    """Learning rate at step ``t`` of a warmup-stable-decay schedule (Hägele et al. 2024; modded-nanogpt).
+
+    ``t < Tw``: ``t/Tw · max_lr``; then ``max_lr`` until the cooldown starts at ``Td = total − cooldown``;
+    ``Td <= t <= total``: linear from ``max_lr`` to ``min_lr``; after ``total``: ``min_lr``. A cooldown longer
+    than the steps after warmup is cut to them.
+    """
+    if warmup_iters < 0 or cooldown_iters < 0 or total_iters < warmup_iters:
+        raise ValueError(f"need 0 <= warmup_iters <= total_iters and cooldown_iters >= 0, got {warmup_iters}, "
+                         f"{total_iters} and {cooldown_iters}")
+    if t < warmup_iters:
+        return t / warmup_iters * max_lr
+    start = max(warmup_iters, total_iters - cooldown_iters)
+    if t <= start:
+        return max_lr
+    if t <= total_iters:
+        return max_lr + (t - start) / (total_iters - start) * (min_lr - max_lr)
     return min_lr
 
 

@@ -1,4 +1,4 @@
-"""The calculator tool (lmforge.chat.tools): arithmetic only, bounded, no eval."""
+"""The calculator tool (lmforge.chat.tools): arithmetic and a few string methods only, bounded, no eval."""
 
 import ast
 import doctest
@@ -22,11 +22,39 @@ def test_arithmetic(expr, want):
     assert calculate(expr) == want
 
 
+@pytest.mark.parametrize("expr, want", [
+    ("'-'.join(' honour'.strip())", "h-o-n-o-u-r"), ("' honour'.strip().upper()", "HONOUR"),
+    ("'Honour'.lower()", "honour"), ("'honour'.count('o')", "2"), ("'honour'.count('z')", "0"),
+    ("'a b'.count(' ')", "1"), ("''.join('abc')", "abc"), ("'x'", "x"), ("'honour'.count('o') * 3", "6"),
+])
+def test_string_methods(expr, want):
+    assert calculate(expr) == want
+
+
+def test_a_long_join_is_refused_before_it_is_joined():
+    sep, text = "s" * 90, "t" * 90  # 90 + 89 * 90 = 8,100 characters: refused, from a 192-character call
+    with pytest.raises(ValueError, match=r"gives a string longer than 1000 characters"):
+        calculate(f"'{sep}'.join('{text}')")
+    assert len(calculate(f"'{sep[:10]}'.join('{text}')")) == 90 + 89 * 10  # 980: within MAX_STRING
+
+
 @pytest.mark.parametrize("expr, match", [
     ("__import__('os').system('true')", "uses Call"),
     ("a + 1", "uses Name"),
     ("(1).real", "uses Attribute"),
-    ("'x' * 3", "uses 'x', which is not a number"),
+    ("'x' * 3", "uses the string 'x' as a number"),
+    ("'x' + 'y'", "uses the string 'x' as a number"),
+    ("-'x'", "uses the string 'x' as a number"),
+    ("'x'.upper() * 2", "uses the string 'X' as a number"),
+    ("'x'.format()", r"uses Call \(the method 'format'\)"),
+    ("'x'.__class__", "uses Attribute"),
+    ("len('x')", r"uses Call \(Name calls\)"),
+    ("'x'.upper('y')", r"calls upper with other arguments than 0"),
+    ("'x'.count()", r"calls count with other arguments than 1"),
+    ("'x'.count(sub='x')", r"calls count with other arguments"),
+    ("'x'.count(1)", "uses the number 1 as a string"),
+    ("(1).upper()", "uses the number 1 as a string"),
+    ("b'x'.upper()", "uses b'x', which is not a number"),
     ("True + 1", "uses True, which is not a number"),
     ("1j * 1j", "uses 1j, which is not a number"),
     ("[1, 2]", "uses List"),

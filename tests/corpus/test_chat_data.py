@@ -17,7 +17,7 @@ import lmforge.corpus.datasets as corpora
 from lmforge.chat import ChatFormat, add_chat_tokens, calculate, load_conversations
 from lmforge.cli import main
 from lmforge.corpus import DATASETS, get_dataset
-from lmforge.corpus.chat_data import TASKS, chat_tasks, chitchat_conversations, common_words
+from lmforge.corpus.chat_data import TASKS, chat_tasks, chitchat_conversations, common_words, to_jsonl
 
 WORDS = common_words("the king and the queen went home; thou art a knave, sir, and thy honour is lost. " * 3 +
                      " ".join(f"word{c}" for c in "ab") + " lady lord night light sword crown heart blood " * 2 +
@@ -33,7 +33,9 @@ def test_chat_tasks_are_deterministic_disjoint_and_exact(tiny_tokenizer):
     train, val = chat_tasks(WORDS, n_train=200, n_val=20, seed=3)
     assert (train, val) == chat_tasks(WORDS, n_train=200, n_val=20, seed=3)
     assert chat_tasks(WORDS, n_train=200, n_val=20, seed=4)[0] != train
-    assert len(train) == 200 * len(TASKS) and len(val) == 20 * len(TASKS)
+    every_word = ("spelling", "uppercase")  # one training item per word besides the 200 drawn (teach=True)
+    assert len([r for r in train if r["task"] not in every_word]) == 200 * (len(TASKS) - 2)
+    assert len(val) == 20 * len(TASKS)
     assert {r["task"] for r in val} == set(TASKS) == {"arithmetic", "spelling", "counting", "uppercase", "identity",
                                                      "calculator"}
     val_prompts = [r["messages"][0]["content"] for r in val]
@@ -58,6 +60,34 @@ def test_chat_tasks_are_deterministic_disjoint_and_exact(tiny_tokenizer):
             assert a == tool["content"]
 
 
+def test_teaching_changes_training_items_only():
+    """The validation items are those of the original generator (its sha256 pinned before ``teach`` existed);
+    arithmetic, spelling and uppercase train through the calculator; spelling and uppercase cover every word but
+    their own val words."""
+    train, val = chat_tasks(WORDS, n_train=200, n_val=20, seed=3)
+    plain_train, plain_val = chat_tasks(WORDS, n_train=200, n_val=20, seed=3, teach=False)
+    pinned = "add2cd2ab8651e8c359b49e5edb62446d2cea03f84c4fa89b13be35ff4b76b3f"
+    assert val == plain_val and hashlib.sha256(to_jsonl(val).encode()).hexdigest() == pinned
+    arith = [r for r in train if r["task"] == "arithmetic"]
+    assert len(arith) == 200 and all(r["messages"][1]["tool_call"] == r["messages"][0]["content"][8:-1]
+                                     and r["messages"][2]["content"] == r["messages"][3]["content"] for r in arith)
+    taught = [r for r in train if r["task"] in ("arithmetic", "spelling", "uppercase")]
+    assert all(len(r["messages"]) == 4 and calculate(r["messages"][1]["tool_call"]) == r["messages"][2]["content"]
+               == r["messages"][3]["content"] for r in taught)  # the calculator's own result is the answer
+    for r in taught:  # the call holds the question's word with its space: the same token as in the question
+        if r["task"] != "arithmetic":
+            assert f"' {r['messages'][0]['content'].split()[-1 if r['task'] == 'spelling' else 1].rstrip('.')}'" \
+                in r["messages"][1]["tool_call"]
+    assert all(len(r["messages"]) == 2 for r in plain_train if r["task"] in ("arithmetic", "spelling", "uppercase"))
+    for task, prompt in (("spelling", "Spell the word {}."), ("uppercase", "Write {} in capital letters.")):
+        val_prompts = {r["messages"][0]["content"] for r in val if r["task"] == task}
+        trained = {r["messages"][0]["content"] for r in train if r["task"] == task}
+        assert trained == {prompt.format(w) for w in WORDS} - val_prompts
+    val_words = lambda task: {r["messages"][0]["content"].split()[-1 if task == "spelling" else 1].rstrip(".")
+                              for r in val if r["task"] == task}
+    assert val_words("spelling") & val_words("uppercase") != val_words("spelling")  # taught in the other task
+
+
 def test_chat_tasks_refuse_too_few_words():
     with pytest.raises(ValueError, match=r"task spelling: could draw only 2 distinct validation items of 5"):
         chat_tasks(["cat", "dog"], n_train=5, n_val=5, tasks=["spelling"])
@@ -74,7 +104,9 @@ def test_data_get_chat_tasks_through_the_cli(tmp_path, capsys):
     train, val = tmp_path / "t" / "train.jsonl", tmp_path / "t" / "val.jsonl"
     assert capsys.readouterr().out.split() == [str(train), str(val)]
     convs = load_conversations(train)  # the chat format's own reader accepts every line
-    assert len(convs) == 7000 and len(load_conversations(val)) == 350  # six tasks + function_call
+    n_words = len(common_words((cache / "shakespeare" / "shakespeare.txt").read_text()))
+    assert len(convs) == 7000 + 2 * (n_words - 50) and len(load_conversations(val)) == 350  # six tasks +
+    # function_call, + a spelling and an uppercase item per word that is not a validation word of that task
     first = train.read_bytes()
     get_dataset("chat-tasks", cache_dir=cache, force=True)  # regenerated: byte for byte the same
     assert (cache / "chat-tasks" / "train.jsonl").read_bytes() == first

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmforge.model import ModelConfig, TransformerLM
-from lmforge.train.optim import (SGD, AdamW, Muon, clip_grad_norm, cosine_lr, describe_groups, muon_lr_ratio,
+from lmforge.train.optim import (SGD, AdamW, Muon, clip_grad_norm, cosine_lr, wsd_lr, describe_groups, muon_lr_ratio,
                                  muon_param_groups, newton_schulz, newton_schulz_batched, param_groups_for)
 
 
@@ -109,6 +109,29 @@ def test_cosine_lr_edges():
     assert cosine_lr(3, 1.0, 0.0, 0, 0) == 0.0  # no warm-up, no cycle: straight to min
     with pytest.raises(ValueError):
         cosine_lr(0, 1.0, 0.1, 10, 5)
+
+
+def test_wsd_lr_edges():
+    kw = dict(max_lr=1.0, min_lr=0.1, warmup_iters=10, total_iters=110, cooldown_iters=40)
+    assert wsd_lr(0, **kw) == 0.0 and wsd_lr(5, **kw) == pytest.approx(0.5)
+    assert [wsd_lr(t, **kw) for t in (10, 40, 70)] == [1.0, 1.0, 1.0]  # stable until the cooldown starts at 70
+    assert wsd_lr(90, **kw) == pytest.approx(1.0 - 0.5 * 0.9)  # halfway down, linearly
+    assert wsd_lr(110, **kw) == pytest.approx(0.1) and wsd_lr(10**6, **kw) == 0.1
+    lrs = [wsd_lr(t, **kw) for t in range(70, 111)]
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))
+    assert wsd_lr(10, 1.0, 0.0, 10, 20, 50) == 1.0 and wsd_lr(15, 1.0, 0.0, 10, 20, 50) == 0.5  # cut to 10 steps
+    with pytest.raises(ValueError):
+        wsd_lr(0, 1.0, 0.1, 10, 5, 2)
+
+
+def test_muon_ns_dtype_auto_is_fp32_without_native_bf16(monkeypatch):
+    """``auto``: bf16 Newton–Schulz only where bf16 is native (an AVX2-only CPU multiplies it ~100x slower)."""
+    import lmforge.train.optim as optim
+
+    for native, want in ((False, "fp32"), (True, "bf16")):
+        monkeypatch.setattr(optim, "native_bf16", lambda device, native=native: native)
+        opt = Muon([{"params": _params()[:1], "use_muon": True}], ns_dtype="auto")
+        assert {g["ns_dtype"] for g in opt.param_groups} == {want}
 
 
 def test_clip_grad_norm():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import yaml
 
 from conftest import make_documents
 from lmforge import cli
+from lmforge.config import load_yaml
 from lmforge.train import NonFiniteLossError, RunConfig, load_run_config, train
 
 
@@ -270,6 +272,53 @@ def test_bf16_autocast_on_cpu(shards, tmp_path) -> None:
     (fp32, val32), (bf16, val16) = runs["fp32"], runs["bf16"]
     assert len(bf16) == len(fp32) == 4 and bf16 != fp32
     assert bf16 == pytest.approx(fp32, rel=2**-8) and val16 == pytest.approx(val32, rel=2**-8)
+
+
+def test_bf16_resume_in_process_equals_uninterrupted(shards, tmp_path) -> None:
+    """Master weights and optimizer state stay fp32 under bf16 autocast, so a bf16 run resumes bit for bit."""
+    bf16 = {"dtype": "bf16", "eval_every": 3}
+    full, split = tmp_path / "full", tmp_path / "split"
+    train(_cfg(shards, training={**bf16, "max_steps": 6}), full, progress=False)
+    train(_cfg(shards, training={**bf16, "max_steps": 3}), split, progress=False)
+    train(_cfg(shards, training={**bf16, "max_steps": 6}), split, progress=False)
+    assert len(_losses(full)) == 6 and _losses(split) == _losses(full)  # float equality, every step
+    from lmforge.checkpoint import read_checkpoint
+    ck = read_checkpoint(full / "checkpoints" / "step_00000006.safetensors")
+    assert {t.dtype for t in ck.model.values()} == {torch.float32}
+    assert {v.dtype for st in ck.optimizer["state"].values() for v in st.values() if torch.is_tensor(v) and v.dim()} == {torch.float32}
+
+
+def test_dtype_auto_resolves_per_device_and_bf16_without_native_warns(shards, tmp_path, monkeypatch, caplog) -> None:
+    """``auto`` is saved as what the device runs fast (fp32 on a CPU without native bf16, bf16 where it is native);
+    an explicit bf16 on a CPU without it trains, warning once with the two measured matmul rates."""
+    import lmforge.hardware as hardware
+
+    train(_cfg(shards, training={"max_steps": 2, "dtype": "auto"}), tmp_path / "cpu", progress=False)
+    assert load_yaml(tmp_path / "cpu" / "config.yaml")["training"]["dtype"] == ("bf16" if hardware.native_bf16("cpu")
+                                                                               else "fp32")
+    monkeypatch.setattr(hardware, "native_bf16", lambda device: True)
+    train(_cfg(shards, training={"max_steps": 2, "dtype": "auto"}), tmp_path / "native", progress=False)
+    assert load_yaml(tmp_path / "native" / "config.yaml")["training"]["dtype"] == "bf16"
+    monkeypatch.setattr(hardware, "native_bf16", lambda device: False)
+    monkeypatch.setattr(hardware, "_warned_slow_bf16", set())
+    with caplog.at_level(logging.WARNING, logger="lmforge"):
+        for name in ("slow1", "slow2"):
+            train(_cfg(shards, training={"max_steps": 2, "dtype": "bf16"}), tmp_path / name, progress=False)
+    warned = [r.getMessage() for r in caplog.records if "without native bf16" in r.getMessage()]
+    assert len(warned) == 1 and re.search(r"run at [\d.]+ GFLOP/s here against [\d.]+ in fp32", warned[0])
+    assert load_yaml(tmp_path / "slow1" / "config.yaml")["training"]["dtype"] == "bf16"
+
+
+def test_target_val_bpb_stops_at_the_first_evaluation_reaching_it(shards, tmp_path) -> None:
+    m = train(_cfg(shards, training={"max_steps": 8, "eval_every": 2, "checkpoint_every": 100,
+                                     "target_val_bpb": 1000.0}), tmp_path / "easy", progress=False)
+    assert m["reached_target"] and m["step"] == 2 and m["checkpoint"].endswith("step_00000002.safetensors")
+    assert [e["step"] for e in _events(tmp_path / "easy") if "val_bpb" in e] == [2]
+    m = train(_cfg(shards, training={"max_steps": 6, "eval_every": 2, "target_val_bpb": 1e-6}), tmp_path / "hard",
+              progress=False)
+    assert not m["reached_target"] and m["step"] == 6
+    with pytest.raises(ValueError, match="target_val_bpb must be > 0"):
+        _cfg(shards, training={"target_val_bpb": 0.0})
 
 
 # --------------------------------------------------------------------------------------------------
