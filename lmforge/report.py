@@ -286,11 +286,12 @@ def collect_run_card(run_dir: str | Path, samples: int = 2) -> dict[str, Any]:
         tok = Tokenizer.load(run / "tokenizer.json")
         card["tokenizer"] = {"fingerprint": tok.fingerprint(), "vocab_size": tok.vocab_size}
     data_dir = (config.get("data") or {}).get("dir")
-    if data_dir and (config.get("data") or {}).get("kind") == "conversations":
+    kind = (config.get("data") or {}).get("kind")
+    if data_dir and kind in ("conversations", "prompts"):
         from lmforge.data.conversations import read_manifest
 
-        m = read_manifest(data_dir)  # rendered conversations: their counts and the source files' sha256
-        card["data"] = {"dir": str(data_dir), "kind": "conversations",
+        m = read_manifest(data_dir)  # rendered conversations (or RL prompts): counts and the source files' sha256
+        card["data"] = {"dir": str(data_dir), "kind": kind,
                         "tokenizer_fingerprint": m["tokenizer"]["fingerprint"], "splits": m["splits"]}
     elif data_dir and (Path(data_dir) / "manifest.json").is_file():
         m = load_manifest(Path(data_dir))
@@ -301,9 +302,52 @@ def collect_run_card(run_dir: str | Path, samples: int = 2) -> dict[str, Any]:
                         "shards": {s["name"]: s.get("sha256") for s in m.get("shards", [])}}
     else:
         card["data"] = {"dir": data_dir, "missing": True}
+    if config.get("rl"):
+        from lmforge.rl import read_rl_results
+
+        card["rl"] = {**read_rl_results(run), "steps": [{k: r.get(k) for k in _RL_METRICS + ("step",)}
+                                                        for r in train if "reward" in r]}
     if samples and steps and (run / "tokenizer.json").is_file():
         card["samples"] = _samples(run, samples)
     return card
+
+
+_RL_METRICS = ("reward", "reply_tokens", "tool_call_share", "ended_share")
+_RL_SCORES = (("greedy_exact_match", "greedy exact match"), ("pass_at_1", "pass@1"), ("pass_at_k", "pass@k"))
+
+
+def _ci(v: dict[str, Any] | None) -> str:
+    """``41.2% [30.1, 52.4]`` from ``{"value", "ci"}`` (an RL score), ``n/a`` without one."""
+    if not v:
+        return "n/a"
+    return f"{100 * v['value']:.1f}% [{100 * v['ci'][0]:.1f}, {100 * v['ci'][1]:.1f}]"
+
+
+def _rl_section(rep: RunReport, r: dict[str, Any]) -> None:
+    """An RL run: per-step reward and reply figures, and the validation scores before and after training."""
+    steps = r.get("steps") or []
+    rep.section("Reinforcement learning")
+    if steps:
+        first, last = steps[0], steps[-1]
+        rep.table(("per step", f"step {first['step']}", f"step {last['step']}",
+                   f"mean of the last {min(10, len(steps))} steps"),
+                  [(k.replace("_", " "), _fmt(first.get(k), ".3f"), _fmt(last.get(k), ".3f"),
+                    _fmt(sum(s.get(k) or 0 for s in steps[-10:]) / min(10, len(steps)), ".3f")) for k in _RL_METRICS])
+    before, after = r.get("before"), r.get("after")
+    if not before and not after:
+        rep.paragraph("No validation prompts were given (`lmforge rl --val-data FILE.jsonl` scores before and after).")
+        return
+    ref = after or before
+    rep.paragraph(f"Validation prompts: {ref['n']}; pass@k with k = {ref['k']} replies sampled per prompt at the "
+                  "rollout temperature (the same seeds before and after); 95% Wilson intervals over prompts.")
+    rows = [(label, _ci((before or {}).get(key)), _ci((after or {}).get(key))) for key, label in _RL_SCORES]
+    for task in (ref.get("tasks") or {}):
+        if len(ref["tasks"]) > 1:
+            rows.append((f"{task}: greedy exact match (n={ref['tasks'][task]['n']})",
+                         _ci(((before or {}).get("tasks") or {}).get(task, {}).get("greedy_exact_match")),
+                         _ci(((after or {}).get("tasks") or {}).get(task, {}).get("greedy_exact_match"))))
+    rep.table(("score", f"before (step {(before or {}).get('step', 'n/a')} of the base)",
+               f"after (step {(after or {}).get('step', 'n/a')})"), rows)
 
 
 def _fmt(x: Any, spec: str = ".4f") -> str:
@@ -357,8 +401,8 @@ def render_run_card(card: dict[str, Any]) -> RunReport:
     rep.paragraph(f"Tokenizer fingerprint `{tok.get('fingerprint', 'n/a')}` ({_fmt(tok.get('vocab_size'), ',')} "
                   f"tokens); shards `{data.get('dir')}`"
                   + (" (missing)" if data.get("missing") else f" made with tokenizer `{data['tokenizer_fingerprint']}`"))
-    if data.get("kind") == "conversations":
-        rep.table(("split", "conversations", "tokens", "trained tokens", "source files (SHA-256)"),
+    if data.get("kind") in ("conversations", "prompts"):
+        rep.table(("split", data["kind"], "tokens", "trained tokens", "source files (SHA-256)"),
                   [(k, _fmt(s.get("conversations"), ","), _fmt(s.get("tokens"), ","), _fmt(s.get("trained_tokens"), ","),
                     ", ".join(f"`{x.get('path')}` `{x.get('sha256')}`" for x in s.get("sources", [])))
                    for k, s in data["splits"].items()])
@@ -367,6 +411,8 @@ def render_run_card(card: dict[str, Any]) -> RunReport:
                   [(k, _fmt(s["tokens"], ","), _fmt(s["documents"], ","), _fmt(s["text_bytes"], ","))
                    for k, s in data["splits"].items()])
         rep.table(("shard", "SHA-256"), [(k, f"`{h}`") for k, h in data["shards"].items()])
+    if card.get("rl"):
+        _rl_section(rep, card["rl"])
     if card.get("samples"):
         rep.section("Samples").paragraph("Temperature 0.8, top-k 50, seed 0, 48 new tokens; prompt in bold.")
         for s in card["samples"]:
