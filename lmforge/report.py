@@ -147,6 +147,8 @@ def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[s
         report.paragraph(f"**{s['prompt'].strip()}**").code(s["prompt"] + s["text"], "text")
     if "chat-sft" in st:
         _chat_section(report, st)
+    if "rl" in st:
+        _rl_speedrun_section(report, st)
     report.section("Configuration").paragraph("Resolved run config (`run/config.yaml`):")
     report.code(dump_yaml(cfg).rstrip(), "yaml")
     report.paragraph(
@@ -180,6 +182,36 @@ def _chat_section(report: RunReport, st: dict[str, Any]) -> None:
         text = m["content"] if "tool_call" not in m else f"{m['content']}[calculator: {m['tool_call']}]"
         lines.append(f"{m['role']:>9}: {text}")
     report.code("\n".join(lines), "text")
+
+
+def _rl_speedrun_section(report: RunReport, st: dict[str, Any]) -> None:
+    """The speedrun's RL stage: which tasks it trained on, its reward, and every task's exact match after SFT and
+    after RL with 95% Wilson intervals."""
+    from lmforge.evals.stats import wilson_interval
+
+    rl, sft = st["rl"], st["chat-sft"]
+    report.section("Reinforcement learning on the tasks SFT half solves")
+    if not rl["tasks"]:
+        report.paragraph("No chat task had an exact match between 5% and 80% after fine-tuning (too rare a right "
+                         "answer to learn from, or little left to gain), so RL did not run.")
+        return
+    report.paragraph(
+        f"`lmforge rl` from `sft/` on the training items of {', '.join(f'`{t}`' for t in rl['tasks'])} (the tasks "
+        f"the fine-tuned model solves 5-80% of the time) for {rl['step']} steps ({fmt_seconds(rl['seconds'])}; "
+        f"64 replies per step, exact-match reward, group-mean advantages, the same training loop). Mean reward "
+        f"{rl['reward_first']:.2f} at the first step, {rl['reward_last10']:.2f} over the last 10. Exact match of "
+        "greedy replies on the same held-out items as above, after SFT and after RL (95% Wilson intervals):")
+    if "chat-rl" not in st:
+        return
+    rows = []
+    for tag, a in sft["tasks"].items():
+        b = st["chat-rl"]["tasks"][tag]
+        (al, ah), (bl, bh) = wilson_interval(a["correct"], a["n"]), wilson_interval(b["correct"], b["n"])
+        rows.append((tag + (" (trained)" if tag in rl["tasks"] else ""), a["n"],
+                     f"{100 * a['correct'] / a['n']:.0f}% [{100 * al:.0f}, {100 * ah:.0f}]",
+                     f"{100 * b['correct'] / b['n']:.0f}% [{100 * bl:.0f}, {100 * bh:.0f}]",
+                     f"{100 * (b['correct'] / b['n'] - a['correct'] / a['n']):+.0f}"))
+    report.table(("task", "items", "after SFT", "after RL", "change (points)"), rows)
 
 
 # ==================================================================================================

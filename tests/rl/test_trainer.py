@@ -63,6 +63,11 @@ def test_rl_end_to_end_learns_from_the_reward_and_reports_before_and_after(chat_
     cfg = (out / "config.yaml").read_text()
     assert "kind: prompts" in cfg and "global_batch_size: 16" in cfg
     assert json.loads((out / "base.json").read_text())["run"] == str(chat_run)
+    capsys.readouterr()
+    assert cli.main(["-q", "eval", str(out)]) == 2  # no text to take a loss on: said in one line
+    assert "is an RL run" in capsys.readouterr().err
+    assert cli.main(["-q", "eval", str(out), "--task", str(rl_tasks["val"])]) == 0  # read as any run
+    assert "exact_match" in capsys.readouterr().out
 
 
 def test_resume_in_process_equals_uninterrupted(chat_run, rl_tasks, tmp_path) -> None:
