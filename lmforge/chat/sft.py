@@ -46,7 +46,7 @@ from lmforge.train.distributed import barrier, cleanup_distributed, setup_distri
 logger = logging.getLogger("lmforge")
 
 __all__ = ["SFT_DEFAULTS", "LORA_DEFAULTS", "sft", "render_file", "sft_config", "merge_run", "check_finetune_dir",
-           "lora_record"]
+           "lora_record", "base_record", "check_lora_targets"]
 
 SFT_DEFAULTS: dict[str, dict[str, Any]] = {
     "optimizer": {"name": "adamw", "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 10, "decay_steps": None,
@@ -141,6 +141,24 @@ def check_finetune_dir(run_dir: Path, base_run: Path, force: bool) -> bool:
     return True
 
 
+def base_record(base_dir: Path, base_run: Any, run_dir: Path, started: bool) -> dict[str, str]:
+    """``{"run", "checkpoint", "sha256"}`` of the base a fine-tuning run starts from: the opened ``base_run``'s
+    checkpoint, or for a run that has started (``started``) the one its config recorded, even when the base run
+    has newer checkpoints by now."""
+    if started:
+        old = load_yaml(run_dir / "config.yaml").get("sft") or {}
+        return {"run": str(base_dir), "checkpoint": old.get("base_checkpoint", ""), "sha256": old.get("base_sha256", "")}
+    return {"run": str(base_dir), "checkpoint": str(Path(base_run.checkpoint_path).absolute()),
+            "sha256": sha256_file(base_run.checkpoint_path)}
+
+
+def check_lora_targets(cfg: RunConfig) -> None:
+    """``ValueError`` now, before anything is written, when the config's LoRA targets match no module."""
+    if cfg.lora is not None:
+        with torch.device("meta"):
+            apply_lora(TransformerLM(cfg.model), cfg.lora)
+
+
 def _check_sources(run_dir: Path, split: str, sources: list[dict[str, str]]) -> None:
     """Refuse a data file that changed since the run started (its conversations were rendered then)."""
     try:
@@ -173,15 +191,9 @@ def sft(base: str | os.PathLike, data: str | os.PathLike, run_dir: str | os.Path
         fmt = ChatFormat(tok)
     except ValueError as e:
         raise ValueError(f"the base run's tokenizer {base_run.tokenizer_path} cannot take the chat tokens: {e}") from None
-    record = {"run": str(base_dir), "checkpoint": str(Path(base_run.checkpoint_path).absolute()),
-              "sha256": sha256_file(base_run.checkpoint_path)}
-    if started:  # resume from the recorded base, even when the base run has newer checkpoints by now
-        old = load_yaml(run_dir / "config.yaml").get("sft") or {}
-        record = {"run": str(base_dir), "checkpoint": old.get("base_checkpoint", ""), "sha256": old.get("base_sha256", "")}
+    record = base_record(base_dir, base_run, run_dir, started)
     cfg = sft_config(base_run.config, tok.vocab_size, run_dir, record, val_data is not None, config, overrides)
-    if cfg.lora is not None:  # targets that match nothing are refused now, before anything is written
-        with torch.device("meta"):
-            apply_lora(TransformerLM(cfg.model), cfg.lora)
+    check_lora_targets(cfg)
     T = cfg.context_length
     splits = {"train": data} if val_data is None else {"train": data, "val": val_data}
     rendered = {}

@@ -31,14 +31,12 @@ import torch
 import torch.distributed as dist
 
 from lmforge.chat.format import CHAT_SPECIAL_TOKENS, ChatFormat
-from lmforge.chat.sft import check_finetune_dir, lora_record, sft_config
+from lmforge.chat.sft import base_record, check_finetune_dir, check_lora_targets, lora_record, sft_config
 from lmforge.common import atomic_write_text, check_apart, sha256_file
 from lmforge.config import load_yaml
 from lmforge.data.conversations import ConversationDataset
 from lmforge.evals.evaluate import load_model
 from lmforge.generate.sampling import check_sampling
-from lmforge.model import TransformerLM
-from lmforge.model.lora import apply_lora
 from lmforge.rl.data import DATA_DIR, PromptSet, load_prompts, read_prompts, write_prompts
 from lmforge.rl.evaluate import evaluate_policy
 from lmforge.rl.source import rollout_source
@@ -144,15 +142,9 @@ def rl(base: str | os.PathLike, data: str | os.PathLike, run_dir: str | os.PathL
     started = resuming and any((run_dir / "checkpoints").glob("step_*.safetensors"))
     if resuming:
         _check_resume(run_dir, splits)
-    record = {"run": str(base_dir), "checkpoint": str(Path(base_run.checkpoint_path).absolute()),
-              "sha256": sha256_file(base_run.checkpoint_path)}
-    if started:  # resume from the recorded base, even when the base run has newer checkpoints by now
-        old = load_yaml(run_dir / "config.yaml").get("sft") or {}
-        record = {"run": str(base_dir), "checkpoint": old.get("base_checkpoint", ""), "sha256": old.get("base_sha256", "")}
+    record = base_record(base_dir, base_run, run_dir, started)
     cfg = rl_config(base_run.config, tok.vocab_size, run_dir, record, val_data is not None, config, overrides)
-    if cfg.lora is not None:  # targets that match nothing are refused now, before anything is written
-        with torch.device("meta"):
-            apply_lora(TransformerLM(cfg.model), cfg.lora)
+    check_lora_targets(cfg)
     prompts = {split: (*read_prompts(path, fmt, cfg.context_length, cfg.rl.max_new_tokens), path)
                for split, path in splits.items()}
     owns_group = not (dist.is_available() and dist.is_initialized())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -261,4 +260,18 @@ def test_resuming_with_another_reward_or_k_is_refused(chat_run, rl_tasks, tmp_pa
     err = capsys.readouterr().err
     key = change.split("=")[0].replace(".", r"\.")
     assert len(err.strip().splitlines()) == 1 and re.search(rf"incompatible config \(.*{key}: ", err), err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_changed_data_on_resume_is_refused(chat_run, rl_tasks, tmp_path) -> None:
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(rl_tasks["train"].read_bytes())
+    out = tmp_path / "rl"
+    rl(chat_run, data, out, overrides=SMALL + ("training.max_steps=2",), progress=False)
+    with open(data, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]})
+                + "\n")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=r"train data .* changed since this run started"):
+        rl(chat_run, data, out, overrides=SMALL, progress=False)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
