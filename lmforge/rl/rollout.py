@@ -71,9 +71,9 @@ def stop_ids(fmt: ChatFormat) -> list[int]:
 class _Row:
     """A reply being decoded: its rollout, sampler, tool state, the ids still to feed, the cache's fill."""
 
-    def __init__(self, prompt: list[int], seed: int, fmt: ChatFormat | None) -> None:
+    def __init__(self, prompt: list[int], seed: int, fmt: ChatFormat | None, device: torch.device) -> None:
         self.out = Rollout(prompt=list(prompt))
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = torch.Generator(device=device).manual_seed(seed)
         self.tool = ToolUse(fmt) if fmt is not None else None
         self.pending: collections.deque[int] = collections.deque()
         self.used = len(prompt)  # ids in the cache
@@ -116,7 +116,7 @@ def sample_replies(engine: Any, prompts: Sequence[Sequence[int]], seeds: Sequenc
     for p in prompts:
         if not 0 < len(p) < ctx:
             raise ValueError(f"a prompt of {len(p)} tokens leaves no room for a reply in a context of {ctx}")
-    rows = [_Row(p, s, fmt if tools else None) for p, ss in zip(prompts, seeds) for s in ss]
+    rows = [_Row(p, s, fmt if tools else None, engine.device) for p, ss in zip(prompts, seeds) for s in ss]
     stops = set(stop_ids(fmt))
 
     def pick(r: _Row, logits: torch.Tensor) -> None:  # logits (V,)
@@ -137,7 +137,7 @@ def sample_replies(engine: Any, prompts: Sequence[Sequence[int]], seeds: Sequenc
                 live.pop()
             if not live:
                 break
-            feed = torch.tensor([r.pending.popleft() for r in live], dtype=torch.long)
+            feed = torch.tensor([r.pending.popleft() for r in live], dtype=torch.long, device=engine.device)
             logits = engine.step(feed)
             for b, r in enumerate(live):
                 r.used += 1

@@ -74,6 +74,9 @@ class RolloutSource:
             raise ValueError(f"training.global_batch_size={cfg.training.global_batch_size} must be rl.prompts_per_step "
                              f"x rl.samples_per_prompt = {rl.prompts_per_step * rl.samples_per_prompt} (the replies of "
                              "one step); `lmforge rl` sets it")
+        if cfg.training.parallel == "fsdp" and info.enabled:
+            raise ValueError("rl with training.parallel=fsdp: every rank samples its rollouts from the whole model, "
+                             "which FSDP shards; use training.parallel=ddp")
         if rl.prompts_per_step % W:
             raise ValueError(f"rl.prompts_per_step={rl.prompts_per_step} cannot be split over {W} processes by whole "
                              f"prompts; use a world size that divides it")

@@ -4,6 +4,7 @@ the same steps on two ranks as on one, trains LoRA adapters, applies the KL pena
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -275,3 +276,19 @@ def test_changed_data_on_resume_is_refused(chat_run, rl_tasks, tmp_path) -> None
     with pytest.raises(ValueError, match=r"train data .* changed since this run started"):
         rl(chat_run, data, out, overrides=SMALL, progress=False)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible to torch)")
+def test_rl_on_cuda_samples_trains_and_resumes(chat_run, rl_tasks, tmp_path) -> None:
+    """On CUDA the rollouts take the engine's PyTorch path with per-row CUDA generators; bf16 autocast trains; a
+    resumed run continues from its checkpoint (CUDA kernels need not be bit-reproducible, so steps are compared
+    up to the checkpoint only)."""
+    cuda = SMALL + ("training.device=cuda", "training.dtype=bf16", "training.num_threads=null", "training.max_steps=4")
+    full, split = tmp_path / "full", tmp_path / "split"
+    rl(chat_run, rl_tasks["train"], full, overrides=cuda, progress=False)
+    rl(chat_run, rl_tasks["train"], split, overrides=cuda + ("training.max_steps=2",), progress=False)
+    rl(chat_run, rl_tasks["train"], split, overrides=cuda, progress=False)
+    assert [s["step"] for s in _steps(full)] == [1, 2, 3, 4] == [s["step"] for s in _steps(split)]
+    assert all(math.isfinite(s["loss"]) and 0 <= s["reward"] <= 1 for s in _steps(split))
+    assert _steps(split)[0]["reward"] == _steps(full)[0]["reward"]  # the same seeds, the same starting weights
