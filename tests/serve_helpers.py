@@ -119,15 +119,16 @@ def wide_zero_run(path: Path) -> Path:
 
 
 def recorded_prompts(served: Any, monkeypatch: Any) -> list[list[int]]:
-    """The prompt ids of every request ``served``'s scheduler receives from now on (its ``submit`` wrapped)."""
+    """The prompt ids of every request ``served``'s scheduler receives from now on (its ``submit_many``, which
+    ``submit`` and the server call, wrapped; one entry per prompt, however many samples it has)."""
     seen: list[list[int]] = []
-    submit = served.scheduler.submit
+    submit_many = served.scheduler.submit_many
 
-    def record(req: Any) -> None:
-        seen.append(list(req.prompt))
-        submit(req)
+    def record(reqs: Any) -> None:
+        seen.append(list(reqs[0].prompt))
+        submit_many(reqs)
 
-    monkeypatch.setattr(served.scheduler, "submit", record)
+    monkeypatch.setattr(served.scheduler, "submit_many", record)
     return seen
 
 

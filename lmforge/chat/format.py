@@ -17,6 +17,23 @@ and an assistant turn with a tool call::
 
     <|assistant_start|>{content}<|python_start|>{tool_call}<|python_end|><|output_start|>{tool}<|output_end|>{content}<|assistant_end|>
 
+Function tools (the client runs them; OpenAI's ``tools``/``tool_calls``), with the :data:`TOOL_SPECIAL_TOKENS`: a
+conversation may come with ``tools``, a list of function definitions rendered as one JSON text after the
+system message (or first)::
+
+    <|tools_start|>{json.dumps(tools)}<|tools_end|>
+
+an assistant message may hold ``"tool_calls": [{"id", "type": "function", "function": {"name", "arguments"}}]``
+(``arguments``: a JSON text, or an object rendered with ``json.dumps``), each call a JSON object in its own
+block, and the turn ends after the calls; one ``tool`` message per call (``tool_call_id`` naming it) follows
+with its result, then a new assistant turn (or a user message)::
+
+    <|assistant_start|>{content}<|call_start|>{"name": NAME, "arguments": ARGS}<|call_end|>...<|assistant_end|>
+    <|output_start|>{result}<|output_end|>...<|assistant_start|>{reply}<|assistant_end|>
+
+(JSON as ``json.dumps(..., ensure_ascii=False)`` writes it: ``", "`` and ``": "``.) Trained: the calls and
+their tokens like the assistant's text; never trained: the tools block and the results.
+
 Worked example: ``[system "Be brief.", user "2+2?", assistant "4"]`` renders to (ids shown as their text,
 split as a small tokenizer might; ``.`` = mask 0, ``#`` = mask 1)::
 
@@ -54,8 +71,8 @@ from typing import Any, Sequence
 from lmforge.common import check_input_file
 from lmforge.tokenizer import EOT, Tokenizer
 
-__all__ = ["CHAT_SPECIAL_TOKENS", "ROLES", "ChatFormat", "add_chat_tokens", "check_conversation",
-           "load_conversations", "read_conversations"]
+__all__ = ["CHAT_SPECIAL_TOKENS", "ROLES", "TOOL_SPECIAL_TOKENS", "ChatFormat", "add_chat_tokens", "call_text",
+           "check_conversation", "check_tools", "load_conversations", "read_conversations", "read_records"]
 
 CHAT_SPECIAL_TOKENS: tuple[str, ...] = (
     EOT,  # conversation start (the pretraining document separator)
@@ -65,16 +82,36 @@ CHAT_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|python_start|>", "<|python_end|>",  # the assistant's calculator call
     "<|output_start|>", "<|output_end|>",  # the tool's result
 )
-"""Every special token of the chat format, in the order :func:`add_chat_tokens` appends missing ones."""
+"""Every special token a chat tokenizer must hold, in the order :func:`add_chat_tokens` appends missing ones."""
+
+TOOL_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|tools_start|>", "<|tools_end|>",  # the function definitions
+    "<|call_start|>", "<|call_end|>",  # one JSON function call of the assistant
+)
+"""The function-tool tokens, appended after :data:`CHAT_SPECIAL_TOKENS` (a tokenizer from before them chats
+without function tools)."""
 
 ROLES = ("system", "user", "assistant", "tool")
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 def add_chat_tokens(tokenizer: Tokenizer) -> Tokenizer:
-    """``tokenizer`` with the :data:`CHAT_SPECIAL_TOKENS` it lacks appended (no retraining; a no-op the second
-    time). Grow the model to match with ``model.resize_vocab(new.vocab_size)``."""
-    return tokenizer.with_special_tokens(CHAT_SPECIAL_TOKENS)
+    """``tokenizer`` with the :data:`CHAT_SPECIAL_TOKENS` and :data:`TOOL_SPECIAL_TOKENS` it lacks appended (no
+    retraining; a no-op the second time). Grow the model to match with ``model.resize_vocab(new.vocab_size)``."""
+    return tokenizer.with_special_tokens(CHAT_SPECIAL_TOKENS + TOOL_SPECIAL_TOKENS)
+
+
+def call_text(call: Any) -> str:
+    """A function call's text in the chat format: ``{"name": NAME, "arguments": ARGS}`` (``ARGS``: the call's
+    ``arguments`` text as given, or an object as ``json.dumps`` writes it). ``ValueError`` for a malformed call."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ValueError(f"a tool call is {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                         f"\"arguments\"}}}}, got {call!r:.80}")
+    args = fn.get("arguments", "{}")
+    if not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    return '{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": ' + args + "}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -95,6 +132,7 @@ def check_conversation(messages: Any, for_training: bool = True) -> list[Message
         raise ValueError(f"a conversation is a non-empty list of messages, got {type(messages).__name__} "
                          f"{messages!r:.60}{hint}")
     expect = {"system", "user"}  # roles allowed at the next position
+    pending: list[dict[str, Any]] = []  # function calls not yet answered by a tool message
     for k, m in enumerate(messages):
         where = f"message {k}"
         if not isinstance(m, dict):
@@ -102,22 +140,43 @@ def check_conversation(messages: Any, for_training: bool = True) -> list[Message
         role = m.get("role")
         if role not in ROLES:
             raise ValueError(f"{where} has unknown role {role!r}; use one of {', '.join(ROLES)}")
-        extra = set(m) - {"role", "content", "tool_call"}
-        if extra or ("tool_call" in m and role != "assistant"):
-            bad = sorted(extra)[0] if extra else "tool_call"
-            raise ValueError(f"{where} ({role}) has key {bad!r}; messages hold role and content, and an assistant "
-                             "message may add tool_call: \"EXPR\" (a calculator call)")
-        content, call = m.get("content"), m.get("tool_call")
+        extra = set(m) - {"role", "content", "tool_call", "tool_calls", "tool_call_id"}
+        misplaced = [k for k in ("tool_call", "tool_calls") if k in m and role != "assistant"] + \
+            (["tool_call_id"] if "tool_call_id" in m and role != "tool" else [])
+        if extra or misplaced or ("tool_call" in m and "tool_calls" in m):
+            bad = sorted(extra)[0] if extra else misplaced[0] if misplaced else "tool_calls"
+            raise ValueError(f"{where} ({role}) has key {bad!r}; messages hold role and content, an assistant "
+                             "message may add tool_call: \"EXPR\" (a calculator call) or tool_calls (function "
+                             "calls), and a tool message tool_call_id")
+        content, call, calls = m.get("content"), m.get("tool_call"), m.get("tool_calls")
         if not isinstance(content, str) or ("tool_call" in m and not isinstance(call, str)):
             raise ValueError(f"{where} ({role}): content and tool_call must be strings, got {content!r:.60}")
         if call is not None and not call.strip():
             raise ValueError(f"{where} (assistant) has an empty tool_call; give the expression or drop the key")
-        if not content.strip() and call is None and (for_training or role != "assistant"):
+        if calls is not None:
+            if not isinstance(calls, list) or not calls:
+                raise ValueError(f"{where} (assistant): tool_calls must be a non-empty list, got {calls!r:.60}")
+            for c in calls:
+                call_text(c)
+        if not content.strip() and call is None and not calls and (for_training or role != "assistant"):
             raise ValueError(f"{where} ({role}) has empty content; give it text or drop the message")
         if role not in expect:
             raise ValueError(f"{where} has role {role!r} but {' or '.join(sorted(expect))} must come here: "
                              "an optional system message first, then user and assistant turns alternating, "
-                             "and a tool message right after each assistant tool_call")
+                             "and a tool message right after each assistant tool_call (one per tool_calls entry)")
+        if role == "tool" and pending:
+            tid = m.get("tool_call_id")
+            ids = [c.get("id") for c in pending]
+            if tid is not None and any(ids) and tid not in ids:
+                raise ValueError(f"{where} (tool) answers tool_call_id {tid!r:.60}, which no unanswered call of the "
+                                 f"assistant has ({', '.join(map(str, filter(None, ids)))})")
+            pending.pop(ids.index(tid) if tid in ids else 0)
+            expect = {"tool"} if pending else {"assistant", "user"}
+            continue
+        if role == "assistant" and calls:
+            pending = list(calls)
+            expect = {"tool"}
+            continue
         expect = {"system": {"user"}, "user": {"assistant"}, "tool": {"assistant"},
                   "assistant": {"tool"} if call is not None else {"user"}}[role]
     last = messages[-1]
@@ -125,15 +184,38 @@ def check_conversation(messages: Any, for_training: bool = True) -> list[Message
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError("the conversation has no assistant message, so it has nothing to train on; "
                              "add the assistant's reply")
-        if "tool_call" in last:
-            raise ValueError("the conversation ends with an assistant tool_call; add the tool message with its "
+        if "tool_call" in last or pending or last.get("tool_calls"):
+            raise ValueError("the conversation ends with an assistant tool call; add the tool message with its "
                              "result and the assistant's reply")
         if last["role"] != "assistant":
             raise ValueError(f"the conversation ends with a {last['role']} message that is not answered; end it "
                              "with the assistant's reply")
-    elif last["role"] != "user":
+    elif pending or last.get("tool_calls"):
+        raise ValueError(f"the prompt's last assistant message has {len(pending) or len(last['tool_calls'])} "
+                         "function call(s) without a tool message answering each; add the results")
+    elif last["role"] != "user" and not (last["role"] == "tool" and _answers_functions(messages)):
         raise ValueError(f"a prompt must end with a user message (the reply is generated), not {last['role']}")
     return messages
+
+
+def _answers_functions(messages: list[Message]) -> bool:
+    """Whether the trailing tool messages answer an assistant's function calls (not a calculator call)."""
+    k = len(messages) - 1
+    while k >= 0 and messages[k]["role"] == "tool":
+        k -= 1
+    return k >= 0 and bool(messages[k].get("tool_calls"))
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]]:
+    """``tools``: a list of ``{"type": "function", "function": {"name", ...}}`` (``ValueError`` otherwise)."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError(f"tools must be a non-empty list of function definitions, got {tools!r:.60}")
+    for k, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{k}] must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                             f"\"description\", \"parameters\"}}}}, got {t!r:.80}")
+    return tools
 
 
 # --------------------------------------------------------------------------------------------------
@@ -161,14 +243,21 @@ class ChatFormat:
                              "lmforge.chat.add_chat_tokens(tokenizer) and grow the model with "
                              "model.resize_vocab(tokenizer.vocab_size)")
         self.tokenizer = tokenizer
-        self.ids: dict[str, int] = {t: have[t] for t in CHAT_SPECIAL_TOKENS}
+        self.ids: dict[str, int] = {t: have[t] for t in CHAT_SPECIAL_TOKENS + TOOL_SPECIAL_TOKENS if t in have}
         self.assistant_end_id = self.ids["<|assistant_end|>"]
+        self.has_tools = all(t in have for t in TOOL_SPECIAL_TOKENS)
+        """Whether the tokenizer holds the :data:`TOOL_SPECIAL_TOKENS` (function tools can be rendered)."""
 
     def _text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, special="plain")
 
-    def _render(self, messages: list[Message], completion: bool) -> tuple[list[int], list[int]]:
+    def _render(self, messages: list[Message], completion: bool,
+                tools: list[dict[str, Any]] | None) -> tuple[list[int], list[int]]:
         sp = self.ids
+        uses_functions = bool(tools) or any(m.get("tool_calls") for m in messages)
+        if uses_functions and not self.has_tools:
+            raise ValueError("this tokenizer has no function-tool tokens (" + ", ".join(TOOL_SPECIAL_TOKENS) +
+                             "); fine-tune the model with a tokenizer from lmforge.chat.add_chat_tokens to use tools")
         ids: list[int] = [sp[EOT]]
         mask: list[int] = [0]
 
@@ -176,31 +265,49 @@ class ChatFormat:
             ids.extend(part)
             mask.extend([trained] * len(part))
 
-        for k, m in enumerate(messages):
+        def add_tools() -> None:
+            if tools:
+                add([sp["<|tools_start|>"], *self._text(json.dumps(tools, ensure_ascii=False)),
+                     sp["<|tools_end|>"]], 0)
+
+        if not messages or messages[0]["role"] != "system":
+            add_tools()
+        calculator = False  # the last assistant message called the calculator: its turn goes on after the output
+        for m in messages:
             role, content = m["role"], m["content"]
             if role in ("system", "user"):
                 add([sp[f"<|{role}_start|>"], *self._text(content), sp[f"<|{role}_end|>"]], 0)
+                if role == "system":
+                    add_tools()
             elif role == "tool":
                 add(self.tool_output_ids(content), 0)
-            else:  # assistant; after a tool message it continues the same turn
-                if messages[k - 1]["role"] != "tool":
+            else:  # assistant; after a calculator's output it continues the same turn
+                if not calculator:
                     add([sp["<|assistant_start|>"]], 0)
                 add(self._text(content), 1)
-                if "tool_call" in m:
+                calculator = "tool_call" in m
+                if calculator:
                     add([sp["<|python_start|>"], *self._text(m["tool_call"]), sp["<|python_end|>"]], 1)
-                else:
-                    add([sp["<|assistant_end|>"]], 1)
+                    continue
+                for c in m.get("tool_calls") or ():
+                    add([sp["<|call_start|>"], *self._text(call_text(c)), sp["<|call_end|>"]], 1)
+                add([sp["<|assistant_end|>"]], 1)
         if completion:
             add([sp["<|assistant_start|>"]], 0)
         return ids, mask
 
-    def render(self, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
-        """``(ids, loss_mask)`` of a whole conversation for training (see the module docstring)."""
-        return self._render(check_conversation(messages, for_training=True), completion=False)
+    def render(self, messages: Sequence[Message],
+               tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
+        """``(ids, loss_mask)`` of a whole conversation for training (see the module docstring), with the
+        function definitions ``tools`` when given."""
+        return self._render(check_conversation(messages, for_training=True), False,
+                            check_tools(tools) if tools is not None else None)
 
-    def render_for_completion(self, messages: Sequence[Message]) -> list[int]:
-        """Prompt ids of a conversation ending with a user message, ending with ``<|assistant_start|>``."""
-        return self._render(check_conversation(messages, for_training=False), completion=True)[0]
+    def render_for_completion(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Prompt ids of a conversation ending with a user message (or the results of function calls), ending
+        with ``<|assistant_start|>``."""
+        return self._render(check_conversation(messages, for_training=False), True,
+                            check_tools(tools) if tools is not None else None)[0]
 
     def tool_output_ids(self, output: str) -> list[int]:
         """``<|output_start|>{output}<|output_end|>``: what the engine feeds back after running a tool call."""
@@ -210,11 +317,12 @@ class ChatFormat:
 # --------------------------------------------------------------------------------------------------
 # JSONL files
 # --------------------------------------------------------------------------------------------------
-def read_conversations(path: str | os.PathLike) -> list[tuple[int, list[Message]]]:
-    """``(line number, messages)`` of each conversation in a JSONL file of ``{"messages": [...]}`` lines.
+def read_records(path: str | os.PathLike) -> list[tuple[int, list[Message], list[dict[str, Any]] | None]]:
+    """``(line number, messages, tools)`` of each conversation in a JSONL file of ``{"messages": [...]}`` lines
+    (``"tools"``: the conversation's function definitions, optional; None without).
 
-    Blank lines are skipped; every conversation is checked for training (:func:`check_conversation`), and
-    any problem is a ``ValueError`` that starts with ``path:line:``.
+    Blank lines are skipped; every conversation is checked for training (:func:`check_conversation`,
+    :func:`check_tools`), and any problem is a ``ValueError`` that starts with ``path:line:``.
     """
     p = check_input_file(path)
     out = []
@@ -234,10 +342,16 @@ def read_conversations(path: str | os.PathLike) -> list[tuple[int, list[Message]
         if not isinstance(obj, dict) or "messages" not in obj:
             raise ValueError(f"{p}:{lineno}: expected an object {{\"messages\": [...]}}, got {line.strip()!r:.60}")
         try:
-            out.append((lineno, check_conversation(obj["messages"], for_training=True)))
+            tools = check_tools(obj["tools"]) if obj.get("tools") is not None else None
+            out.append((lineno, check_conversation(obj["messages"], for_training=True), tools))
         except ValueError as e:
             raise ValueError(f"{p}:{lineno}: {e}") from None
     return out
+
+
+def read_conversations(path: str | os.PathLike) -> list[tuple[int, list[Message]]]:
+    """``(line number, messages)`` of each conversation in a JSONL file (:func:`read_records` without the tools)."""
+    return [(lineno, messages) for lineno, messages, _ in read_records(path)]
 
 
 def load_conversations(path: str | os.PathLike) -> list[list[Message]]:

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from lmforge.chat.format import ChatFormat, add_chat_tokens, read_conversations
+from lmforge.chat.format import ChatFormat, add_chat_tokens, read_records
 from lmforge.checkpoint import CheckpointManager, apply_checkpoint, save_checkpoint
 from lmforge.common import check_apart, remove_stale_temporaries, sha256_file
 from lmforge.config import apply_overrides, dump_yaml, from_dict, load_yaml
@@ -104,13 +104,13 @@ def render_file(path: str | os.PathLike, fmt: ChatFormat, context_length: int) -
     """``([(ids, mask), ...], skipped)``: the conversations of a JSONL file rendered; those longer than
     ``context_length + 1`` tokens are skipped and counted."""
     rendered, skipped = [], 0
-    conversations = read_conversations(path)
+    conversations = read_records(path)
     if not conversations:
         raise ValueError(f"{path} holds no conversations (it is empty, or blank lines only); give a JSONL file with "
                          'one {"messages": [...]} object per line')
-    for lineno, messages in conversations:
+    for lineno, messages, tools in conversations:
         try:
-            ids, mask = fmt.render(messages)
+            ids, mask = fmt.render(messages, tools)
         except ValueError as e:  # e.g. text the tokenizer cannot encode (a lone surrogate)
             raise ValueError(f"{path}:{lineno}: {e}") from None
         if len(ids) > context_length + 1:

@@ -184,3 +184,88 @@ def chitchat_conversations(data: dict[str, Any], val_fraction: float = 0.05) -> 
 def to_jsonl(records: Iterable[Record]) -> str:
     """One JSON object per line (UTF-8 text kept as is)."""
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+
+
+# --------------------------------------------------------------------------------------------------
+# Function calling (appended: the six tasks above, their items, order and seeds are untouched)
+# --------------------------------------------------------------------------------------------------
+FUNCTION_TOOLS: list[Record] = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather now in a city: temperature in °C and the sky.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                       "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "get_population", "description": "How many people live in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                       "additionalProperties": False}}},
+]
+"""The function definitions every ``function_call`` record carries (its ``tools``)."""
+
+_SKIES = ("sunny", "cloudy", "rainy", "windy", "foggy")
+
+
+def _function_call(rng: random.Random, words: list[str]) -> Record:
+    """The ``function_call`` task: the user asks about a city; the assistant calls the right function with JSON
+    arguments (``tool_calls``), the ``tool`` result comes back as JSON, and the final reply states it."""
+    city = rng.choice(words).capitalize()
+    if rng.random() < 0.5:
+        name, question = "get_weather", f"What is the weather in {city}?"
+        temp, sky = rng.randint(-10, 35), rng.choice(_SKIES)
+        result, answer = {"temperature": temp, "sky": sky}, f"It is {temp} °C and {sky} in {city}."
+    else:
+        name, question = "get_population", f"How many people live in {city}?"
+        people = rng.randint(1, 999) * 1000
+        result, answer = {"population": people}, f"{city} has {people} people."
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": name, "arguments": json.dumps({"city": city}, ensure_ascii=False)}}
+    return {"task": "function_call", "tools": FUNCTION_TOOLS, "messages": [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": json.dumps(result, ensure_ascii=False)},
+        {"role": "assistant", "content": answer}]}
+
+
+FUNCTION_TASKS: dict[str, Callable[[random.Random, list[str]], Record]] = {"function_call": _function_call}
+"""Chat tasks with function tools (records carry ``tools``), kept apart from :data:`TASKS` so adding them leaves
+the built-in tasks' draws and order as they were."""
+
+FUNCTION_SEED_OFFSET = 26
+"""The function tasks draw from ``random.Random(seed + FUNCTION_SEED_OFFSET)``, not the built-in tasks' stream."""
+
+
+def with_function_tasks(train: list[Record], val: list[Record], words: list[str], n_train: int = 1000,
+                        n_val: int = 50, seed: int = 0) -> tuple[list[Record], list[Record]]:
+    """``(train, val)`` of :func:`chat_tasks` with the :data:`FUNCTION_TASKS` added: their validation items
+    (distinct prompts, never in training) after the others, their training items inserted at seeded places, so
+    the other records keep their relative order."""
+    if len(words) < 2:
+        raise ValueError(f"the chat tasks need a word list of at least 2 words, got {len(words)}")
+    extra_train: list[Record] = []
+    extra_val: list[Record] = []
+    rng = random.Random(seed + FUNCTION_SEED_OFFSET)
+    for name, draw in FUNCTION_TASKS.items():
+        seen: dict[str, Record] = {}
+        for _ in range(100 * n_val):
+            if len(seen) == n_val:
+                break
+            r = draw(rng, words)
+            seen.setdefault(r["messages"][0]["content"], r)
+        if len(seen) < n_val:
+            raise ValueError(f"task {name}: could draw only {len(seen)} distinct validation items of {n_val}; "
+                             "give more words or ask for fewer validation items")
+        extra_val.extend(seen.values())
+        for _ in range(n_train):
+            for _ in range(1000):
+                r = draw(rng, words)
+                if r["messages"][0]["content"] not in seen:
+                    break
+            else:
+                raise ValueError(f"task {name}: every item drawn is a validation item; give more words")
+            extra_train.append(r)
+    merged = list(train)
+    for r in extra_train:
+        merged.insert(rng.randint(0, len(merged)), r)
+    return merged, list(val) + extra_val
+
+
+__all__ += ["FUNCTION_TASKS", "FUNCTION_TOOLS", "with_function_tasks"]

@@ -47,7 +47,7 @@ from typing import Callable
 import platformdirs
 
 from lmforge.common import atomic_open, atomic_write_text, check_output_path, sha256_file
-from lmforge.corpus.chat_data import chat_tasks, chitchat_conversations, common_words, to_jsonl
+from lmforge.corpus.chat_data import chat_tasks, chitchat_conversations, common_words, to_jsonl, with_function_tasks
 from lmforge.corpus.specials import EOT
 from lmforge.progress import progress as progress_bar
 
@@ -401,7 +401,8 @@ def get_chat_tasks(root: Path, force: bool = False) -> list[Path]:
     if all(p.exists() for p in paths) and not force:
         return paths
     (corpus,) = get_shakespeare(root)
-    train, val = chat_tasks(common_words(corpus.read_text(encoding="utf-8")))
+    words = common_words(corpus.read_text(encoding="utf-8"))
+    train, val = with_function_tasks(*chat_tasks(words), words)  # + function calling (records with "tools")
     return _write_splits(d, train, val)
 
 

@@ -9,7 +9,8 @@ tensors, SwiGLU, then the final norm and the head); everywhere else a step is th
 Tests hold the kernel step to that forward.
 
 For serving, rows join and leave between steps (continuous batching): ``Engine.open_slots`` makes an empty
-cache of N rows, ``Engine.admit`` prefills one prompt into the next free row, ``Engine.release`` frees a row,
+cache of N rows, ``Engine.admit`` prefills one prompt into the next free row (``Engine.fork`` copies a row into
+the next free one), ``Engine.release`` frees a row,
 and ``Engine.step`` feeds the live rows in one batched step (:mod:`lmforge.generate.scheduler` drives this).
 """
 
@@ -251,15 +252,27 @@ class Engine:
         last = self.active - 1
         moved = None
         if row != last:
-            n = int(self.cache.lengths[last])
-            self.cache.k[:, row, :, :n] = self.cache.k[:, last, :, :n]
-            self.cache.v[:, row, :, :n] = self.cache.v[:, last, :, :n]
-            self.cache.lengths[row] = n
-            self.tokens[row, :n] = self.tokens[last, :n]
+            self._copy_row(last, row)
             moved = last
         self.cache.lengths[last] = 0
         self.active = last
         return moved
+
+    @torch.inference_mode()
+    def fork(self, row: int) -> int:
+        """Copy live row ``row`` (cache columns, tokens, length) into the next free row and return that row:
+        several samples of one prompt share its prefill."""
+        assert self.cache is not None and 0 <= row < self.active < self.cache.batch_size, (row, self.active)
+        self._copy_row(row, self.active)
+        self.active += 1
+        return self.active - 1
+
+    def _copy_row(self, src: int, dst: int) -> None:
+        n = int(self.cache.lengths[src])
+        self.cache.k[:, dst, :, :n] = self.cache.k[:, src, :, :n]
+        self.cache.v[:, dst, :, :n] = self.cache.v[:, src, :, :n]
+        self.cache.lengths[dst] = n
+        self.tokens[dst, :n] = self.tokens[src, :n]
 
     def _refill(self, rows: slice, kept: torch.Tensor) -> None:
         """Empty the cache rows ``rows`` and run ``kept (b, n)`` into them (a sliding row's re-prefill)."""

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-__all__ = ["MIN_TEMPERATURE", "SEED_MAX", "SEED_MIN", "check_sampling", "check_seed", "is_greedy", "sample_next"]
+__all__ = ["MIN_TEMPERATURE", "SEED_MAX", "SEED_MIN", "check_sampling", "check_seed", "is_greedy", "sample_next",
+           "sampling_logits"]
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy: dividing float32 logits by a smaller one overflows to inf (1e-40 gives
@@ -46,22 +47,11 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ValueError(f"top_p must be in (0, 1] (got {top_p}); 1 keeps every token, small values keep few")
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick the next token of each row of ``logits`` ``(B, V)``; returns ``(B,)`` int64.
-
-    A temperature below :data:`MIN_TEMPERATURE` (0 included) is greedy (argmax; ties go to the lowest id).
-    Otherwise the logits are divided by the temperature, then restricted to the ``top_k`` largest, then to the
-    smallest set of tokens whose probabilities add up to at least ``top_p`` (never empty: the most likely token
-    is always kept, however small ``top_p``; ``top_p = 1`` keeps every token), and one token is drawn with
-    ``generator``.
-    """
-    if is_greedy(temperature):
-        if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
-            # numpy's argmax: the same ids (the first maximum; a NaN counts as the maximum), in a fifth of the
-            # time of torch's on a decode step's few rows (microseconds that every generated token pays)
-            return torch.from_numpy(logits.numpy().argmax(-1))
-        return logits.argmax(dim=-1)
+def sampling_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                    top_p: float | None = None) -> torch.Tensor:
+    """The logits ``(B, V)`` of the distribution :func:`sample_next` draws from at a non-greedy ``temperature``:
+    divided by the temperature, then tokens outside the ``top_k`` largest and outside the smallest set whose
+    probabilities add up to at least ``top_p`` set to ``-inf`` (the most likely token always stays)."""
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1) smallest kept logit
@@ -74,5 +64,24 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
         drop[:, 0] = False  # the most likely token stays, even for a top_p that rounds to 0 in float32 (1e-50)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = torch.softmax(logits, dim=-1)
+    return logits
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick the next token of each row of ``logits`` ``(B, V)``; returns ``(B,)`` int64.
+
+    A temperature below :data:`MIN_TEMPERATURE` (0 included) is greedy (argmax; ties go to the lowest id).
+    Otherwise one token is drawn with ``generator`` from :func:`sampling_logits`: the logits divided by the
+    temperature, restricted to the ``top_k`` largest, then to the smallest set of tokens whose probabilities add
+    up to at least ``top_p`` (never empty: the most likely token is always kept, however small ``top_p``;
+    ``top_p = 1`` keeps every token).
+    """
+    if is_greedy(temperature):
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+            # numpy's argmax: the same ids (the first maximum; a NaN counts as the maximum), in a fifth of the
+            # time of torch's on a decode step's few rows (microseconds that every generated token pays)
+            return torch.from_numpy(logits.numpy().argmax(-1))
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(sampling_logits(logits, temperature, top_k, top_p), dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

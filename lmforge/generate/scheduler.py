@@ -20,6 +20,16 @@ thread, so a server's event loop never waits on the model; an error in one reque
 Forced tokens: ``Request.tool`` is called with each sampled token; when it returns a list of ids (a
 calculator call that completed, say), those ids are fed to the row one per step before it samples again.
 They are part of the completion (emitted, counted in ``max_tokens``).
+
+Constraints: a request's ``constraint`` (:class:`~lmforge.generate.constraints.RowConstraint`) masks the row's
+logits before it samples (JSON Schema, regex or choice regions; banned tokens), and sees every token the row
+takes. With ``capture_regions`` a region's tokens are not text: its decoded text comes in
+``Update.regions`` when it closes (a tool call's JSON). ``logprobs`` (0..20 alternatives) adds each taken
+token's log-probability under the distribution it was drawn from (after the constraint's mask, the temperature,
+top-k and top-p; at a greedy temperature: the masked logits' softmax; a forced token: 0) to its update.
+
+Several samples of one prompt: :meth:`Scheduler.submit_many` queues requests with the same prompt as one entry;
+they join together, the prompt prefilled once and its cache row copied (``Engine.fork``) into the others.
 """
 
 from __future__ import annotations
@@ -32,15 +42,19 @@ from typing import Callable, Collection, Mapping, Sequence
 
 import torch
 
+from lmforge.generate.constraints import RowConstraint
 from lmforge.generate.engine import Engine
 from lmforge.generate.generator import _TextStream
-from lmforge.generate.sampling import check_sampling, check_seed, is_greedy, sample_next
+from lmforge.generate.sampling import check_sampling, check_seed, is_greedy, sample_next, sampling_logits
 from lmforge.model.cache import check_context
 from lmforge.tokenizer import Tokenizer
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["QueueFull", "Request", "Scheduler", "Update"]
+__all__ = ["MAX_LOGPROBS", "QueueFull", "Request", "Scheduler", "TokenLogprob", "Update"]
+
+MAX_LOGPROBS = 20
+"""The most alternatives a request may ask for per token (the OpenAI API's bound)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,17 @@ class Update:
     completion_tokens: int
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: tuple["TokenLogprob", ...] = ()
+    regions: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A taken token's log-probability and the ``top`` most likely alternatives ``((id, logprob), ...)``."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(eq=False)
@@ -68,7 +93,8 @@ class Request:
     loop). ``stop_ids`` end the completion without being part of it; ``stop`` strings end it at their first
     occurrence in the text (not emitted). ``tool(token_id) -> list[int] | None``: see the module docstring.
     ``token_text`` maps token ids to the text emitted for them instead of their own (a server showing the
-    special tokens of a tool call in its own markup); ``seed`` is a signed 64-bit integer.
+    special tokens of a tool call in its own markup); ``seed`` is a signed 64-bit integer. ``constraint``,
+    ``capture_regions`` and ``logprobs``: see the module docstring.
     """
 
     prompt: list[int]
@@ -82,6 +108,9 @@ class Request:
     stop: Sequence[str] = ()
     tool: Callable[[int], list[int] | None] | None = None
     token_text: Mapping[int, str] = field(default_factory=dict)
+    constraint: RowConstraint | None = None
+    capture_regions: bool = False
+    logprobs: int | None = None
     cancelled: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +123,9 @@ class Request:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop_ids = frozenset(int(t) for t in self.stop_ids)
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None (got {self.logprobs!r})")
 
 
 class QueueFull(RuntimeError):
@@ -116,8 +148,12 @@ class _Row:
         self.n = 0  # completion tokens
         self.next = -1  # the token to feed at the next step
         self.pending = ""  # text not yet emitted
+        self.pending_lp: list[TokenLogprob] = []  # their log-probabilities
+        self.regions: list[str] = []  # captured regions closed since the last update
         self.finish: str | None = None
         self.error: str | None = None
+        if req.constraint is not None:
+            self.forced.extend(req.constraint.force)
 
 
 class Scheduler:
@@ -141,8 +177,11 @@ class Scheduler:
         self._bytes = [tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)]
         engine.open_slots(max_batch)
         self._rows: list[_Row] = []  # _rows[i] is the request in engine row i
-        self._waiting: collections.deque[Request] = collections.deque()
+        self._waiting: collections.deque[list[Request]] = collections.deque()  # entries: requests joining together
         self._cv = threading.Condition()
+        self.engine_lock = threading.Lock()
+        """Held by the engine thread while it uses the model; another thread using the model (a server's
+        embeddings) takes it too, between steps."""
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -161,8 +200,20 @@ class Scheduler:
         ``ValueError`` if it does not fit the context or holds out-of-range ids, :class:`QueueFull` if
         ``max_queue`` requests are already waiting, ``RuntimeError`` if the scheduler is stopping.
         """
-        self.check(len(req.prompt), req.max_tokens)
-        bad = [t for t in req.prompt if not 0 <= t < self.vocab_limit]
+        self.submit_many([req])
+
+    def submit_many(self, reqs: Sequence[Request]) -> None:
+        """Queue requests with one prompt as one entry (as :meth:`submit`): they join together, the prompt
+        prefilled once and copied into their rows. ``ValueError`` also for more requests than rows or prompts
+        that differ."""
+        reqs = list(reqs)
+        if not reqs or len(reqs) > self.max_batch:
+            raise ValueError(f"{len(reqs)} requests cannot join together: between 1 and max_batch={self.max_batch}")
+        if any(r.prompt != reqs[0].prompt for r in reqs[1:]):
+            raise ValueError("requests that join together must have the same prompt")
+        for req in reqs:
+            self.check(len(req.prompt), req.max_tokens)
+        bad = [t for t in reqs[0].prompt if not 0 <= t < self.vocab_limit]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_limit})")
         with self._cv:
@@ -171,7 +222,7 @@ class Scheduler:
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting (max_queue={self.max_queue}); "
                                 "retry later")
-            self._waiting.append(req)
+            self._waiting.append(reqs)
             self._cv.notify()
 
     def cancel(self, req: Request) -> None:
@@ -179,17 +230,17 @@ class Scheduler:
         step, and gets no more updates."""
         req.cancelled = True
         with self._cv:
-            try:
-                self._waiting.remove(req)  # identity (Request has eq=False); at most max_queue entries
-            except ValueError:  # not waiting: running, finished, or already taken by the engine thread
-                pass
+            for entry in self._waiting:  # at most max_queue entries; Request compares by identity
+                if any(r is req for r in entry) and all(r.cancelled for r in entry):
+                    self._waiting.remove(entry)
+                    break
             self._cv.notify()
 
     def load(self) -> dict[str, int]:
-        """``{"active", "waiting", "max_batch", "max_queue"}`` right now."""
+        """``{"active", "waiting", "max_batch", "max_queue"}`` right now (``waiting``: queued requests)."""
         with self._cv:
-            return {"active": len(self._rows), "waiting": len(self._waiting), "max_batch": self.max_batch,
-                    "max_queue": self.max_queue}
+            return {"active": len(self._rows), "waiting": sum(len(e) for e in self._waiting),
+                    "max_batch": self.max_batch, "max_queue": self.max_queue}
 
     def start(self) -> None:
         """Run the loop in a daemon thread until :meth:`stop`."""
@@ -218,7 +269,8 @@ class Scheduler:
                 if self._stopping:
                     return
             try:
-                self.run_once()
+                with self.engine_lock:
+                    self.run_once()
             except Exception as e:  # noqa: BLE001  (the engine failed: end the live requests, keep serving)
                 logger.exception("engine step failed")
                 self._drop_all("error", f"internal error in the engine: {type(e).__name__}: {e}")
@@ -230,7 +282,7 @@ class Scheduler:
             ended = [(r.req, r.n) for r in self._rows]
             self._rows = []
             if reason == "cancelled":
-                ended += [(req, 0) for req in self._waiting]
+                ended += [(req, 0) for entry in self._waiting for req in entry]
                 self._waiting.clear()
         for req, n in ended:
             self._send(req, Update("", len(req.prompt), n, reason, error))
@@ -249,21 +301,31 @@ class Scheduler:
         self._release([i for i, r in enumerate(self._rows) if r.req.cancelled])
         while self.engine.free_slots:
             with self._cv:
-                if not self._waiting:
+                if not self._waiting or len(self._waiting[0]) > self.engine.free_slots:
                     break
-                req = self._waiting.popleft()
-            if req.cancelled:
+                entry = [req for req in self._waiting.popleft() if not req.cancelled]
+            if not entry:
                 continue
-            try:  # everything about one request joining: its row state, its prefill
-                row = _Row(req, self.engine.device)
-                _, logits = self.engine.admit(req.prompt)  # last: once it returns, the engine row is taken
-            except Exception as e:  # noqa: BLE001  (this request failed to join; the others go on)
+            try:  # everything about these requests joining: their rows' state, the prefill, the copies
+                rows = [_Row(req, self.engine.device) for req in entry]
+                first, logits = self.engine.admit(entry[0].prompt)  # once it returns, the engine row is taken
+                try:
+                    for _ in entry[1:]:
+                        self.engine.fork(first)
+                except Exception:
+                    while self.engine.active > first:
+                        self.engine.release(self.engine.active - 1)
+                    raise
+            except Exception as e:  # noqa: BLE001  (these requests failed to join; the others go on)
                 logger.exception("a request failed to join the batch")
-                self._send(req, Update("", len(req.prompt), 0, "error", f"internal error: {type(e).__name__}: {e}"))
+                for req in entry:
+                    self._send(req, Update("", len(req.prompt), 0, "error",
+                                           f"internal error: {type(e).__name__}: {e}"))
                 continue
             with self._cv:
-                self._rows.append(row)
-            self._advance(row, logits)  # its own errors end this row only
+                self._rows.extend(rows)
+            for row in rows:
+                self._advance(row, logits)  # its own errors end this row only
         if not self._rows:
             return False
         self._finish_rows()
@@ -284,13 +346,15 @@ class Scheduler:
         req = r.req
         try:
             if r.forced:
-                self._take(r, r.forced.popleft())
+                t = r.forced.popleft()
+                if req.logprobs is not None:
+                    r.pending_lp.append(TokenLogprob(t, 0.0, ((t, 0.0),) if req.logprobs else ()))
+                self._take(r, t)
                 return
-            if is_greedy(req.temperature) and argmax is not None:
-                t = argmax  # == sample_next at temperature 0
-            else:
-                t = int(sample_next(logits[None, : self.vocab_limit], req.temperature, req.top_k, req.top_p, r.gen)[0])
+            t = self._sample(r, logits, argmax)
             if t in req.stop_ids:
+                if req.logprobs is not None:
+                    r.pending_lp.pop()  # a stop id is not part of the completion
                 r.finish = "stop"
                 r.pending += r.stream.finish()  # a held-back tail that turned out not to be a stop string
                 return
@@ -306,25 +370,68 @@ class Scheduler:
             logger.exception("a request failed")
             r.finish, r.error = "error", f"internal error: {type(e).__name__}: {e}"
 
+    def _sample(self, r: _Row, logits: torch.Tensor, argmax: int | None) -> int:
+        """The row's next token from ``logits (V,)`` under its constraint and sampling parameters (and, when the
+        request asks, its log-probability added to the row's pending ones)."""
+        req = r.req
+        greedy = is_greedy(req.temperature)
+        if req.constraint is None and req.logprobs is None:
+            if greedy and argmax is not None:
+                return argmax  # == sample_next at temperature 0
+            return int(sample_next(logits[None, : self.vocab_limit], req.temperature, req.top_k, req.top_p, r.gen)[0])
+        row = logits[None, : self.vocab_limit].float().clone()  # (1, V)
+        if req.constraint is not None:
+            req.constraint.apply(row[0])
+        if greedy:
+            t, dist = int(sample_next(row, 0.0)[0]), row
+        else:
+            dist = sampling_logits(row, req.temperature, req.top_k, req.top_p)
+            t = int(torch.multinomial(torch.softmax(dist, dim=-1), 1, generator=r.gen)[0, 0])  # == sample_next
+        if req.logprobs is not None:
+            lp = torch.log_softmax(dist[0], dim=-1)
+            top: tuple[tuple[int, float], ...] = ()
+            if req.logprobs:
+                values, ids = torch.topk(lp, min(req.logprobs, lp.shape[0]))
+                top = tuple((int(i), float(v)) for i, v in zip(ids, values) if v > float("-inf"))
+            r.pending_lp.append(TokenLogprob(t, float(lp[t]), top))
+        return t
+
     def _take(self, r: _Row, t: int) -> None:
         """Token ``t`` is the row's next completion token: its text, and whether it ends the row."""
         r.n += 1
         r.next = t
-        r.pending += r.stream.feed(r.shown.get(t, self._bytes[t]) if r.shown else self._bytes[t])
+        c = r.req.constraint
+        captured = False
+        if c is not None:
+            was = c.in_region
+            c.take(t)
+            captured = r.req.capture_regions and (was or c.in_region)
+            if captured and was and not c.in_region:  # a region closed
+                r.regions.append(self.tokenizer.decode(c.regions[-1]))
+        if captured:
+            if r.pending_lp and r.pending_lp[-1].token == t:
+                r.pending_lp.pop()  # a captured token is not text: no log-probability either
+        else:
+            r.pending += r.stream.feed(r.shown.get(t, self._bytes[t]) if r.shown else self._bytes[t])
         if r.stream.done:
             r.finish = "stop"
         elif r.n >= r.req.max_tokens:
             r.finish = "length"
             r.pending += r.stream.finish()
-        elif r.pending:
-            text, r.pending = r.pending, ""
-            self._send(r.req, Update(text, len(r.req.prompt), r.n))
+        elif r.pending or r.regions:
+            self._send(r.req, self._update(r))
+
+    def _update(self, r: _Row) -> Update:
+        """An update with the row's pending text, log-probabilities and closed regions (then cleared)."""
+        u = Update(r.pending, len(r.req.prompt), r.n, r.finish, r.error, tuple(r.pending_lp), tuple(r.regions))
+        r.pending, r.pending_lp, r.regions = "", [], []
+        return u
 
     def _finish_rows(self) -> None:
         done = [i for i, r in enumerate(self._rows) if r.finish is not None]
         for i in done:
             r = self._rows[i]
-            self._send(r.req, Update(r.pending, len(r.req.prompt), r.n, r.finish, r.error))
+            self._send(r.req, self._update(r))
         self._release(done)
 
     def _release(self, rows: list[int]) -> None:

@@ -15,7 +15,8 @@ The chat template is generated from the chat format's own token constants
 (:data:`lmforge.chat.format.CHAT_SPECIAL_TOKENS`) and held to :class:`lmforge.chat.format.ChatFormat` by
 tests: ``apply_chat_template(messages, tokenize=True)`` gives ``ChatFormat.render(messages)[0]``, and with
 ``add_generation_prompt=True`` ``ChatFormat.render_for_completion(messages)``. Messages are lmforge's: roles
-``system``/``user``/``assistant``/``tool``, and an assistant's calculator call in ``"tool_call": "EXPR"``.
+``system``/``user``/``assistant``/``tool``, an assistant's calculator call in ``"tool_call": "EXPR"``, and
+function tools as ``apply_chat_template(messages, tools=[...])`` passes them, with OpenAI-shaped ``tool_calls``.
 
 One difference no template can remove: ``apply_chat_template`` renders text and then tokenizes it, so a
 message whose *text* holds a special token string (``<|user_end|>``) gets the special id there, while
@@ -28,7 +29,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lmforge.chat.format import CHAT_SPECIAL_TOKENS
+from lmforge.chat.format import CHAT_SPECIAL_TOKENS, TOOL_SPECIAL_TOKENS
 from lmforge.common import atomic_write_text
 from lmforge.tokenizer import EOT, Tokenizer
 from lmforge.tokenizer.formats import hf_tokenizer_dict
@@ -39,6 +40,7 @@ __all__ = ["bos_post_processor", "chat_template", "has_chat_tokens", "write_hf_t
 # new tokens are appended, so the first eleven keep their meaning).
 (_BEGIN, _SYSTEM_START, _SYSTEM_END, _USER_START, _USER_END, _ASSISTANT_START, _ASSISTANT_END,
  _PYTHON_START, _PYTHON_END, _OUTPUT_START, _OUTPUT_END) = CHAT_SPECIAL_TOKENS[:11]
+_TOOLS_START, _TOOLS_END, _CALL_START, _CALL_END = TOOL_SPECIAL_TOKENS
 
 
 def has_chat_tokens(tokenizer: Tokenizer) -> bool:
@@ -68,30 +70,54 @@ def _lit(s: str) -> str:
     return json.dumps(s)
 
 
-def chat_template() -> str:
+def chat_template(tools: bool = True) -> str:
     """The Jinja chat template that renders what :class:`~lmforge.chat.format.ChatFormat` renders.
 
     Layout (see :mod:`lmforge.chat.format`): the conversation opens with the begin token; system and user
-    messages sit between their start/end tokens; an assistant turn opens with ``<|assistant_start|>`` unless
-    it continues after a tool output, holds its text, then either a calculator call
-    ``<|python_start|>EXPR<|python_end|>`` or ``<|assistant_end|>``; a tool message is
-    ``<|output_start|>RESULT<|output_end|>``; ``add_generation_prompt`` appends ``<|assistant_start|>``.
+    messages sit between their start/end tokens; the function definitions (``tools``, as ``tojson`` writes them:
+    ``json.dumps(..., ensure_ascii=False)``) follow the system message (or open the conversation) between
+    ``<|tools_start|>`` and ``<|tools_end|>``; an assistant turn opens with ``<|assistant_start|>`` unless it
+    continues after a calculator's output, holds its text, then a calculator call
+    ``<|python_start|>EXPR<|python_end|>``, or its function calls (``<|call_start|>{"name": ..., "arguments":
+    ...}<|call_end|>`` each) and ``<|assistant_end|>``; a tool message is ``<|output_start|>RESULT<|output_end|>``;
+    ``add_generation_prompt`` appends ``<|assistant_start|>``. ``tools=False`` (a tokenizer without the function-
+    tool tokens): a conversation with ``tools`` or ``tool_calls`` raises instead of rendering.
     """
     wrap = {"system": (_SYSTEM_START, _SYSTEM_END), "user": (_USER_START, _USER_END),
             "tool": (_OUTPUT_START, _OUTPUT_END)}
-    parts = [f"{{{{- {_lit(_BEGIN)} -}}}}", "{%- for message in messages -%}",
+    if tools:
+        tools_block = (f"{{%- if tools -%}}{{{{- {_lit(_TOOLS_START)} + (tools | tojson) + {_lit(_TOOLS_END)} -}}}}"
+                       "{%- endif -%}")
+        calls = ("{%- for call in message['tool_calls'] -%}"
+                 "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+                 "{%- set args = fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) -%}"
+                 f"{{{{- {_lit(_CALL_START)} + '{{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' + args"
+                 f" + '}}' + {_lit(_CALL_END)} -}}}}"
+                 "{%- endfor -%}")
+    else:
+        refuse = ("{{- raise_exception('this model has no function-tool tokens: it cannot render tools or "
+                  "tool_calls') -}}")
+        tools_block = "{%- if tools -%}" + refuse + "{%- endif -%}"
+        calls = refuse
+    parts = [f"{{{{- {_lit(_BEGIN)} -}}}}", "{%- set ns = namespace(calculator=false) -%}",
+             "{%- if not messages or messages[0]['role'] != 'system' -%}" + tools_block + "{%- endif -%}",
+             "{%- for message in messages -%}",
              "{%- set content = message['content'] if message['content'] is string else '' -%}"]
     for k, (role, (start, end)) in enumerate(wrap.items()):
         parts.append(f"{{%- {'if' if k == 0 else 'elif'} message['role'] == {_lit(role)} -%}}"
                      f"{{{{- {_lit(start)} + content + {_lit(end)} -}}}}")
+        if role == "system":
+            parts.append(tools_block)
     parts += [
         "{%- elif message['role'] == 'assistant' -%}",
-        f"{{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}}{{{{- {_lit(_ASSISTANT_START)} -}}}}"
-        "{%- endif -%}",
+        f"{{%- if not ns.calculator -%}}{{{{- {_lit(_ASSISTANT_START)} -}}}}{{%- endif -%}}",
         "{{- content -}}",
-        f"{{%- if message['tool_call'] is defined and message['tool_call'] is string -%}}"
+        "{%- set ns.calculator = message['tool_call'] is defined and message['tool_call'] is string -%}",
+        f"{{%- if ns.calculator -%}}"
         f"{{{{- {_lit(_PYTHON_START)} + message['tool_call'] + {_lit(_PYTHON_END)} -}}}}",
-        f"{{%- else -%}}{{{{- {_lit(_ASSISTANT_END)} -}}}}{{%- endif -%}}",
+        "{%- else -%}",
+        "{%- if message['tool_calls'] is defined and message['tool_calls'] -%}" + calls + "{%- endif -%}",
+        f"{{{{- {_lit(_ASSISTANT_END)} -}}}}{{%- endif -%}}",
         "{%- else -%}{{- raise_exception('unknown role ' + message['role'] + '; lmforge chats use system, user, "
         "assistant and tool') -}}",
         "{%- endif -%}",
@@ -129,7 +155,7 @@ def write_hf_tokenizer(tokenizer: Tokenizer, out: str | Path, context_length: in
                                  for t, i in sorted(specials.items(), key=lambda kv: kv[1])},
     }
     if has_chat_tokens(tokenizer):
-        config["chat_template"] = chat_template()
+        config["chat_template"] = chat_template(tools=all(t in specials for t in TOOL_SPECIAL_TOKENS))
     special_map: dict[str, Any] = {"additional_special_tokens": others}
     if eot is not None:
         special_map.update(bos_token=eot, eos_token=eot)

@@ -3,7 +3,7 @@
 Requests are validated by :func:`parse`, which turns any problem into an :class:`APIError` (400) whose ``param``
 names the field (``messages.0.role``, ``temperature``). Fields the OpenAI API has and lmforge does not use
 (``user``, ``presence_penalty`` ...) are accepted and ignored; those that would change the answer and are not
-supported (``n`` > 1, ``logprobs``, ``tools``) are refused with a 400 that says so.
+supported (``echo``) are refused with a 400 that says so.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lmforge.generate.sampling import SEED_MAX, SEED_MIN
+from lmforge.generate.scheduler import MAX_LOGPROBS
 
-__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "error_body", "parse"]
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest", "TokenizeRequest",
+           "DetokenizeRequest", "error_body", "parse"]
 
 
 class APIError(Exception):
@@ -53,8 +55,7 @@ class _Request(BaseModel):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # OpenAI's range: a signed 64-bit integer
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: int = Field(default=1, ge=1)
-    logprobs: Any = None
+    n: int = Field(default=1, ge=1, le=128)
 
     def stops(self) -> list[str]:
         """The stop strings (at most 4, non-empty), as a list."""
@@ -67,12 +68,14 @@ class _Request(BaseModel):
         return bool((self.stream_options or {}).get("include_usage"))
 
     def check_supported(self) -> None:
-        """400 for options lmforge does not implement (instead of silently ignoring them)."""
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported: lmforge returns one choice per request; send n "
-                                "separate requests (they are batched together)", "n")
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported by lmforge serve", "logprobs")
+        """400 for options lmforge does not implement or combinations that mean nothing."""
+
+    def choice_seed(self, k: int) -> int | None:
+        """Choice ``k``'s seed: ``seed`` for the first (so ``n=1`` and choice 0 agree), then ``seed + k`` wrapped
+        into the signed 64-bit range (distinct samples, each reproducible)."""
+        if self.seed is None:
+            return None
+        return (self.seed + k - SEED_MIN) % 2 ** 64 + SEED_MIN
 
 
 class TextPart(BaseModel):
@@ -83,12 +86,30 @@ class TextPart(BaseModel):
     text: str
 
 
+class CallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A function call in an assistant message (as the API returned it)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
 class ChatMessage(BaseModel):
-    """A message: ``role`` and ``content`` (a string or a list of text parts)."""
+    """A message: ``role`` and ``content`` (a string or a list of text parts); an assistant's ``tool_calls``, a
+    tool message's ``tool_call_id``."""
 
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -96,18 +117,106 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """A function the model may call (``{"type": "function", "function": {name, description, parameters}}``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict}}``."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """lmforge's (and vLLM's) extension: the reply matches a regular expression, or is one of a list of choices."""
+
+    model_config = ConfigDict(extra="forbid")
+    regex: str | None = Field(default=None, min_length=1, max_length=10_000)
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=1000)
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Request):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise APIError(400, "tools are not supported: lmforge's chat models call their calculator tool "
-                                "themselves (inside the reply)", "tools")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        constrained = self.response_format is not None and self.response_format.type != "text"
+        if self.tools and (constrained or self.structured_outputs is not None):
+            raise APIError(400, "response_format (or structured_outputs) cannot be combined with tools: a tool "
+                                "call's arguments are constrained to its function's schema already; send one",
+                           "response_format" if constrained else "structured_outputs")
+        if constrained and self.structured_outputs is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both", "structured_outputs")
+        so = self.structured_outputs
+        if so is not None and (so.regex is None) == (so.choice is None):
+            raise APIError(400, "structured_outputs takes one of regex or choice", "structured_outputs")
+        if self.response_format is not None and self.response_format.type == "json_schema" \
+                and self.response_format.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema: {name, schema}",
+                           "response_format.json_schema")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools: two functions have the same name", "tools")
+        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
+            raise APIError(400, "tool_choice needs tools: give the functions the model may call", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise APIError(400, f"tool_choice names function {self.tool_choice.function.name!r}, which is not in "
+                                f"tools ({', '.join(names)})", "tool_choice")
+        for k, m in enumerate(self.messages):
+            if m.role == "tool" and m.tool_call_id is None:
+                raise APIError(400, f"messages.{k}: a tool message needs tool_call_id, the id of the call it "
+                                    "answers", f"messages.{k}.tool_call_id")
+            if m.tool_calls is not None and m.role != "assistant":
+                raise APIError(400, f"messages.{k}: only assistant messages have tool_calls", f"messages.{k}.tool_calls")
+
+    def n_logprobs(self) -> int | None:
+        """Alternatives per token for the scheduler (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -119,6 +228,10 @@ class CompletionRequest(_Request):
     prompt: str | list[str]
     max_tokens: int | None = Field(default=16, ge=1)  # the OpenAI default for completions
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def n_logprobs(self) -> int | None:
+        return self.logprobs
 
     def text(self) -> str:
         if isinstance(self.prompt, list):
@@ -137,10 +250,52 @@ class CompletionRequest(_Request):
         return self.max_tokens
 
 
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings``: texts (or token ids) to embed."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+
+    def check_supported(self) -> None:
+        if self.dimensions is not None:
+            raise APIError(400, "dimensions is not supported: the embedding is the model's hidden size", "dimensions")
+        items = self.input if isinstance(self.input, list) else [self.input]
+        if not items or any(len(x) == 0 for x in items) or (isinstance(self.input, list) and len(self.input) > 256):
+            raise APIError(400, "input must be 1 to 256 non-empty texts or token lists", "input")
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a raw ``prompt``, or chat ``messages`` rendered as the chat endpoint renders them."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = None
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give prompt (text) or messages (a chat), one of them", "prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+    def check_supported(self) -> None:
+        pass
+
+
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
 
 
-def parse(cls: type[_Request], body: bytes) -> Any:
+def parse(cls: type[BaseModel], body: bytes) -> Any:
     """``body`` (JSON) validated as ``cls``; an :class:`APIError` (400) naming the bad field otherwise."""
     try:
         data = json.loads(body)
@@ -179,17 +334,25 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def chat_completion(rid: str, model: str, text: str, finish: str, prompt_tokens: int, n: int) -> dict[str, Any]:
+def chat_message(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """An assistant message: its text (None when it only calls functions) and its ``tool_calls``."""
+    msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def chat_completion(rid: str, model: str, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
+    """A ``chat.completion``: ``choices`` are ``{"message", "logprobs", "finish_reason"}`` in index order."""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish}],
-            "usage": usage(prompt_tokens, n)}
+            "choices": [{"index": k, **c} for k, c in enumerate(choices)], "usage": use}
 
 
-def chat_chunk(rid: str, model: str, delta: dict[str, str], finish: str | None = None,
-               use: dict[str, int] | None = None, choices: bool = True) -> dict[str, Any]:
+def chat_chunk(rid: str, model: str, delta: dict[str, Any], finish: str | None = None,
+               use: dict[str, int] | None = None, choices: bool = True, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                           "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+                           "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
                            if choices else []}
     if use is not None:
         out["usage"] = use
@@ -197,14 +360,38 @@ def chat_chunk(rid: str, model: str, delta: dict[str, str], finish: str | None =
 
 
 def completion(rid: str, model: str, text: str, finish: str | None, use: dict[str, int] | None = None,
-               choices: bool = True) -> dict[str, Any]:
-    """A ``text_completion`` object: the whole answer, or one streamed chunk of it."""
+               choices: bool = True, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``text_completion`` object: one choice of the answer, or one streamed chunk of it."""
     out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-                           "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+                           "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
                            if choices else []}
     if use is not None:
         out["usage"] = use
     return out
+
+
+def chat_logprobs(lps: Any, token_bytes: Any) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}`` (``token_bytes(id)``
+    gives a token's bytes; a token that is part of a UTF-8 character shows as its replacement text, its
+    ``bytes`` exact)."""
+    def entry(t: int, lp: float) -> dict[str, Any]:
+        b = token_bytes(t)
+        return {"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b)}
+
+    return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
+                        for x in lps]}
+
+
+def completion_logprobs(lps: Any, token_bytes: Any, offset: int = 0) -> dict[str, Any]:
+    """The completions endpoint's ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``."""
+    tokens, offsets = [], []
+    for x in lps:
+        offsets.append(offset)
+        tokens.append(token_bytes(x.token).decode("utf-8", "replace"))
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{token_bytes(t).decode("utf-8", "replace"): v for t, v in x.top} for x in lps],
+            "text_offset": offsets}
 
 
 def sse(obj: Any) -> bytes:

@@ -1,7 +1,8 @@
 """The HTTP layer: a FastAPI app over a :class:`~lmforge.serve.server.ServedModel`. It only calls the scheduler.
 
 Routes: ``GET /`` (the web chat page, static files shipped in the package), ``GET /health``, ``GET /v1/models``,
-``POST /v1/chat/completions``, ``POST /v1/completions``. A request is turned into prompt ids, submitted to the
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``, ``POST /tokenize``,
+``POST /detokenize`` and ``GET /metrics`` (Prometheus text). A request is turned into prompt ids, submitted to the
 scheduler (which runs the engine in its own thread) and answered from the updates the engine thread hands to
 this event loop (``call_soon_threadsafe``): as one JSON object, or streamed as server-sent events
 (``data: {chunk}`` lines, then ``data: [DONE]``). A client that goes away cancels its request, which frees
@@ -27,8 +28,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmforge.generate.scheduler import QueueFull, Update
 from lmforge.generate.scheduler import Request as Job
-from lmforge.serve import api
+from lmforge.serve import api, structured
 from lmforge.serve.api import APIError, ChatCompletionRequest, CompletionRequest
+from lmforge.serve.metrics import Metrics
 from lmforge.serve.server import check_api_key
 
 logger = logging.getLogger("lmforge")
@@ -68,9 +70,15 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
 
     app = FastAPI(title="lmforge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     sched = served.scheduler
+    metrics = Metrics(sched.load)
+
+    def _bytes(t: int) -> bytes:
+        return served.tokenizer.decode_bytes([t])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        if e.status != 401:
+            metrics.request(request.url.path, e.status)
         return _error(e)
 
     @app.exception_handler(StarletteHTTPException)
@@ -150,10 +158,20 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
         await authorize(request)
         req = api.parse(ChatCompletionRequest, await body(request))
         check_model(req.model)
-        prompt = served.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages])
-        limit = served.max_tokens(req.limit(), len(prompt), "messages")
-        job = _job(req, prompt, limit, served.chat_stops(), served.chat_tool(), served.tool_text)
-        return await _answer(request, job, req, "chat")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        constrained = (req.tools or req.response_format is not None or req.structured_outputs is not None) \
+            and not (req.response_format is not None and req.response_format.type == "text" and not req.tools)
+        constraints = [None] * req.n
+        if constrained and served.chat is not None:  # schemas first: their errors name the parameter at fault
+            constraints = [structured.request_constraint(req, served.chat, served.grammars) for _ in range(req.n)]
+        prompt = served.chat_prompt([_message(m) for m in req.messages], tools)
+        limit = served.max_tokens(req.limit(), len(prompt), "messages", req.n)
+        token_text = dict(served.tool_text)
+        if served.chat is not None and served.chat.has_tools:
+            token_text.update({served.chat.ids[t]: "" for t in ("<|call_start|>", "<|call_end|>")})
+        jobs = [_job(req, prompt, limit, served.chat_stops(), served.chat_tool, token_text, k, c)
+                for k, c in enumerate(constraints)]
+        return await _answer(request, jobs, req, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -161,26 +179,83 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
         req = api.parse(CompletionRequest, await body(request))
         check_model(req.model)
         prompt = served.text_prompt(req.text())
-        limit = served.max_tokens(req.limit(), len(prompt), "prompt")
+        limit = served.max_tokens(req.limit(), len(prompt), "prompt", req.n)
         stops = [] if served.eot_id is None else [served.eot_id]
-        return await _answer(request, _job(req, prompt, limit, stops, None), req, "text")
+        return await _answer(request, [_job(req, prompt, limit, stops, None, None, k) for k in range(req.n)], req, "text")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> dict[str, Any]:
+        await authorize(request)
+        req = api.parse(api.EmbeddingRequest, await body(request))
+        check_model(req.model)
+        items = req.input if isinstance(req.input, list) and not all(isinstance(x, int) for x in req.input) \
+            else [req.input]
+        inputs = []
+        for k, x in enumerate(items):
+            ids = served.text_prompt(x) if isinstance(x, str) else list(x)
+            if not ids or any(not 0 <= t < served.tokenizer.vocab_size for t in ids):
+                raise APIError(400, f"input {k}: token ids must be in [0, {served.tokenizer.vocab_size})", "input")
+            if len(ids) > served.context_length:
+                raise APIError(400, f"input {k} has {len(ids)} tokens but the model's context length is "
+                                    f"{served.context_length}; shorten it", "input", "context_length_exceeded")
+            inputs.append(ids)
+        vectors = await asyncio.to_thread(served.embed, inputs)
+        data = [{"object": "embedding", "index": k,
+                 "embedding": _base64(v) if req.encoding_format == "base64" else v} for k, v in enumerate(vectors)]
+        n = sum(map(len, inputs))
+        metrics.request("/v1/embeddings", 200)
+        return {"object": "list", "data": data, "model": served.model_id,
+                "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        await authorize(request)
+        req = api.parse(api.TokenizeRequest, await body(request))
+        if req.model is not None:
+            check_model(req.model)
+        if req.prompt is not None:
+            ids = served.text_prompt(req.prompt) if req.prompt else []
+        else:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            ids = served.chat_prompt([_message(m) for m in req.messages], tools)
+        return {"tokens": ids, "count": len(ids), "max_model_len": served.context_length}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        await authorize(request)
+        req = api.parse(api.DetokenizeRequest, await body(request))
+        if req.model is not None:
+            check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < served.tokenizer.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range [0, {served.tokenizer.vocab_size})", "tokens")
+        return {"prompt": served.tokenizer.decode(req.tokens)}
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> Response:
+        await authorize(request)
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---------------------------------------------------------------------------------------------
     def _job(req: Any, prompt: list[int], limit: int, stop_ids: list[int],
-             tool: Callable[[int], list[int] | None] | None, token_text: dict[int, str] | None = None) -> Job:
+             tool: Callable[[], Callable[[int], list[int] | None]] | None, token_text: dict[int, str] | None,
+             k: int, constraint: Any = None) -> Job:
         try:
             return Job(prompt, limit, _noop, temperature=req.temperature,
-                       top_p=None if req.top_p >= 1 else req.top_p, seed=req.seed, stop_ids=stop_ids,
-                       stop=req.stops(), tool=tool, token_text=token_text or {})
+                       top_p=None if req.top_p >= 1 else req.top_p, seed=req.choice_seed(k), stop_ids=stop_ids,
+                       stop=req.stops(), tool=tool() if tool is not None else None, token_text=token_text or {},
+                       constraint=constraint, capture_regions=constraint is not None and bool(getattr(req, "tools", None)),
+                       logprobs=req.n_logprobs())
         except ValueError as e:  # a value the schema let through but the engine refuses
             raise APIError(400, str(e)) from None
 
-    async def _answer(request: Request, job: Job, req: Any, kind: str) -> Response:
+    async def _answer(request: Request, jobs: list[Job], req: Any, kind: str) -> Response:
         loop = asyncio.get_running_loop()
-        updates: asyncio.Queue[Update | None] = asyncio.Queue()  # None: the client went away
-        job.emit = lambda u: loop.call_soon_threadsafe(updates.put_nowait, u)
+        updates: asyncio.Queue[tuple[int, Update] | None] = asyncio.Queue()  # None: the client went away
+        for k, job in enumerate(jobs):
+            job.emit = (lambda k: lambda u: loop.call_soon_threadsafe(updates.put_nowait, (k, u)))(k)
         try:
-            sched.submit(job)
+            sched.submit_many(jobs)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         except QueueFull as e:
@@ -189,87 +264,186 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
         except RuntimeError as e:  # stopping
             raise APIError(503, f"the server is shutting down ({e})", type="server_error") from None
         rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        timing = _Timing(metrics, len(jobs))
+        endpoint = request.url.path
         if req.stream:
-            return StreamingResponse(_stream(job, updates, rid, kind, req.include_usage()),
+            return StreamingResponse(_stream(jobs, updates, rid, kind, req, timing, endpoint),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, last = [], None
-        watcher = asyncio.create_task(_watch(request, job, updates))
+        choices = [_Choice() for _ in jobs]
+        watcher = asyncio.create_task(_watch(request, jobs, updates))
         try:
-            while last is None:
-                u = await updates.get()
-                if u is None:  # cancelled by the watcher
+            while any(c.last is None for c in choices):
+                got = await updates.get()
+                if got is None:  # cancelled by the watcher
                     return Response(status_code=499)
-                text.append(u.text)
-                if u.finish_reason is not None:
-                    last = u
+                k, u = got
+                timing.update(k, u)
+                choices[k].add(u)
         finally:
             watcher.cancel()
-            if last is None:
-                sched.cancel(job)
-        if last.finish_reason in ("error", "cancelled"):
-            raise APIError(500, last.error or "the request was cancelled: the server is stopping", type="server_error")
-        body = (api.chat_completion(rid, served.model_id, "".join(text), last.finish_reason, last.prompt_tokens,
-                                    last.completion_tokens) if kind == "chat" else
-                api.completion(rid, served.model_id, "".join(text), last.finish_reason,
-                               api.usage(last.prompt_tokens, last.completion_tokens)))
+            for c, job in zip(choices, jobs):
+                if c.last is None:
+                    sched.cancel(job)
+        for c in choices:
+            if c.last.finish_reason in ("error", "cancelled"):
+                raise APIError(500, c.last.error or "the request was cancelled: the server is stopping",
+                               type="server_error")
+        prompt_tokens = choices[0].last.prompt_tokens
+        use = api.usage(prompt_tokens, sum(c.last.completion_tokens for c in choices))
+        metrics.request(endpoint, 200)
+        metrics.tokens(prompt_tokens, use["completion_tokens"])
+        tb = _bytes
+        if kind == "chat":
+            out = [{"message": api.chat_message(c.text(), c.calls), "finish_reason": c.finish(),
+                     "logprobs": api.chat_logprobs(c.lps, tb) if req.logprobs else None} for c in choices]
+            return JSONResponse(api.chat_completion(rid, served.model_id, out, use))
+        body = api.completion(rid, served.model_id, "", None, use)
+        body["choices"] = [{"index": k, "text": c.text(), "finish_reason": c.finish(),
+                            "logprobs": api.completion_logprobs(c.lps, tb) if req.logprobs is not None else None}
+                           for k, c in enumerate(choices)]
         return JSONResponse(body)
 
-    async def _watch(request: Request, job: Job, updates: asyncio.Queue[Update | None]) -> None:
-        """Cancel ``job`` as soon as its client disconnects (the body is read: the next message the server
-        gives is the disconnect), however busy its row is; then wake the request's reader."""
+    async def _watch(request: Request, jobs: list[Job], updates: asyncio.Queue[Any]) -> None:
+        """Cancel ``jobs`` as soon as their client disconnects (the body is read: the next message the server
+        gives is the disconnect), however busy their rows are; then wake the request's reader."""
         try:
             while (await request.receive())["type"] != "http.disconnect":
                 await asyncio.sleep(0.05)  # (a server that answers anything else: look again, without spinning)
         except Exception:  # noqa: BLE001  (the connection broke while waiting: gone as well)
             pass
-        sched.cancel(job)
+        for job in jobs:
+            sched.cancel(job)
         updates.put_nowait(None)
 
-    async def _stream(job: Job, updates: asyncio.Queue[Update | None], rid: str, kind: str,
-                      include_usage: bool) -> AsyncIterator[bytes]:
-        model_id, finished = served.model_id, False
+    async def _stream(jobs: list[Job], updates: asyncio.Queue[Any], rid: str, kind: str, req: Any,
+                      timing: "_Timing", endpoint: str) -> AsyncIterator[bytes]:
+        model_id, failed = served.model_id, False
+        open_rows = set(range(len(jobs)))
+        calls = [0] * len(jobs)  # tool calls sent per choice
+        total = [0] * len(jobs)
+        tb = _bytes
+        offsets = [0] * len(jobs)
 
-        def chunk(text: str, finish: str | None = None, use: dict[str, int] | None = None,
-                  choices: bool = True) -> bytes:
+        def chunk(k: int, text: str, u: Update | None = None, finish: str | None = None,
+                  use: dict[str, int] | None = None, choices: bool = True) -> bytes:
+            lps = u.logprobs if u is not None else ()
             if kind == "chat":
-                return api.sse(api.chat_chunk(rid, model_id, {"content": text} if text else {}, finish, use, choices))
-            return api.sse(api.completion(rid, model_id, text, finish, use, choices))
+                lp = api.chat_logprobs(lps, tb) if req.logprobs and lps else None
+                return api.sse(api.chat_chunk(rid, model_id, {"content": text} if text else {}, finish, use, choices,
+                                              k, lp))
+            lp = api.completion_logprobs(lps, tb, offsets[k]) if req.logprobs is not None and lps else None
+            offsets[k] += len(text)
+            return api.sse(api.completion(rid, model_id, text, finish, use, choices, k, lp))
 
         try:
             if kind == "chat":
-                yield api.sse(api.chat_chunk(rid, model_id, {"role": "assistant", "content": ""}))
-            while True:
+                for k in range(len(jobs)):
+                    yield api.sse(api.chat_chunk(rid, model_id, {"role": "assistant", "content": ""}, index=k))
+            while open_rows:
                 if not updates.empty():  # a burst: let the loop notice a client that left before writing again
                     await asyncio.sleep(0)  # (asyncio logs a warning for every write to a lost connection)
-                u = await updates.get()
-                assert u is not None  # (only the non-streaming watcher sends None)
+                got = await updates.get()
+                assert got is not None  # (only the non-streaming watcher sends None)
+                k, u = got
+                timing.update(k, u)
                 if u.finish_reason in ("error", "cancelled"):
-                    finished = True
+                    failed = True
                     msg = u.error or "the request was cancelled: the server is stopping"
+                    metrics.request(endpoint, 500)
                     yield api.sse(api.error_body(msg, "server_error"))
                     break
+                if u.text or (u.logprobs and u.finish_reason is None):
+                    yield chunk(k, u.text, u)
+                for text in u.regions:
+                    call = structured.parse_call(text)
+                    delta = {"tool_calls": [{"index": calls[k], **call}]}
+                    calls[k] += 1
+                    yield api.sse(api.chat_chunk(rid, model_id, delta, index=k))
                 if u.finish_reason is None:
-                    if u.text:
-                        yield chunk(u.text)
                     continue
-                finished = True
-                if u.text:
-                    yield chunk(u.text)
-                use = api.usage(u.prompt_tokens, u.completion_tokens)
-                yield chunk("", u.finish_reason, use)
-                if include_usage:
-                    yield chunk("", None, use, choices=False)
-                break
+                open_rows.discard(k)
+                total[k] = u.completion_tokens
+                finish = "tool_calls" if calls[k] and u.finish_reason == "stop" else u.finish_reason
+                yield chunk(k, "", None, finish, api.usage(u.prompt_tokens, u.completion_tokens) if len(jobs) == 1
+                            else None)
+                if not open_rows:
+                    use = api.usage(u.prompt_tokens, sum(total))
+                    metrics.request(endpoint, 200)
+                    metrics.tokens(u.prompt_tokens, sum(total))
+                    if req.include_usage():
+                        yield chunk(k, "", None, None, use, choices=False)
             yield api.SSE_DONE
         finally:
-            if not finished:  # the client went away (or the server is stopping): free the row now
-                sched.cancel(job)
+            if open_rows or failed:  # the client went away, a choice failed, or the server is stopping: free rows
+                for job in jobs:
+                    sched.cancel(job)
 
     return app
 
 
 def _noop(update: Update) -> None:
     """Placeholder ``emit`` until the request is bound to its event loop."""
+
+
+def _message(m: Any) -> dict[str, Any]:
+    """An API message as the chat format's message (text content; tool calls and ids kept)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _base64(vector: list[float]) -> str:
+    """An embedding as OpenAI's ``encoding_format: "base64"`` sends it: little-endian float32 bytes."""
+    import base64
+    import struct
+
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+
+class _Choice:
+    """One choice of a plain (non-streamed) answer, as its updates arrive."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.lps: list[Any] = []
+        self.calls: list[dict[str, Any]] = []
+        self.last: Update | None = None
+
+    def add(self, u: Update) -> None:
+        self.parts.append(u.text)
+        self.lps.extend(u.logprobs)
+        self.calls.extend(structured.parse_call(t) for t in u.regions)
+        if u.finish_reason is not None:
+            self.last = u
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def finish(self) -> str:
+        assert self.last is not None
+        return "tool_calls" if self.calls and self.last.finish_reason == "stop" else str(self.last.finish_reason)
+
+
+class _Timing:
+    """Time to first token and inter-token latency of one request's choices, into ``metrics``."""
+
+    def __init__(self, metrics: Metrics, n: int) -> None:
+        self.metrics, self.t0 = metrics, time.perf_counter()
+        self.seen = [0] * n
+        self.at = [self.t0] * n
+
+    def update(self, k: int, u: Update) -> None:
+        now, new = time.perf_counter(), u.completion_tokens - self.seen[k]
+        if new <= 0:
+            return
+        if self.seen[k] == 0:
+            self.metrics.first_token(now - self.t0)
+            new -= 1
+        self.metrics.between_tokens(now - self.at[k], new)
+        self.seen[k], self.at[k] = u.completion_tokens, now
 
 
 def _model_card(name: str) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 from lmforge.chat.format import ChatFormat, Message, check_conversation
 from lmforge.chat.tools import ToolUse
 from lmforge.generate import Generator
+from lmforge.generate.constraints import ConstraintError, Grammars
 from lmforge.generate.engine import Engine
 from lmforge.generate.scheduler import Scheduler
 from lmforge.serve.api import APIError
@@ -109,6 +110,7 @@ class ServedModel:
         self.tool_text: dict[int, str] = {}  # special id -> its markup in a reply (TOOL_TEXT)
         if self.chat is not None:
             self.tool_text = {self.chat.ids[t]: text for t, text in TOOL_TEXT.items()}
+        self._grammars: Grammars | None = None
 
     @classmethod
     def from_run(cls, run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
@@ -118,18 +120,50 @@ class ServedModel:
         return cls(gen.engine, gen.tokenizer, Path(run_dir).resolve().name, **kw)
 
     # ---------------------------------------------------------------------------------------------
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Prompt ids of a conversation (ends with ``<|assistant_start|>``), each assistant message split at its
-        calculator calls (:func:`messages_from_text`); APIError 400 when it is not valid."""
+        calculator calls (:func:`messages_from_text`; its function calls stay on the last part), with the
+        function definitions ``tools``; APIError 400 when it is not valid."""
         if self.chat is None:
             raise APIError(400, self.no_chat, "messages", "chat_not_supported")
         try:
             check_conversation(messages, for_training=False)  # errors name the messages as the client sent them
-            split = [part for m in messages
-                     for part in (messages_from_text(m["content"]) if m["role"] == "assistant" else [m])]
-            return self.chat.render_for_completion(split)
+            split = []
+            for m in messages:
+                if m["role"] != "assistant":
+                    split.append(m)
+                    continue
+                parts = messages_from_text(m["content"])
+                if m.get("tool_calls"):
+                    parts[-1]["tool_calls"] = m["tool_calls"]
+                split += parts
+            return self.chat.render_for_completion(split, tools)
         except ValueError as e:
             raise APIError(400, f"messages: {e}", "messages") from None
+
+    @property
+    def grammars(self) -> Grammars:
+        """The tokenizer's vocabulary for constrained decoding and its grammar cache (built on first use)."""
+        if self._grammars is None:
+            try:
+                self._grammars = Grammars(self.tokenizer)
+            except ConstraintError as e:  # llguidance is not installed
+                raise APIError(400, str(e), "response_format", "constraints_not_supported") from None
+        return self._grammars
+
+    def embed(self, inputs: list[list[int]]) -> list[list[float]]:
+        """Each input's embedding: the mean over its tokens of the model's final-normed hidden state, divided by
+        its L2 norm (computed between the scheduler's steps, under its ``engine_lock``)."""
+        import torch
+
+        model = self.scheduler.engine.model
+        out = []
+        with self.scheduler.engine_lock, torch.inference_mode():
+            for ids in inputs:
+                h = model.hidden(torch.tensor([ids], device=self.scheduler.engine.device))[0].float()  # (T, C)
+                v = h.mean(dim=0)
+                out.append((v / v.norm().clamp_min(1e-12)).tolist())
+        return out
 
     def chat_stops(self) -> list[int]:
         """Ids that end a reply: ``<|assistant_end|>``, ``<|user_start|>`` (a model starting the user's next turn,
@@ -152,9 +186,22 @@ class ServedModel:
         except ValueError as e:
             raise APIError(400, f"prompt: {e}", "prompt") from None
 
-    def max_tokens(self, asked: int | None, prompt_tokens: int, prompt_param: str) -> int:
-        """The request's ``max_tokens``: as asked (checked against the cap and the context), or by default
-        what fits in the context (up to the cap)."""
+    def max_tokens(self, asked: int | None, prompt_tokens: int, prompt_param: str, n: int = 1) -> int:
+        """The request's ``max_tokens`` per choice: as asked (checked against the cap and the context), or by
+        default what fits in the context (up to the cap). ``n`` choices share the cap (``n × max_tokens``) and
+        need as many free rows."""
+        if n > self.scheduler.max_batch:
+            raise APIError(400, f"n is {n} but this server decodes at most {self.scheduler.max_batch} rows together "
+                                "(--max-batch); ask for fewer choices", "n")
+        if n > 1:
+            per = self.max_tokens(asked, prompt_tokens, prompt_param)
+            if asked is None:
+                return max(1, min(per, self.max_tokens_cap // n))
+            if n * asked > self.max_tokens_cap:
+                raise APIError(400, f"n × max_tokens is {n} × {asked} = {n * asked} but this server allows at most "
+                                    f"{self.max_tokens_cap} tokens per request (--max-tokens-cap); ask for fewer",
+                               "n")
+            return per
         room = self.context_length - prompt_tokens
         if room < 1:
             raise APIError(400, f"{prompt_param} has {prompt_tokens} tokens but the model's context length is "

@@ -12,7 +12,7 @@ from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.reference import train_bpe_reference
 
 OLD_FILE = Path(__file__).parents[1] / "fixtures" / "tokenizer_lmforge_v1.json"
-TRAINED = {"<|assistant_end|>", "<|python_start|>", "<|python_end|>"}  # the only specials with mask 1
+TRAINED = {"<|assistant_end|>", "<|python_start|>", "<|python_end|>", "<|call_start|>", "<|call_end|>"}  # mask 1
 
 SIMPLE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
           {"role": "assistant", "content": "4"}]
@@ -51,7 +51,7 @@ def test_chat_tokens_are_appended_after_the_trained_vocab():
     # a tokenizer trained without <|endoftext|> gets it too, after the other ids
     vocab, merges = train_bpe_reference(["the cat sat"] * 3, 260)
     bare = add_chat_tokens(Tokenizer(vocab, merges))
-    assert bare.special_tokens["<|endoftext|>"] == 260 and bare.vocab_size == 260 + len(CHAT_SPECIAL_TOKENS)
+    assert bare.special_tokens["<|endoftext|>"] == 260 and bare.vocab_size == 260 + len(CHAT_SPECIAL_TOKENS) + 4
 
 
 def test_system_user_assistant_layout_and_mask(tok, fmt):
@@ -126,7 +126,7 @@ def test_special_strings_in_message_text_stay_plain_text(tok, fmt):
     ([{"role": "user", "content": "hi"}], "no assistant message"),
     ([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}], "no assistant message"),
     (MULTI[:3], "ends with a user message that is not answered"),
-    (TOOL[:2], "ends with an assistant tool_call; add the tool message"),
+    (TOOL[:2], "ends with an assistant tool call; add the tool message"),
     (TOOL[:3], "ends with a tool message"),
     ([{"role": "user", "content": "a"}, {"role": "tool", "content": "1"}], "message 1 has role 'tool' but assistant"),
     ([{"role": "user", "content": "a"}, {"role": "system", "content": "s"}], "message 1 has role 'system'"),
@@ -244,3 +244,72 @@ def test_cli_chat_render(tmp_path, tiny_tokenizer, capsys) -> None:
     assert main(["chat", "render", str(f), "--tokenizer", str(tmp_path / "tok.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "c.jsonl" in err and "robot" in err
+
+
+# --------------------------------------------------------------------------------------------------
+# Function tools
+# --------------------------------------------------------------------------------------------------
+FN_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+FN_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+FUNCTION = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "", "tool_calls": [FN_CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "cold"},
+            {"role": "assistant", "content": "It is cold."}]
+
+
+def test_function_tools_layout_and_mask(fmt):
+    """The tools block after the system message, the call as JSON between <|call_start|> and <|call_end|> then
+    <|assistant_end|> (trained), the result as tool output (not trained), and a new assistant turn."""
+    tok = fmt.tokenizer
+    ids, mask = fmt.render(FUNCTION, FN_TOOLS)
+    want = ("<|endoftext|><|system_start|>Use tools.<|system_end|><|tools_start|>" + json.dumps(FN_TOOLS) +
+            "<|tools_end|><|user_start|>Weather in Oslo?<|user_end|><|assistant_start|><|call_start|>"
+            '{"name": "get_weather", "arguments": {"city": "Oslo"}}<|call_end|><|assistant_end|>'
+            "<|output_start|>cold<|output_end|><|assistant_start|>It is cold.<|assistant_end|>")
+    assert tok.decode(ids) == want
+    trained = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert trained == ('<|call_start|>{"name": "get_weather", "arguments": {"city": "Oslo"}}<|call_end|>'
+                       "<|assistant_end|>It is cold.<|assistant_end|>")
+    # arguments as an object render as json.dumps writes them; without a system message the tools come first
+    obj = [dict(FUNCTION[2], tool_calls=[{**FN_CALL, "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}])]
+    assert fmt.render(FUNCTION[:2] + obj + FUNCTION[3:], FN_TOOLS)[0] == ids
+    prompt = fmt.render_for_completion(FUNCTION[1:4], FN_TOOLS)
+    assert tok.decode(prompt).startswith("<|endoftext|><|tools_start|>")
+    assert tok.decode(prompt).endswith("<|output_end|><|assistant_start|>")
+
+
+@pytest.mark.parametrize("messages, match", [
+    (FUNCTION[:3] + [{"role": "tool", "tool_call_id": "nope", "content": "x"}], "answers tool_call_id 'nope'"),
+    (FUNCTION[:3], "without a tool message"),
+    (FUNCTION[:3] + [FUNCTION[3], FUNCTION[3]], "role 'tool' but"),
+    ([FUNCTION[1], {"role": "assistant", "content": "", "tool_calls": []}], "non-empty list"),
+    ([FUNCTION[1], {"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}], "a tool call is"),
+    ([{"role": "user", "content": "x", "tool_call_id": "a"}], "has key 'tool_call_id'"),
+])
+def test_function_tool_conversations_are_checked(fmt, messages, match):
+    with pytest.raises(ValueError, match=match):
+        fmt.render_for_completion(messages, FN_TOOLS)
+
+
+def test_function_tools_need_the_tool_tokens():
+    """A tokenizer from before the tool tokens renders plain chats and refuses tools, saying how to get them."""
+    old = Tokenizer.load(OLD_FILE).with_special_tokens(CHAT_SPECIAL_TOKENS)
+    fmt = ChatFormat(old)
+    assert not fmt.has_tools and fmt.render(SIMPLE)
+    with pytest.raises(ValueError, match="no function-tool tokens"):
+        fmt.render(FUNCTION, FN_TOOLS)
+    with pytest.raises(ValueError, match=r"tools\[0\] must be"):
+        ChatFormat(add_chat_tokens(old)).render(FUNCTION, [{"name": "x"}])
+
+
+def test_sft_files_carry_tools(tmp_path):
+    """A JSONL record's ``tools`` reach the renderer (read_records); a bad one is named with file:line."""
+    good = tmp_path / "fn.jsonl"
+    good.write_text(json.dumps({"messages": FUNCTION, "tools": FN_TOOLS}) + "\n")
+    [(line, messages, tools)] = chat_format.read_records(good)
+    assert line == 1 and tools == FN_TOOLS and messages == FUNCTION
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n" + json.dumps({"messages": FUNCTION, "tools": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: tools must be"):
+        chat_format.read_records(bad)

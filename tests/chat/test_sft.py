@@ -146,17 +146,17 @@ def test_sft_end_to_end_records_base_and_is_a_run(base_run, convs, tmp_path) -> 
     ckpt = base_run / "checkpoints" / "step_00000004.safetensors"
     assert base == {"run": str(base_run), "checkpoint": str(ckpt), "sha256": sha256_file(ckpt), "lora": None}
     tok = Tokenizer.load(out / "tokenizer.json")
-    assert all(t in tok.special_tokens for t in CHAT_SPECIAL_TOKENS) and tok.vocab_size == 310
+    assert all(t in tok.special_tokens for t in CHAT_SPECIAL_TOKENS) and tok.vocab_size == 314  # + the tool tokens
     from lmforge.run import open_run
     run = open_run(out)
-    assert run.config["model"]["vocab_size"] == 310 and run.config["data"]["kind"] == "conversations"
-    assert run.checkpoint.model["token_embeddings.weight"].shape == (310, 32)
+    assert run.config["model"]["vocab_size"] == 314 and run.config["data"]["kind"] == "conversations"
+    assert run.checkpoint.model["token_embeddings.weight"].shape == (314, 32)
     losses = [v for _, v in _losses(out)]
     assert len(losses) == 8 and losses[-1] < losses[0]  # it learns
     # the base's rows moved (full fine-tuning), and every --run reader opens the run
     from lmforge.generate import Generator
     gen = Generator.from_run(out, device="cpu")
-    assert gen.cfg.vocab_size == 310 and isinstance(gen.generate("1+2?", max_new_tokens=3, seed=0), str)
+    assert gen.cfg.vocab_size == 314 and isinstance(gen.generate("1+2?", max_new_tokens=3, seed=0), str)
     from lmforge.train import evaluate_run
     ev = evaluate_run(out, device="cpu")
     assert ev["split"] == "val" and ev["loss"] == pytest.approx(m["val_loss"], rel=1e-6)
@@ -182,7 +182,7 @@ def test_new_rows_start_at_the_mean_and_old_logits_of_the_base(base_run, convs, 
     with torch.no_grad():
         torch.testing.assert_close(grown(idx)[..., :300], base(idx), rtol=0, atol=0)
         mean = base.token_embeddings.weight.mean(0)
-        assert torch.allclose(grown.token_embeddings.weight[300:], mean.expand(10, -1))
+        assert torch.allclose(grown.token_embeddings.weight[300:], mean.expand(14, -1))
 
 
 def test_accumulation_with_uneven_masks_equals_one_big_batch(base_run, convs, tmp_path) -> None:
@@ -367,7 +367,7 @@ def test_lora_run_saves_adapters_only_and_every_reader_sees_base_plus_adapters(b
     b = open_run(base_run)
     ref = TransformerLM(from_dict(ModelConfig, b.config["model"]))
     ref.load_state_dict(b.checkpoint.model)
-    ref.resize_vocab(310)
+    ref.resize_vocab(314)
     apply_lora(ref, LoraConfig(rank=4, alpha=8))
     load_lora_state_dict(ref, ck.model)
     idx = torch.randint(0, 310, (2, 12))
@@ -562,3 +562,22 @@ def test_bad_input_one_line_exit_2_nothing_written(base_run, convs, tiny_run, tm
     assert not out.exists()
     assert sorted(p.name for p in tiny_run.rglob("*")) == before
     assert (tmp_path / "notes" / "mine.txt").read_text() == "keep" and len(list((tmp_path / "notes").iterdir())) == 1
+
+
+def test_render_file_trains_function_calls_with_their_tools(tmp_path) -> None:
+    """SFT data with ``tools``: the tools block is rendered (never trained), the JSON call and its tokens are
+    trained, the tool's result is not: as the chat format's mask says, through the file reader SFT uses."""
+    from lmforge.chat.sft import render_file
+    from lmforge.corpus.chat_data import FUNCTION_TASKS, with_function_tasks
+
+    _, val = with_function_tasks([], [], [f"w{i}" for i in range(40)], n_train=1, n_val=2)
+    path = tmp_path / "fn.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in val))
+    fmt = ChatFormat(add_chat_tokens(Tokenizer({i: bytes([i]) for i in range(256)}, [])))
+    rendered, skipped = render_file(path, fmt, 4096)
+    assert skipped == 0 and len(rendered) == 2 and set(FUNCTION_TASKS) == {val[0]["task"]}
+    for (ids, mask), rec in zip(rendered, val):
+        assert (ids, mask) == fmt.render(rec["messages"], rec["tools"])
+        trained = fmt.tokenizer.decode([i for i, m in zip(ids, mask) if m])
+        assert trained.startswith('<|call_start|>{"name": "get_') and "<|tools_start|>" not in trained
+        assert rec["messages"][2]["content"] not in trained  # the tool's result

@@ -74,7 +74,7 @@ def test_data_get_chat_tasks_through_the_cli(tmp_path, capsys):
     train, val = tmp_path / "t" / "train.jsonl", tmp_path / "t" / "val.jsonl"
     assert capsys.readouterr().out.split() == [str(train), str(val)]
     convs = load_conversations(train)  # the chat format's own reader accepts every line
-    assert len(convs) == 6000 and len(load_conversations(val)) == 300
+    assert len(convs) == 7000 and len(load_conversations(val)) == 350  # six tasks + function_call
     first = train.read_bytes()
     get_dataset("chat-tasks", cache_dir=cache, force=True)  # regenerated: byte for byte the same
     assert (cache / "chat-tasks" / "train.jsonl").read_bytes() == first
@@ -177,3 +177,26 @@ def test_chitchat_wheel_without_the_data_is_refused(tmp_path, index, monkeypatch
 def test_real_chitchat_download(tmp_path):
     train, val = get_dataset("chitchat", cache_dir=tmp_path)
     assert len(load_conversations(train)) + len(load_conversations(val)) == 4017  # of 7168: those with two speakers
+
+
+def test_function_call_task_leaves_the_other_tasks_as_they_were():
+    """The function-calling task is added apart: the six tasks' validation items and their training records'
+    order are unchanged; its own records carry ``tools``, render with the chat format, and its validation
+    prompts never appear in training."""
+    from lmforge.chat import ChatFormat, add_chat_tokens
+    from lmforge.corpus.chat_data import FUNCTION_TOOLS, TASKS, chat_tasks, with_function_tasks
+    from lmforge.tokenizer import Tokenizer
+
+    words = [f"word{i:03d}" for i in range(200)]
+    train, val = chat_tasks(words, 30, 6)
+    train2, val2 = with_function_tasks(train, val, words, 30, 6)
+    assert val2[: len(val)] == val and [r for r in train2 if r["task"] in TASKS] == train
+    fn_val = [r for r in val2 if r["task"] == "function_call"]
+    fn_train = [r for r in train2 if r["task"] == "function_call"]
+    assert len(fn_val) == 6 and len(fn_train) == 30 and all(r["tools"] == FUNCTION_TOOLS for r in fn_val + fn_train)
+    assert not {r["messages"][0]["content"] for r in fn_val} & {r["messages"][0]["content"] for r in fn_train}
+    fmt = ChatFormat(add_chat_tokens(Tokenizer({i: bytes([i]) for i in range(256)}, [])))
+    for r in fn_val[:3]:
+        ids, mask = fmt.render(r["messages"], r["tools"])
+        assert fmt.ids["<|call_start|>"] in ids and sum(mask) > 0
+    assert with_function_tasks(train, val, words, 30, 6) == (train2, val2)  # seeded

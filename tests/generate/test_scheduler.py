@@ -301,3 +301,217 @@ def test_seed_range_tiny_temperature_and_token_text():
     assert outs[0].text == outs[1].text == tok.decode(greedy)
     want = b"".join(shown[t].encode() if t in shown else tok.decode_bytes([t]) for t in greedy)
     assert outs[2].text == want.decode(errors="replace") and outs[3].last.finish_reason == "length"
+
+
+# --------------------------------------------------------------------------------------------------
+# Batch invariance, constraints, log-probabilities, several samples of one prompt
+# --------------------------------------------------------------------------------------------------
+def _step_alone_and_batched(engine, prompts, feeds, sizes, seed=0):
+    """Each prompt's next-token logits after one step, alone and inside random mixed batches of ``sizes``:
+    ``[(row, alone logits, batched logits)]`` for every row of every batch."""
+    import random
+
+    def run(idx):
+        engine.open_slots(len(idx))
+        for i in idx:
+            engine.admit(prompts[i])
+        return engine.step(torch.tensor([feeds[i] for i in idx]))
+
+    alone = [run([i])[0].clone() for i in range(len(prompts))]
+    rng = random.Random(seed)
+    out = []
+    for B in sizes:
+        idx = rng.sample(range(len(prompts)), B)
+        logits = run(idx)
+        out += [(i, alone[i], logits[k].clone()) for k, i in enumerate(idx)]
+    return out
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "csrc/decode/tiles.inc ku_for(MR): linear_rows sums each output over k in 2 partial sums (even/odd k) in a "
+    "tile of 1-2 rows but in 1 from 3 rows on, so a row's products depend on how many rows share its tile "
+    "(the batch size and its place in it); reported to the lead, owned by issue 27 (csrc/decode)"))
+def test_decode_step_is_batch_invariant():
+    """The C++ decode step gives a row the same logits, bit for bit, alone and in batches of 2..16 mixed rows:
+    what a seeded sample needs to be the same whatever else is in the batch."""
+    import random
+
+    from lmforge.generate.packed import kernel_available
+
+    if not kernel_available():
+        pytest.skip("the C++ extension is not built")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 8))] for _ in range(16)]
+    engine = Engine(tiny_model(), use_kernel=True)  # (every weight dtype runs the same tiles)
+    differ = [i for i, a, b in _step_alone_and_batched(engine, prompts, [7 + i for i in range(16)], range(2, 17))
+              if not torch.equal(a, b)]
+    assert differ == []
+
+
+def test_linear_rows_batch_invariance_names_the_kernel():
+    """Where the step's batch dependence comes from: one packed product, row 0 alone vs among M rows (M = 2
+    agrees: same tile kind; M = 3 does not). Kept beside the xfail above so the report stays true: when the
+    kernel is fixed both flip."""
+    from lmforge.generate.packed import PackedLinear, kernel_available
+
+    if not kernel_available():
+        pytest.skip("the C++ extension is not built")
+    torch.manual_seed(0)
+    p = PackedLinear(torch.randn(64, 96))
+    x = torch.randn(3, 96)
+    alone = p(x[:1], threads=1)[0]
+    assert torch.equal(p(x[:2], threads=1)[0], alone)
+    invariant = torch.equal(p(x[:3], threads=1)[0], alone)
+    if invariant:  # the kernel was fixed: remove this test and the xfail marker above
+        pytest.fail("linear_rows is batch-invariant now: drop the xfail of test_decode_step_is_batch_invariant")
+
+
+def test_seeded_tokens_alone_and_in_a_batch_of_16_mixed_requests():
+    """A seeded request's tokens equal its tokens alone while 15 other requests (greedy, other seeds, other
+    temperatures, constrained or not) share its steps."""
+    model, tok = tiny_model(), byte_tokenizer()
+
+    def run(reqs):
+        s = Scheduler(Engine(model), tok, max_batch=16)
+        outs = [Collect() for _ in reqs]
+        for (p, kw), out in zip(reqs, outs):
+            s.submit(Request(p, 10, out, **kw))
+        drain(s)
+        return [o.text for o in outs]
+
+    target = (list(b"seeded"), {"temperature": 0.9, "seed": 1234, "top_p": 0.95})
+    others = [(list(b"other %d" % k), {"temperature": 0.3 + 0.1 * k, "seed": k} if k % 2 else {"temperature": 0})
+              for k in range(15)]
+    alone = run([target])[0]
+    assert run([target] + others)[0] == alone
+    assert run(others[:7] + [target] + others[7:])[7] == alone
+
+
+def _grammars(tok):
+    pytest.importorskip("llguidance")
+    from lmforge.generate.constraints import Grammars
+
+    return Grammars(tok)
+
+
+def test_a_constrained_row_writes_schema_valid_json_beside_free_rows():
+    """A JSON Schema region from the first token to the stop id: the untrained model's text is valid JSON under
+    the schema (greedy and sampled), while a free row in the same batch keeps its unconstrained text."""
+    import json
+
+    from lmforge.generate.constraints import RowConstraint, json_grammar
+
+    model, tok = tiny_model(), byte_tokenizer()
+    grammars = _grammars(tok)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 3},
+                                               "ok": {"type": "boolean"}, "tags": {"type": "array", "maxItems": 1,
+                                                                                   "items": {"enum": ["a", "é"]}}},
+              "required": ["name", "ok", "tags"], "additionalProperties": False}
+    eot = tok.eot_id
+    s = Scheduler(Engine(model), tok, max_batch=4)
+    outs = [Collect() for _ in range(4)]
+    for k, out in enumerate(outs[:3]):
+        c = RowConstraint(grammars, json_grammar(schema), close_id=eot)
+        s.submit(Request(list(b"j"), CTX - 1, out, temperature=0 if k == 0 else 1.0, seed=k, stop_ids=[eot],
+                         constraint=c))
+    s.submit(Request(PROMPTS[0], 12, outs[3], temperature=0))
+    drain(s)
+    for out in outs[:3]:
+        assert out.last.finish_reason == "stop", out.text
+        doc = json.loads(out.text)
+        assert set(doc) == {"name", "ok", "tags"} and len(doc["name"]) <= 3 and isinstance(doc["ok"], bool)
+        assert all(t in ("a", "é") for t in doc["tags"]) and len(doc["tags"]) <= 1
+    assert outs[3].text == alone(model, tok, PROMPTS[0], 12, temperature=0)
+    assert grammars.compiled == 1  # one schema: compiled once, copied for each row
+
+
+def test_regions_after_a_trigger_are_captured_and_bans_hold():
+    """A tool-call-like region: the model may open it with a trigger id; once open, only the grammar's tokens and
+    (when it may end) the close id; after it, only the ``after`` ids. Forcing the trigger opens it at once."""
+    from lmforge.generate.constraints import RowConstraint, choice_grammar
+
+    model, tok = tiny_model(), byte_tokenizer()
+    grammars = _grammars(tok)
+    START, CLOSE, END = ord("{"), ord("}"), tok.eot_id
+    out = Collect()
+    c = RowConstraint(grammars, choice_grammar(["yes", "no"]), close_id=CLOSE, start=START, max_regions=1,
+                      after=[START, END], force=[START])
+    s = Scheduler(Engine(model), tok, max_batch=2)
+    s.submit(Request(list(b"q"), 20, out, temperature=1.0, seed=5, stop_ids=[END], constraint=c, capture_regions=True))
+    drain(s)
+    regions = [r for u in out.updates for r in u.regions]
+    assert regions in (["yes"], ["no"]) and out.text == "" and out.last.finish_reason == "stop"
+    # never opened: the trigger banned (a tool_choice of none)
+    out2 = Collect()
+    ban = RowConstraint(grammars, None, start=0)
+    logits = torch.zeros(VOCAB)
+    logits[0] = 100.0
+    s.submit(Request([0], 5, out2, temperature=0, constraint=ban))
+    drain(s)
+    assert out2.updates and "\x00" not in out2.text
+    ban.apply(logits)
+    assert logits[0] == float("-inf")
+
+
+def test_logprobs_are_of_the_distribution_sampled_from():
+    """Greedy: the chosen token's log-probability under the model's softmax equals what the Generator's logits
+    give; at temperature T with a constraint, the log-probabilities sum to 1 over the allowed tokens only and
+    the top alternatives are sorted and include the chosen token when it ranks."""
+    import math
+
+    from lmforge.generate.constraints import RowConstraint, regex_grammar
+
+    model, tok = tiny_model(), byte_tokenizer()
+    out = Collect()
+    s = Scheduler(Engine(model), tok, max_batch=2)
+    s.submit(Request(list(b"abc"), 3, out, temperature=0, logprobs=5))
+    drain(s)
+    lps = [lp for u in out.updates for lp in u.logprobs]
+    assert [lp.token for lp in lps] == alone_ids(model, tok, list(b"abc"), 3, temperature=0)
+    with torch.no_grad():
+        first = torch.log_softmax(model(torch.tensor([list(b"abc")]))[0, -1, : tok.vocab_size].float(), -1)
+    assert abs(lps[0].logprob - float(first.max())) < 1e-4
+    assert lps[0].top[0][0] == lps[0].token and len(lps[0].top) == 5
+    assert [v for _, v in lps[0].top] == sorted((v for _, v in lps[0].top), reverse=True)
+
+    grammars = _grammars(tok)
+    out = Collect()
+    c = RowConstraint(grammars, regex_grammar("[ab]{4}"), close_id=tok.eot_id)
+    s.submit(Request(list(b"x"), 8, out, temperature=0.7, seed=3, stop_ids=[tok.eot_id], constraint=c, logprobs=20))
+    drain(s)
+    lps = [lp for u in out.updates for lp in u.logprobs]
+    assert len(out.text) == 4 and set(out.text) <= {"a", "b"} and len(lps) == 4
+    for lp in lps:
+        assert {t for t, _ in lp.top} <= {ord("a"), ord("b")}  # nothing outside the mask has a finite logprob
+        assert abs(sum(math.exp(v) for _, v in lp.top) - 1) < 1e-5
+        assert lp.token in {t for t, _ in lp.top}
+
+
+def test_several_samples_of_one_prompt_share_one_prefill(monkeypatch):
+    """``submit_many``: one prefill (``admit`` once) and ``fork`` for the others; each sample equals the same
+    seeded request run alone; a group waits until it fits."""
+    model, tok = tiny_model(), byte_tokenizer()
+    engine = Engine(model)
+    admits = []
+    admit = engine.admit
+    monkeypatch.setattr(engine, "admit", lambda p: admits.append(list(p)) or admit(p))
+    s = Scheduler(engine, tok, max_batch=4)
+    outs = [Collect() for _ in range(3)]
+    s.submit_many([Request(list(b"share"), 8, o, temperature=1.0, seed=10 + k) for k, o in enumerate(outs)])
+    drain(s)
+    assert admits == [list(b"share")]
+    for k, o in enumerate(outs):
+        assert o.text == alone(model, tok, list(b"share"), 8, temperature=1.0, seed=10 + k)
+    # the copy is the prefill: a forked row's next logits equal its source row's, step after step
+    e = Engine(model)
+    e.open_slots(3)
+    e.admit(list(b"a longer shared prompt"))
+    assert e.fork(0) == 1 and e.fork(0) == 2 and e.lengths == [22, 22, 22]
+    for t in (5, 9, 77):
+        logits = e.step(torch.tensor([t, t, t]))
+        assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    with pytest.raises(ValueError, match="max_batch"):
+        s.submit_many([Request([1], 2, Collect()) for _ in range(5)])
+    with pytest.raises(ValueError, match="same prompt"):
+        s.submit_many([Request([1], 2, Collect()), Request([2], 2, Collect())])
+    assert s.load()["waiting"] == 0

@@ -117,18 +117,66 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.mark.parametrize("k", range(len(CONVERSATIONS)))
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city, °C",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TOOL_CONVERSATIONS = [  # (tools, messages): function definitions, JSON calls (text or object arguments), results
+    ([WEATHER], [{"role": "user", "content": "Weather in Zürich?"},
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"id": "call_1", "type": "function",
+                      "function": {"name": "get_weather", "arguments": "{\"city\": \"Zürich\"}"}}]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21}"},
+                 {"role": "assistant", "content": "21 °C."}]),
+    ([WEATHER, TIME], [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Time and weather?"},
+                       {"role": "assistant", "content": "Checking.", "tool_calls": [
+                           {"id": "a", "type": "function", "function": {"name": "get_time", "arguments": {}}},
+                           {"id": "b", "type": "function",
+                            "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+                       {"role": "tool", "tool_call_id": "a", "content": "12:00"},
+                       {"role": "tool", "tool_call_id": "b", "content": "cold"},
+                       {"role": "assistant", "content": "Noon, cold.", "tool_call": "2+2"},
+                       {"role": "tool", "content": "4"}, {"role": "assistant", "content": "And 4."},
+                       {"role": "user", "content": "ok"}, {"role": "assistant", "content": "Bye."}]),
+]
+
+
+@pytest.mark.parametrize("k", range(len(CONVERSATIONS) + len(TOOL_CONVERSATIONS)))
 def test_chat_template_renders_like_chatformat(exported, k):
     fmt = ChatFormat(make_tokenizer())
     hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
-    messages = CONVERSATIONS[k]
-    ids = hf_tok.apply_chat_template(messages, tokenize=True, return_dict=False)
-    assert ids == fmt.render(messages)[0]
-    # every prefix ending with a user message, as a prompt for the reply
-    for end in [i + 1 for i, m in enumerate(messages) if m["role"] == "user"]:
-        prompt = hf_tok.apply_chat_template(messages[:end], tokenize=True, add_generation_prompt=True,
+    tools, messages = (None, CONVERSATIONS[k]) if k < len(CONVERSATIONS) else TOOL_CONVERSATIONS[k - len(CONVERSATIONS)]
+    ids = hf_tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
+    assert ids == fmt.render(messages, tools)[0]
+    # every prefix ending with a user message or the last result of function calls, as a prompt for the reply
+    ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "user" or
+            (m["role"] == "tool" and (i + 1 == len(messages) or messages[i + 1]["role"] != "tool") and
+             any("tool_calls" in p for p in messages[max(0, i - 3): i]))]
+    for end in ends:
+        prompt = hf_tok.apply_chat_template(messages[:end], tools=tools, tokenize=True, add_generation_prompt=True,
                                             return_dict=False)
-        assert prompt == fmt.render_for_completion(messages[:end])
+        assert prompt == fmt.render_for_completion(messages[:end], tools)
+    if tools:
+        assert ids.count(fmt.ids["<|call_start|>"]) == sum(len(m.get("tool_calls", [])) for m in messages)
+
+
+def test_chat_template_without_tool_tokens_refuses_tools():
+    """A tokenizer from before the function-tool tokens: its template renders plain chats and refuses tools and
+    tool_calls (rather than rendering their token names as text)."""
+    import jinja2
+
+    from lmforge.interop.hf_tokenizer import chat_template
+
+    env = jinja2.Environment()
+    env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(ValueError(msg))
+    env.filters["tojson"] = json.dumps
+    template = env.from_string(chat_template(tools=False))
+    assert template.render(messages=CONVERSATIONS[0]).startswith(EOT)
+    for tools, messages in TOOL_CONVERSATIONS:
+        with pytest.raises(ValueError, match="no function-tool tokens"):
+            template.render(messages=messages, tools=tools)
+        with pytest.raises(ValueError, match="no function-tool tokens"):
+            template.render(messages=messages)
 
 
 def test_sharded_export_with_tied_embeddings(tmp_path):

@@ -38,7 +38,7 @@ def test_rl_end_to_end_learns_from_the_reward_and_reports_before_and_after(chat_
     share; rl.json and the run card hold greedy exact match, pass@1 and pass@k before and after, with intervals."""
     out = tmp_path / "rl"
     argv = ["-q", "rl", "--base", str(chat_run), "--data", str(rl_tasks["train"]), "--val-data", str(rl_tasks["val"]),
-            "--run-dir", str(out), "--no-progress", "--set", "rl.reward=format"]
+            "--run-dir", str(out), "--no-progress", "--set", "rl.reward=format", "--set", "rl.temperature=2"]
     for s in SMALL:
         argv += ["--set", s]
     assert cli.main(argv) == 0
@@ -50,7 +50,9 @@ def test_rl_end_to_end_learns_from_the_reward_and_reports_before_and_after(chat_
         assert 0 <= s["reward"] <= 1 and s["reply_tokens"] > 0 and 0 <= s["tool_call_share"] <= 1
         assert s["reward"] == s["ended_share"]  # the format reward is the share of replies that ended
     rewards = [s["reward"] for s in steps]
-    assert rewards[0] < 0.95 and min(rewards[-3:]) > rewards[0], rewards  # it learns to end its replies
+    # at temperature 2 the SFT model ends 7/8 of its replies; it learns to end them all (with the learning rate
+    # at 1e-9 the last three steps end 0.875, 0.75, 0.81: the rise is the gradient's, not the seeds')
+    assert rewards[0] < 0.95 and min(rewards[-3:]) > rewards[0], rewards
     res = json.loads((out / "rl.json").read_text())
     for when in ("before", "after"):
         for key in ("greedy_exact_match", "pass_at_1", "pass_at_k"):
@@ -70,9 +72,16 @@ def test_rl_end_to_end_learns_from_the_reward_and_reports_before_and_after(chat_
     assert "exact_match" in capsys.readouterr().out
 
 
-def test_resume_in_process_equals_uninterrupted(chat_run, rl_tasks, tmp_path) -> None:
-    full, split = tmp_path / "full", tmp_path / "split"
-    rl(chat_run, rl_tasks["train"], full, overrides=SMALL, progress=False)
+@pytest.fixture(scope="module")
+def small_run(chat_run, rl_tasks, tmp_path_factory) -> Path:
+    """An uninterrupted run of :data:`SMALL` (6 steps, checkpoints every 2): what a resumed run must equal."""
+    out = tmp_path_factory.mktemp("rl_small") / "full"
+    rl(chat_run, rl_tasks["train"], out, overrides=SMALL, progress=False)
+    return out
+
+
+def test_resume_in_process_equals_uninterrupted(small_run, chat_run, rl_tasks, tmp_path) -> None:
+    full, split = small_run, tmp_path / "split"
     rl(chat_run, rl_tasks["train"], split, overrides=SMALL + ("training.max_steps=3",), progress=False)  # ckpt at 2, 3
     (split / "checkpoints" / "step_00000003.safetensors").unlink()  # resume from 2: step 3's rollouts drawn again
     rl(chat_run, rl_tasks["train"], split, overrides=SMALL, progress=False)
@@ -129,48 +138,43 @@ def _rl_cmd(chat_run: Path, rl_tasks: dict, run_dir: Path, *sets: str) -> list[s
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_sigkill_and_restart_equals_uninterrupted(chat_run, rl_tasks, tmp_path) -> None:
-    """Killed between checkpoints (after step 7 was logged, checkpoints every 3), restarted: the same rollouts,
-    rewards, losses and weights as a run that never stopped."""
+def test_sigkill_and_restart_equals_uninterrupted(small_run, chat_run, rl_tasks, tmp_path) -> None:
+    """Killed between checkpoints (after step 3 was logged, checkpoints every 2), restarted: the same rollouts,
+    rewards, losses and weights as a run that never stopped (``small_run``, the same settings in this process)."""
     import signal
     import subprocess
     import sys
     import time
 
-    sets = SMALL + ("training.max_steps=12", "training.checkpoint_every=3")
     script = tmp_path / "slow_main.py"
     script.write_text(_SLOW_MAIN)
     start = lambda run, delay: subprocess.Popen(  # noqa: E731
-        [sys.executable, str(script), str(delay), *_rl_cmd(chat_run, rl_tasks, run, *sets)],
+        [sys.executable, str(script), str(delay), *_rl_cmd(chat_run, rl_tasks, run, *SMALL)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    full, killed = tmp_path / "full", tmp_path / "killed"
-    procs = [start(full, 0.0), start(killed, 0.3)]
+    killed = tmp_path / "killed"
+    proc = start(killed, 0.3)
     try:
-        proc = procs[1]
         metrics, deadline = killed / "metrics.jsonl", time.time() + 150
         while time.time() < deadline:
-            if metrics.exists() and any(json.loads(ln).get("step", 0) >= 7
+            if metrics.exists() and any(json.loads(ln).get("step", 0) >= 3
                                         for ln in metrics.read_text().splitlines() if ln.endswith("}")):
                 break
             assert proc.poll() is None, proc.stderr.read().decode()
             time.sleep(0.005)
         else:
-            pytest.fail("the run to be killed logged no step 7 within 150 s")
+            pytest.fail("the run to be killed logged no step 3 within 150 s")
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
-        assert 7 <= _steps(killed)[-1]["step"] < 12
-        restart = start(killed, 0.0)
-        procs.append(restart)
-        assert restart.wait(timeout=150) == 0, restart.stderr.read().decode()
-        assert procs[0].wait(timeout=60) == 0, procs[0].stderr.read().decode()
+        assert 3 <= _steps(killed)[-1]["step"] < 6
+        proc = start(killed, 0.0)
+        assert proc.wait(timeout=150) == 0, proc.stderr.read().decode()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [s["step"] for s in _steps(killed)] == list(range(1, 13))
-    assert _steps(killed) == _steps(full)  # rewards, reply lengths, tool calls and losses, bit for bit
-    a, b = _weights(killed), _weights(full)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert [s["step"] for s in _steps(killed)] == list(range(1, 7))
+    assert _steps(killed) == _steps(small_run)  # rewards, reply lengths, tool calls and losses, bit for bit
+    a, b = _weights(killed), _weights(small_run)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -178,18 +182,19 @@ def test_sigkill_and_restart_equals_uninterrupted(chat_run, rl_tasks, tmp_path) 
 @pytest.mark.timeout(300)
 def test_torchrun_two_ranks_equal_one_process(chat_run, rl_tasks, tmp_path) -> None:
     """2 ranks x 2 prompts sample the same replies per step as 1 process x 4 (whole decode chunks of the global
-    prompt slots), so rewards and reply figures are equal and losses equal to float summation order."""
+    prompt slots; step 2 samples from the updated weights), so rewards and reply figures are equal and losses
+    equal to float summation order."""
     import subprocess
     import sys
 
-    sets = SMALL + ("training.max_steps=3", "optimizer.name=sgd", "optimizer.lr=0.5", "optimizer.grad_clip=0")
+    sets = SMALL + ("training.max_steps=2", "optimizer.name=sgd", "optimizer.lr=0.5", "optimizer.grad_clip=0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lmforge.cli",
            *_rl_cmd(chat_run, rl_tasks, tmp_path / "ddp", *sets)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr
     rl(chat_run, rl_tasks["train"], tmp_path / "single", overrides=sets, progress=False)
     ddp, single = _steps(tmp_path / "ddp"), _steps(tmp_path / "single")
-    assert [s["step"] for s in ddp] == [1, 2, 3]
+    assert [s["step"] for s in ddp] == [1, 2]
     for a, b in zip(ddp, single):
         assert {k: a[k] for k in ("reward", "reply_tokens", "tool_call_share", "ended_share")} == \
                {k: b[k] for k in ("reward", "reply_tokens", "tool_call_share", "ended_share")}

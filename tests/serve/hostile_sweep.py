@@ -80,14 +80,53 @@ def bad_bodies() -> list[tuple[str, Any]]:
         "seed": [2 ** 70, 2 ** 63, -(2 ** 63) - 1, 1.5, "seven", [1]],
         "stream": ["maybe", 2, [True]],  # (pydantic's lax mode takes "yes"/"true"/1 as true, as vLLM's does)
         "stream_options": ["x", [1]],
-        "n": [2, 0, -3, "two"],
-        "logprobs": [True, 5],
+        "n": [0, -3, "two", 9, 129, 1.5],  # 9: more than --max-batch 8
     }
+    fn = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    chat_only = {  # the fields issue 26 added, each wrong in one way
+        "logprobs": [5, "x", [True]],
+        "top_logprobs": [21, -1, "x", 2],  # (2 without logprobs: true)
+        "tools": ["x", [{"type": "function"}], [{"type": "function", "function": {"name": "a b"}}],
+                  [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
+                  [{"type": "function", "function": {"name": "f", "parameters": {"type": "wrong"}}}],
+                  [fn, fn], [fn] * 200],
+        "tool_choice": ["maybe", {"type": "function", "function": {"name": "zz"}}, "required", 3],
+        "parallel_tool_calls": ["x", [1]],
+        "response_format": ["x", {"type": "xml"}, {"type": "json_schema"},
+                            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"uniqueItems": True}}},
+                            {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}},
+                            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}],
+        "structured_outputs": [{"regex": "("}, {"choice": []}, {"regex": "a", "choice": ["a"]}, {"x": 1}, "x",
+                               {"choice": [""]}],
+    }
+    comp_only = {"logprobs": [21, -1, "x", 1.5]}
     out: list[tuple[str, Any]] = []
     for field, vals in values.items():
         for v in vals:
             out.append(("/v1/chat/completions", {**chat, field: v}))
             out.append(("/v1/completions", {**comp, field: v}))
+    for field, vals in chat_only.items():
+        out += [("/v1/chat/completions", {**chat, field: v}) for v in vals]
+    for field, vals in comp_only.items():
+        out += [("/v1/completions", {**comp, field: v}) for v in vals]
+    called = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    out += [("/v1/chat/completions", {**chat, "tools": [fn], "response_format": {"type": "json_object"}}),
+            ("/v1/chat/completions", {**chat, "n": 4, "max_tokens": 150}),  # n x max_tokens over the cap (512)
+            ("/v1/chat/completions", {**chat, "messages": msg + [called, {"role": "tool", "content": "1"}]}),
+            ("/v1/chat/completions", {**chat, "messages": msg + [called, {"role": "tool", "tool_call_id": "zz",
+                                                                        "content": "1"}]}),
+            ("/v1/chat/completions", {**chat, "messages": msg + [called]}),
+            ("/v1/chat/completions", {**chat, "messages": msg + [{**called, "tool_calls": "x"}]})]
+    for body in ({"model": MODEL, "input": []}, {"model": MODEL, "input": 3}, {"model": MODEL, "input": [[-1]]},
+                 {"model": MODEL, "input": "x" * 5000}, {"model": MODEL, "input": [""]},
+                 {"model": "gpt-9", "input": "x"}, {"model": MODEL, "input": "x", "dimensions": 3}):
+        out.append(("/v1/embeddings", body))
+    for body in ({}, {"prompt": "x", "messages": msg}, {"messages": []}, {"prompt": "\ud800"},
+                 {"messages": [{"role": "tool", "content": "x"}]}):
+        out.append(("/tokenize", body))
+    for body in ({}, {"tokens": [-1]}, {"tokens": "x"}, {"tokens": [10 ** 9]}, {"tokens": [1.5]}):
+        out.append(("/detokenize", body))
     for v in ([], None, "hi", [{"role": "robot", "content": "x"}], [{"role": "user"}], [{"role": "user", "content": 3}],
               [{"role": "user", "content": ""}], [{"role": "assistant", "content": "x"}], [{"content": "x"}],
               [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
@@ -131,7 +170,8 @@ def sweep_bad_values(url: str) -> dict[str, Any]:
 # 2. Mixed load
 # --------------------------------------------------------------------------------------------------
 GOOD_KINDS = ["chat-greedy", "chat-greedy-stream", "chat-seeded", "chat-seeded-stream", "comp-greedy",
-              "comp-greedy-stream", "comp-seeded", "chat-tiny", "comp-stop", "chat-markup"]
+              "comp-greedy-stream", "comp-seeded", "chat-tiny", "comp-stop", "chat-markup", "chat-json",
+              "chat-json-stream", "chat-tools", "chat-n", "chat-logprobs-stream", "comp-logprobs"]
 ALL_KINDS = GOOD_KINDS + ["bad", "leave-plain", "leave-stream"]
 
 
@@ -151,6 +191,19 @@ def good_request(kind: str, i: int) -> tuple[str, dict]:
             body["messages"] = user + [{"role": "assistant", "content": f"Let me see.{SHOWN}So 42."},
                                        {"role": "user", "content": f"And {k}?"}]
             body["temperature"] = 0
+        elif kind.startswith("chat-json"):
+            body.update(temperature=1.0, seed=k, max_tokens=120, response_format={"type": "json_schema", "json_schema": {
+                "name": "r", "schema": {"type": "object", "properties": {"a": {"type": "string", "maxLength": 4},
+                                                                         "b": {"enum": [1, "é", None]}},
+                                        "required": ["a", "b"], "additionalProperties": False}}})
+        elif kind == "chat-tools":
+            body.update(temperature=1.0, seed=k, max_tokens=60, tool_choice="required", parallel_tool_calls=False,
+                        tools=[{"type": "function", "function": {"name": "f", "parameters": {
+                            "type": "object", "properties": {"x": {"enum": ["p", "q"]}}, "required": ["x"]}}}])
+        elif kind == "chat-n":
+            body.update(temperature=1.0, seed=k, n=3, max_tokens=10)
+        elif kind == "chat-logprobs-stream":
+            body.update(temperature=0.7, seed=k, logprobs=True, top_logprobs=2)
         path = "/v1/chat/completions"
     else:
         body = {"model": MODEL, "prompt": f"Once upon a time {k}", "max_tokens": 20 + k}
@@ -160,6 +213,8 @@ def good_request(kind: str, i: int) -> tuple[str, dict]:
             body.update(temperature=1.0, seed=2 ** 63 - 1 - k)
         elif kind == "comp-stop":
             body.update(temperature=0, stop=["e", "\n"])
+        elif kind == "comp-logprobs":
+            body.update(temperature=0.5, seed=k, logprobs=3)
         path = "/v1/completions"
     body["stream"] = kind.endswith("-stream")
     return path, body
@@ -171,8 +226,11 @@ def ask(c: httpx.Client, url: str, path: str, body: dict) -> tuple[int, str, str
         r = c.post(url + path, json=body)
         if r.status_code != 200:
             return r.status_code, r.text[:200], None
-        ch = r.json()["choices"][0]
-        return 200, ch["message"]["content"] if "message" in ch else ch["text"], ch["finish_reason"]
+        chs = r.json()["choices"]
+        text = "|".join(json.dumps([ch["message"]["content"], [c["function"] for c in ch["message"].get("tool_calls")
+                                                                or []]])
+                        if "message" in ch else ch["text"] for ch in chs)  # every choice; calls without their ids
+        return 200, text, chs[0]["finish_reason"]
     text, finish = "", None
     with c.stream("POST", url + path, json=body) as r:
         if r.status_code != 200:
@@ -187,6 +245,8 @@ def ask(c: httpx.Client, url: str, path: str, body: dict) -> tuple[int, str, str
                 ch = ev["choices"][0]
                 text += (ch.get("delta") or {}).get("content") or ch.get("text") or ""
                 finish = ch["finish_reason"] or finish
+    if path.endswith("chat/completions"):  # as a plain answer shows it (streams here have no calls, one choice)
+        text = json.dumps([text, []])
     return 200, text, finish
 
 
@@ -274,7 +334,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="lmforge-sweep-"))
-    run = random_chat_run(tmp / MODEL, context_length=256)
+    run = random_chat_run(tmp / MODEL, context_length=512)
     p, url = start(run)
     failures: list[str] = []
     try:

@@ -32,6 +32,11 @@ from serve_helpers import NO_PROXY, ThreadServer, openai_client, random_chat_run
 
 ROOT = Path(__file__).resolve().parents[2]
 MSG = [{"role": "user", "content": "Hello, who are you?"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+    "additionalProperties": False}}}
+CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +202,36 @@ def _err(r: httpx.Response, status: int, param: str | None = None) -> str:
     (json.dumps({"model": "chatty", "messages": MSG, "temperature": "hot"}).encode(), "temperature", "hot"),
     (json.dumps({"model": "chatty", "messages": MSG, "temperature": 3}).encode(), "temperature", "2"),
     (json.dumps({"model": "chatty", "messages": MSG, "max_tokens": 0}).encode(), "max_tokens", "1"),
-    (json.dumps({"model": "chatty", "messages": MSG, "n": 2}).encode(), "n", "not supported"),
+    (json.dumps({"model": "chatty", "messages": MSG, "n": 5}).encode(), "n", "at most 4 rows"),
+    (json.dumps({"model": "chatty", "messages": MSG, "n": 3, "max_tokens": 40}).encode(), "n", "3 × 40 = 120"),
+    (json.dumps({"model": "chatty", "messages": MSG, "logprobs": True, "top_logprobs": 21}).encode(),
+     "top_logprobs", "20"),
+    (json.dumps({"model": "chatty", "messages": MSG, "top_logprobs": 2}).encode(), "top_logprobs", "logprobs: true"),
+    (json.dumps({"model": "chatty", "messages": MSG, "tools": [TOOL], "response_format": {"type": "json_object"}}
+                ).encode(), "response_format", "cannot be combined with tools"),
+    (json.dumps({"model": "chatty", "messages": MSG, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}).encode(), "tool_choice", "'nope'"),
+    (json.dumps({"model": "chatty", "messages": MSG, "tool_choice": "required"}).encode(), "tool_choice", "needs tools"),
+    (json.dumps({"model": "chatty", "messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "not": {"required": ["a"]}}}}]}).encode(),
+     "tools.0.function.parameters", "not"),
+    (json.dumps({"model": "chatty", "messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": "x"}}]}).encode(), "tools.0.function.parameters", "dictionary"),
+    (json.dumps({"model": "chatty", "messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "bad name!"}}]}).encode(), "tools.0.function.name", "pattern"),
+    (json.dumps({"model": "chatty", "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}).encode(),
+     "response_format.json_schema.schema", "uniqueItems"),
+    (json.dumps({"model": "chatty", "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strange"}}}}).encode(), "response_format.json_schema.schema", "strange"),
+    (json.dumps({"model": "chatty", "messages": MSG, "response_format": {"type": "xml"}}).encode(),
+     "response_format.type", "xml"),
+    (json.dumps({"model": "chatty", "messages": MSG, "structured_outputs": {"regex": "(unclosed"}}).encode(),
+     "structured_outputs.regex", "regular expression"),
+    (json.dumps({"model": "chatty", "messages": MSG + [CALLED, {"role": "tool", "tool_call_id": "other",
+                                                                "content": "1"}]}).encode(), "messages", "'other'"),
+    (json.dumps({"model": "chatty", "messages": MSG + [CALLED, {"role": "tool", "content": "1"}]}).encode(),
+     "messages.2.tool_call_id", "tool_call_id"),
     (json.dumps({"model": "chatty", "messages": MSG + [{"role": "assistant", "content": "hi"}]}).encode(),
      "messages", "must end with a user message"),
 ])
@@ -293,10 +327,13 @@ def test_one_failing_request_does_not_take_down_the_others(srv, http, monkeypatc
     t = threading.Thread(target=lambda: box.update(c=http.post(srv.url + "/v1/completions", json={
         "model": "chatty", "prompt": "side by side", "max_tokens": 30, "temperature": 0})))
     t.start()
-    r = http.post(srv.url + "/v1/chat/completions", json={"model": "chatty", "messages": MSG, "max_tokens": 30})
+    # greedy: the first token is not a stop token (a sampled stop at token 0 would never reach the hook)
+    r = http.post(srv.url + "/v1/chat/completions", json={"model": "chatty", "messages": MSG, "max_tokens": 30,
+                                                          "temperature": 0})
     assert "injected fault" in _err(r, 500) and r.json()["error"]["type"] == "server_error"
     with http.stream("POST", srv.url + "/v1/chat/completions",
-                     json={"model": "chatty", "messages": MSG, "max_tokens": 30, "stream": True}) as s:
+                     json={"model": "chatty", "messages": MSG, "max_tokens": 30, "stream": True,
+                           "temperature": 0}) as s:
         events = [ln for ln in s.iter_lines() if ln]
     assert "injected fault" in json.loads(events[-2][6:])["error"]["message"] and events[-1] == "data: [DONE]"
     t.join(60)

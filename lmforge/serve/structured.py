@@ -1,0 +1,88 @@
+"""Structured output over the API: a chat request's ``response_format``, ``structured_outputs`` and ``tools`` turned
+into one row constraint (:class:`~lmforge.generate.constraints.RowConstraint`), and function calls read back.
+
+* ``response_format`` ``json_schema`` / ``json_object``, ``structured_outputs`` ``regex`` / ``choice``: the whole
+  reply is one grammar region, closed by ``<|assistant_end|>``.
+* ``tools``: the functions are rendered into the prompt (the chat format's tools block). A call is a region opened
+  by ``<|call_start|>`` and closed by ``<|call_end|>`` whose text is ``{"name": NAME, "arguments": ARGS}`` with
+  ``ARGS`` valid under that function's ``parameters`` schema; after a call only another call (when
+  ``parallel_tool_calls``) or ``<|assistant_end|>`` may follow. ``tool_choice``: ``auto`` (the model decides),
+  ``required`` or a named function (the reply starts with a call, to that function only), ``none`` (calls banned).
+  Calls are captured (not text) and returned as ``tool_calls`` with ids ``call_...``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from lmforge.chat.format import ChatFormat
+from lmforge.generate.constraints import (ConstraintError, Grammars, RowConstraint, choice_grammar, json_grammar,
+                                          regex_grammar)
+from lmforge.serve.api import APIError, ChatCompletionRequest, NamedToolChoice
+
+__all__ = ["call_schema", "parse_call", "request_constraint"]
+
+
+def call_schema(functions: list[Any]) -> dict[str, Any]:
+    """The JSON Schema of one call's text ``{"name": NAME, "arguments": ARGS}`` to any of ``functions``
+    (``Tool.function`` objects; no ``parameters``: any object)."""
+    alternatives = [{"type": "object",
+                     "properties": {"name": {"const": f.name},
+                                    "arguments": f.parameters if f.parameters is not None else {"type": "object"}},
+                     "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+
+
+def _compiled(grammars: Grammars, make: Any, value: Any, param: str) -> Any:
+    try:
+        grammar = make(value)
+        grammars.compile(grammar)
+        return grammar
+    except ConstraintError as e:
+        what = f"{param}: {e}" + (f" (keyword {e.keyword!r})" if e.keyword else "")
+        raise APIError(400, what, param, "unsupported_schema" if e.keyword else "invalid_schema") from None
+
+
+def request_constraint(req: ChatCompletionRequest, fmt: ChatFormat, grammars: Grammars) -> RowConstraint | None:
+    """The row constraint of a chat request (None: unconstrained); APIError 400 naming the parameter (and the
+    JSON-Schema keyword) for a schema, regex or choice list that cannot be used."""
+    end = fmt.assistant_end_id
+    rf, so = req.response_format, req.structured_outputs
+    if rf is not None and rf.type == "json_schema":
+        assert rf.json_schema is not None
+        g = _compiled(grammars, json_grammar, rf.json_schema.schema_, "response_format.json_schema.schema")
+        return RowConstraint(grammars, g, close_id=end, max_regions=1)
+    if rf is not None and rf.type == "json_object":
+        return RowConstraint(grammars, json_grammar({"type": "object"}), close_id=end, max_regions=1)
+    if so is not None:
+        g = (_compiled(grammars, regex_grammar, so.regex, "structured_outputs.regex") if so.regex is not None else
+             _compiled(grammars, choice_grammar, so.choice, "structured_outputs.choice"))
+        return RowConstraint(grammars, g, close_id=end, max_regions=1)
+    if not req.tools:
+        return None
+    if not fmt.has_tools:
+        raise APIError(400, "this model's tokenizer has no function-tool tokens, so it cannot call tools; "
+                            "fine-tune it with lmforge sft (which adds them)", "tools", "tools_not_supported")
+    start, close = fmt.ids["<|call_start|>"], fmt.ids["<|call_end|>"]
+    if req.tool_choice == "none":
+        return RowConstraint(grammars, None, start=start)
+    functions = [t.function for t in req.tools]
+    for k, f in enumerate(functions):  # each schema alone first: the error names the function that is wrong
+        if f.parameters is not None:
+            _compiled(grammars, json_grammar, f.parameters, f"tools.{k}.function.parameters")
+    forced = isinstance(req.tool_choice, NamedToolChoice) or req.tool_choice == "required"
+    if isinstance(req.tool_choice, NamedToolChoice):
+        functions = [f for f in functions if f.name == req.tool_choice.function.name]
+    g = _compiled(grammars, json_grammar, call_schema(functions), "tools")
+    return RowConstraint(grammars, g, close_id=close, start=start, max_regions=None if req.parallel_tool_calls else 1,
+                         after=[start, end], force=[start] if forced else ())
+
+
+def parse_call(text: str) -> dict[str, Any]:
+    """A captured call's text (``{"name": ..., "arguments": {...}}``) as an OpenAI ``tool_calls`` entry with a new
+    id; its arguments as a JSON text laid out as the chat format renders them."""
+    obj = json.loads(text)
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}}
