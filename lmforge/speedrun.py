@@ -111,7 +111,7 @@ RL_WINDOW = (0.05, 0.80)
 """RL trains on the chat tasks whose exact match after SFT lies in this range: below it the model rarely samples a
 right answer (no reward to learn from), above it there is little left to gain."""
 RL_SETTINGS = ("rl.samples_per_prompt=8", "rl.prompts_per_step=8", "rl.prompts_per_decode=4", "rl.max_new_tokens=24",
-               "optimizer.lr=1e-4", "training.checkpoint_every=5")
+               "optimizer.lr=5e-4", "training.checkpoint_every=5")
 """The speedrun's RL settings on top of ``lmforge rl``'s defaults (64 replies per step, short replies)."""
 
 
@@ -379,8 +379,8 @@ def _rl_tasks(after_sft: dict[str, Any], chat_dir: Path, dest: Path) -> dict[str
 def _rl(after_sft: dict[str, Any], chat_dir: Path, tasks_dir: Path, sft_dir: Path, rl_dir: Path,
         budget: tuple[str, float], device: Any, progress: bool) -> dict[str, Any]:
     """``lmforge rl`` from the SFT run on the tasks :func:`_rl_tasks` picks (nothing when none): the budget's steps,
-    or its minutes over the time of the first step (run first, alone; the rest resumes from its checkpoint: a
-    constant learning rate, so the number of steps changes no step)."""
+    or its minutes over the time of the second step (the first two run first, alone; the rest resumes from their
+    checkpoint: a constant learning rate, so the number of steps changes no step)."""
     picked = _rl_tasks(after_sft, chat_dir, tasks_dir)
     try:  # an RL run on other tasks (another window, another SFT model): start again rather than refuse it
         old = ConversationDataset(rl_dir / RL_DATA_DIR, "train").info["sources"][0]["sha256"]
@@ -397,13 +397,14 @@ def _rl(after_sft: dict[str, Any], chat_dir: Path, tasks_dir: Path, sft_dir: Pat
     if unit == "steps":
         steps, step_s = int(amount), None
     else:
-        reinforce(sft_dir, tasks_dir / "train.jsonl", rl_dir, overrides=[*base, "training.max_steps=1"],
+        reinforce(sft_dir, tasks_dir / "train.jsonl", rl_dir, overrides=[*base, "training.max_steps=2"],
                   progress=progress)
-        first = next(r for r in map(json.loads, (rl_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r)
+        second = [r for r in map(json.loads, (rl_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r][1]
         cfg = load_run_config(rl_dir / "config.yaml")
-        step_s = cfg.training.global_batch_size * cfg.context_length / first["tokens_per_s"]
+        step_s = cfg.training.global_batch_size * cfg.context_length / second["tokens_per_s"]
         steps = max(2, int(amount * 60 / step_s))
-        logger.info("RL plan: %.1f s for the first step -> %d steps (~%.1f min)", step_s, steps, steps * step_s / 60)
+        logger.info("RL plan: %.1f s for the second step (the first warms up at about half speed) -> %d steps "
+                    "(~%.1f min)", step_s, steps, steps * step_s / 60)
     m = reinforce(sft_dir, tasks_dir / "train.jsonl", rl_dir, overrides=[*base, f"training.max_steps={steps}"],
                   progress=progress)
     recs = [r for r in map(json.loads, (rl_dir / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
@@ -518,8 +519,9 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
             tasks_dir, rl_dir = out / RL_TASKS_DIR, out / RL_DIR
             rl_key = _digest(ft["checkpoint"], ft["step"], after_sft["tasks"], chat["train_sha256"], rl_plan,
                              RL_SETTINGS, RL_WINDOW)
-            if "sft" in ran and rl_dir.exists():
-                shutil.rmtree(rl_dir)  # the SFT model changed: start RL from it again
+            old_rl = state.data["stages"].get("rl")
+            if rl_dir.exists() and ("sft" in ran or (old_rl is not None and old_rl.get("key") != rl_key)):
+                shutil.rmtree(rl_dir)  # the SFT model or the RL settings changed: start RL from the SFT model again
             rec = stage("rl", rl_key, lambda: _rl(after_sft, out / CHAT_DIR, tasks_dir, sft_dir, rl_dir, rl_plan, dev,
                                                   progress),
                         lambda rec: not rec["tasks"] or Path(rec.get("checkpoint") or "").exists())

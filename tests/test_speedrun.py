@@ -120,6 +120,10 @@ def test_speedrun_rl_stage_trains_the_picked_tasks_and_scores_every_task(tmp_pat
     assert re.search(r"\| calculator \(trained\) \| 2 \| \d+% \[\d+, \d+\] \| \d+% \[\d+, \d+\] \| [+-]\d+ \|", report)
     again = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2, rl_budget="2steps")
     assert again["rl"] == rl and again["chat-rl"] == after  # reused
+    monkeypatch.setattr(sr, "RL_SETTINGS", sr.RL_SETTINGS + ("optimizer.lr=2e-4",))  # other RL settings: RL again
+    changed = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2, rl_budget="2steps")
+    logged = [json.loads(ln) for ln in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert changed["rl"]["step"] == 2 and [r["lr"] for r in logged if "loss" in r] == [2e-4, 2e-4]  # from SFT
     monkeypatch.setattr(sr, "RL_WINDOW", (2.0, 3.0))  # no task can be in it
     none = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2, rl_budget="2steps")
     assert none["rl"]["tasks"] == [] and "chat-rl" not in none and not (out / "rl").exists()
