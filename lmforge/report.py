@@ -150,6 +150,8 @@ def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[s
         report.paragraph(f"**{s['prompt'].strip()}**").code(s["prompt"] + s["text"], "text")
     if "chat-sft" in st:
         _chat_section(report, st)
+    if "rl" in st:
+        _rl_speedrun_section(report, st)
     report.section("Configuration").paragraph("Resolved run config (`run/config.yaml`):")
     report.code(dump_yaml(cfg).rstrip(), "yaml")
     report.paragraph(
@@ -183,6 +185,36 @@ def _chat_section(report: RunReport, st: dict[str, Any]) -> None:
         text = m["content"] if "tool_call" not in m else f"{m['content']}[calculator: {m['tool_call']}]"
         lines.append(f"{m['role']:>9}: {text}")
     report.code("\n".join(lines), "text")
+
+
+def _rl_speedrun_section(report: RunReport, st: dict[str, Any]) -> None:
+    """The speedrun's RL stage: which tasks it trained on, its reward, and every task's exact match after SFT and
+    after RL with 95% Wilson intervals."""
+    from lmforge.evals.stats import wilson_interval
+
+    rl, sft = st["rl"], st["chat-sft"]
+    report.section("Reinforcement learning on the tasks SFT half solves")
+    if not rl["tasks"]:
+        report.paragraph("No chat task had an exact match between 5% and 80% after fine-tuning (too rare a right "
+                         "answer to learn from, or little left to gain), so RL did not run.")
+        return
+    report.paragraph(
+        f"`lmforge rl` from `sft/` on the training items of {', '.join(f'`{t}`' for t in rl['tasks'])} (the tasks "
+        f"the fine-tuned model solves 5-80% of the time) for {rl['step']} steps ({fmt_seconds(rl['seconds'])}; "
+        f"64 replies per step, exact-match reward, group-mean advantages, the same training loop). Mean reward "
+        f"{rl['reward_first']:.2f} at the first step, {rl['reward_last10']:.2f} over the last 10. Exact match of "
+        "greedy replies on the same held-out items as above, after SFT and after RL (95% Wilson intervals):")
+    if "chat-rl" not in st:
+        return
+    rows = []
+    for tag, a in sft["tasks"].items():
+        b = st["chat-rl"]["tasks"][tag]
+        (al, ah), (bl, bh) = wilson_interval(a["correct"], a["n"]), wilson_interval(b["correct"], b["n"])
+        rows.append((tag + (" (trained)" if tag in rl["tasks"] else ""), a["n"],
+                     f"{100 * a['correct'] / a['n']:.0f}% [{100 * al:.0f}, {100 * ah:.0f}]",
+                     f"{100 * b['correct'] / b['n']:.0f}% [{100 * bl:.0f}, {100 * bh:.0f}]",
+                     f"{100 * (b['correct'] / b['n'] - a['correct'] / a['n']):+.0f}"))
+    report.table(("task", "items", "after SFT", "after RL", "change (points)"), rows)
 
 
 # ==================================================================================================
@@ -289,11 +321,12 @@ def collect_run_card(run_dir: str | Path, samples: int = 2) -> dict[str, Any]:
         tok = Tokenizer.load(run / "tokenizer.json")
         card["tokenizer"] = {"fingerprint": tok.fingerprint(), "vocab_size": tok.vocab_size}
     data_dir = (config.get("data") or {}).get("dir")
-    if data_dir and (config.get("data") or {}).get("kind") == "conversations":
+    kind = (config.get("data") or {}).get("kind")
+    if data_dir and kind in ("conversations", "prompts"):
         from lmforge.data.conversations import read_manifest
 
-        m = read_manifest(data_dir)  # rendered conversations: their counts and the source files' sha256
-        card["data"] = {"dir": str(data_dir), "kind": "conversations",
+        m = read_manifest(data_dir)  # rendered conversations (or RL prompts): counts and the source files' sha256
+        card["data"] = {"dir": str(data_dir), "kind": kind,
                         "tokenizer_fingerprint": m["tokenizer"]["fingerprint"], "splits": m["splits"]}
     elif data_dir and (Path(data_dir) / "manifest.json").is_file():
         m = load_manifest(Path(data_dir))
@@ -304,9 +337,52 @@ def collect_run_card(run_dir: str | Path, samples: int = 2) -> dict[str, Any]:
                         "shards": {s["name"]: s.get("sha256") for s in m.get("shards", [])}}
     else:
         card["data"] = {"dir": data_dir, "missing": True}
+    if config.get("rl"):
+        from lmforge.rl import read_rl_results
+
+        card["rl"] = {**read_rl_results(run), "steps": [{k: r.get(k) for k in _RL_METRICS + ("step",)}
+                                                        for r in train if "reward" in r]}
     if samples and steps and (run / "tokenizer.json").is_file():
         card["samples"] = _samples(run, samples)
     return card
+
+
+_RL_METRICS = ("reward", "reply_tokens", "tool_call_share", "ended_share")
+_RL_SCORES = (("greedy_exact_match", "greedy exact match"), ("pass_at_1", "pass@1"), ("pass_at_k", "pass@k"))
+
+
+def _ci(v: dict[str, Any] | None) -> str:
+    """``41.2% [30.1, 52.4]`` from ``{"value", "ci"}`` (an RL score), ``n/a`` without one."""
+    if not v:
+        return "n/a"
+    return f"{100 * v['value']:.1f}% [{100 * v['ci'][0]:.1f}, {100 * v['ci'][1]:.1f}]"
+
+
+def _rl_section(rep: RunReport, r: dict[str, Any]) -> None:
+    """An RL run: per-step reward and reply figures, and the validation scores before and after training."""
+    steps = r.get("steps") or []
+    rep.section("Reinforcement learning")
+    if steps:
+        first, last = steps[0], steps[-1]
+        rep.table(("per step", f"step {first['step']}", f"step {last['step']}",
+                   f"mean of the last {min(10, len(steps))} steps"),
+                  [(k.replace("_", " "), _fmt(first.get(k), ".3f"), _fmt(last.get(k), ".3f"),
+                    _fmt(sum(s.get(k) or 0 for s in steps[-10:]) / min(10, len(steps)), ".3f")) for k in _RL_METRICS])
+    before, after = r.get("before"), r.get("after")
+    if not before and not after:
+        rep.paragraph("No validation prompts were given (`lmforge rl --val-data FILE.jsonl` scores before and after).")
+        return
+    ref = after or before
+    rep.paragraph(f"Validation prompts: {ref['n']}; pass@k with k = {ref['k']} replies sampled per prompt at the "
+                  "rollout temperature (the same seeds before and after); 95% Wilson intervals over prompts.")
+    rows = [(label, _ci((before or {}).get(key)), _ci((after or {}).get(key))) for key, label in _RL_SCORES]
+    for task in (ref.get("tasks") or {}):
+        if len(ref["tasks"]) > 1:
+            rows.append((f"{task}: greedy exact match (n={ref['tasks'][task]['n']})",
+                         _ci(((before or {}).get("tasks") or {}).get(task, {}).get("greedy_exact_match")),
+                         _ci(((after or {}).get("tasks") or {}).get(task, {}).get("greedy_exact_match"))))
+    rep.table(("score", f"before (step {(before or {}).get('step', 'n/a')} of the base)",
+               f"after (step {(after or {}).get('step', 'n/a')})"), rows)
 
 
 def _fmt(x: Any, spec: str = ".4f") -> str:
@@ -360,8 +436,8 @@ def render_run_card(card: dict[str, Any]) -> RunReport:
     rep.paragraph(f"Tokenizer fingerprint `{tok.get('fingerprint', 'n/a')}` ({_fmt(tok.get('vocab_size'), ',')} "
                   f"tokens); shards `{data.get('dir')}`"
                   + (" (missing)" if data.get("missing") else f" made with tokenizer `{data['tokenizer_fingerprint']}`"))
-    if data.get("kind") == "conversations":
-        rep.table(("split", "conversations", "tokens", "trained tokens", "source files (SHA-256)"),
+    if data.get("kind") in ("conversations", "prompts"):
+        rep.table(("split", data["kind"], "tokens", "trained tokens", "source files (SHA-256)"),
                   [(k, _fmt(s.get("conversations"), ","), _fmt(s.get("tokens"), ","), _fmt(s.get("trained_tokens"), ","),
                     ", ".join(f"`{x.get('path')}` `{x.get('sha256')}`" for x in s.get("sources", [])))
                    for k, s in data["splits"].items()])
@@ -370,6 +446,8 @@ def render_run_card(card: dict[str, Any]) -> RunReport:
                   [(k, _fmt(s["tokens"], ","), _fmt(s["documents"], ","), _fmt(s["text_bytes"], ","))
                    for k, s in data["splits"].items()])
         rep.table(("shard", "SHA-256"), [(k, f"`{h}`") for k, h in data["shards"].items()])
+    if card.get("rl"):
+        _rl_section(rep, card["rl"])
     if card.get("samples"):
         rep.section("Samples").paragraph("Temperature 0.8, top-k 50, seed 0, 48 new tokens; prompt in bold.")
         for s in card["samples"]:

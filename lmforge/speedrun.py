@@ -18,6 +18,8 @@ chat-data             ``corpus.chat_data.chat_tasks`` (the corpus's words)    ``
 chat-base             ``evals.exact_match`` on the base + chat tokens          ``speedrun.json``
 sft                   ``chat.sft`` (the same loop, masked loss)                ``sft/``
 chat-sft              ``evals.exact_match`` + a ``ChatSession`` sample         ``speedrun.json``
+rl                    ``rl.rl`` on the tasks the SFT model half solves        ``rl/``, ``rl-tasks/``
+chat-rl               ``evals.exact_match`` on every task again                ``speedrun.json``
 report                ``report.write_speedrun_report``                        ``report.md``
 ====================  ======================================================  ==========================
 
@@ -51,6 +53,7 @@ from lmforge.config import to_dict
 from lmforge.corpus import DATASETS, EOT, expand_inputs, get_dataset, iter_documents
 from lmforge.corpus.chat_data import chat_tasks, common_words, to_jsonl
 from lmforge.data import TokenDataset, load_manifest, prepare
+from lmforge.data.conversations import ConversationDataset
 from lmforge.evals import read_task_file
 from lmforge.evals.evaluate import load_model
 from lmforge.evals.generative import exact_match
@@ -58,6 +61,8 @@ from lmforge.generate import Generator
 from lmforge.hardware import matmul_peak_flops, resolve_train_dtype
 from lmforge.model import TransformerLM
 from lmforge.report import REPORT_FILE, write_speedrun_report
+from lmforge.rl import rl as reinforce
+from lmforge.rl.data import DATA_DIR as RL_DATA_DIR
 from lmforge.tokenizer import Tokenizer, train_bpe_from_iterator
 from lmforge.train import evaluate_run, load_run_config, train
 from lmforge.train.loop import _build_optimizer  # the loop's own builder: the step timed is the step trained
@@ -93,7 +98,8 @@ DEFAULT_CORPUS = "shakespeare"
 SAMPLE_PROMPTS = ["ROMEO:\n", "To be, or not to be", "KING HENRY.\n", "The "]
 STATE_FILE = "speedrun.json"
 CHAT_DIR = "chat-tasks"
-_STAGES = ("tokenizer", "data", "plan", "train", "eval", "samples", "chat-data", "chat-base", "sft", "chat-sft")
+_STAGES = ("tokenizer", "data", "plan", "train", "eval", "samples", "chat-data", "chat-base", "sft", "chat-sft", "rl",
+           "chat-rl")
 CHAT_SAMPLE = ("Hi, my name is Ada. Who are you?", "What is 48+7?", "Spell the word honour.",
                "Use the calculator: what is 123*45?")
 """The user messages of the sample conversation in the report (one conversation, in order)."""
@@ -105,6 +111,13 @@ where bf16 is not native), AdamW at the preset's ``lr`` for the embeddings, head
 SFT_SETTINGS = ("optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "training.eval_every=1000000")
 """The speedrun's fine-tuning settings on top of ``chat.sft``'s defaults (a small model takes a higher rate;
 the chat stages measure accuracy instead of a validation loss every few steps)."""
+RL_DIR, RL_TASKS_DIR = "rl", "rl-tasks"
+RL_WINDOW = (0.05, 0.80)
+"""RL trains on the chat tasks whose exact match after SFT lies in this range: below it the model rarely samples a
+right answer (no reward to learn from), above it there is little left to gain."""
+RL_SETTINGS = ("rl.samples_per_prompt=8", "rl.prompts_per_step=8", "rl.prompts_per_decode=4", "rl.max_new_tokens=24",
+               "optimizer.lr=5e-4", "training.checkpoint_every=5")
+"""The speedrun's RL settings on top of ``lmforge rl``'s defaults (64 replies per step, short replies)."""
 
 
 def parse_budget(budget: str | int | float) -> tuple[str, float]:
@@ -168,7 +181,7 @@ def _remove_artifacts(out: Path) -> None:
     logger.info("--force: removing the previous speedrun in %s", out)
     for name in ("tokenizer.json", REPORT_FILE, "loss.png", STATE_FILE):
         (out / name).unlink(missing_ok=True)
-    for name in ("data", "run", CHAT_DIR, "sft"):
+    for name in ("data", "run", CHAT_DIR, "sft", RL_DIR, RL_TASKS_DIR):
         shutil.rmtree(out / name, ignore_errors=True)
 
 
@@ -396,6 +409,57 @@ def _sft_steps(plan: dict[str, Any], budget: tuple[str, float]) -> int:
     return max(10, int(amount * 60 / plan["step_seconds"]))
 
 
+def _rl_tasks(after_sft: dict[str, Any], chat_dir: Path, dest: Path) -> dict[str, Any]:
+    """Write the train and validation items of the tasks the SFT model solves within :data:`RL_WINDOW` into
+    ``dest``; returns ``{"tasks", ...sha256}`` (``tasks`` empty when no task is in the window)."""
+    lo, hi = RL_WINDOW
+    chosen = [t for t, r in after_sft["tasks"].items() if lo <= r["correct"] / r["n"] <= hi]
+    dest.mkdir(parents=True, exist_ok=True)
+    rec: dict[str, Any] = {"tasks": chosen}
+    for name in ("train", "val"):
+        lines = [ln for ln in (chat_dir / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()
+                 if ln.strip() and json.loads(ln).get("task") in chosen]
+        atomic_write_text(dest / f"{name}.jsonl", "".join(ln + "\n" for ln in lines))
+        rec[f"{name}_sha256"] = sha256_file(dest / f"{name}.jsonl")
+    return rec
+
+
+def _rl(after_sft: dict[str, Any], chat_dir: Path, tasks_dir: Path, sft_dir: Path, rl_dir: Path,
+        budget: tuple[str, float], device: Any, progress: bool) -> dict[str, Any]:
+    """``lmforge rl`` from the SFT run on the tasks :func:`_rl_tasks` picks (nothing when none): the budget's steps,
+    or its minutes over the time of the second step (the first two run first, alone; the rest resumes from their
+    checkpoint: a constant learning rate, so the number of steps changes no step)."""
+    picked = _rl_tasks(after_sft, chat_dir, tasks_dir)
+    try:  # an RL run on other tasks (another window, another SFT model): start again rather than refuse it
+        old = ConversationDataset(rl_dir / RL_DATA_DIR, "train").info["sources"][0]["sha256"]
+    except (ValueError, OSError, KeyError, IndexError):
+        old = None
+    if old is not None and old != picked["train_sha256"]:
+        shutil.rmtree(rl_dir)
+    if not picked["tasks"]:
+        logger.info("RL: no chat task has an exact match in [%.0f%%, %.0f%%] after SFT; nothing to train", 100 *
+                    RL_WINDOW[0], 100 * RL_WINDOW[1])
+        return picked
+    base = ["training.device=" + device.type, *RL_SETTINGS]
+    unit, amount = budget
+    if unit == "steps":
+        steps, step_s = int(amount), None
+    else:
+        reinforce(sft_dir, tasks_dir / "train.jsonl", rl_dir, overrides=[*base, "training.max_steps=2"],
+                  progress=progress)
+        second = [r for r in map(json.loads, (rl_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r][1]
+        cfg = load_run_config(rl_dir / "config.yaml")
+        step_s = cfg.training.global_batch_size * cfg.context_length / second["tokens_per_s"]
+        steps = max(2, int(amount * 60 / step_s))
+        logger.info("RL plan: %.1f s for the second step (the first warms up at about half speed) -> %d steps "
+                    "(~%.1f min)", step_s, steps, steps * step_s / 60)
+    m = reinforce(sft_dir, tasks_dir / "train.jsonl", rl_dir, overrides=[*base, f"training.max_steps={steps}"],
+                  progress=progress)
+    recs = [r for r in map(json.loads, (rl_dir / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
+    return {**picked, **_jsonable(m), "planned_step_seconds": step_s,
+            "reward_first": recs[0]["reward"], "reward_last10": sum(r["reward"] for r in recs[-10:]) / len(recs[-10:])}
+
+
 # ==================================================================================================
 # The pipeline
 # ==================================================================================================
@@ -403,7 +467,8 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
              budget: str | int | float = "8min", device: str = "auto", vocab_size: int = 4096,
              val_fraction: float = 0.1, sample_tokens: int = 200, force: bool = False,
              progress: bool = True, sft_budget: str | int | float | None = "2.5min",
-             chat_eval_items: int = 40, target_bpb: float | None = None) -> dict[str, Any]:
+             chat_eval_items: int = 40, target_bpb: float | None = None,
+             rl_budget: str | int | float | None = "3min") -> dict[str, Any]:
     """Run (or resume) the whole pipeline in ``out`` and write ``out/report.md``; returns the stage records.
 
     ``corpus``: ``"shakespeare"`` or a path/glob of text/jsonl/parquet files. ``model_size``: a key of
@@ -413,6 +478,8 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     and after on the first ``chat_eval_items`` validation items of each task. ``target_bpb``: stop pretraining
     at the first evaluation at or below it and report the time to it (a target <= 0, or one not reached
     within the budget, is reported at the end with the best reached); the record is ``stages["target"]``.
+    ``rl_budget``: reinforcement learning after SFT on the tasks whose exact match lies in :data:`RL_WINDOW`
+    (minutes or steps; ``None`` or ``0`` skips it), then every task scored again.
     """
     if model_size not in PRESETS:
         raise ValueError(f"unknown model size {model_size!r}; choose one of {', '.join(PRESETS)}")
@@ -422,6 +489,8 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
         raise ValueError(f"sample_tokens must be >= 1, got {sample_tokens}")
     preset, plan_budget = PRESETS[model_size], parse_budget(budget)
     chat_budget = parse_budget(sft_budget) if sft_budget is not None else None
+    off = rl_budget is None or re.fullmatch(r"0*\.?0*(min|m|minutes?)?", str(rl_budget).strip().lower()) is not None
+    rl_plan = parse_budget(rl_budget) if not off and chat_budget is not None else None
     if isinstance(chat_eval_items, bool) or not isinstance(chat_eval_items, int) or chat_eval_items < 1:
         raise ValueError(f"chat_eval_items must be a positive integer, got {chat_eval_items!r}")
     if target_bpb is not None and not (isinstance(target_bpb, (int, float)) and math.isfinite(target_bpb)):
@@ -504,8 +573,24 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
             shutil.rmtree(sft_dir)  # the base changed: fine-tune it from the start (else an interrupted one resumes)
         ft = stage("sft", sft_key, lambda: _sft(run_dir, train_path, val_path, sft_dir, steps, dev, progress),
                    lambda rec: Path(rec.get("checkpoint") or "").exists())
-        stage("chat-sft", _digest(ft["checkpoint"], ft["step"], chat["val_sha256"], chat_eval_items, CHAT_SAMPLE),
-              lambda: _chat_sft(sft_dir, val_path, dev, chat_eval_items))
+        after_sft = stage("chat-sft", _digest(ft["checkpoint"], ft["step"], chat["val_sha256"], chat_eval_items,
+                                              CHAT_SAMPLE), lambda: _chat_sft(sft_dir, val_path, dev, chat_eval_items))
+        # ---- rl: the tasks the SFT model half solves, learned from their exact-match reward ----------------
+        if rl_plan is not None:
+            tasks_dir, rl_dir = out / RL_TASKS_DIR, out / RL_DIR
+            rl_key = _digest(ft["checkpoint"], ft["step"], after_sft["tasks"], chat["train_sha256"], rl_plan,
+                             RL_SETTINGS, RL_WINDOW)
+            old_rl = state.data["stages"].get("rl")
+            if rl_dir.exists() and ("sft" in ran or (old_rl is not None and old_rl.get("key") != rl_key)):
+                shutil.rmtree(rl_dir)  # the SFT model or the RL settings changed: start RL from the SFT model again
+            rec = stage("rl", rl_key, lambda: _rl(after_sft, out / CHAT_DIR, tasks_dir, sft_dir, rl_dir, rl_plan, dev,
+                                                  progress),
+                        lambda rec: not rec["tasks"] or Path(rec.get("checkpoint") or "").exists())
+            if not rec["tasks"]:
+                state.data["stages"].pop("chat-rl", None)  # a score of an earlier RL run no longer shown
+            else:
+                stage("chat-rl", _digest(rec["checkpoint"], rec["step"], chat["val_sha256"], chat_eval_items),
+                      lambda: _chat_eval(*load_model(rl_dir, device=str(dev))[:2], val_path, chat_eval_items))
 
     # ---- report ---------------------------------------------------------------------------------------
     stages = [s for s in _STAGES if s in state.data["stages"]]

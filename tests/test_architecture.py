@@ -26,6 +26,7 @@ STAGES = {
     "chat": {"corpus", "tokenizer", "data", "model", "train", "generate"},
     "serve": {"tokenizer", "model", "generate", "chat"},  # the server only calls the engine (and renders chats)
     "evals": {"corpus", "tokenizer", "data", "model", "generate", "chat"},
+    "rl": {"corpus", "tokenizer", "data", "model", "train", "generate", "chat", "evals"},
 }
 # On top: each may import everything below and the top units named here; nothing imports the CLI.
 # report.py owns run reports (it may import any stage); the speedrun writes its report.md through it.
@@ -125,7 +126,7 @@ def test_importing_lmforge_has_no_side_effects():
     import sys
 
     code = ("import logging, sys; import lmforge, lmforge.tokenizer, lmforge.data, lmforge.model, lmforge.train, "
-            "lmforge.generate, lmforge.chat, lmforge.evals, lmforge.report; assert not logging.getLogger().handlers; assert not logging.getLogger('lmforge').handlers;"
+            "lmforge.generate, lmforge.chat, lmforge.evals, lmforge.rl, lmforge.report; assert not logging.getLogger().handlers; assert not logging.getLogger('lmforge').handlers;"
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -79,6 +79,10 @@ CASES = [
     ("chat --run {run} --temperature -1", "hi", r"temperature must be a finite number >= 0"),
     ("chat --run {run} --max-new-tokens 0", "hi", r"--max-new-tokens: expected a positive integer"),
     ("chat --run {run} --seed 1180591620717411303424", "hi", r"seed must be an integer in \[-2\*\*63"),
+    ("rl", None, r"the following arguments are required: --base, --data, --run-dir"),
+    ("rl --base {run} --data {tmp}/afile --run-dir {tmp}/o", None, r"is not a chat model: its tokenizer lacks the "
+                                                                     r"chat tokens .*lmforge sft --base"),
+    ("rl --base {tmp}/nope --data {tmp}/afile --run-dir {tmp}/o", None, r"does not exist; train one first"),
     ("tokenizer encode --tokenizer {tmp}/afile", "hi", r"afile is not valid JSON"),
     ("tokenizer encode --tokenizer {tmp}/nope.json", "hi", r"does not exist"),
     ("tokenizer decode --tokenizer {tok}", "1.5 2", r"must hold integer ids"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 
 import pytest
 from conftest import make_corpus_text
@@ -26,7 +27,7 @@ def corpus(tmp_path):
 
 def run(out, corpus, **kw):
     args = dict(corpus=str(corpus), model_size="tiny", budget="12steps", vocab_size=300, device="cpu",
-                sample_tokens=16, progress=False, sft_budget=None)
+                sample_tokens=16, progress=False, sft_budget=None, rl_budget=None)
     args.update(kw)
     return speedrun(out, **args)
 
@@ -107,6 +108,37 @@ def test_chat_data_key_follows_the_teaching_rules(monkeypatch):
     assert _chat_data_rules() == before  # deterministic
     monkeypatch.delitem(chat_data._TEACH, "spelling")
     assert _chat_data_rules() != before
+
+
+def test_speedrun_rl_stage_trains_the_picked_tasks_and_scores_every_task(tmp_path, corpus, monkeypatch):
+    """The RL stage picks the tasks whose SFT exact match is in the window (here widened to every task: a tiny
+    model solves none), trains on their items only, scores every task again; the report shows both columns;
+    a rerun reuses it; with no task in the window it records that and trains nothing."""
+    import lmforge.speedrun as sr
+
+    out = tmp_path / "sr"
+    monkeypatch.setattr(sr, "RL_WINDOW", (0.0, 1.0))
+    monkeypatch.setattr(sr, "RL_SETTINGS", sr.RL_SETTINGS + ("rl.samples_per_prompt=2", "rl.prompts_per_step=4",
+                                                             "rl.prompts_per_decode=2", "rl.max_new_tokens=8"))
+    stages = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2, rl_budget="2steps")
+    rl, after = stages["rl"], stages["chat-rl"]
+    assert rl["tasks"] == list(stages["chat-sft"]["tasks"]) and rl["step"] == 2
+    assert set(after["tasks"]) == set(stages["chat-sft"]["tasks"]) and all(t["n"] == 2 for t in after["tasks"].values())
+    tasks = {json.loads(ln)["task"] for ln in (out / "rl-tasks" / "train.jsonl").read_text().splitlines()}
+    assert tasks == set(rl["tasks"]) and (out / "rl" / "checkpoints" / "step_00000002.safetensors").is_file()
+    report = (out / "report.md").read_text(encoding="utf-8")
+    assert "## Reinforcement learning on the tasks SFT half solves" in report
+    assert re.search(r"\| calculator \(trained\) \| 2 \| \d+% \[\d+, \d+\] \| \d+% \[\d+, \d+\] \| [+-]\d+ \|", report)
+    again = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2, rl_budget="2steps")
+    assert again["rl"] == rl and again["chat-rl"] == after  # reused
+    monkeypatch.setattr(sr, "RL_SETTINGS", sr.RL_SETTINGS + ("optimizer.lr=2e-4",))  # other RL settings: RL again
+    changed = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2, rl_budget="2steps")
+    logged = [json.loads(ln) for ln in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert changed["rl"]["step"] == 2 and [r["lr"] for r in logged if "loss" in r] == [2e-4, 2e-4]  # from SFT
+    monkeypatch.setattr(sr, "RL_WINDOW", (2.0, 3.0))  # no task can be in it
+    none = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2, rl_budget="2steps")
+    assert none["rl"]["tasks"] == [] and "chat-rl" not in none and not (out / "rl").exists()
+    assert "so RL did not run" in (out / "report.md").read_text(encoding="utf-8")
 
 
 @pytest.mark.slow

@@ -45,7 +45,8 @@ from lmforge.train.distributed import barrier, cleanup_distributed, setup_distri
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["SFT_DEFAULTS", "LORA_DEFAULTS", "sft", "render_file", "sft_config", "merge_run"]
+__all__ = ["SFT_DEFAULTS", "LORA_DEFAULTS", "sft", "render_file", "sft_config", "merge_run", "check_finetune_dir",
+           "lora_record", "base_record", "check_lora_targets"]
 
 SFT_DEFAULTS: dict[str, dict[str, Any]] = {
     "optimizer": {"name": "adamw", "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 10, "decay_steps": None,
@@ -74,16 +75,19 @@ def _deep_update(d: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 
 
 def sft_config(base_config: dict[str, Any], vocab_size: int, run_dir: Path, base: dict[str, Any],
-               has_val: bool, config: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> RunConfig:
-    """The fine-tuning run's config: base model (grown to ``vocab_size``) and batch settings, the defaults,
-    the user's YAML ``config`` and ``overrides`` (``section.key=value``)."""
+               has_val: bool, config: str | os.PathLike | None = None, overrides: Sequence[str] = (),
+               defaults: dict[str, dict[str, Any]] = SFT_DEFAULTS, kind: str = "conversations",
+               data_dir: str = DATA_DIR) -> RunConfig:
+    """The fine-tuning run's config: base model (grown to ``vocab_size``) and batch settings, the ``defaults``,
+    the user's YAML ``config`` and ``overrides`` (``section.key=value``); ``data.kind`` is ``kind`` in
+    ``run_dir/data_dir`` (``lmforge rl`` builds its config here too, with its own defaults and prompts)."""
     bc = load_run_config(base=base_config)
     model = dict(base_config["model"], vocab_size=max(bc.model.vocab_size, vocab_size))
     training = {k: v for k, v in (base_config.get("training") or {}).items() if k in _KEPT_TRAINING}
     d: dict[str, Any] = {"model": model, "training": training,
-                         "data": {"dir": str(run_dir / DATA_DIR), "kind": "conversations", "train_split": "train",
+                         "data": {"dir": str(run_dir / data_dir), "kind": kind, "train_split": "train",
                                   "val_split": "val" if has_val else None}}
-    _deep_update(d, SFT_DEFAULTS)
+    _deep_update(d, defaults)
     user = load_yaml(config) if config is not None else {}
     if "lora" in user or any(o.strip().startswith("lora.") for o in overrides):
         _deep_update(d, LORA_DEFAULTS)
@@ -122,7 +126,7 @@ def render_file(path: str | os.PathLike, fmt: ChatFormat, context_length: int) -
     return rendered, skipped
 
 
-def _check_run_dir(run_dir: Path, base_run: Path, force: bool) -> bool:
+def check_finetune_dir(run_dir: Path, base_run: Path, force: bool) -> bool:
     """Whether ``run_dir`` is this fine-tuning run already (to resume); ``ValueError`` if it holds another run."""
     check_new_or_run(run_dir, force)
     if not is_run_dir(run_dir):
@@ -135,6 +139,24 @@ def _check_run_dir(run_dir: Path, base_run: Path, force: bool) -> bool:
         raise ValueError(f"--run-dir {run_dir} holds {what}; choose a new --run-dir (a run is resumed only with "
                          "the same --base)")
     return True
+
+
+def base_record(base_dir: Path, base_run: Any, run_dir: Path, started: bool) -> dict[str, str]:
+    """``{"run", "checkpoint", "sha256"}`` of the base a fine-tuning run starts from: the opened ``base_run``'s
+    checkpoint, or for a run that has started (``started``) the one its config recorded, even when the base run
+    has newer checkpoints by now."""
+    if started:
+        old = load_yaml(run_dir / "config.yaml").get("sft") or {}
+        return {"run": str(base_dir), "checkpoint": old.get("base_checkpoint", ""), "sha256": old.get("base_sha256", "")}
+    return {"run": str(base_dir), "checkpoint": str(Path(base_run.checkpoint_path).absolute()),
+            "sha256": sha256_file(base_run.checkpoint_path)}
+
+
+def check_lora_targets(cfg: RunConfig) -> None:
+    """``ValueError`` now, before anything is written, when the config's LoRA targets match no module."""
+    if cfg.lora is not None:
+        with torch.device("meta"):
+            apply_lora(TransformerLM(cfg.model), cfg.lora)
 
 
 def _check_sources(run_dir: Path, split: str, sources: list[dict[str, str]]) -> None:
@@ -162,22 +184,16 @@ def sft(base: str | os.PathLike, data: str | os.PathLike, run_dir: str | os.Path
     run_dir, base_dir = Path(run_dir).absolute(), Path(base).absolute()
     base_run = open_run(base_dir, checkpoint)
     check_apart(run_dir, *source_dirs(base_dir), flag="--run-dir")
-    resuming = _check_run_dir(run_dir, base_dir, force)
+    resuming = check_finetune_dir(run_dir, base_dir, force)
     started = resuming and any((run_dir / "checkpoints").glob("step_*.safetensors"))
     try:
         tok = add_chat_tokens(Tokenizer.load(base_run.tokenizer_path))
         fmt = ChatFormat(tok)
     except ValueError as e:
         raise ValueError(f"the base run's tokenizer {base_run.tokenizer_path} cannot take the chat tokens: {e}") from None
-    record = {"run": str(base_dir), "checkpoint": str(Path(base_run.checkpoint_path).absolute()),
-              "sha256": sha256_file(base_run.checkpoint_path)}
-    if started:  # resume from the recorded base, even when the base run has newer checkpoints by now
-        old = load_yaml(run_dir / "config.yaml").get("sft") or {}
-        record = {"run": str(base_dir), "checkpoint": old.get("base_checkpoint", ""), "sha256": old.get("base_sha256", "")}
+    record = base_record(base_dir, base_run, run_dir, started)
     cfg = sft_config(base_run.config, tok.vocab_size, run_dir, record, val_data is not None, config, overrides)
-    if cfg.lora is not None:  # targets that match nothing are refused now, before anything is written
-        with torch.device("meta"):
-            apply_lora(TransformerLM(cfg.model), cfg.lora)
+    check_lora_targets(cfg)
     T = cfg.context_length
     splits = {"train": data} if val_data is None else {"train": data, "val": val_data}
     rendered = {}
@@ -195,7 +211,7 @@ def sft(base: str | os.PathLike, data: str | os.PathLike, run_dir: str | os.Path
         barrier()
         if info.is_main and not started:  # (re)write the rendered data: nothing depends on it before a checkpoint
             mark(run_dir)
-            write_base(run_dir, {**record, "lora": _lora_record(cfg)})
+            write_base(run_dir, {**record, "lora": lora_record(cfg)})
             tok.save(run_dir / DATA_DIR / "tokenizer.json", force=True)
             write_conversations(run_dir / DATA_DIR, {split: (convs, {"skipped": skipped, "sources": sources})
                                                      for split, (convs, skipped, sources) in rendered.items()},
@@ -212,7 +228,7 @@ def sft(base: str | os.PathLike, data: str | os.PathLike, run_dir: str | os.Path
     return metrics
 
 
-def _lora_record(cfg: RunConfig) -> dict[str, Any] | None:
+def lora_record(cfg: RunConfig) -> dict[str, Any] | None:
     """The adapters' settings for ``base.json`` (how a LoRA run's checkpoints load onto the base), or None."""
     if cfg.lora is None:
         return None

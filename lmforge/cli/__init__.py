@@ -1,7 +1,7 @@
 """The ``lmforge`` command line: a table of subcommands, each parsing flags and calling one library function.
 
 One module per command group: :mod:`~lmforge.cli.tokenizer`, :mod:`~lmforge.cli.data`, :mod:`~lmforge.cli.train`
-(train), :mod:`~lmforge.cli.sft` (sft, lora merge), :mod:`~lmforge.cli.eval` (eval, report),
+(train), :mod:`~lmforge.cli.sft` (sft, lora merge), :mod:`~lmforge.cli.rl`, :mod:`~lmforge.cli.eval` (eval, report),
 :mod:`~lmforge.cli.generate`, :mod:`~lmforge.cli.chat` (chat, chat render), :mod:`~lmforge.cli.serve`,
 :mod:`~lmforge.cli.interop` (export, import), :mod:`~lmforge.cli.checkpoint` (consolidate),
 :mod:`~lmforge.cli.speedrun`. The table below names the module of
@@ -71,6 +71,8 @@ COMMANDS = {
     "report": ("write each run's card (report.md + report.json) and compare runs side by side", "lmforge.cli.eval"),
     "sft": ("fine-tune a run on conversations (JSONL messages), fully or with LoRA; resumes automatically",
             "lmforge.cli.sft"),
+    "rl": ("reinforcement learning from verifiable rewards on a chat run (exact-match rewards, K samples per "
+           "prompt, the same loop); resumes automatically", "lmforge.cli.rl"),
     "generate": ("generate text with a trained model (KV cache, sampling, streaming)", "lmforge.cli.generate"),
     "chat": ("talk to a chat model (--run DIR), or render conversations to tokens (chat render)", "lmforge.cli.chat"),
     "serve": ("serve a run over an OpenAI-compatible HTTP API and a web chat page (batched decoding)",

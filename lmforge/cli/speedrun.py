@@ -27,6 +27,9 @@ def _speedrun_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sft-budget", default="2.5min",
                    help="chat fine-tuning on the built-in chat tasks after pretraining: minutes or steps, like "
                         "--budget (default 2.5min)")
+    p.add_argument("--rl-minutes", default="3",
+                   help="reinforcement learning after SFT on the tasks the fine-tuned model solves 5-80%% of the "
+                        "time: minutes (or 'Nsteps'); 0 skips it (default 3)")
     p.add_argument("--no-chat", action="store_true", help="skip the chat stages (fine-tuning and its scores)")
     p.add_argument("--target-bpb", type=float, default=None,
                    help="stop pretraining at the first evaluation with validation bits/byte at or below this, and "
@@ -41,15 +44,19 @@ def _speedrun(args: argparse.Namespace) -> int:
     stages = speedrun(args.out, corpus=args.corpus, model_size=args.model_size, budget=args.budget,
                       device=args.device, vocab_size=args.vocab_size, force=args.force,
                       progress=not args.no_progress, sft_budget=None if args.no_chat else args.sft_budget,
-                      target_bpb=args.target_bpb)
+                      target_bpb=args.target_bpb, rl_budget=args.rl_minutes)
     from lmforge.report import write_run_card
 
     write_run_card(Path(args.out) / "run")
     ev = stages["eval"]
     if "chat-sft" in stages:
         write_run_card(Path(args.out) / "sft")
+    if stages.get("rl", {}).get("tasks"):
+        write_run_card(Path(args.out) / "rl")
     chat = (f"; chat tasks {100 * stages['chat-base']['accuracy']:.0f}% -> {100 * stages['chat-sft']['accuracy']:.0f}% "
             "exact match after fine-tuning") if "chat-sft" in stages else ""
+    if "chat-rl" in stages:
+        chat += f", {100 * stages['chat-rl']['accuracy']:.0f}% after RL on {', '.join(stages['rl']['tasks'])}"
     print(f"validation loss {ev['val_loss']:.4f} ({ev['val_bpb']:.4f} bits/byte) after {stages['train']['step']} "
           f"steps{chat}; report: {args.out}/report.md")
     if "target" in stages:

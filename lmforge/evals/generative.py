@@ -22,7 +22,7 @@ from lmforge.chat.tools import ToolUse
 from lmforge.evals.tasks import ChatItem
 from lmforge.generate import Generator
 
-__all__ = ["exact_match"]
+__all__ = ["exact_match", "reply_text", "is_exact_match"]
 
 EXTRA_NEW_TOKENS = 16
 """Tokens a reply may have beyond its answer's own count (so a wrong, longer reply is seen as wrong)."""
@@ -36,6 +36,17 @@ def _final_text(fmt: ChatFormat, ids: list[int]) -> str:
     if messages and messages[-1]["role"] == "assistant" and "tool_call" not in messages[-1]:
         return messages[-1]["content"]
     return "" if messages else fmt.tokenizer.decode(ids)
+
+
+def reply_text(fmt: ChatFormat, ids: list[int]) -> str:
+    """The text a reply (its ids, without the stop token) is scored on: the assistant's text after its last
+    calculator output when it called the calculator, else the whole reply decoded."""
+    return _final_text(fmt, ids) if fmt.ids["<|python_start|>"] in ids else fmt.tokenizer.decode(ids)
+
+
+def is_exact_match(text: str, answer: str) -> bool:
+    """Whether a reply's text is the expected answer: equal after stripping whitespace at both ends (case kept)."""
+    return text.strip() == answer.strip()
 
 
 def exact_match(generator: Generator, items: Sequence[ChatItem], batch_size: int = 16) -> dict[str, Any]:
@@ -75,7 +86,7 @@ def exact_match(generator: Generator, items: Sequence[ChatItem], batch_size: int
         for row, budget, full in zip(rows, own, outs):
             out = full[:budget]
             if call not in out:
-                replies.append(tok.decode(out))
+                replies.append(reply_text(fmt, out))
                 ended.append(len(full) < budget)  # stopped before its budget: an end token
                 continue
             tool_calls += 1  # run it again as the chat does: the calculator's output is fed back
@@ -83,8 +94,8 @@ def exact_match(generator: Generator, items: Sequence[ChatItem], batch_size: int
                                   temperature=0.0, stop_ids=stop, inject=ToolUse(fmt).feed)
             for _ in turn:
                 pass
-            replies.append(_final_text(fmt, turn.ids))
+            replies.append(reply_text(fmt, turn.ids))
             ended.append(turn.finish_reason == "stop")
-    correct = [r.strip() == it.answer.strip() for r, it in zip(replies, items)]
+    correct = [is_exact_match(r, it.answer) for r, it in zip(replies, items)]
     return {"n": len(items), "correct": correct, "truncated": truncated, "replies": replies, "ended": ended,
             "tool_calls": tool_calls}

@@ -210,12 +210,15 @@ def scaled_dot_product_attention(Q: Tensor, K: Tensor, V: Tensor, mask: Tensor |
     return softmax(scores, dim=-1) @ V  # (..., n, d_v)
 
 
-def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int | None = None, reduction: str = "mean") -> Tensor:
+def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int | None = None, reduction: str = "mean",
+                  weights: Tensor | None = None) -> Tensor:
     """Cross-entropy ``logsumexp(logits) - logits[target]`` in float32 (reference formula).
 
     ``logits (..., V)``, ``targets (...)`` int64. Targets equal to ``ignore_index`` contribute nothing;
     ``reduction="mean"`` divides by the number of counted targets (0 if there are none), ``"sum"`` lets a
     training loop divide by the target count of a whole step, ``"none"`` returns per-position losses.
+    ``weights (...)``: each position's loss times its weight (any sign: a policy gradient's advantages); the
+    mean still divides by the number of counted targets.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
@@ -225,6 +228,8 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int | None = No
     safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
     lse = torch.logsumexp(logits, dim=-1)  # (N,)
     losses = (lse - logits.gather(1, safe_targets[:, None]).squeeze(1)) * valid  # (N,)
+    if weights is not None:
+        losses = losses * weights.reshape(-1).float()
     if reduction == "none":
         return losses
     if reduction == "sum":

@@ -174,13 +174,17 @@ def _chunk_sync_free(hc: Tensor, wc: Tensor, targets: Tensor, valid: Tensor | No
     return torch.stack(losses).sum() * scale, torch.cat(grads_h), grad_w
 
 
-def _valid_rows(targets: Tensor, ignore_index: int | None) -> tuple[Tensor, Tensor | None, Tensor | int]:
-    """(targets safe to gather, float mask of counted rows or None, number of counted rows)."""
+def _valid_rows(targets: Tensor, ignore_index: int | None,
+                weights: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | int]:
+    """(targets safe to gather, float factor of each row (0 for an ignored one, else its weight, else 1) or None,
+    number of counted rows)."""
     if ignore_index is None:
-        return targets, None, targets.numel()
+        factor = None if weights is None else weights.reshape(-1).float()
+        return targets, factor, targets.numel()
     valid = targets != ignore_index
     safe = torch.where(valid, targets, torch.zeros_like(targets))
-    return safe, valid.float(), valid.sum().clamp(min=1)
+    factor = valid.float() if weights is None else valid.float() * weights.reshape(-1).float()
+    return safe, factor, valid.sum().clamp(min=1)
 
 
 def _check_targets(targets: Tensor, n_rows: int, vocab_size: int) -> None:
@@ -191,22 +195,23 @@ def _check_targets(targets: Tensor, n_rows: int, vocab_size: int) -> None:
                          "targets must have the logits' shape without the vocabulary dimension")
 
 
-def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int | None = None, reduction: str = "mean") -> Tensor:
+def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int | None = None, reduction: str = "mean",
+                  weights: Tensor | None = None) -> Tensor:
     """Cross-entropy of ``logits (..., V)`` against ``targets (...)``, in float32.
 
     Same numbers as :func:`lmforge.model.layers.cross_entropy` (the reference formula) with one float32
     ``(N, V)`` buffer in backward where ``F.cross_entropy`` needs two. ``ignore_index`` targets count for nothing;
     ``reduction``: ``"mean"`` over counted targets (0 if none), ``"sum"`` (divide by the step's target
-    count yourself), or ``"none"``.
+    count yourself), or ``"none"``. ``weights (...)`` multiply each target's loss (and its gradient).
     """
     if reduction == "none":
-        return cross_entropy_reference(logits, targets, ignore_index, "none")
+        return cross_entropy_reference(logits, targets, ignore_index, "none", weights)
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     V = logits.shape[-1]
     logits2 = logits.reshape(-1, V)  # (N, V)
     _check_targets(targets, logits2.shape[0], V)
-    safe, valid, count = _valid_rows(targets.reshape(-1).long(), ignore_index)
+    safe, valid, count = _valid_rows(targets.reshape(-1).long(), ignore_index, weights)
     total = _CrossEntropySum.apply(logits2, safe, valid)
     return total if reduction == "sum" else total / count
 
@@ -228,19 +233,20 @@ def _chunk_rows(n_rows: int, vocab_size: int, device_type: str = "cpu") -> int:
 
 
 def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, ignore_index: int | None = None,
-                         reduction: str = "mean", chunk_rows: int | None = None) -> Tensor:
-    """``cross_entropy(h @ weight.T, targets)`` without materialising the ``(N, V)`` logits.
+                         reduction: str = "mean", chunk_rows: int | None = None,
+                         weights: Tensor | None = None) -> Tensor:
+    """``cross_entropy(h @ weight.T, targets, weights=weights)`` without materialising the ``(N, V)`` logits.
 
     ``h (..., d)``, ``weight (V, d)``. Under autocast the matmuls run in the autocast dtype and the
     softmax in float32, like the unfused path.
     """
     if reduction == "none":
-        return cross_entropy_reference(h @ weight.T, targets, ignore_index, "none")
+        return cross_entropy_reference(h @ weight.T, targets, ignore_index, "none", weights)
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     h2 = h.reshape(-1, h.shape[-1])  # (N, d)
     _check_targets(targets, h2.shape[0], weight.shape[0])
-    safe, valid, count = _valid_rows(targets.reshape(-1).long(), ignore_index)
+    safe, valid, count = _valid_rows(targets.reshape(-1).long(), ignore_index, weights)
     dev = h.device.type
     cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
     chunk = chunk_rows or _chunk_rows(h2.shape[0], weight.shape[0], dev)

@@ -515,18 +515,20 @@ class TransformerLM(nn.Module):
         return self.ln_final(x)  # (B, T, d_model)
 
     def forward(self, idx: Tensor, token_positions: Tensor | None = None, cache: KVCache | None = None, *,
-                targets: Tensor | None = None, ignore_index: int | None = None, reduction: str = "mean") -> Tensor:
+                targets: Tensor | None = None, ignore_index: int | None = None, reduction: str = "mean",
+                weights: Tensor | None = None) -> Tensor:
         """``idx (B, T)`` int64 -> logits ``(B, T, vocab_size)``; see :meth:`hidden` for ``cache``.
 
         With ``targets (B, T)`` the cross-entropy loss (``reduction`` ``"mean"``/``"sum"``/``"none"``) is
-        returned instead of the logits; the fast path then never builds the full logits tensor.
+        returned instead of the logits; the fast path then never builds the full logits tensor. ``weights (B, T)``
+        multiply each target's loss (a policy gradient's per-token advantages).
         """
         x = self.hidden(idx, token_positions, cache)
         if targets is None:
             return self.lm_head(x)  # (B, T, V)
         if self.cfg.fast and type(self.lm_head) is Linear:  # a LoRA-wrapped head goes through its module
-            return linear_cross_entropy(x, self.lm_head.weight, targets, ignore_index, reduction)
-        return cross_entropy(self.lm_head(x), targets, ignore_index, reduction)
+            return linear_cross_entropy(x, self.lm_head.weight, targets, ignore_index, reduction, weights=weights)
+        return cross_entropy(self.lm_head(x), targets, ignore_index, reduction, weights)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,7 +15,11 @@ from lmforge.config import apply_overrides, from_dict, load_yaml
 from lmforge.model import ModelConfig
 from lmforge.model.lora import LoraConfig
 
-__all__ = ["OptimConfig", "DataConfig", "TrainingConfig", "SFTConfig", "RunConfig", "load_run_config"]
+__all__ = ["OptimConfig", "DataConfig", "TrainingConfig", "SFTConfig", "RLConfig", "RunConfig", "load_run_config",
+           "REWARDS"]
+
+REWARDS = ("exact_match", "format")
+"""The built-in rewards ``rl.reward`` may name (``lmforge.rl.rewards`` computes them); no user code is loaded."""
 
 
 # ==================================================================================================
@@ -116,9 +120,10 @@ class DataConfig:
     """Split to evaluate on; ``null`` disables validation."""
     bos_aligned: bool = False
     """Start every training block at a document start (needs a BOS/EOT token in the shards)."""
-    kind: Literal["tokens", "conversations"] = "tokens"
+    kind: Literal["tokens", "conversations", "prompts"] = "tokens"
     """``tokens``: token shards (pretraining); ``conversations``: rendered conversations with loss masks, packed
-    whole into rows (``lmforge.data.conversations``; written by ``lmforge sft``)."""
+    whole into rows (``lmforge.data.conversations``; written by ``lmforge sft``); ``prompts``: rendered chat
+    prompts with exact answers, whose batches are sampled replies (written and run by ``lmforge rl``)."""
 
     def __post_init__(self) -> None:
         if not self.dir:
@@ -243,6 +248,65 @@ class SFTConfig:
 
 
 @dataclasses.dataclass
+class RLConfig:
+    """Reinforcement learning from verifiable rewards (``lmforge rl``): rollouts, reward, advantages, evaluation."""
+
+    samples_per_prompt: int = 8
+    """K: replies sampled per prompt; each reply's advantage is its reward minus its group's mean (K >= 2)."""
+    prompts_per_step: int = 8
+    """Prompts per optimizer step over all ranks; the step trains on ``prompts_per_step x samples_per_prompt``
+    replies (split over ranks by whole prompts)."""
+    reward: Literal[REWARDS] = "exact_match"  # type: ignore[valid-type]  (the names live in REWARDS)
+    """``exact_match``: 1 when the reply's final text equals the prompt's answer, as ``lmforge eval --task`` scores
+    it, else 0; ``format``: 1 when the reply ends with ``<|assistant_end|>``, else 0."""
+    std_advantages: bool = False
+    """Divide each group's advantages by the group's reward standard deviation (GRPO). Off by default: it weights
+    prompts the model almost always (or almost never) solves as much as the ones it is learning (Dr. GRPO,
+    Liu et al. 2025), and nanochat's RL does without it."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts and of pass@k (> 0: at 0 all K replies would be the same)."""
+    top_k: int | None = None
+    """Sample among the ``top_k`` most likely tokens only; ``null`` = all."""
+    top_p: float | None = None
+    """Nucleus sampling: the smallest set of tokens with this much probability; ``null`` = all."""
+    max_new_tokens: int = 64
+    """Sampled tokens per reply at most (a calculator's output fed back is not counted)."""
+    tools: bool = True
+    """Run calculator calls while sampling (their output is fed back and masked out of the loss), as the chat does."""
+    kl_coef: float = 0.0
+    """Weight of a KL penalty to the starting (SFT) model, on each sampled token's log-ratio; 0 = none (nanochat)."""
+    prompts_per_decode: int = 1
+    """Prompts whose replies are decoded together in one batch (``samples_per_prompt`` rows each). A reply depends
+    only on the batch it is decoded in, so it must divide ``prompts_per_step / world size``; more is faster."""
+    eval_samples: int = 8
+    """Replies sampled per validation prompt for pass@1 and pass@k (k = this), before and after training."""
+    eval_prompts: int | None = None
+    """Score the first this many validation prompts; ``null`` = all of them."""
+
+    def __post_init__(self) -> None:
+        if self.samples_per_prompt < 2:
+            raise ValueError(f"rl.samples_per_prompt={self.samples_per_prompt}: an advantage is a reward minus its "
+                             "group's mean, which is always 0 for a group of one; use 2 or more (8 or 16 are usual)")
+        for name in ("prompts_per_step", "max_new_tokens", "prompts_per_decode", "eval_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_prompts is not None and self.eval_prompts < 1:
+            raise ValueError(f"rl.eval_prompts must be >= 1 (or null for all), got {self.eval_prompts}")
+        if not 0 < self.temperature < float("inf"):
+            raise ValueError(f"rl.temperature must be a finite number > 0, got {self.temperature}; at 0 (greedy) "
+                             "every sample of a prompt is the same and no advantage is ever nonzero")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"rl.top_k must be >= 1 (or null for all tokens), got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"rl.top_p must be in (0, 1] (or null), got {self.top_p}")
+        if not 0 <= self.kl_coef < float("inf"):
+            raise ValueError(f"rl.kl_coef must be a finite number >= 0 (0: no KL penalty), got {self.kl_coef}")
+        if self.prompts_per_step % self.prompts_per_decode:
+            raise ValueError(f"rl.prompts_per_decode={self.prompts_per_decode} must divide rl.prompts_per_step="
+                             f"{self.prompts_per_step}")
+
+
+@dataclasses.dataclass
 class RunConfig:
     """Everything a run needs; saved as ``config.yaml`` in the run directory."""
 
@@ -255,6 +319,8 @@ class RunConfig:
     lora: LoraConfig | None = None
     """Train LoRA adapters ``{rank, alpha, dropout, targets}`` instead of every weight (needs ``sft``); the
     run's checkpoints then hold the adapters and their optimizer state only."""
+    rl: RLConfig | None = None
+    """Reinforcement learning on prompts with exact answers (``lmforge rl``, with ``data.kind: prompts``)."""
 
     def __post_init__(self) -> None:
         if self.lora is not None and self.sft is None:
@@ -266,6 +332,11 @@ class RunConfig:
         if self.sft is not None and self.sft.pretrain_rows(self.training.batch_size) >= self.training.batch_size:
             raise ValueError(f"sft.pretrain_mix={self.sft.pretrain_mix} leaves no conversation row in a batch of "
                              f"training.batch_size={self.training.batch_size}; lower the mix or raise the batch size")
+        if (self.rl is None) != (self.data.kind != "prompts"):
+            raise ValueError("an rl section and data.kind: prompts go together (reinforcement learning samples its "
+                             "batches from prompts); start such a run with `lmforge rl --base RUN`")
+        if self.rl is not None and self.sft is None:
+            raise ValueError("an rl section needs a base model to start from; start it with `lmforge rl --base RUN`")
         T = self.training.context_length
         if T is not None and T > self.model.context_length:
             raise ValueError(f"training.context_length={T} is longer than model.context_length="
@@ -294,6 +365,7 @@ def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = (
 # Changing these between runs in one directory would make the checkpoints meaningless.
 _INCOMPATIBLE = ("model.", "data.dir", "data.train_split", "data.bos_aligned", "training.batch_size",
                  "training.grad_accum_steps", "training.global_batch_size", "training.context_length",
-                 "training.seed", "data.kind", "sft.", "lora.")
-_HARMLESS = ("model.fast",)  # the fast path computes the same function with the same weights
+                 "training.seed", "data.kind", "sft.", "lora.", "rl.")
+# the fast path computes the same function with the same weights; evaluation settings change no step
+_HARMLESS = ("model.fast", "rl.eval_samples", "rl.eval_prompts")
 # data.tokenizer may move (its fingerprint must still match the shards); data.val_split only changes evaluation.

@@ -33,10 +33,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
 from torch.utils._pytree import tree_map_only
 
 from lmforge.checkpoint import DCP_MARKER, CheckpointManager, check_state_dict_fits, decode_tree, encode_tree
@@ -77,6 +74,9 @@ def save_dcp(ckpts: CheckpointManager, model: Any, optimizer: Any, step: int, ex
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()  # the directory exists before any rank writes into it
+    import torch.distributed.checkpoint as dcp  # here, not at import: DCP costs every process ~1 s of CPU
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     msd, osd = get_state_dict(model, optimizer)
     with _single_process_quiet():
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), no_dist=not _group())
@@ -147,6 +147,10 @@ def load_dcp(path: str | os.PathLike, model: Any, optimizer: Any = None) -> tupl
     meta = read_dcp_meta(path)
     saved = {k: torch.empty(s, device="meta") for k, s in meta["model_shapes"].items()}
     check_state_dict_fits(saved, {k: torch.empty(v.shape, device="meta") for k, v in model.state_dict().items()})
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
     else:

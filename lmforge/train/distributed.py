@@ -17,9 +17,6 @@ from typing import Any, Iterator, Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
@@ -200,6 +197,8 @@ def wrap_model(model: Any, mode: Literal["none", "ddp", "fsdp"], info: DistInfo,
     if compile:
         compile_blocks(model)
     if mode == "fsdp" and _active():
+        from torch.distributed.fsdp import fully_shard  # here: importing FSDP costs every process ~1 s of CPU
+
         for block in getattr(model, "layers", []):
             fully_shard(block)
         fully_shard(model)
@@ -244,6 +243,8 @@ def full_state_dicts(model: Any, optimizer: Any) -> tuple[_StateView, _StateView
     A collective: every rank must call it; the tensors are complete on rank 0, which writes the checkpoint.
     The optimizer state is keyed by parameter name (what :func:`load_full_optimizer_state` expects).
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return (_StateView(get_model_state_dict(model, options=opts)),
             _StateView(get_optimizer_state_dict(model, optimizer, options=opts)))
@@ -254,4 +255,6 @@ def load_full_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any])
     if any(not isinstance(k, str) for k in state.get("state", {})):
         raise ValueError("this checkpoint's optimizer state was saved without FSDP; resume with the same "
                          "training.parallel it was trained with")
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

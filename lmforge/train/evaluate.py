@@ -72,6 +72,9 @@ def evaluate_run(run_dir: str | Path, checkpoint: str | Path | None = None, spli
                          "(leave it unset for the run's training.eval_batches)")
     run = open_run(run_dir, checkpoint)
     cfg = load_run_config(base=run.config)
+    if cfg.data.kind == "prompts":
+        raise ValueError(f"{run_dir} is an RL run: its data are prompts with answers, not text to take a loss on; "
+                         "score it with --task FILE.jsonl (e.g. the chat tasks), or read its rl.json")
     split = split or cfg.data.val_split or cfg.data.train_split
     path, ck = run.checkpoint_path, run.checkpoint
     dev = resolve_device(device)

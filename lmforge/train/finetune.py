@@ -141,8 +141,9 @@ def conversation_data(cfg: Any, tokenizer: Any, info: Any, micro_batch: int) -> 
 
 
 def global_target_count(batches: list, device: Any) -> float:
-    """Trained (not ignored) targets of all ``(x, y)`` micro-batches, summed over every data-parallel rank."""
-    local = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
+    """Trained (not ignored) targets of all ``(x, y[, weights])`` micro-batches, summed over every data-parallel
+    rank."""
+    local = sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches)  # b: (x, y) or (x, y, weights)
     return all_reduce_sum([float(local)], device)[0]
 
 
@@ -153,6 +154,7 @@ def loss_scale(count: float, world_size: int) -> float:
 
 
 def masked(loader: Any) -> bool:
-    """Whether ``loader``'s targets may hold :data:`IGNORE_INDEX` (the loss must be told)."""
-    return isinstance(loader, (ConversationLoader, MixedLoader))
+    """Whether ``loader``'s targets may hold :data:`IGNORE_INDEX` (the loss must be told): conversations, or a
+    loader that says so (``masked = True``, RL's rollouts)."""
+    return isinstance(loader, (ConversationLoader, MixedLoader)) or bool(getattr(loader, "masked", False))
 

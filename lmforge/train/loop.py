@@ -23,7 +23,7 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -228,7 +228,8 @@ class _Run:
         return self.batch.tokens_per_step(self.cfg.context_length)
 
 
-def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: bool = False) -> dict[str, Any]:
+def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: bool = False,
+          source: Callable[..., tuple] | None = None) -> dict[str, Any]:
     """Train ``cfg`` in ``run_dir``, resuming from its newest valid checkpoint; returns the final metrics.
 
     ``run_dir`` must not exist, be empty, or be an lmforge run; ``force`` also accepts a non-empty folder that is
@@ -242,6 +243,13 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
     ``checkpoint`` (path of the last one saved) and ``reached_target`` (an evaluation reached
     ``training.target_val_bpb``, and training stopped there).
     Raises ``ValueError`` for bad configs or data and :class:`NonFiniteLossError` if the loss diverges.
+
+    ``source``: where the batches of a run that is not pretraining come from, called as
+    ``source(cfg, tokenizer, info, micro_batch) -> (train split, val split or None, val batches, loader)``;
+    default :func:`~lmforge.train.finetune.conversation_data`. Its loader's ``next_batch()`` gives ``(x, y)`` or
+    ``(x, y, weights)`` (each target's loss times its weight: RL's advantages); a loader with ``bind(model)`` is
+    given the bare model before the first step (RL samples its batches from it), and one with ``step_metrics()``
+    adds their figures to each logged step. ``lmforge.rl`` plugs in here.
     """
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = setup_distributed(cfg.training.device)
@@ -253,7 +261,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
     try:
         if tc.num_threads:
             torch.set_num_threads(tc.num_threads)
-        run = _check(cfg, Path(run_dir), force, info)
+        run = _check(cfg, Path(run_dir), force, info, source)
         _build(run)
         pending = _resume(run)
         _wrap(run, pending)
@@ -276,14 +284,17 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
             cleanup_distributed()
 
 
-def _check(cfg: RunConfig, run_dir: Path, force: bool, info: Any) -> _Run:
+def _check(cfg: RunConfig, run_dir: Path, force: bool, info: Any, source: Callable[..., tuple] | None) -> _Run:
     """Open and check the data, tokenizer and run directory; only once all is valid, write the run's files."""
     tc = cfg.training
     tokens = cfg.data.kind == "tokens"
+    if cfg.data.kind == "prompts" and source is None:
+        raise ValueError(f"{cfg.data.dir} holds prompts for reinforcement learning (data.kind: prompts): their batches "
+                         "are sampled from the model; run it with `lmforge rl`")
     if tokens:
         train_ds = TokenDataset(cfg.data.dir, cfg.data.train_split)
         val_ds = TokenDataset(cfg.data.dir, cfg.data.val_split) if cfg.data.val_split else None
-    else:  # rendered conversations: the loader, val set and checks come from train.finetune
+    else:  # rendered conversations (or prompts): the loader, val set and checks come from train.finetune (or source)
         train_ds = ConversationDataset(cfg.data.dir, cfg.data.train_split)
     check_new_or_run(run_dir, force)
     ckpts = CheckpointManager(run_dir, tc.keep_last)
@@ -299,7 +310,7 @@ def _check(cfg: RunConfig, run_dir: Path, force: bool, info: Any) -> _Run:
         val_set = (val_batches(val_ds, tc.eval_batch_size or tc.batch_size, cfg.context_length, tc.eval_batches)
                    if val_ds is not None else [])
     else:
-        train_ds, val_ds, val_set, loader = conversation_data(cfg, tokenizer, info, batch.micro_batch)
+        train_ds, val_ds, val_set, loader = (source or conversation_data)(cfg, tokenizer, info, batch.micro_batch)
     if tc.wandb and info.is_main:
         require_wandb()
     barrier()  # every rank has checked the directory before rank 0 writes into it (else a late rank sees a non-run)
@@ -367,6 +378,8 @@ def _wrap(run: _Run, pending: Any) -> None:
     run.model = wrap_model(run.model, tc.parallel, info, compile=tc.compile,
                            activation_checkpointing=tc.activation_checkpointing)
     run.raw_model = unwrap_model(run.model)
+    if hasattr(run.loader, "bind"):  # a loader that samples its batches from the model being trained (RL)
+        run.loader.bind(run.raw_model)
     if run.fsdp:
         run.optimizer = _build_optimizer(run.raw_model, run.cfg.optimizer)
     if isinstance(pending, Path):  # a sharded checkpoint: resharded into this world size's model and optimizer
@@ -401,12 +414,13 @@ def _train_step(run: _Run) -> tuple[float, float, float]:
     denom = loss_scale(n_targets, run.info.world_size)
     ignore = IGNORE_INDEX if masked(run.loader) else None
     loss_sum = torch.zeros((), device=device)
-    for i, (x, y) in enumerate(batches):
+    for i, (x, y, *weights) in enumerate(batches):  # weights: each target's loss factor (RL's advantages)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        w = weights[0].to(device, non_blocking=True) if weights else None
         last_micro = i == run.batch.accum_steps - 1
         with gradient_sync(model, last_micro):  # DDP/FSDP reduce gradients once, after the last micro-batch
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16"):
-                micro = model(x, targets=y, ignore_index=ignore, reduction="sum")
+                micro = model(x, targets=y, ignore_index=ignore, reduction="sum", weights=w)
             (micro / denom).backward()
         loss_sum += micro.detach()
     loss = all_reduce_sum([loss_sum.item()], device)[0] / max(n_targets, 1.0)
@@ -436,8 +450,9 @@ def _log(run: _Run, loss: float, lr: float, grad_norm: float) -> dict[str, str]:
     info = run.info
     tps = run.interval_tokens / max(run.interval_time, 1e-9)
     mfu = tps / info.world_size * run.flops_per_token / run.peak if run.peak else None
+    extra = run.loader.step_metrics() if hasattr(run.loader, "step_metrics") else {}  # RL: reward, lengths
     run.log.log({"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "mfu": mfu,
-                 "tokens": run.step * run.tokens_per_step})
+                 "tokens": run.step * run.tokens_per_step, **extra})
     run.interval_time, run.interval_tokens = 0.0, 0
     shown = {"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"}
     if mfu is not None:

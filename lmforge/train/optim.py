@@ -12,12 +12,12 @@ Optimizer state holds only tensors and plain numbers, so ``state_dict()`` can be
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from typing import Any, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lmforge.hardware import native_bf16
 
@@ -205,15 +205,24 @@ def muon_lr_ratio(shape: Sequence[int], adjust_lr: str) -> float:
     raise ValueError(f"Muon adjust_lr must be 'original' or 'match_rms_adamw', got {adjust_lr!r}")
 
 
+def _is_dtensor(t: Tensor) -> bool:
+    """Whether ``t`` is an FSDP2 shard. No DTensor exists before ``torch.distributed.tensor`` is imported (by FSDP),
+    so it is not imported here: importing it costs every process about a second of CPU."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
 def _full(t: Tensor) -> Tensor:
     """The whole matrix of ``t``: all-gathered if it is an FSDP2 shard (a DTensor), else ``t`` itself."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if _is_dtensor(t) else t
 
 
 def _like(full: Tensor, ref: Tensor) -> Tensor:
     """``full`` laid out like ``ref``: this rank's shard of it when ``ref`` is a DTensor. Every rank holds the
     same ``full`` (same gathered input, same deterministic iteration), so each keeps its slice, no communication."""
-    if isinstance(ref, DTensor):
+    if _is_dtensor(ref):
+        from torch.distributed.tensor import distribute_tensor
+
         return distribute_tensor(full, ref.device_mesh, ref.placements, src_data_rank=None)
     return full
 

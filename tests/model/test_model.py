@@ -195,6 +195,31 @@ def test_fast_cross_entropies_gradients_match_torch(ignore, chunk_rows, loss_for
         torch.testing.assert_close(linear_cross_entropy(h, w, t, ignore, chunk_rows=chunk_rows), ref)
 
 
+@pytest.mark.parametrize("ignore", [None, 3])
+@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
+def test_weighted_cross_entropies_equal_the_weighted_torch_formula(ignore, reduction):
+    """``weights`` (any sign: RL's advantages) multiply each target's loss and gradient; the mean still divides
+    by the number of counted targets; the fused and unfused fast paths and the reference agree with torch."""
+    torch.manual_seed(3)
+    h = torch.randn(13, 16, requires_grad=True)
+    w = torch.randn(23, 16, requires_grad=True)
+    t = torch.randint(0, 23, (13,))
+    t[::4] = 3
+    wt = torch.randn(13)  # negative and positive weights
+    per = F.cross_entropy(h @ w.T, t, ignore_index=-100 if ignore is None else ignore, reduction="none") * wt
+    counted = (t != (-100 if ignore is None else ignore)).sum()
+    ref = {"sum": per.sum(), "mean": per.sum() / counted, "none": per}[reduction]
+    gh, gw = torch.autograd.grad(ref.sum() * 2, (h, w))
+    for fn in (lambda: cross_entropy(h @ w.T, t, ignore, reduction, weights=wt),
+               lambda: cross_entropy_reference(h @ w.T, t, ignore, reduction, weights=wt),
+               lambda: linear_cross_entropy(h, w, t, ignore, reduction, chunk_rows=4, weights=wt)):
+        loss = fn()
+        torch.testing.assert_close(loss, ref)
+        gh2, gw2 = torch.autograd.grad(loss.sum() * 2, (h, w))
+        torch.testing.assert_close(gh2, gh)
+        torch.testing.assert_close(gw2, gw)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_linear_cross_entropy_plain_backward_matches_torch(reduction, loss_form):
     """``loss.backward()`` (incoming gradient 1): the 1/N folded into the GEMMs, no scaling in backward."""
