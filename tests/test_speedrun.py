@@ -115,10 +115,15 @@ def test_speedrun_rl_stage_trains_the_picked_tasks_and_scores_every_task(tmp_pat
     model solves none), trains on their items only, scores every task again; the report shows both columns;
     a rerun reuses it; with no task in the window it records that and trains nothing."""
     import lmforge.speedrun as sr
+    import lmforge.speedrun_chat as chat
+
+    def setting(name: str, value: object) -> None:  # read by the stage (speedrun_chat) and its key (speedrun)
+        monkeypatch.setattr(chat, name, value)
+        monkeypatch.setattr(sr, name, value)
 
     out = tmp_path / "sr"
-    monkeypatch.setattr(sr, "RL_WINDOW", (0.0, 1.0))
-    monkeypatch.setattr(sr, "RL_SETTINGS", sr.RL_SETTINGS + ("rl.samples_per_prompt=2", "rl.prompts_per_step=4",
+    setting("RL_WINDOW", (0.0, 1.0))
+    setting("RL_SETTINGS", sr.RL_SETTINGS + ("rl.samples_per_prompt=2", "rl.prompts_per_step=4",
                                                              "rl.prompts_per_decode=2", "rl.max_new_tokens=8"))
     stages = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2, rl_budget="2steps")
     rl, after = stages["rl"], stages["chat-rl"]
@@ -131,11 +136,11 @@ def test_speedrun_rl_stage_trains_the_picked_tasks_and_scores_every_task(tmp_pat
     assert re.search(r"\| calculator \(trained\) \| 2 \| \d+% \[\d+, \d+\] \| \d+% \[\d+, \d+\] \| [+-]\d+ \|", report)
     again = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2, rl_budget="2steps")
     assert again["rl"] == rl and again["chat-rl"] == after  # reused
-    monkeypatch.setattr(sr, "RL_SETTINGS", sr.RL_SETTINGS + ("optimizer.lr=2e-4",))  # other RL settings: RL again
+    setting("RL_SETTINGS", sr.RL_SETTINGS + ("optimizer.lr=2e-4",))  # other RL settings: RL again
     changed = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2, rl_budget="2steps")
     logged = [json.loads(ln) for ln in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert changed["rl"]["step"] == 2 and [r["lr"] for r in logged if "loss" in r] == [2e-4, 2e-4]  # from SFT
-    monkeypatch.setattr(sr, "RL_WINDOW", (2.0, 3.0))  # no task can be in it
+    setting("RL_WINDOW", (2.0, 3.0))  # no task can be in it
     none = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2, rl_budget="2steps")
     assert none["rl"]["tasks"] == [] and "chat-rl" not in none and not (out / "rl").exists()
     assert "so RL did not run" in (out / "report.md").read_text(encoding="utf-8")

@@ -120,4 +120,4 @@ def load_prompts(data_dir: str | os.PathLike, split: str) -> PromptSet:
         raise ValueError(f"{path} holds {len(task.items)} items but {data_dir} {len(ds)} rendered prompts (changed by "
                          "hand?); start the run again in a new --run-dir")
     ids = [ds.ids[int(ds.offsets[k]):int(ds.offsets[k + 1])].tolist() for k in range(len(ds))]
-    return PromptSet(ids, list(task.items), _tags(path))
+    return PromptSet(ids, list(task.items), [tag for tag, _ in _tags(path)])

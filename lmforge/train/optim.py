@@ -411,7 +411,7 @@ def clip_grad_norm(params: Iterable[Tensor], max_norm: float, eps: float = 1e-6)
             for bucket in buckets:
                 torch._foreach_mul_([r[0] for r in bucket], scale)
         return norm
-    if isinstance(norm, DTensor):  # FSDP: the global norm as a plain tensor, as torchtitan does
+    if _is_dtensor(norm):  # FSDP: the global norm as a plain tensor, as torchtitan does
         norm = norm.full_tensor()
     clip = torch.isfinite(norm) & (norm > max_norm)
     coef = torch.where(clip, max_norm / (norm + eps), torch.ones_like(norm))  # 0-dim, on the device
