@@ -47,7 +47,7 @@ RL_SETTINGS = ("rl.samples_per_prompt=8", "rl.prompts_per_step=8", "rl.prompts_p
 
 
 
-def _chat_data(paths: list[Path], dest: Path, max_bytes: int = 20 << 20, teach: bool = True) -> dict[str, Any]:
+def _chat_data(paths: list[Path], dest: Path, max_bytes: int = 20 << 20, teach: bool = False) -> dict[str, Any]:
     """The built-in chat tasks over the corpus's common words (the first ``max_bytes`` of text) in ``dest``:
     ``train.jsonl`` and ``val.jsonl``, as ``lmforge data get chat-tasks`` makes them from Shakespeare's
     (``teach``: see :func:`~lmforge.corpus.chat_data.chat_tasks`)."""
@@ -68,12 +68,12 @@ def _chat_data(paths: list[Path], dest: Path, max_bytes: int = 20 << 20, teach: 
     return rec
 
 
-def _chat_data_rules() -> str:
+def _chat_data_rules(teach: bool = False) -> str:
     """A digest of how the chat tasks are generated and taught: the records ``chat_tasks`` draws from a fixed
     word list. Part of the ``chat-data`` stage's key, so a speedrun directory made before the generator or its
     teaching changed writes its chat data again instead of reusing the old."""
     words = ["honour", "sword", "crown", "light", "night", "heart"]
-    return _digest(to_jsonl(sum(chat_tasks(words, n_train=3, n_val=2, seed=0), [])))
+    return _digest(to_jsonl(sum(chat_tasks(words, n_train=3, n_val=2, seed=0, teach=teach), [])))
 
 
 def _chat_eval(model: Any, tokenizer: Any, val_path: Path, per_task: int) -> dict[str, Any]:

@@ -104,10 +104,11 @@ def test_speedrun_chat_stages_fine_tune_and_score_before_and_after(tmp_path, cor
 
 def test_chat_data_key_follows_the_teaching_rules(monkeypatch):
     """A speedrun directory made before the chat data's teaching changed writes the chat data again."""
-    before = _chat_data_rules()
-    assert _chat_data_rules() == before  # deterministic
+    before = _chat_data_rules(teach=True)
+    assert _chat_data_rules(teach=True) == before  # deterministic
+    assert _chat_data_rules() != before  # taught or not: other data
     monkeypatch.delitem(chat_data._TEACH, "spelling")
-    assert _chat_data_rules() != before
+    assert _chat_data_rules(teach=True) != before
 
 
 def test_speedrun_rl_stage_trains_the_picked_tasks_and_scores_every_task(tmp_path, corpus, monkeypatch):

@@ -27,9 +27,10 @@ def _speedrun_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sft-budget", default="2.5min",
                    help="chat fine-tuning on the built-in chat tasks after pretraining: minutes or steps, like "
                         "--budget (default 2.5min)")
-    p.add_argument("--rl-minutes", default="3",
+    p.add_argument("--rl-minutes", default="0",
                    help="reinforcement learning after SFT on the tasks the fine-tuned model solves 5-80%% of the "
-                        "time: minutes (or 'Nsteps'); 0 skips it (default 3)")
+                        "time: minutes (or 'Nsteps'); 0 skips it (default 0: in the demo it costs the calculator "
+                        "task its accuracy, see docs/benchmarks.md)")
     p.add_argument("--no-chat", action="store_true", help="skip the chat stages (fine-tuning and its scores)")
     p.add_argument("--target-bpb", type=float, default=None,
                    help="stop pretraining at the first evaluation with validation bits/byte at or below this, and "

@@ -148,7 +148,7 @@ _EVERY_WORD: dict[str, Callable[[str], Record]] = {
 
 
 def chat_tasks(words: list[str], n_train: int = 1000, n_val: int = 50, seed: int = 0,
-               tasks: Iterable[str] = tuple(TASKS), teach: bool = True) -> tuple[list[Record], list[Record]]:
+               tasks: Iterable[str] = tuple(TASKS), teach: bool = False) -> tuple[list[Record], list[Record]]:
     """``(train, val)`` records: ``n_train`` / ``n_val`` per task (with ``teach``, also one ``spelling`` and one
     ``uppercase`` item per word), train shuffled, val in task order.
 
