@@ -29,5 +29,5 @@ def test_bench_speedrun_quick(tmp_path):
     timed = bench("time", "--variants", "baseline", "muon")
     assert "| muon |" in timed and "fp32 matmul peak" in timed
     table = bench("table")
-    assert "| baseline | optimizer.name=muon | 6 | 1 |" in table and "| muon+wsd | optimizer.name=muon | 6 | 1 |" in table
+    assert "| baseline | - | 6 | 1 |" in table and "| muon+wsd | - | 6 | 1 |" in table  # on the empty RECIPE
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "out"]  # nothing in the working directory
