@@ -262,6 +262,14 @@ def libraries(tok: Any) -> None:
             out.append(t)
         return out, tm
 
+    def valid(out: list[int], schema: dict[str, Any]) -> bool:
+        """Whether a walk's tokens decode to JSON that the schema accepts."""
+        try:
+            jsonschema.validate(json.loads(tok.decode(out)), schema)
+        except Exception:  # noqa: BLE001
+            return False
+        return True
+
     def unpack(words: Any) -> Any:
         return np.unpackbits(np.asarray(words).view(np.uint8), bitorder="little").astype(bool)
 
@@ -286,10 +294,7 @@ def libraries(tok: Any) -> None:
                 return a
             out, tm = walk(mask, m.consume_token, k)
             tm_all += tm
-            try:
-                jsonschema.validate(json.loads(tok.decode(out)), sc)
-            except Exception:  # noqa: BLE001
-                bad += 1
+            bad += not valid(out, sc)
         results["llguidance"] = (statistics.median(comp) * 1e3, statistics.median(tm_all) * 1e6, bad)
     if importlib.util.find_spec("xgrammar"):
         import xgrammar as xgr
@@ -308,10 +313,7 @@ def libraries(tok: Any) -> None:
                 return unpack(bm.numpy())
             out, tm = walk(mask, mt.accept_token, k)
             tm_all += tm
-            try:
-                jsonschema.validate(json.loads(tok.decode(out)), sc)
-            except Exception:  # noqa: BLE001
-                bad += 1
+            bad += not valid(out, sc)
         results["xgrammar"] = (statistics.median(comp) * 1e3, statistics.median(tm_all) * 1e6, bad)
     if importlib.util.find_spec("outlines_core"):
         import outlines_core as oc
@@ -334,10 +336,7 @@ def libraries(tok: Any) -> None:
                 return unpack(words.numpy())
             out, tm = walk(mask, guide.advance, k)
             tm_all += tm
-            try:
-                jsonschema.validate(json.loads(tok.decode(out)), sc)
-            except Exception:  # noqa: BLE001
-                bad += 1
+            bad += not valid(out, sc)
         results["outlines-core"] = (statistics.median(comp) * 1e3, statistics.median(tm_all) * 1e6, bad)
     for name, (c, m, b) in results.items():
         print(f"| {name} | {c:.2f} | {m:.1f} | {b}/{len(schemas)} |")
