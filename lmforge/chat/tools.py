@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import warnings
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
@@ -127,8 +128,10 @@ def calculate(expr: str) -> str:
     if len(expr) > MAX_CHARS:
         raise _fail(expr, f"is {len(expr)} characters long (at most {MAX_CHARS})")
     try:
-        tree = ast.parse(expr.strip(), mode="eval")
-    except SyntaxError as e:
+        with warnings.catch_warnings():  # "9if 1 else 0" only warns in Python: refuse it, print nothing
+            warnings.simplefilter("error", SyntaxWarning)
+            tree = ast.parse(expr.strip(), mode="eval")
+    except (SyntaxError, SyntaxWarning) as e:
         raise _fail(expr, f"is not an expression ({e.msg})") from None
     n = sum(1 for _ in ast.walk(tree))
     if n > MAX_NODES:

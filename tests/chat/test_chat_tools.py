@@ -121,3 +121,14 @@ def test_the_calculator_never_calls_eval_or_exec():
 def test_doctests_hold(module):
     failures, tried = doctest.testmod(module)
     assert failures == 0 and tried > 0
+
+
+def test_a_literal_python_only_warns_about_is_refused_without_printing_a_warning():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # every warning the calculator lets out is recorded
+        with pytest.raises(ValueError, match=r"is not an expression \(invalid decimal literal\)"):
+            calculate("9if 1 else 0")
+        assert calculate("97+9") == "106"
+    assert seen == []
