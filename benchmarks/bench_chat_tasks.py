@@ -6,6 +6,11 @@ time), fine-tunes ``--steps`` steps exactly as the speedrun's ``sft`` stage does
 and scores the first ``--items`` validation items of each task (``_chat_eval``: greedy, tools run). Steps, not
 minutes, so the comparison does not depend on the machine's load; fine-tuning and scoring are deterministic.
 
+Before fine-tuning, the base's **in-context copying** is probed (:func:`copy_probe`): every task but counting
+asks the model to copy a token of the question it has never copied in training (a name, a word, the digits of a
+tool call), which is what an induction head does; a base that has one predicts the second occurrence of a random
+sequence far better than the first.
+
 Variants: ``plain`` (the training items as the validation items are asked and answered), ``teach``
 (``chat_tasks(teach=True)``: arithmetic, spelling and uppercase through the calculator, spelling and uppercase
 over every word).
@@ -28,6 +33,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import synthetic_documents  # noqa: E402
 
 VARIANTS = {"plain": False, "teach": True}
+
+
+def copy_probe(model, vocab_size: int, rows: int = 8, length: int = 60, seed: int = 0) -> tuple[float, float]:
+    """Mean cross-entropy (nats) of ``model`` on the first and on the second occurrence of ``rows`` random
+    sequences of ``length`` token ids (drawn from the upper nine tenths of the vocabulary, seeded), each given
+    twice in a row. Without in-context copying the two are equal; a perfect copier scores 0 on the second."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(vocab_size // 10, vocab_size, (rows, length), generator=g)
+    seq = torch.cat([seq, seq], 1)  # (rows, 2 length)
+    with torch.no_grad():
+        logits = model(seq[:, :-1]).float()  # (rows, 2 length - 1, V)
+    loss = F.cross_entropy(logits.transpose(1, 2), seq[:, 1:], reduction="none")  # (rows, 2 length - 1)
+    # target t+1 is in the first occurrence for t < length - 1, in the second from t = length on (t = length - 1
+    # predicts the second occurrence's first id, which nothing before it announces)
+    return loss[:, :length - 1].mean().item(), loss[:, length:].mean().item()
 
 
 def main() -> int:
@@ -60,6 +83,10 @@ def main() -> int:
         else:
             base = Path(a.base)
         paths, rows = _resolve_corpus(a.corpus), {}
+        model, tok, _ = load_model(base, device="cpu")
+        first, second = copy_probe(model, tok.vocab_size, length=min(60, model.cfg.context_length // 2))
+        print(f"in-context copying of the base: {first:.2f} nats on a random sequence's first occurrence, "
+              f"{second:.2f} on its second (gain {first - second:+.2f})", flush=True)
         for name in a.variants:
             data = out / f"chat-{name}"
             _chat_data(paths, data, teach=VARIANTS[name])
