@@ -61,8 +61,8 @@ class Engine:
     compute the model whose matrices are rounded that way, and ``self.model`` becomes a copy holding those
     rounded matrices (what the reference, ``Engine(engine.model, use_kernel=False)``, runs).
     ``activations`` is the products' arithmetic (:data:`~lmforge.generate.packed.ACTIVATIONS`): ``"float32"``
-    (default) multiplies float32 activations by the stored weights, exactly; ``"int8"`` (int8/int4 weights) rounds
-    each product's input to int8 per block of 32 and sums in integers, as llama.cpp does; ``self.model``'s
+    multiplies float32 activations by the stored weights, exactly; ``"int8"`` (int8/int4 weights; their default)
+    rounds each product's input to int8 per block of 32 and sums in integers, as llama.cpp does; ``self.model``'s
     projections then compute that arithmetic in PyTorch (:class:`~lmforge.generate.packed.Q8Linear`, the reference
     path of the model), so the reference engine runs the same function.
     ``use_kernel=False`` forces the PyTorch path (the reference for the kernels).

@@ -119,9 +119,9 @@ class Generator:
         path then matches the model with its matrices rounded that way, and ``naive=True`` still runs the
         float32 model. Default: the model's own dtype.
 
-        ``activations`` is the products' arithmetic: ``"float32"`` (default) multiplies by the stored weights
-        exactly; ``"int8"`` (int8/int4 weights) rounds each product's input to int8 per block of 32 and sums in
-        integers, as llama.cpp does (faster; see :class:`~lmforge.generate.engine.Engine`).
+        ``activations`` is the products' arithmetic: ``"float32"`` multiplies by the stored weights exactly;
+        ``"int8"`` (int8/int4 weights, and their default) rounds each product's input to int8 per block of 32 and
+        sums in integers, as llama.cpp does (faster; see :class:`~lmforge.generate.engine.Engine`).
         """
         if device is not None:
             model = model.to(resolve_device(device) if isinstance(device, str) else device)

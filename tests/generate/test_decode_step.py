@@ -23,8 +23,9 @@ def _model(seed: int = 0, **kw) -> TransformerLM:
 
 
 def _pair(model: TransformerLM, dtype: str) -> tuple[Engine, Engine]:
-    """The kernel engine and the reference: the model's forward on the same (rounded) matrices."""
-    fast = Engine(model, weight_dtype=dtype, window_drop=7)
+    """The kernel engine and the reference: the model's forward on the same (rounded) matrices (float32
+    arithmetic; the int8-activation arithmetic: test_integer_step_follows_its_reference_model)."""
+    fast = Engine(model, weight_dtype=dtype, window_drop=7, activations="float32")
     assert fast._kernel
     q = "layers.0.attn.q_proj.weight"
     # the rounded copy the reference runs holds the stored weights (not the kernel's own say-so: rounded here)
@@ -69,7 +70,7 @@ def test_integer_step_follows_its_reference_model(dtype, isa):
     model = _model(seed=3, n_kv_heads=2)
     fast = Engine(model, weight_dtype=dtype, window_drop=7, activations="int8")
     ref = Engine(fast.model, window_drop=7, use_kernel=False)
-    other = Engine(model, weight_dtype=dtype, window_drop=7)  # float32 arithmetic: a kernel computing the wrong thing
+    other = Engine(model, weight_dtype=dtype, window_drop=7, activations="float32")  # float32 arithmetic: a kernel computing the wrong thing
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, VOCAB, (1 + (5 * b) % 13,), generator=g).tolist() for b in range(5)]
     rows[-1] = rows[-1] + [3] * (30 - len(rows[-1]))  # slides within the 20 steps
@@ -184,7 +185,7 @@ def test_a_rows_logits_do_not_depend_on_its_batch(dtype, isa):
     prompt prefilled whole gives the bits of its first token prefilled and the rest fed as steps."""
     model = _model(seed=7, d_model=128, n_heads=4, n_kv_heads=2, d_ff=288, vocab_size=520, context_length=48)
     weights, _, activations = dtype.partition("/")
-    eng = Engine(model, weight_dtype=weights, activations=activations or None)
+    eng = Engine(model, weight_dtype=weights, activations=activations or "float32")
     g = torch.Generator().manual_seed(5)
     target = torch.randint(0, 520, (9,), generator=g).tolist()
     steps = [int(t) for t in torch.randint(0, 520, (3,), generator=g)]

@@ -89,7 +89,8 @@ def test_spec_sums_blocks_in_order():
 
 
 def test_activations_setting_and_errors():
-    assert activations_of(None, torch.int8) == "float32" and activations_of("INT8", INT4) == "int8"
+    assert activations_of(None, torch.int8) == "int8" and activations_of(None, INT4) == "int8"  # the defaults
+    assert activations_of(None, torch.bfloat16) == "float32" and activations_of("Float32", INT4) == "float32"
     with pytest.raises(ValueError, match="unknown activations 'int4'"):
         activations_of("int4", torch.int8)
     with pytest.raises(ValueError, match="needs int8 or int4 weights"):
@@ -116,6 +117,7 @@ def test_generator_keeps_its_arithmetic():
     gen.refresh()
     assert gen.engine.activations == "int8"
     assert gen.generate_ids([1, 2, 3], 12, temperature=0) == out
-    plain = Generator(_model(), weight_dtype="int8")
-    assert plain.engine.activations == Engine(_model(), weight_dtype="int8").activations
-    assert math.isfinite(float(plain.engine.prefill([[1, 2]], 8).sum()))
+    assert Generator(_model(), weight_dtype="int8").engine.activations == "int8"  # the default for int8/int4
+    exact = Generator(_model(), weight_dtype="int8", activations="float32")
+    assert exact.engine.activations == "float32" and Generator(_model()).engine.activations == "float32"
+    assert math.isfinite(float(exact.engine.prefill([[1, 2]], 8).sum()))
