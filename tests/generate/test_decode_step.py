@@ -9,7 +9,7 @@ import torch
 
 from lmforge._native import core
 from lmforge.generate.engine import Engine
-from lmforge.generate.packed import PackedLinear, kernel_available
+from lmforge.generate.packed import INT4, PackedLinear, kernel_available
 from lmforge.model import ModelConfig, TransformerLM
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="C++ extension not built")
@@ -108,6 +108,21 @@ def test_widest_and_avx2_products_are_bit_identical():
         _core.linear_force_avx2(False)
 
 
+@pytest.mark.parametrize("dtype, activations", [(torch.float32, "float32"), (torch.bfloat16, "float32"),
+                                                (torch.float16, "float32"), (torch.int8, "float32"),
+                                                (INT4, "float32"), (torch.int8, "int8"), (INT4, "int8")])
+def test_many_rows_give_each_rows_bits(dtype, activations, isa):
+    """A product of many rows (a prompt: from 12 rows on, the register- and k-blocked GEMM of tiles.inc) gives each
+    row the bits it gets alone (the decode tiles), K past one k-block (256) and N off the panel included."""
+    g = torch.Generator().manual_seed(2)
+    for n, k in [(100, 600), (37, 19), (300, 1344)]:
+        lin = PackedLinear(torch.randn(n, k, generator=g), dtype, activations)
+        x = torch.randn(29, k, generator=g)
+        alone = torch.cat([lin(x[i: i + 1], 1) for i in range(29)])
+        for rows in (12, 17, 29):
+            assert torch.equal(lin(x[:rows], 2), alone[:rows]), (dtype, activations, n, k, rows)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_rows_join_and_leave(dtype, isa):
     """Continuous batching: admit into free rows, step the live prefix, release (the last row moves in);
@@ -187,7 +202,7 @@ def test_a_rows_logits_do_not_depend_on_its_batch(dtype, isa):
     weights, _, activations = dtype.partition("/")
     eng = Engine(model, weight_dtype=weights, activations=activations or "float32")
     g = torch.Generator().manual_seed(5)
-    target = torch.randint(0, 520, (9,), generator=g).tolist()
+    target = torch.randint(0, 520, (14,), generator=g).tolist()  # 14 rows: the many-row GEMM (12 and more)
     steps = [int(t) for t in torch.randint(0, 520, (3,), generator=g)]
 
     def run(n_rows: int, at: int, threads: int) -> list[torch.Tensor]:
@@ -200,7 +215,7 @@ def test_a_rows_logits_do_not_depend_on_its_batch(dtype, isa):
             out = [eng.admit(target)[1].clone()]
             for p in others[at + 1:]:
                 eng.admit(p)
-            for t in steps:  # rows of 1..23 tokens, the target at 9 + step
+            for t in steps:  # rows of 1..23 tokens, the target at 14 + step
                 toks = torch.randint(0, 520, (n_rows,), generator=g)
                 toks[at] = t
                 out.append(eng.step(toks)[at].clone())
