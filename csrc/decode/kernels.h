@@ -1,7 +1,9 @@
 // The decode kernels' contract (Python: lmforge.generate.engine and .packed, through the bindings): a whole
 // decode step of the model in one call (step.cpp), built from skinny matrix products y (M, N) = x (M, K) . W^T
 // for a few rows M, with W (N, K) pre-packed in panels of 8 rows and stored as fp32, bf16, fp16, int8 with
-// a scale per row or int4 with a scale per group of 32, fp32 accumulation (products.cpp); one-query attention over a KV cache (attention.cpp),
+// a scale per row or int4 with a scale per group of 32, fp32 accumulation (products.cpp; many rows: the GEMM of
+// tiles.inc), or int8/int4 codes times activations rounded to int8 per 32 with int32 sums (qdot.cpp);
+// one-query attention over a KV cache (attention.cpp),
 // both on a small persistent thread pool of their own (pool.h); the per-token RMSNorm, RoPE and SwiGLU rows
 // (rows.cpp). Pure-PyTorch twins: lmforge.generate.packed.PackedLinear.reference and the model's own forward
 // (Engine(use_kernel=False)); tests/generate/test_decoder.py and tests/generate/test_decode_step.py hold them equal.

@@ -60,8 +60,9 @@ def weight_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:
 def activations_of(value: str | None, weight_dtype: torch.dtype | None) -> str:
     """The arithmetic ``value`` checked against the weights it multiplies: ``"int8"`` needs int8 or int4 weights
     (16- and 32-bit weights have no integer codes to multiply). None picks the default: ``"int8"`` for int8 and int4
-    weights (llama.cpp's choice too; measured in docs/benchmarks.md: 1.5-2.7x faster decoding for a perplexity cost
-    within 0.3%), ``"float32"`` otherwise."""
+    weights (llama.cpp's choice too; docs/benchmarks.md, under load: 1.2-2.3x faster decoding than float32
+    activations on the same weights, no perplexity change measurable beyond the weights' own rounding),
+    ``"float32"`` otherwise."""
     act = ("int8" if weight_dtype in _Q8_KINDS else "float32") if value is None else str(value).lower()
     if act not in ACTIVATIONS:
         raise ValueError(f"unknown activations {value!r}; use float32 (exact products on the stored weights) or int8 "
