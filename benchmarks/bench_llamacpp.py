@@ -12,6 +12,10 @@ lmforge's ``Engine`` at batch 1 on the same run with the decoder's weights store
 | bfloat16, float16 | f16 |
 | int8 (a scale per row) | q8_0 (a scale per 32) |
 | int4 (Q4_0's rounding) | q4_0 |
+| int8+a8, int4+a8: the same weights, ``activations="int8"`` | q8_0, q4_0 |
+
+The ``+a8`` rows round each product's input to int8 per block of 32 and sum in integers, as llama.cpp does with
+its Q8_0/Q8_K activations; the plain rows multiply float32 activations by the stored weights (exact).
 
 lmforge's prefill is ``Engine.prefill`` of one prompt (its logits included); its decode is a 1-token prompt
 followed by N ``Engine.step`` calls, each fed the argmax of the last logits (greedy, as a ``Generator`` does).
@@ -54,8 +58,8 @@ SDIST = "llama-cpp-python==0.3.36"
 SHAPES = {"d512": (8192, 512, 512, 4, 16, 1344, False), "gpt2s": (50304, 1024, 768, 12, 12, 2048, True),
           "tiny": (512, 128, 64, 2, 4, 192, False)}
 # lmforge weight dtype -> the llama.cpp file type it is measured against
-PAIRS = [("float32", "f32"), ("bfloat16", "f16"), ("float16", "f16"), ("int8", "q8_0"), ("int4", "q4_0")]
-BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4}
+PAIRS = [("float32", "f32"), ("bfloat16", "f16"), ("float16", "f16"), ("int8", "q8_0"), ("int4", "q4_0"),
+         ("int8+a8", "q8_0"), ("int4+a8", "q4_0")]
 
 
 def find_llama_bench() -> Path | None:
@@ -116,11 +120,12 @@ class Lmforge:
 
         from lmforge.generate.engine import Engine
 
-        self.engine = Engine(model, weight_dtype=dtype)
+        weights, a8, _ = dtype.partition("+a8")
+        self.engine = Engine(model, weight_dtype=weights, activations="int8" if a8 else "float32")
         g = torch.Generator().manual_seed(1)
         self.prompt = torch.randint(0, model.cfg.vocab_size, (prompt,), generator=g).tolist()
         self.gen, self.capacity = gen, min(context, max(prompt, gen + 1))
-        self.bytes_per_token = sum(_weight_bytes(p) for p in self._packed(model, dtype))
+        self.bytes_per_token = sum(_weight_bytes(p) for p in self._packed(model, weights))
 
     @staticmethod
     def _packed(model, dtype: str):
@@ -223,8 +228,10 @@ def main() -> int:
             print(f"| {d} / {t} | {_spread(dec)} | {_spread(ldec)} | {median(dec) / median(ldec):.2f}x | "
                   f"{gbs / 1e9:.1f} ({gbs / bandwidth:.0%}) | {_spread(pre)} | {_spread(lpre)} | "
                   f"{median(pre) / median(lpre):.2f}x |")
-        if "int4" in ours and "int8" in ours:
-            print(f"\nint4 / int8 decode (lmforge): {median(speeds[('int4', 'decode')]) / median(speeds[('int8', 'decode')]):.2f}x")
+        for a4, a8 in (("int4", "int8"), ("int4+a8", "int8+a8"), ("int4+a8", "int8")):
+            if a4 in ours and a8 in ours:
+                ratio = median(speeds[(a4, 'decode')]) / median(speeds[(a8, 'decode')])
+                print(f"\n{a4} / {a8} decode (lmforge): {ratio:.2f}x")
     return 0
 
 

@@ -1,8 +1,11 @@
 """Perplexity cost of the decoder's weight precisions: a trained run's held-out perplexity with its matrices stored
-as bfloat16, float16, int8 (a scale per row) and int4 (a scale per 32, llama.cpp's Q4_0 rounding), against float32.
+as bfloat16, float16, int8 (a scale per row) and int4 (a scale per 32, llama.cpp's Q4_0 rounding), against float32;
+int8 and int4 also with ``activations="int8"`` (rows ``+a8``: each product's input rounded to int8 per block of 32,
+integer sums, llama.cpp's arithmetic).
 
 Each precision is scored on the model the decoder computes with it (``Engine(model, weight_dtype=...).model``: the
-float32 model whose matrices hold the rounded values; embeddings and norms stay float32), over the first
+float32 model whose matrices hold the rounded values, with ``+a8`` projections that compute the integer
+arithmetic in PyTorch; embeddings and norms stay float32), over the first
 ``--limit`` blocks of the run's validation shards (``lmforge.evals.perplexity_of_shards``). Deterministic: no
 timing, so a busy machine changes nothing but the wall time.
 
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-DTYPES = ["float32", "bfloat16", "float16", "int8", "int4"]
+DTYPES = ["float32", "bfloat16", "float16", "int8", "int4", "int8+a8", "int4+a8"]
 
 
 def quick_run(root: Path) -> Path:
@@ -65,7 +68,8 @@ def main() -> int:
         print("| weights | loss | perplexity | bits/byte | perplexity vs float32 |")
         print("|---|---:|---:|---:|---:|")
         for dtype in DTYPES:
-            model = Engine(gen.model, weight_dtype=dtype).model
+            weights, a8, _ = dtype.partition("+a8")
+            model = Engine(gen.model, weight_dtype=weights, activations="int8" if a8 else None).model
             r = perplexity_of_shards(model, gen.tokenizer, data, limit=a.limit)
             base = base or r
             bpb = f"{r['bpb']:.4f}" if r["bpb"] is not None else "-"

@@ -127,15 +127,17 @@ nb::dlpack::dtype packed_dtype(WeightType wt) {
     switch (wt) {
         case WeightType::F32: return nb::dtype<float>();
         case WeightType::I8: return nb::dtype<int8_t>();
-        case WeightType::I4: return nb::dtype<uint8_t>();
+        case WeightType::I8Q8: return nb::dtype<int8_t>();
+        case WeightType::I4: case WeightType::I4Q8: return nb::dtype<uint8_t>();
         default: return nb::dtype<uint16_t>();
     }
 }
-bool needs_scales(WeightType wt) { return wt == WeightType::I8 || wt == WeightType::I4; }
-size_t packed_k(WeightType wt, size_t K) { return wt == WeightType::I4 ? 16 * ((K + 31) / 32) : K; }
-size_t scale_count(WeightType wt, size_t N, size_t K) {
-    return wt == WeightType::I4 ? (N + 7) / 8 * ((K + 31) / 32) * 8 : N;
+bool needs_scales(WeightType wt) { return (int)wt >= (int)WeightType::I8; }
+bool is_int4(WeightType wt) { return wt == WeightType::I4 || wt == WeightType::I4Q8; }
+size_t packed_k(WeightType wt, size_t K) {
+    return is_int4(wt) ? 16 * ((K + 31) / 32) : wt == WeightType::I8Q8 ? 32 * ((K + 31) / 32) : K;
 }
+size_t scale_count(WeightType wt, size_t N, size_t K) { return is_int4(wt) ? (N + 7) / 8 * ((K + 31) / 32) * 8 : N; }
 
 // The whole decode step (decode/step.cpp). The model points into the weight arrays it was built from;
 // it keeps them alive, and refuses arrays it would have to convert (a converted copy would not live).
@@ -163,7 +165,7 @@ struct StepModel {
             throw std::invalid_argument(name + " must be (packed array, kind, scales or None)");
         auto w = take<nb::ndarray<nb::ro, nb::ndim<3>, nb::c_contig, nb::device::cpu>>(t[0], what);
         const int kind = nb::cast<int>(t[1]);
-        if (kind < 0 || kind > 4) throw std::invalid_argument(name + ": kind is 0, 1, 2, 3 or 4");
+        if (kind < 0 || kind > 6) throw std::invalid_argument(name + ": kind is 0 .. 6");
         PackedMatrix pm;
         pm.wt = (WeightType)kind;
         pm.N = N;
@@ -178,7 +180,7 @@ struct StepModel {
         }
         if (w.shape(0) != (pm.N + 7) / 8 || w.shape(1) != packed_k(pm.wt, K) || w.shape(2) != 8)
             throw std::invalid_argument(name + " must be packed as (ceil(N / 8), K, 8) (int4: (ceil(N / 8), "
-                                        "16 ceil(K / 32), 8)) with N = " + std::to_string(pm.N) + ", K = " +
+                                        "16 ceil(K / 32), 8); kind 5: (ceil(N / 8), 32 ceil(K / 32), 8)) with N = " + std::to_string(pm.N) + ", K = " +
                                         std::to_string(K));
         pm.w = w.data();
         return pm;
@@ -189,7 +191,7 @@ struct StepModel {
 
 NB_MODULE(_core, m) {
     m.doc() = "lmforge C++ core: pre-tokenization, pre-token counting, BPE training and encoding, document splitting, decode-time matrix products and attention";
-    m.attr("ABI_VERSION") = 5;  // checked by lmforge._native.core(): bump both when a binding changes
+    m.attr("ABI_VERSION") = 6;  // checked by lmforge._native.core(): bump both when a binding changes
     m.attr("PATTERN_GPT2") = (int)kGPT2;
     m.attr("PATTERN_GPT4") = (int)kGPT4;
     m.attr("PATTERN_NANOCHAT") = (int)kNanochat;
@@ -215,15 +217,17 @@ NB_MODULE(_core, m) {
             const size_t M = x.shape(0), K = x.shape(1), N = y.shape(1);
             if (y.shape(0) != M || y.stride(1) != 1 || y.stride(0) < (int64_t)N)
                 throw std::invalid_argument("linear_rows: y must be (M, N) with contiguous rows, M = len(x)");
-            if (kind < 0 || kind > 4)
-                throw std::invalid_argument("linear_rows: kind is 0 (fp32), 1 (bf16), 2 (fp16), 3 (int8) or 4 (int4)");
+            if (kind < 0 || kind > 6)
+                throw std::invalid_argument("linear_rows: kind is 0 (fp32), 1 (bf16), 2 (fp16), 3 (int8), 4 (int4), "
+                                            "5 (int8, int8 activations) or 6 (int4, int8 activations)");
             const auto wt = (WeightType)kind;
             if (w.shape(0) != (N + 7) / 8 || w.shape(1) != packed_k(wt, K) || w.shape(2) != 8)
                 throw std::invalid_argument("linear_rows: w must be packed as (ceil(N / 8), K, 8) (int4: (ceil(N / 8), "
-                                            "16 ceil(K / 32), 8)) for x (M, K), y (M, N)");
+                                            "16 ceil(K / 32), 8); kind 5: (ceil(N / 8), 32 ceil(K / 32), 8)) for x "
+                                            "(M, K), y (M, N)");
             if (w.dtype() != packed_dtype(wt))
                 throw std::invalid_argument("linear_rows: w must be float32 for kind 0, uint16 bits for kinds 1, 2, "
-                                            "int8 for kind 3 and uint8 for kind 4");
+                                            "int8 for kinds 3 and 5 and uint8 for kinds 4 and 6");
             const float* sp = nullptr;
             if (needs_scales(wt)) {
                 if (!scales || scales->shape(0) < scale_count(wt, N, K))
@@ -242,7 +246,8 @@ NB_MODULE(_core, m) {
         "y[:] = x @ W.T for a few rows x (M, K) float32; W (N, K) comes packed in panels of 8 rows, "
         "w[p, k, j] = W[8p + j, k] (zero past N), as float32 (kind 0), bf16/fp16 bits in uint16 (kind 1/2) or "
         "int8 codes (kind 3, W = w * scales[n] per output row) or int4 codes (kind 4, uint8 (ceil(N / 8), 16 ceil(K / 32), 8): "
-        "two k per byte, low nibble first; W = scales[(p * G + k // 32) * 8 + j] * (q - 8)). Accumulates in float32 on up "
+        "two k per byte, low nibble first; W = scales[(p * G + k // 32) * 8 + j] * (q - 8)); kinds 5 and 6: the same codes "
+        "in the integer layouts of decode/kernels.h, x rounded to int8 per block of 32, int32 block sums. Accumulates in float32 on up "
         "to `threads` threads; each output's sum runs in the same order whatever M and the threads (batch invariant).");
     m.def(
         "attend_rows",

@@ -61,6 +61,8 @@ CASES = [
     ("generate --run {run} --prompt hi --seed -9223372036854775809", None, r"seed must be an integer in"),
     ("generate --run {run} --prompt hi --max-new-tokens 0", None, r"--max-new-tokens: expected a positive integer"),
     ("generate --run {run} --prompt hi --weight-dtype int3", None, r"invalid choice: 'int3'"),
+    ("generate --run {run} --prompt hi --weight-dtype bf16 --activations int8", None,
+     r"activations='int8' needs int8 or int4 weights"),
     ("generate --run {run} --prompt hi --device cuda:7", None, r"CUDA is not available|out of range|invalid device"),
     ("generate --run {run} --checkpoint {tmp}/nope.safetensors --prompt hi", None, r"does not exist"),
     ("serve", None, r"the following arguments are required: --run"),

@@ -1,7 +1,9 @@
 // The decode kernels' contract (Python: lmforge.generate.engine and .packed, through the bindings): a whole
 // decode step of the model in one call (step.cpp), built from skinny matrix products y (M, N) = x (M, K) . W^T
 // for a few rows M, with W (N, K) pre-packed in panels of 8 rows and stored as fp32, bf16, fp16, int8 with
-// a scale per row or int4 with a scale per group of 32, fp32 accumulation (products.cpp); one-query attention over a KV cache (attention.cpp),
+// a scale per row or int4 with a scale per group of 32, fp32 accumulation (products.cpp; many rows: the GEMM of
+// tiles.inc), or int8/int4 codes times activations rounded to int8 per 32 with int32 sums (qdot.cpp);
+// one-query attention over a KV cache (attention.cpp),
 // both on a small persistent thread pool of their own (pool.h); the per-token RMSNorm, RoPE and SwiGLU rows
 // (rows.cpp). Pure-PyTorch twins: lmforge.generate.packed.PackedLinear.reference and the model's own forward
 // (Engine(use_kernel=False)); tests/generate/test_decoder.py and tests/generate/test_decode_step.py hold them equal.
@@ -12,7 +14,10 @@
 
 namespace lmforge {
 
-enum class WeightType { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, I4 = 4 };
+// F32 .. I4 multiply float32 activations by the weights converted to float32 (the model whose matrices are
+// rounded, exactly); I8Q8 and I4Q8 hold the same codes and scales as I8 and I4 in another layout and round the
+// activations to int8 per block of 32 first (integer dot products, llama.cpp's arithmetic: qdot.cpp).
+enum class WeightType { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, I4 = 4, I8Q8 = 5, I4Q8 = 6 };
 
 // y[m * ldy + n] = sum_k x[m * K + k] * W[n][k], for m < M, n < N, where w holds W packed in panels of 8
 // rows: w[(p * K + k) * 8 + j] = W[8p + j][k] (zero past N); w's element type is `wt`. For I8 the weights
@@ -20,6 +25,9 @@ enum class WeightType { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, I4 = 4 };
 // ceil(K / 32)) w holds codes q in [0, 15], two k per byte: w[(p * 16 G + k / 2) * 8 + j] has q[8p + j][k] in
 // its low nibble for even k, its high nibble for odd k, and W[n][k] = scales[(p * G + k / 32) * 8 + j] * (q - 8)
 // (scales: ceil(N / 8) * G * 8 floats). Other types ignore scales.
+// I8Q8 (K padded to 32 G with zero codes): w[(p * 32 G + 4 s) * 8 + 4 j + i] = c[8p + j][4s + i], four k of
+// each row per 32 bytes; scales as I8. I4Q8: per panel p and group g 128 bytes, w[(p * G + g) * 128 + 32 v +
+// 4 j + i] = q[8p + j][32g + 4v + i] | q[8p + j][32g + 16 + 4v + i] << 4; scales as I4. Their sums: qdot.cpp.
 // Batch invariant: each y[m][n] is summed in an order that depends only on K (not on M, m, other rows or the
 // thread count), so a row's outputs are the same bits whatever it is multiplied with.
 // threads <= 1 runs on the calling thread only; concurrent calls from several threads are serialised.
@@ -45,6 +53,13 @@ void rope_cache_rows(const float* qkv, size_t B, size_t H, size_t Hkv, size_t D,
 // out (M, F) = silu(g) * u for gate_up (M, 2F) = [g | u].
 void swiglu_rows(const float* gate_up, size_t M, size_t F, float* out);
 
+// The integer path of linear_rows for I8Q8 and I4Q8 (qdot.cpp, which states the arithmetic).
+void linear_rows_q8(const float* x, size_t M, size_t K, const void* w, WeightType wt, size_t N, float* y,
+                    size_t ldy, int threads, const float* scales);
+// x (M, K) rounded per block of 32 along a row (G = ceil(K / 32) blocks, the tail padded with zeros):
+// codes xq (M, 32 G) in [-127, 127], scales d (M, G), code sums xsum (M, G) (qdot.cpp says how).
+void quantize_rows_q8(const float* x, size_t M, size_t K, int8_t* xq, float* d, int32_t* xsum);
+
 // Which instruction set the kernels use on this CPU: "avx512", "avx2" or "scalar".
 const char* linear_isa();
 
@@ -62,7 +77,7 @@ struct PackedMatrix {
     const void* w = nullptr;
     WeightType wt = WeightType::F32;
     size_t N = 0, K = 0;
-    const float* scales = nullptr;  // I8: N floats; I4: ceil(N / 8) * ceil(K / 32) * 8 floats
+    const float* scales = nullptr;  // I8, I8Q8: N floats; I4, I4Q8: ceil(N / 8) * ceil(K / 32) * 8 floats
 };
 
 // One pre-norm block: x += out(attention(rope(qkv(rms(x) * ln1)))); x += down(swiglu(up(rms(x) * ln2))),

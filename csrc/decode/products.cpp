@@ -203,6 +203,8 @@ void run_chunk(void* ctx, uint32_t chunk) {
 void linear_rows(const float* x, size_t M, size_t K, const void* w, WeightType wt, size_t N, float* y, size_t ldy,
                  int threads, const float* scales) {
     if (M == 0 || N == 0) return;
+    if (wt == WeightType::I8Q8 || wt == WeightType::I4Q8)
+        return linear_rows_q8(x, M, K, w, wt, N, y, ldy, threads, scales);
     std::lock_guard<std::mutex> lk(g_pool_mu);
     const BlockFn block = pick_block(wt);
     // int4: each row's sum over each group of 32 k, in order (the tiles take 8 * xs off per group)

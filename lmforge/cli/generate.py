@@ -35,6 +35,10 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                         "as int8 with a scale per row (a quarter) or int4 with a scale per 32 weights (llama.cpp's "
                         "Q4_0 rounding), faster; outputs then follow the rounded weights (default: the model's "
                         "float32, exact)")
+    p.add_argument("--activations", default=None, choices=["float32", "int8"],
+                   help="with int8/int4 weights: int8 (their default) rounds each product's input to 8 bits per 32 "
+                        "values and multiplies in integers, as llama.cpp does (faster); float32 multiplies the "
+                        "rounded weights exactly")
     p.add_argument("--no-stream", action="store_true", help="print each result when done (batches several prompts)")
 
 
@@ -64,7 +68,8 @@ def _generate(args: argparse.Namespace) -> int:
     check_sampling(args.temperature, args.top_k, args.top_p)  # before loading or printing anything
     check_seed(args.seed)
     prompts = _prompts(args)
-    gen = Generator.from_run(_run_dir(args), args.checkpoint, device=args.device, weight_dtype=args.weight_dtype)
+    gen = Generator.from_run(_run_dir(args), args.checkpoint, device=args.device, weight_dtype=args.weight_dtype,
+                               activations=args.activations)
     opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, stop=args.stop)
     if args.no_stream:

@@ -28,7 +28,7 @@ import torch
 
 from lmforge._native import core
 from lmforge.checkpoint import unwrap_model
-from lmforge.generate.packed import INT4, PackedLinear, kernel_available, weight_dtype_of
+from lmforge.generate.packed import INT4, PackedLinear, Q8Linear, activations_of, kernel_available, weight_dtype_of
 from lmforge.model import KVCache
 from lmforge.model.lora import has_lora, merged_copy
 
@@ -60,11 +60,17 @@ class Engine:
     a scale per row or int4 with a scale per 32 weights (llama.cpp's Q4_0 rounding); prefill and steps then
     compute the model whose matrices are rounded that way, and ``self.model`` becomes a copy holding those
     rounded matrices (what the reference, ``Engine(engine.model, use_kernel=False)``, runs).
+    ``activations`` is the products' arithmetic (:data:`~lmforge.generate.packed.ACTIVATIONS`): ``"float32"``
+    multiplies float32 activations by the stored weights, exactly; ``"int8"`` (int8/int4 weights; their default)
+    rounds each product's input to int8 per block of 32 and sums in integers, as llama.cpp does; ``self.model``'s
+    projections then compute that arithmetic in PyTorch (:class:`~lmforge.generate.packed.Q8Linear`, the reference
+    path of the model), so the reference engine runs the same function.
     ``use_kernel=False`` forces the PyTorch path (the reference for the kernels).
     """
 
     def __init__(self, model: Any, window_drop: int | None = None,
-                 weight_dtype: torch.dtype | str | None = None, use_kernel: bool | None = None) -> None:
+                 weight_dtype: torch.dtype | str | None = None, use_kernel: bool | None = None,
+                 activations: str | None = None) -> None:
         model = unwrap_model(model)
         if has_lora(model):  # the kernels pack plain weights: decode a merged copy (the same logits)
             model = merged_copy(model)
@@ -92,6 +98,7 @@ class Engine:
             raise ValueError(f"weight_dtype={wd} needs the CPU decode kernel (a float32 model on CPU with lmforge's "
                              f"C++ extension built); this model is {self.dtype} on {self.device}: leave it unset")
         self.weight_dtype = wd or self.dtype
+        self.activations = activations_of(activations, self.weight_dtype)
         self.model = model
         self._decoder: Any = None  # the C++ step's model (kernel path)
         self._arrays: tuple[np.ndarray, ...] = ()  # numpy views of cache.k, .v, .lengths and tokens (kernel path)
@@ -109,19 +116,25 @@ class Engine:
         ``(ln1, q|k|v, out, ln2, w1|w3, w2)``, then the final norm and the head.
 
         With rounded storage (``weight_dtype`` other than float32), ``self.model`` becomes a private copy whose
-        matrices hold the rounded values, so prefill (the model's forward) matches the kernel's steps.
+        matrices hold the rounded values, so prefill (the model's forward) matches the kernel's steps; with int8
+        activations its projections are :class:`Q8Linear` and it runs its reference path.
         """
         sd = {k: v.detach() for k, v in model.state_dict().items()}
         rounded = self.weight_dtype != self.dtype
         twin = copy.deepcopy(model) if rounded else None
+        q8 = self.activations == "int8"
 
         def pack(*names: str) -> PackedLinear:
             w = torch.cat([sd[n] for n in names]) if len(names) > 1 else sd[names[0]]  # (sum of outs, in)
-            packed = PackedLinear(w, self.weight_dtype)
+            packed = PackedLinear(w, self.weight_dtype, self.activations)
             if twin is not None:
                 for n, part in zip(names, packed.weight().split([sd[n].shape[0] for n in names])):
                     with torch.no_grad():
                         twin.get_parameter(n).copy_(part)
+                    if q8:  # the projection computes the integer arithmetic (same codes: per output, as fused)
+                        parent, _, leaf = n.removesuffix(".weight").rpartition(".")
+                        setattr(twin.get_submodule(parent) if parent else twin, leaf,
+                                Q8Linear(twin.get_parameter(n), PackedLinear(sd[n], self.weight_dtype, "int8")))
             return packed
 
         def vec(name: str) -> Any:
@@ -136,7 +149,7 @@ class Engine:
                            pack(p + "ffn.w1.weight", p + "ffn.w3.weight").spec(), pack(p + "ffn.w2.weight").spec()))
         head = pack("lm_head.weight")
         if twin is not None:
-            self.model = twin.eval()
+            self.model = (twin.set_fast(False) if q8 else twin).eval()
         rope = self.model.layers[0].attn.rope  # the model's one RoPE table
         # The embedding the model's forward reads (the rounded head's, when tied and rounded).
         embed = self.model.token_embeddings.weight.detach().contiguous().numpy()

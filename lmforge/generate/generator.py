@@ -110,13 +110,18 @@ class Generator:
     """
 
     def __init__(self, model: Any, tokenizer: "Tokenizer | None" = None, device: Any = None,
-                 window_drop: int | None = None, weight_dtype: torch.dtype | str | None = None) -> None:
+                 window_drop: int | None = None, weight_dtype: torch.dtype | str | None = None,
+                 activations: str | None = None) -> None:
         """``window_drop``: tokens a row drops when its context is full (default: a quarter of the context).
 
         ``weight_dtype`` (CPU only): store the decoder's weights as ``"bfloat16"`` or ``"float16"`` to read
         half the bytes per token, or ``"int8"`` (a scale per output row) for a quarter: faster; the cached
         path then matches the model with its matrices rounded that way, and ``naive=True`` still runs the
         float32 model. Default: the model's own dtype.
+
+        ``activations`` is the products' arithmetic: ``"float32"`` multiplies by the stored weights exactly;
+        ``"int8"`` (int8/int4 weights, and their default) rounds each product's input to int8 per block of 32 and
+        sums in integers, as llama.cpp does (faster; see :class:`~lmforge.generate.engine.Engine`).
         """
         if device is not None:
             model = model.to(resolve_device(device) if isinstance(device, str) else device)
@@ -131,24 +136,26 @@ class Generator:
                 raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {self.cfg.vocab_size}; "
                                  "load the tokenizer the model was trained with (the run's tokenizer.json)")
             self.vocab_limit = tokenizer.vocab_size  # never sample the model's padding ids
-        self.engine = Engine(model, window_drop, weight_dtype)
+        self.engine = Engine(model, window_drop, weight_dtype, activations=activations)
 
     @classmethod
     def from_run(cls, run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
-                 device: str = "auto", weight_dtype: torch.dtype | str | None = None) -> "Generator":
+                 device: str = "auto", weight_dtype: torch.dtype | str | None = None,
+                 activations: str | None = None) -> "Generator":
         """Load model + tokenizer from a run directory (``config.yaml``, ``tokenizer.json``, checkpoints).
 
         Uses ``checkpoint`` if given (a file, or ``"best"`` for ``checkpoints/best.safetensors``), else the
         newest step checkpoint that verifies (a corrupt newest one is skipped with a warning).
-        ``weight_dtype`` as in the constructor.
+        ``weight_dtype`` and ``activations`` as in the constructor.
         """
         model, tokenizer, info = load_run_model(run_dir, checkpoint, device)
         logger.info("loaded %s (step %d) on %s", info["checkpoint"], info["step"], next(model.parameters()).device)
-        return cls(model, tokenizer, weight_dtype=weight_dtype)
+        return cls(model, tokenizer, weight_dtype=weight_dtype, activations=activations)
 
     def refresh(self) -> None:
         """Re-read the model's weights (call after changing them; the decoder packs a copy)."""
-        self.engine = Engine(self.model, self.engine.window_drop, self.engine.weight_dtype)
+        self.engine = Engine(self.model, self.engine.window_drop, self.engine.weight_dtype,
+                             activations=self.engine.activations)
 
     def rng(self, seed: int | None = None) -> torch.Generator:
         """A random generator on the model's device: seeded with ``seed``, or from fresh entropy when None.

@@ -4,8 +4,12 @@
 of rows. The weights may be stored in float32 (exact), bfloat16 / float16 (half the bytes), as int8 codes with
 one float32 scale per output row (a quarter; ``w ~ code * max|row| / 127``) or as int4 codes with a scale per
 group of 32 weights along a row (an eighth, plus the scales), rounded exactly as llama.cpp's Q4_0 rounds them
-(:func:`quantize_q4_0`); activations and sums stay float32. int4 is named by ``torch.quint4x2`` (4-bit codes, two
-per byte) or ``"int4"``.
+(:func:`quantize_q4_0`). int4 is named by ``torch.quint4x2`` (4-bit codes, two per byte) or ``"int4"``.
+
+Two arithmetics (``activations``): ``"float32"`` multiplies float32 activations by the stored weights converted to
+float32 (exactly the model whose matrices are rounded); ``"int8"`` (int8 and int4 weights only) rounds the
+activations to int8 per block of 32 first and sums the block's products exactly in integers, as llama.cpp does
+(:func:`quantize_rows_q8`, :func:`q8_products`: the arithmetic written out; ``csrc/decode/qdot.cpp`` runs it).
 At batch 1 a decode step is bound by reading the weights, so smaller weights make it faster; the outputs then
 follow a model whose matrices were rounded that way (:meth:`PackedLinear.weight`), not the float32 model.
 :meth:`PackedLinear.reference` is the pure-PyTorch twin the tests hold the kernel to.
@@ -18,7 +22,8 @@ import torch
 
 from lmforge._native import available, core
 
-__all__ = ["PackedLinear", "WEIGHT_DTYPES", "INT4", "GROUP", "weight_dtype_of", "kernel_available", "quantize_q4_0"]
+__all__ = ["PackedLinear", "WEIGHT_DTYPES", "INT4", "GROUP", "ACTIVATIONS", "weight_dtype_of", "activations_of",
+           "kernel_available", "quantize_q4_0", "quantize_rows_q8", "q8_products", "Q8Linear"]
 
 PANEL = 8  # output rows per panel of a packed weight (one AVX2 vector of float32 outputs)
 GROUP = 32  # int4: weights per scale along a row (llama.cpp's Q4_0 block)
@@ -26,6 +31,9 @@ INT4 = torch.quint4x2
 """The dtype that names int4 storage (4-bit codes, two per byte, a scale per :data:`GROUP` weights)."""
 # Weight storage the decode kernel reads, with the kernel's code for each.
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, INT4: 4}
+_Q8_KINDS = {torch.int8: 5, INT4: 6}  # the same weights multiplied with int8 activations (integer dot products)
+ACTIVATIONS = ("float32", "int8")
+"""The products' arithmetic: float32 activations times the weights in float32, or activations rounded to int8."""
 WEIGHT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                  "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "int8": torch.int8,
                  "int4": INT4}
@@ -47,6 +55,67 @@ def weight_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is not None and dtype not in _KINDS:
         raise ValueError(f"weights can be stored as float32, bfloat16, float16, int8 or int4 for decoding, not {dtype}")
     return dtype
+
+
+def activations_of(value: str | None, weight_dtype: torch.dtype | None) -> str:
+    """The arithmetic ``value`` checked against the weights it multiplies: ``"int8"`` needs int8 or int4 weights
+    (16- and 32-bit weights have no integer codes to multiply). None picks the default: ``"int8"`` for int8 and int4
+    weights (llama.cpp's choice too; docs/benchmarks.md, under load: 1.2-2.3x faster decoding than float32
+    activations on the same weights, no perplexity change measurable beyond the weights' own rounding),
+    ``"float32"`` otherwise."""
+    act = ("int8" if weight_dtype in _Q8_KINDS else "float32") if value is None else str(value).lower()
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unknown activations {value!r}; use float32 (exact products on the stored weights) or int8 "
+                         "(activations rounded to int8 per 32, integer dot products)")
+    if act == "int8" and weight_dtype not in _Q8_KINDS:
+        raise ValueError(f"activations='int8' needs int8 or int4 weights (weight_dtype is {weight_dtype}); "
+                         "set weight_dtype='int8' or 'int4', or leave activations at float32")
+    return act
+
+
+def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, d)``: ``x (M, K)`` float32 rounded to int8 per block of 32 along a row, as llama.cpp's
+    ``quantize_row_q8_0`` (its AVX2 build) rounds activations, with the scale kept in float32.
+
+    A row is zero-padded to ``32 G``. Per block: ``amax = max|x|``, ``d = amax / 127``, ``id = 127 / amax`` (0 when
+    ``amax`` is 0), ``code = round_half_even(x * id)`` in [-127, 127], so ``x ~ d * code``. A block holding a
+    non-finite value gets ``d = nan`` and codes 0. Returns codes ``(M, 32 G)`` int8 and ``d (M, G)`` float32.
+    """
+    m, k = x.shape
+    groups = -(-k // GROUP)
+    blocks = torch.zeros(m, groups * GROUP, dtype=torch.float32)
+    blocks[:, :k] = x
+    blocks = blocks.view(m, groups, GROUP)
+    bad = ~blocks.isfinite().all(2)  # (M, G)
+    amax = blocks.abs().amax(2)
+    inv = torch.where(bad | (amax == 0), torch.zeros_like(amax), 127.0 / amax)
+    d = torch.where(bad, torch.full_like(amax, float("nan")), amax / 127.0)
+    safe = torch.where(bad[..., None], torch.zeros_like(blocks), blocks)
+    codes = torch.round(safe * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return codes.view(m, groups * GROUP), d
+
+
+def q8_products(x: torch.Tensor, codes: torch.Tensor, row_scales: torch.Tensor | None = None,
+                block_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """``x (M, K)`` times weights ``codes (N, 32 G)`` (integers: int8 codes, or int4 codes minus 8) in the integer
+    arithmetic of ``csrc/decode/qdot.cpp``, the spec it is held to bit for bit.
+
+    ``x`` is rounded by :func:`quantize_rows_q8` (codes ``q``, scales ``d``); per block ``g`` the products sum
+    exactly, ``isum = sum_k q[m, k] * codes[n, k]``; then in float32, each operation rounded on its own and the
+    blocks in order from ``acc = 0``: with a scale per row (int8), ``acc = acc + isum * d[m, g]`` and finally
+    ``y = acc * row_scales[n]``; with a scale per block (int4), ``acc = acc + isum * (d[m, g] * block_scales[n, g])``.
+    """
+    q, d = quantize_rows_q8(x.float())
+    groups = d.shape[1]
+    assert codes.shape[1] == groups * GROUP, (codes.shape, groups)
+    # every block's integer sums at once, (G, M, N): exact in float32 (each partial sum is an integer < 2^20)
+    isums = torch.bmm(q.float().view(-1, groups, GROUP).transpose(0, 1),
+                      codes.float().view(-1, groups, GROUP).permute(1, 2, 0))
+    acc = torch.zeros(q.shape[0], codes.shape[0])
+    for g in range(groups):
+        scale = d[:, g, None] if block_scales is None else d[:, g, None] * block_scales[None, :, g]
+        acc = acc + isums[g] * scale
+    return acc if row_scales is None else acc * row_scales[None, :]
 
 
 def quantize_q4_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,15 +143,19 @@ class PackedLinear:
 
     ``dtype`` is the storage precision (float32, bfloat16, float16, int8 with a scale per output row:
     ``scale[n] = max|W[n]| / 127``, codes ``round(W / scale)``, or :data:`INT4`: :func:`quantize_q4_0`); products
-    accumulate in float32. The packed copy is independent of ``W`` (later changes to ``W`` are not seen).
+    accumulate in float32. ``activations="int8"`` (int8 and int4 weights) stores the same codes and scales in the
+    integer kernels' layout and rounds ``x`` to int8 per block of 32 (:func:`q8_products`).
+    The packed copy is independent of ``W`` (later changes to ``W`` are not seen).
     """
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32, activations: str = "float32") -> None:
         if weight.dim() != 2:
             raise ValueError(f"expected a 2-D weight (out, in), got shape {tuple(weight.shape)}")
         self.n, self.k = (int(s) for s in weight.shape)
         self.dtype = dtype
-        self.kind = _KINDS[dtype]
+        self.activations = activations_of(activations, dtype)
+        q8 = self.activations == "int8"
+        self.kind = _Q8_KINDS[dtype] if q8 else _KINDS[dtype]
         if dtype == torch.float16 and bool(((weight.detach().abs() > 65504.0) & weight.detach().isfinite()).any()):
             raise ValueError("weights exceed float16's range (|w| > 65504); store them as bfloat16 instead")
         w = weight.detach().to("cpu", torch.float32)
@@ -97,7 +170,12 @@ class PackedLinear:
             pad = torch.full((panels * PANEL, groups * GROUP), 8, dtype=torch.uint8)  # code 8: weight 0
             pad[: self.n] = codes
             self.codes = pad.view(panels, PANEL, groups * GROUP).transpose(1, 2)  # (P, 32 G, 8)
-            self.packed = (self.codes[:, 0::2] | (self.codes[:, 1::2] << 4)).contiguous()  # (P, 16 G, 8)
+            if q8:  # per panel and block, byte [v, j, i] = code[j][4v + i] | code[j][16 + 4v + i] << 4
+                c = pad.view(panels, PANEL, groups, 2, 4, 4)  # (P, j, G, half, v, i)
+                self.packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(
+                    panels, 16 * groups, PANEL).contiguous()  # (P, G, v, j, i) as (P, 16 G, 8)
+            else:
+                self.packed = (self.codes[:, 0::2] | (self.codes[:, 1::2] << 4)).contiguous()  # (P, 16 G, 8)
             sc = torch.zeros(panels * PANEL, groups)
             sc[: self.n] = scales
             self.scales = sc.view(panels, PANEL, groups).transpose(1, 2).contiguous()  # (P, G, 8)
@@ -107,6 +185,13 @@ class PackedLinear:
             peak = w.abs().amax(1)
             self.scales = torch.where(peak > 0, peak / 127, torch.ones_like(peak))  # (N,)
             w = torch.round(w / self.scales[:, None]).clamp_(-127, 127)
+        if q8:  # codes zero-padded to 32 G columns; per panel byte [s, j, i] = code[j][4s + i]
+            kp = -(-self.k // GROUP) * GROUP
+            codes = torch.zeros(panels * PANEL, kp, dtype=torch.int8)
+            codes[: self.n, : self.k] = w.to(torch.int8)
+            self.packed = codes.view(panels, PANEL, kp // 4, 4).permute(0, 2, 1, 3).reshape(panels, kp, PANEL).contiguous()
+            self._array, self._scales = self.packed.numpy(), self.scales.numpy()
+            return
         padded = torch.zeros(panels * PANEL, self.k, dtype=dtype)
         padded[: self.n] = w.to(dtype)
         self.packed = padded.view(panels, PANEL, self.k).transpose(1, 2).contiguous()  # (P, K, 8)
@@ -126,8 +211,17 @@ class PackedLinear:
             codes = self.codes.transpose(1, 2).reshape(-1, self.codes.shape[1])[: self.n, : self.k]  # (N, K)
             scales = self.scales.transpose(1, 2).reshape(-1, self.scales.shape[1])[: self.n]  # (N, G)
             return (codes.float() - 8) * scales.repeat_interleave(GROUP, 1)[:, : self.k]
+        if self.kind == _Q8_KINDS[torch.int8]:
+            return self._int8_codes()[:, : self.k].float() * self.scales[:, None]
         w = self.packed.transpose(1, 2).reshape(-1, self.k)[: self.n].float()
         return w if self.scales is None else w * self.scales[:, None]
+
+    def _int8_codes(self) -> torch.Tensor:
+        """int8 weights' codes ``(N, K)`` (integer layout: ``(N, 32 G)``, zero past ``K``)."""
+        if self.kind == _Q8_KINDS[torch.int8]:
+            p, kp, _ = self.packed.shape
+            return self.packed.view(p, kp // 4, PANEL, 4).permute(0, 2, 1, 3).reshape(p * PANEL, kp)[: self.n]
+        return self.packed.transpose(1, 2).reshape(-1, self.k)[: self.n]
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         """``x @ W.T`` on ``threads`` threads of the kernel's own pool (default: ``torch.get_num_threads()``)."""
@@ -138,5 +232,30 @@ class PackedLinear:
         return y
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` in PyTorch from the same stored weights (the kernel's test oracle)."""
-        return x.float() @ self.weight().T
+        """``x @ W.T`` in PyTorch from the same stored weights, in the same arithmetic (the kernel's test oracle):
+        float32 products, or with ``activations="int8"`` :func:`q8_products`."""
+        if self.activations == "float32":
+            return x.float() @ self.weight().T
+        if self.dtype == INT4:
+            codes = self.codes.transpose(1, 2).reshape(-1, self.codes.shape[1])[: self.n].to(torch.int16) - 8
+            scales = self.scales.transpose(1, 2).reshape(-1, self.scales.shape[1])[: self.n]  # (N, G)
+            return q8_products(x, codes, block_scales=scales)
+        return q8_products(x, self._int8_codes(), row_scales=self.scales)
+
+
+class Q8Linear(torch.nn.Module):
+    """A projection ``x @ W.T`` computed as :meth:`PackedLinear.reference` with int8 activations: what a model's
+    ``Linear`` is swapped for in the reference twin of an engine with ``activations="int8"``.
+
+    ``weight`` is the stored (rounded) weight as a parameter (shared, e.g. a tied head's with the embedding), so the
+    model's state dict is unchanged; ``packed`` holds the codes and scales the arithmetic multiplies.
+    """
+
+    def __init__(self, weight: torch.nn.Parameter, packed: PackedLinear) -> None:
+        super().__init__()
+        self.weight = weight
+        self.packed = packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.packed.reference(x.reshape(-1, x.shape[-1]))  # (rows, N)
+        return y.reshape(*x.shape[:-1], self.packed.n).to(x.dtype)

@@ -33,7 +33,8 @@ def test_bench_llamacpp_quick(tmp_path):
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert re.search(r"Read bandwidth [\d.]+ GB/s, fp32 matmul peak \d+ GFLOP/s, load average", out.stdout)
-    for pair in ("float32 / f32", "bfloat16 / f16", "float16 / f16", "int8 / q8_0", "int4 / q4_0"):
+    for pair in ("float32 / f32", "bfloat16 / f16", "float16 / f16", "int8 / q8_0", "int4 / q4_0", "int8+a8 / q8_0",
+                 "int4+a8 / q4_0"):
         row = next(x for x in out.stdout.splitlines() if x.startswith(f"| {pair} |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
         speeds = [float(cells[i].split()[0].replace(",", "")) for i in (1, 2, 5, 6)]

@@ -9,7 +9,7 @@ import torch
 
 from lmforge._native import core
 from lmforge.generate.engine import Engine
-from lmforge.generate.packed import PackedLinear, kernel_available
+from lmforge.generate.packed import INT4, PackedLinear, kernel_available
 from lmforge.model import ModelConfig, TransformerLM
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="C++ extension not built")
@@ -23,8 +23,9 @@ def _model(seed: int = 0, **kw) -> TransformerLM:
 
 
 def _pair(model: TransformerLM, dtype: str) -> tuple[Engine, Engine]:
-    """The kernel engine and the reference: the model's forward on the same (rounded) matrices."""
-    fast = Engine(model, weight_dtype=dtype, window_drop=7)
+    """The kernel engine and the reference: the model's forward on the same (rounded) matrices (float32
+    arithmetic; the int8-activation arithmetic: test_integer_step_follows_its_reference_model)."""
+    fast = Engine(model, weight_dtype=dtype, window_drop=7, activations="float32")
     assert fast._kernel
     q = "layers.0.attn.q_proj.weight"
     # the rounded copy the reference runs holds the stored weights (not the kernel's own say-so: rounded here)
@@ -57,6 +58,38 @@ def test_step_equals_the_forward(dtype, batch, kv_heads, isa):
     assert torch.equal(fast.tokens, ref.tokens)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_integer_step_follows_its_reference_model(dtype, isa):
+    """activations="int8": the C++ step against the model's reference path whose projections compute the same
+    integer arithmetic in PyTorch (``Q8Linear``). Each product agrees bit for bit (tests/generate/test_packed_q8.py);
+    the float operations between products (norms, RoPE, attention, SwiGLU) differ by an ulp or so, and now and then
+    that moves an activation across a rounding boundary: one code, about 1/127 of its block's largest value, which
+    then runs through the rest of the model (measured: up to 2e-2 in a logit). So most (step, row) logit vectors
+    must agree within 1e-5 relative to the logits' scale and all within 5e-2, while the float32 arithmetic on the
+    same weights misses the first bound in most of them."""
+    model = _model(seed=3, n_kv_heads=2)
+    fast = Engine(model, weight_dtype=dtype, window_drop=7, activations="int8")
+    ref = Engine(fast.model, window_drop=7, use_kernel=False)
+    other = Engine(model, weight_dtype=dtype, window_drop=7, activations="float32")  # float32 arithmetic: a kernel computing the wrong thing
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, VOCAB, (1 + (5 * b) % 13,), generator=g).tolist() for b in range(5)]
+    rows[-1] = rows[-1] + [3] * (30 - len(rows[-1]))  # slides within the 20 steps
+    close, wrong, n = 0, 0, 0
+    with torch.inference_mode():
+        a, b, c = fast.prefill(rows, 40), ref.prefill(rows, 40), other.prefill(rows, 40)
+        for _ in range(20):
+            tol = 1e-5 * b.abs().amax(-1)  # (B,)
+            close += int(((a - b).abs().amax(-1) <= tol).sum())
+            wrong += int(((c - b).abs().amax(-1) <= tol).sum())
+            n += a.shape[0]
+            assert (a - b).abs().max() < 5e-2
+            tok = b.argmax(-1)
+            a, b, c = fast.step(tok), ref.step(tok), other.step(tok)
+    assert close >= 0.8 * n, (close, n)
+    assert wrong < 0.2 * n, (wrong, n)
+    assert fast.lengths == ref.lengths
+
+
 def test_widest_and_avx2_products_are_bit_identical():
     """The AVX-512 build of the product kernels sums in the AVX2 build's order (csrc/decode/tiles.inc): same bits."""
     _core = core()
@@ -73,6 +106,21 @@ def test_widest_and_avx2_products_are_bit_identical():
                     _core.linear_force_avx2(False)
     finally:
         _core.linear_force_avx2(False)
+
+
+@pytest.mark.parametrize("dtype, activations", [(torch.float32, "float32"), (torch.bfloat16, "float32"),
+                                                (torch.float16, "float32"), (torch.int8, "float32"),
+                                                (INT4, "float32"), (torch.int8, "int8"), (INT4, "int8")])
+def test_many_rows_give_each_rows_bits(dtype, activations, isa):
+    """A product of many rows (a prompt: from 12 rows on, the register- and k-blocked GEMM of tiles.inc) gives each
+    row the bits it gets alone (the decode tiles), K past one k-block (256) and N off the panel included."""
+    g = torch.Generator().manual_seed(2)
+    for n, k in [(100, 600), (37, 19), (300, 1344)]:
+        lin = PackedLinear(torch.randn(n, k, generator=g), dtype, activations)
+        x = torch.randn(29, k, generator=g)
+        alone = torch.cat([lin(x[i: i + 1], 1) for i in range(29)])
+        for rows in (12, 17, 29):
+            assert torch.equal(lin(x[:rows], 2), alone[:rows]), (dtype, activations, n, k, rows)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
@@ -141,7 +189,7 @@ def test_step_checks_its_arguments():
                            4, 4, 96, 1e-5, [], np.ones(64, np.float32), spec, 64)
 
 
-DTYPES = ["float32", "bfloat16", "float16", "int8", "int4"]
+DTYPES = ["float32", "bfloat16", "float16", "int8", "int4", "int8/int8", "int4/int8"]  # weights[/activations]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -151,9 +199,10 @@ def test_a_rows_logits_do_not_depend_on_its_batch(dtype, isa):
     steps alike). Matrices are large enough (N * K >= 65536) for the products to split over threads. And a
     prompt prefilled whole gives the bits of its first token prefilled and the rest fed as steps."""
     model = _model(seed=7, d_model=128, n_heads=4, n_kv_heads=2, d_ff=288, vocab_size=520, context_length=48)
-    eng = Engine(model, weight_dtype=dtype)
+    weights, _, activations = dtype.partition("/")
+    eng = Engine(model, weight_dtype=weights, activations=activations or "float32")
     g = torch.Generator().manual_seed(5)
-    target = torch.randint(0, 520, (9,), generator=g).tolist()
+    target = torch.randint(0, 520, (14,), generator=g).tolist()  # 14 rows: the many-row GEMM (12 and more)
     steps = [int(t) for t in torch.randint(0, 520, (3,), generator=g)]
 
     def run(n_rows: int, at: int, threads: int) -> list[torch.Tensor]:
@@ -166,7 +215,7 @@ def test_a_rows_logits_do_not_depend_on_its_batch(dtype, isa):
             out = [eng.admit(target)[1].clone()]
             for p in others[at + 1:]:
                 eng.admit(p)
-            for t in steps:  # rows of 1..23 tokens, the target at 9 + step
+            for t in steps:  # rows of 1..23 tokens, the target at 14 + step
                 toks = torch.randint(0, 520, (n_rows,), generator=g)
                 toks[at] = t
                 out.append(eng.step(toks)[at].clone())

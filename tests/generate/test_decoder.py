@@ -161,10 +161,11 @@ def _rounded(model, dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8", "int4"])
 def test_low_precision_weights_match_the_rounded_model(dtype):
-    """With bf16/fp16/int8/int4 weights the decoder computes the model whose matrices are stored that way."""
+    """With bf16/fp16/int8/int4 weights and float32 activations the decoder computes the model whose matrices are
+    stored that way."""
     model = _model(n_kv_heads=2)
     rounded = _rounded(model, weight_dtype_of(dtype))
-    dec = Engine(model, weight_dtype=dtype)
+    dec = Engine(model, weight_dtype=dtype, activations="float32")
     seq = torch.randint(0, 97, (3, 30))
     with torch.inference_mode():
         full = rounded(seq)

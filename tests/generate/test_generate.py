@@ -339,6 +339,11 @@ def test_cli_generate(tmp_path, tiny_tokenizer, capsys):
     assert main(["generate", "--run", run, "--prompt", "the cat", "--temperature", "0", "--max-new-tokens", "15",
                  "--weight-dtype", "int4"]) == 0
     assert capsys.readouterr().out == "the cat" + want4 + "\n"
+    exact4 = Generator(model, tiny_tokenizer, weight_dtype="int4", activations="float32").generate("the cat", 15,
+                                                                                               temperature=0)
+    assert main(["generate", "--run", run, "--prompt", "the cat", "--temperature", "0", "--max-new-tokens", "15",
+                 "--weight-dtype", "int4", "--activations", "float32"]) == 0
+    assert capsys.readouterr().out == "the cat" + exact4 + "\n"
     with pytest.raises(SystemExit) as bad_dtype:  # argparse refuses an unknown choice with exit code 2
         main(["generate", "--run", run, "--prompt", "x", "--weight-dtype", "int3"])
     assert bad_dtype.value.code == 2

@@ -1,0 +1,402 @@
+// Integer dot products for int8 and int4 weights (kinds I8Q8 and I4Q8 of kernels.h; Python:
+// lmforge.generate.packed.PackedLinear with activations="int8", whose .reference is this file's arithmetic in
+// PyTorch). The activations are rounded to int8 per block of 32 along a row, as llama.cpp's Q8_0 rounds them
+// (quantize_rows_q8 below), the products of a block are summed exactly in int32, and each block's sum is
+// scaled once in float32. The float32 path (products.cpp) converts every weight to float, which on AVX2 is ~6
+// weights per cycle per core; here a 32-byte vector of weights costs ~4 integer operations (int8) or a
+// 32-byte vector of 64 int4 codes ~7: the weights stream at the speed memory gives them.
+//
+// Per output y[m][n], with q the activation codes, d[m][g] their scales, blocks g = 0 .. G-1 in that order and
+// isum = sum over the block of q[m][k] * c[n][k] (an exact int32):
+//   I8Q8 (codes c in [-127, 127], a scale s[n] per row):     acc = acc + float(isum) * d[m][g];  y = acc * s[n]
+//   I4Q8 (codes c = code - 8 in [-8, 7], scales s[n][g]):    acc = acc + float(isum) * (d[m][g] * s[n][g])
+// each operation rounded to float32 on its own (no FMA: the build has -ffp-contract=off), acc starting at 0.
+// The order depends only on K: batch invariant, and the scalar and AVX2 code give the same bits.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+#include "decode/kernels.h"
+#include "decode/pool.h"
+#include "decode/simd.h"
+
+namespace lmforge {
+namespace {
+
+constexpr size_t kBlock = 32;  // activations per scale, and weights per int4 scale
+constexpr size_t kPanel = 8;   // output rows per panel
+
+// ---------------------------------------------------------------------------------------------------
+// Rounding the activations (llama.cpp's quantize_row_q8_0 as its AVX2 build computes it, with the scale
+// kept in float32): per block of 32 (a row's tail padded with zeros) amax = max |x|, d = amax / 127,
+// id = 127 / amax (0 when amax = 0), q = round-half-to-even(x * id) in [-127, 127]. A block holding a
+// non-finite value gets d = NaN and codes 0, so its outputs are NaN, as float32 products would make them.
+// Also the block's code sum (int4 takes 8 * sum off). xq (M, 32 G), d and xsum (M, G).
+
+void quantize_block_scalar(const float* x, size_t n, int8_t* q, float* d, int32_t* sum) {
+    float amax = 0.0f;
+    bool bad = false;
+    for (size_t k = 0; k < n; ++k) {
+        const float a = std::fabs(x[k]);
+        if (!(a <= std::numeric_limits<float>::max())) bad = true;
+        else if (a > amax) amax = a;
+    }
+    if (bad) {
+        std::memset(q, 0, kBlock);
+        *d = std::numeric_limits<float>::quiet_NaN();
+        *sum = 0;
+        return;
+    }
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    *d = amax / 127.0f;
+    int32_t s = 0;
+    for (size_t k = 0; k < kBlock; ++k) {
+        float v = k < n ? std::nearbyint(x[k] * id) : 0.0f;  // the default rounding mode: half to even
+        v = std::min(127.0f, std::max(-127.0f, v));
+        q[k] = (int8_t)v;
+        s += (int32_t)v;
+    }
+    *sum = s;
+}
+
+void quantize_rows_scalar(const float* x, size_t M, size_t K, int8_t* xq, float* d, int32_t* xsum) {
+    const size_t G = (K + kBlock - 1) / kBlock;
+    for (size_t m = 0; m < M; ++m)
+        for (size_t g = 0; g < G; ++g)
+            quantize_block_scalar(x + m * K + g * kBlock, std::min(kBlock, K - g * kBlock), xq + (m * G + g) * kBlock,
+                                  d + m * G + g, xsum + m * G + g);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Scalar products: every CPU; the reference order above.
+
+// One block's exact integer sums of row m against the 8 rows of panel p (layouts in kernels.h).
+void isums_i8(const int8_t* xs, const int8_t* w, size_t p, size_t g, size_t Kp, int32_t* isum) {
+    for (size_t s = 0; s < kBlock / 4; ++s) {  // 4 k per step: w[p][g * 8 + s][j][i] = c[8p + j][32g + 4s + i]
+        const int8_t* at = w + (p * Kp + g * kBlock + 4 * s) * kPanel;
+        for (size_t j = 0; j < kPanel; ++j)
+            for (size_t i = 0; i < 4; ++i) isum[j] += (int32_t)xs[4 * s + i] * (int32_t)at[4 * j + i];
+    }
+}
+
+void isums_i4(const int8_t* xs, const uint8_t* w, size_t p, size_t g, size_t G, int32_t xsum, int32_t* isum) {
+    const uint8_t* blk = w + (p * G + g) * 4 * 32;  // 4 vectors of 8 rows x 4 bytes
+    for (size_t v = 0; v < 4; ++v)
+        for (size_t j = 0; j < kPanel; ++j)
+            for (size_t i = 0; i < 4; ++i) {
+                const uint8_t b = blk[v * 32 + 4 * j + i];
+                isum[j] += (int32_t)xs[4 * v + i] * (b & 0xF) + (int32_t)xs[16 + 4 * v + i] * (b >> 4);
+            }
+    for (size_t j = 0; j < kPanel; ++j) isum[j] -= 8 * xsum;
+}
+
+template <bool I4>
+void block_scalar(const int8_t* xq, const float* d, const int32_t* xsum, size_t M, size_t G, const void* w,
+                  const float* sc, size_t N, size_t p0, size_t p1, float* y, size_t ldy) {
+    const size_t Kp = G * kBlock;
+    for (size_t p = p0; p < p1; ++p)
+        for (size_t m = 0; m < M; ++m) {
+            float acc[kPanel] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (size_t g = 0; g < G; ++g) {
+                int32_t isum[kPanel] = {0, 0, 0, 0, 0, 0, 0, 0};
+                const int8_t* xs = xq + m * Kp + g * kBlock;
+                if constexpr (I4) isums_i4(xs, static_cast<const uint8_t*>(w), p, g, G, xsum[m * G + g], isum);
+                else isums_i8(xs, static_cast<const int8_t*>(w), p, g, Kp, isum);
+                for (size_t j = 0; j < kPanel; ++j) {
+                    const float dd = I4 ? d[m * G + g] * sc[(p * G + g) * kPanel + j] : d[m * G + g];
+                    const float t = (float)isum[j] * dd;
+                    acc[j] = acc[j] + t;
+                }
+            }
+            for (size_t j = 0; j < kPanel && p * kPanel + j < N; ++j) y[m * ldy + p * kPanel + j] = acc[j];
+        }
+}
+
+#ifdef LMFORGE_X86
+// ---------------------------------------------------------------------------------------------------
+// AVX2 (also what AVX-512 CPUs run: 256-bit integer ops are what Zen 4 executes at full rate anyway).
+
+LMFORGE_AVX2 void quantize_rows_avx2(const float* x, size_t M, size_t K, int8_t* xq, float* d, int32_t* xsum) {
+    const size_t G = (K + kBlock - 1) / kBlock;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the lane interleave of the packs
+    for (size_t m = 0; m < M; ++m)
+        for (size_t g = 0; g < G; ++g) {
+            const float* xb = x + m * K + g * kBlock;
+            int8_t* q = xq + (m * G + g) * kBlock;
+            if ((g + 1) * kBlock > K) {  // a row's tail: the scalar code (same operations, same bits)
+                quantize_block_scalar(xb, K - g * kBlock, q, d + m * G + g, xsum + m * G + g);
+                continue;
+            }
+            __m256 v[4], mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+            for (int i = 0; i < 4; ++i) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                const __m256 a = _mm256_and_ps(v[i], absmask);
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));  // > max, or NaN
+                mx = _mm256_max_ps(mx, a);
+            }
+            if (_mm256_movemask_ps(bad)) {
+                quantize_block_scalar(xb, kBlock, q, d + m * G + g, xsum + m * G + g);
+                continue;
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float amax = _mm_cvtss_f32(h);
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            d[m * G + g] = amax / 127.0f;
+            const __m256 idv = _mm256_set1_ps(id), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+            __m256i r[4];
+            for (int i = 0; i < 4; ++i) {
+                __m256 t = _mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                r[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, t)));
+            }
+            __m256i s = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            s4 = _mm_hadd_epi32(s4, s4);
+            s4 = _mm_hadd_epi32(s4, s4);
+            xsum[m * G + g] = _mm_cvtsi128_si32(s4);
+            const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(b, order));
+        }
+}
+
+LMFORGE_AVX2 inline __m256i bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// The 8 outputs n0 .. n0+7 of one row (those below N).
+LMFORGE_AVX2 inline void store_out(__m256 s, float* row, size_t n0, size_t N) {
+    if (n0 + kPanel <= N) {
+        _mm256_storeu_ps(row + n0, s);
+    } else {
+        alignas(32) float tmp[kPanel];
+        _mm256_store_ps(tmp, s);
+        for (size_t j = 0; n0 + j < N; ++j) row[n0 + j] = tmp[j];
+    }
+}
+
+template <int MR, int PR>
+LMFORGE_AVX2 inline void zero_tile(__m256 (&acc)[MR][PR]) {
+    for (int i = 0; i < MR; ++i)
+        for (int q = 0; q < PR; ++q) acc[i][q] = _mm256_setzero_ps();
+}
+
+// A tile's outputs: rows m0.., panels p0..
+template <int MR, int PR>
+LMFORGE_AVX2 inline void store_tile(const __m256 (&acc)[MR][PR], float* y, size_t m0, size_t ldy, size_t p0,
+                                    size_t N) {
+    for (int i = 0; i < MR; ++i)
+        for (int q = 0; q < PR; ++q) store_out(acc[i][q], y + (m0 + i) * ldy, (p0 + q) * kPanel, N);
+}
+
+// int8 weights: rows [m0, m0+MR) x panels [p0, p0+PR). Per 4 k a 32-byte vector holds 4 codes of each of the
+// panel's 8 rows; vpmaddubsw needs an unsigned operand, so |x| times the weights carrying x's sign (llama.cpp's
+// trick; |x|, |w| <= 127 keep each pair sum within int16), vpmaddwd with ones adds the pairs into int32 lanes.
+template <int MR, int PR>
+LMFORGE_AVX2 void tile_i8(const int8_t* xq, const float* d, size_t m0, size_t G, const int8_t* w, size_t N,
+                          size_t p0, float* y, size_t ldy) {
+    const size_t Kp = G * kBlock;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MR][PR];
+    zero_tile(acc);
+    for (size_t g = 0; g < G; ++g) {
+        __m256i isum[MR][PR];
+        for (int i = 0; i < MR; ++i)
+            for (int q = 0; q < PR; ++q) isum[i][q] = _mm256_setzero_si256();
+        #pragma GCC unroll 8
+        for (size_t s = 0; s < kBlock / 4; ++s) {
+            __m256i wv[PR];
+            for (int q = 0; q < PR; ++q) {
+                const int8_t* at = w + ((p0 + q) * Kp + g * kBlock + 4 * s) * kPanel;
+                if ((s & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + 1024, _MM_HINT_T0);
+                wv[q] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+            }
+            for (int i = 0; i < MR; ++i) {
+                const __m256i xv = bcast4(xq + (m0 + i) * Kp + g * kBlock + 4 * s);
+                const __m256i ax = _mm256_sign_epi8(xv, xv);
+                for (int q = 0; q < PR; ++q) {
+                    const __m256i p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[q], xv));
+                    isum[i][q] = _mm256_add_epi32(isum[i][q], _mm256_madd_epi16(p16, ones));
+                }
+            }
+        }
+        for (int i = 0; i < MR; ++i) {
+            const __m256 dv = _mm256_set1_ps(d[(m0 + i) * G + g]);
+            for (int q = 0; q < PR; ++q)
+                acc[i][q] = _mm256_add_ps(acc[i][q], _mm256_mul_ps(_mm256_cvtepi32_ps(isum[i][q]), dv));
+        }
+    }
+    store_tile(acc, y, m0, ldy, p0, N);
+}
+
+// int4 weights: per block of a panel 4 vectors of 32 bytes; vector v's low nibbles are the codes of k = 32g + 4v
+// .. +3, its high nibbles those of k + 16, 4 per row as for int8. Codes (0..15) are the unsigned operand, so no
+// sign trick: a pair sum is at most 2 * 15 * 127, and the 8 of a block fit int16 (30480) before one vpmaddwd.
+// The -8 comes off as 8 * (the block's code sum of x).
+template <int MR, int PR>
+LMFORGE_AVX2 void tile_i4(const int8_t* xq, const float* d, const int32_t* xsum, size_t m0, size_t G,
+                          const uint8_t* w, const float* sc, size_t N, size_t p0, float* y, size_t ldy) {
+    const size_t Kp = G * kBlock;
+    const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(0xF);
+    __m256 acc[MR][PR];
+    zero_tile(acc);
+    for (size_t g = 0; g < G; ++g) {
+        __m256i s16[MR][PR];
+        for (int i = 0; i < MR; ++i)
+            for (int q = 0; q < PR; ++q) s16[i][q] = _mm256_setzero_si256();
+        #pragma GCC unroll 4
+        for (size_t v = 0; v < 4; ++v) {
+            __m256i lo[PR], hi[PR];
+            for (int q = 0; q < PR; ++q) {
+                const uint8_t* at = w + ((p0 + q) * G + g) * 128 + 32 * v;
+                if (v == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + 1024, _MM_HINT_T0);
+                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+                lo[q] = _mm256_and_si256(raw, nib);
+                hi[q] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+            }
+            for (int i = 0; i < MR; ++i) {
+                const int8_t* xs = xq + (m0 + i) * Kp + g * kBlock;
+                const __m256i xa = bcast4(xs + 4 * v), xb = bcast4(xs + 16 + 4 * v);
+                for (int q = 0; q < PR; ++q)
+                    s16[i][q] = _mm256_add_epi16(s16[i][q], _mm256_add_epi16(_mm256_maddubs_epi16(lo[q], xa),
+                                                                             _mm256_maddubs_epi16(hi[q], xb)));
+            }
+        }
+        for (int i = 0; i < MR; ++i) {
+            const __m256i corr = _mm256_set1_epi32(8 * xsum[(m0 + i) * G + g]);
+            const __m256 dv = _mm256_set1_ps(d[(m0 + i) * G + g]);
+            for (int q = 0; q < PR; ++q) {
+                const __m256i exact = _mm256_sub_epi32(_mm256_madd_epi16(s16[i][q], ones), corr);
+                const __m256 dd = _mm256_mul_ps(dv, _mm256_loadu_ps(sc + ((p0 + q) * G + g) * kPanel));
+                acc[i][q] = _mm256_add_ps(acc[i][q], _mm256_mul_ps(_mm256_cvtepi32_ps(exact), dd));
+            }
+        }
+    }
+    store_tile(acc, y, m0, ldy, p0, N);
+}
+
+// Panels per tile for MR rows (16 registers: the int32 sums, the weight vectors, the broadcasts).
+constexpr int panels_i8(int MR) { return MR == 1 ? 4 : MR == 2 ? 2 : 1; }
+constexpr int panels_i4(int MR) { return MR == 1 ? 4 : MR <= 3 ? 2 : 1; }
+
+template <bool I4, int MR>
+LMFORGE_AVX2 void rows_q(const int8_t* xq, const float* d, const int32_t* xsum, size_t m, size_t G, const void* w,
+                         const float* sc, size_t N, size_t p0, size_t p1, float* y, size_t ldy) {
+    size_t p = p0;
+    if constexpr (I4) {
+        constexpr int PR = panels_i4(MR);
+        const auto* w4 = static_cast<const uint8_t*>(w);
+        for (; p + PR <= p1; p += PR) tile_i4<MR, PR>(xq, d, xsum, m, G, w4, sc, N, p, y, ldy);
+        for (; p < p1; ++p) tile_i4<MR, 1>(xq, d, xsum, m, G, w4, sc, N, p, y, ldy);
+    } else {
+        constexpr int PR = panels_i8(MR);
+        const auto* w8 = static_cast<const int8_t*>(w);
+        for (; p + PR <= p1; p += PR) tile_i8<MR, PR>(xq, d, m, G, w8, N, p, y, ldy);
+        for (; p < p1; ++p) tile_i8<MR, 1>(xq, d, m, G, w8, N, p, y, ldy);
+    }
+}
+
+// All M rows against panels [p0, p1): groups of 4 panels stay in L1/L2 while 4-row tiles pass over them.
+template <bool I4>
+LMFORGE_AVX2 void block_avx2(const int8_t* xq, const float* d, const int32_t* xsum, size_t M, size_t G,
+                             const void* w, const float* sc, size_t N, size_t p0, size_t p1, float* y, size_t ldy) {
+    constexpr size_t R = 4, PG = 4, MC = 64;
+    for (size_t mc = 0; mc < M; mc += MC) {
+        const size_t me = std::min(M, mc + MC);
+        for (size_t g = p0; g < p1; g += PG) {
+            const size_t ge = std::min(p1, g + PG);
+            size_t m = mc;
+            for (; m + R <= me; m += R) rows_q<I4, 4>(xq, d, xsum, m, G, w, sc, N, g, ge, y, ldy);
+            switch (me - m) {
+                case 3: rows_q<I4, 3>(xq, d, xsum, m, G, w, sc, N, g, ge, y, ldy); break;
+                case 2: rows_q<I4, 2>(xq, d, xsum, m, G, w, sc, N, g, ge, y, ldy); break;
+                case 1: rows_q<I4, 1>(xq, d, xsum, m, G, w, sc, N, g, ge, y, ldy); break;
+                default: break;
+            }
+        }
+    }
+}
+#endif  // LMFORGE_X86
+
+using QBlockFn = void (*)(const int8_t*, const float*, const int32_t*, size_t, size_t, const void*, const float*,
+                          size_t, size_t, size_t, float*, size_t);
+
+struct QJob {
+    QBlockFn block;
+    const int8_t* xq;
+    const float* d;
+    const int32_t* xsum;
+    size_t M, G;
+    const void* w;
+    const float* scales;
+    size_t N;
+    float* y;
+    size_t ldy;
+    size_t panels_per_chunk;
+    bool row_scales;  // I8Q8: y[m][n] *= scales[n] after the sums
+};
+
+void run_qchunk(void* ctx, uint32_t chunk) {
+    const QJob& j = *static_cast<const QJob*>(ctx);
+    const size_t panels = (j.N + kPanel - 1) / kPanel;
+    const size_t p0 = std::min(panels, j.panels_per_chunk * chunk), p1 = std::min(panels, p0 + j.panels_per_chunk);
+    if (p0 >= p1) return;
+    j.block(j.xq, j.d, j.xsum, j.M, j.G, j.w, j.scales, j.N, p0, p1, j.y, j.ldy);
+    if (j.row_scales)
+        for (size_t m = 0; m < j.M; ++m)
+            for (size_t n = p0 * kPanel; n < std::min(j.N, p1 * kPanel); ++n) j.y[m * j.ldy + n] *= j.scales[n];
+}
+
+bool use_avx2() {
+#ifdef LMFORGE_X86
+    return cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed);
+#else
+    return false;
+#endif
+}
+
+}  // namespace
+
+void quantize_rows_q8(const float* x, size_t M, size_t K, int8_t* xq, float* d, int32_t* xsum) {
+#ifdef LMFORGE_X86
+    if (use_avx2()) return quantize_rows_avx2(x, M, K, xq, d, xsum);
+#endif
+    quantize_rows_scalar(x, M, K, xq, d, xsum);
+}
+
+void linear_rows_q8(const float* x, size_t M, size_t K, const void* w, WeightType wt, size_t N, float* y,
+                    size_t ldy, int threads, const float* scales) {
+    const bool i4 = wt == WeightType::I4Q8;
+    QBlockFn block = i4 ? block_scalar<true> : block_scalar<false>;
+#ifdef LMFORGE_X86
+    if (use_avx2()) block = i4 ? block_avx2<true> : block_avx2<false>;
+#endif
+    const size_t G = (K + kBlock - 1) / kBlock;
+    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<float> d;
+    thread_local std::vector<int32_t> xsum;
+    xq.resize(M * G * kBlock);
+    d.resize(M * G);
+    xsum.resize(M * G);
+    quantize_rows_q8(x, M, K, xq.data(), d.data(), xsum.data());
+    QJob job{block, xq.data(), d.data(), xsum.data(), M, G, w, scales, N, y, ldy, 0, !i4};
+    const size_t panels = (N + kPanel - 1) / kPanel;
+    if (threads <= 1 || N * K < (size_t)65536 || N < 64) {  // as linear_rows: small products on one thread
+        job.panels_per_chunk = panels;
+        run_qchunk(&job, 0);
+        return;
+    }
+    threads = std::min(threads, 64);
+    job.panels_per_chunk = std::max<size_t>(4, (panels / (8 * (size_t)threads) + 3) & ~(size_t)3);
+    std::lock_guard<std::mutex> lk(g_pool_mu);
+    pool_of(threads)->run(run_qchunk, &job, (uint32_t)((panels + job.panels_per_chunk - 1) / job.panels_per_chunk));
+}
+
+}  // namespace lmforge
