@@ -12,6 +12,7 @@ directory beside the repository is absent (a user's clone has no ``../shared``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -87,6 +88,19 @@ def set_global_state(s: dict[str, Any]) -> None:
     for k in [k for k in os.environ if k not in s["environ"] and k != "PYTEST_CURRENT_TEST"]:
         del os.environ[k]
     os.environ.update({k: v for k, v in s["environ"].items() if os.environ.get(k) != v})
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """PyTorch on ``n`` threads within, the caller's count after. Tests run their tiny reference computations
+    (full recomputes, a few hundred steps of a toy model) on one: on tensors this small a second OpenMP thread
+    only spin-waits, which costs ~10x the time on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)

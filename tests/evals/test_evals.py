@@ -23,7 +23,7 @@ from lmforge.evals.generative import exact_match
 from lmforge.evals.perplexity import perplexity_of_shards, perplexity_of_texts
 from lmforge.generate import Generator
 from lmforge.model import ModelConfig, TransformerLM
-from tests.conftest import make_documents
+from tests.conftest import make_documents, torch_threads
 
 
 def _model(vocab: int, ctx: int = 48, seed: int = 0) -> TransformerLM:
@@ -220,8 +220,9 @@ def test_exact_match_uses_greedy_generation_until_assistant_end(tiny_tokenizer):
     from lmforge.chat import ChatFormat
 
     fmt = ChatFormat(tok)
-    own = gen.generate_ids(fmt.render_for_completion(list(prompt)), max_new_tokens=5, temperature=0.0,
-                           stop_ids=[fmt.assistant_end_id, tok.eot_id], naive=True)
+    with torch_threads(1):  # the naive references: full forwards of tiny tensors
+        own = gen.generate_ids(fmt.render_for_completion(list(prompt)), max_new_tokens=5, temperature=0.0,
+                               stop_ids=[fmt.assistant_end_id, tok.eot_id], naive=True)
     answer = tok.decode(own)
     # the item's answer is as long as the reply, so the budget (answer tokens + 16) lets the reply run on:
     # it is correct only if the model stops by itself; build the expected result the same way
@@ -229,8 +230,9 @@ def test_exact_match_uses_greedy_generation_until_assistant_end(tiny_tokenizer):
     r = exact_match(gen, items, batch_size=2)
     for it, reply in zip(items, r["replies"]):  # each reply is the naive greedy one within its own budget
         budget = len(tok.encode(it.answer.strip(), special="plain")) + 16
-        ref = gen.generate_ids(fmt.render_for_completion(list(prompt)), max_new_tokens=budget, temperature=0.0,
-                               stop_ids=[fmt.assistant_end_id, tok.eot_id], naive=True)
+        with torch_threads(1):
+            ref = gen.generate_ids(fmt.render_for_completion(list(prompt)), max_new_tokens=budget, temperature=0.0,
+                                   stop_ids=[fmt.assistant_end_id, tok.eot_id], naive=True)
         assert reply == tok.decode(ref)
     assert r["replies"][0].startswith(answer)
     assert r["correct"] == [r["replies"][0].strip() == answer.strip(), False]
@@ -336,11 +338,12 @@ def test_exact_match_runs_the_calculator_like_the_chat(tiny_tokenizer) -> None:
     x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
     y = torch.where(torch.tensor([mask[1:]]).bool(), y, torch.tensor(-100))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(150):
-        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    with torch_threads(1):  # overfitting a toy model: tiny ops
+        for _ in range(150):
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
     assert loss.item() < 0.05
     item = ChatItem(prompt=tuple(convo[:1]), answer="5535")
     r = exact_match(Generator(model.eval(), tok), [item, item], batch_size=2)

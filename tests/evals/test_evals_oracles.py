@@ -97,7 +97,8 @@ def test_lm_eval_on_the_exported_folder_gives_identical_scores(pair, tiny_tokeni
     ``add_bos_token``) conditions on ``<|endoftext|>`` because the export says so, as lmforge does. Winogrande's
     form is lm-eval's multiple-input task (``doc_to_text`` the gold index, ``doc_to_choice`` the contexts).
     ``logits_cache=False``: lm-eval 0.4.13's default cache mis-scores a request whose tokens prefix another's
-    (EleutherAI/lm-evaluation-harness#2984)."""
+    (EleutherAI/lm-evaluation-harness#2984). ``include_defaults=False``: only our two tasks are indexed, not
+    lm-eval's ~15,000 built-in YAMLs (seconds of parsing)."""
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
@@ -111,8 +112,8 @@ def test_lm_eval_on_the_exported_folder_gives_identical_scores(pair, tiny_tokeni
         _yaml("lmforge_wino", wino, "{{gold}}", "{{contexts}}", "{{continuation}}"))
     out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={exported},logits_cache=False",
                                   tasks=["lmforge_oracle", "lmforge_wino"], batch_size=4, device="cpu",
-                                  task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
-                                  num_fewshot=0)
+                                  task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+                                  log_samples=True, num_fewshot=0)
     for name, task in (("lmforge_oracle", _task()), ("lmforge_wino", _wino_task())):
         theirs = out["results"][name]
         r = run_task(ours, tiny_tokenizer, task, batch_size=4, details=True)

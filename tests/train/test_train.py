@@ -527,12 +527,13 @@ def test_incompatible_run_dir(shards, tmp_path, caplog) -> None:
     assert train(_cfg(shards, training={"max_steps": 5}), run, progress=False)["step"] == 5
 
 
-def _cli_train(cfg_path: Path, run: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lmforge.cli", "-q", "train", str(cfg_path), "--run-dir", str(run),
-                           "--no-progress", *extra], capture_output=True, text=True, timeout=240)
+def _cli_train(cfg_path: Path, run: Path, capsys, *extra: str) -> tuple[int, str]:
+    """``lmforge -q train`` in this process (the CLI's exit code and stderr, without a fresh torch import)."""
+    rc = cli.main(["-q", "train", str(cfg_path), "--run-dir", str(run), "--no-progress", *extra])
+    return rc, capsys.readouterr().err
 
 
-def test_train_refuses_a_folder_that_is_not_a_run(shards, tmp_path) -> None:
+def test_train_refuses_a_folder_that_is_not_a_run(shards, tmp_path, capsys) -> None:
     """A user's folder with files of the run's names is never overwritten unless --force; stray temps stay."""
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(_cfg_dict(shards, training={"max_steps": 2, "eval_every": 2})))
@@ -542,23 +543,25 @@ def test_train_refuses_a_folder_that_is_not_a_run(shards, tmp_path) -> None:
              ".notes.tmp": "draft"}
     for name, text in files.items():
         (mine / name).write_text(text)
-    r = _cli_train(cfg_path, mine)
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.count("\n") == 1 and "is not empty" in r.stderr and "not an lmforge run directory" in r.stderr
+    rc, err = _cli_train(cfg_path, mine, capsys)
+    assert rc == 2, err
+    assert err.count("\n") == 1 and "is not empty" in err and "not an lmforge run directory" in err
     assert {p.name: p.read_text() for p in mine.iterdir()} == files  # untouched
 
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    r = _cli_train(cfg_path, a_file)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is an existing file" in r.stderr
+    rc, err = _cli_train(cfg_path, a_file, capsys)
+    assert rc == 2 and err.count("\n") == 1 and "is an existing file" in err
     assert a_file.read_text() == "x"
 
-    r = _cli_train(cfg_path, mine, "--force")
-    assert r.returncode == 0, r.stderr
+    rc, err = _cli_train(cfg_path, mine, capsys, "--force")
+    assert rc == 0, err
     assert (mine / ".notes.tmp").read_text() == "draft"  # stale-temp cleanup touches only lmforge's own temporaries
     assert (mine / "lmforge-run.json").is_file()
-    r = _cli_train(cfg_path, mine)  # now it is a run: resumed (finished), no --force needed
-    assert r.returncode == 0, r.stderr
+    assert [s for s, _ in _losses(mine)] == [1, 2]  # trained, not just marked
+    rc, err = _cli_train(cfg_path, mine, capsys)  # now it is a run: resumed (finished), no --force needed
+    assert rc == 0, err
+    assert [s for s, _ in _losses(mine)] == [1, 2]  # finished: nothing trained again
 
 
 def test_rejected_config_creates_nothing_and_an_unstarted_run_takes_a_new_config(tmp_path) -> None:
