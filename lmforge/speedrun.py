@@ -250,8 +250,11 @@ def _run_config(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path
 def _plan(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, device: Any,
           budget: tuple[str, float]) -> dict[str, Any]:
     """Decide ``max_steps``: the budget in steps, or minutes divided by a measured step time."""
-    peak = None if device.type == "cuda" else float(f"{matmul_peak_flops(device):.4g}")  # CUDA: datasheet figure
     kind, amount = budget
+    # CUDA: the datasheet figure. A budget in steps needs the peak only for the MFU it reports: a short measurement
+    # (5 products, as the run card's) instead of the 30 that a budget in minutes plans its steps beside.
+    quick = {} if kind == "minutes" else {"repeats": 5}
+    peak = None if device.type == "cuda" else float(f"{matmul_peak_flops(device, **quick):.4g}")
     if kind == "steps":
         logger.info("plan: %d steps as asked", int(amount))
         return {"max_steps": int(amount), "step_seconds": None, "peak_flops": peak}
