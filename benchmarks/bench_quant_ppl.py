@@ -69,7 +69,7 @@ def main() -> int:
         print("|---|---:|---:|---:|---:|")
         for dtype in DTYPES:
             weights, a8, _ = dtype.partition("+a8")
-            model = Engine(gen.model, weight_dtype=weights, activations="int8" if a8 else None).model
+            model = Engine(gen.model, weight_dtype=weights, activations="int8" if a8 else "float32").model
             r = perplexity_of_shards(model, gen.tokenizer, data, limit=a.limit)
             base = base or r
             bpb = f"{r['bpb']:.4f}" if r["bpb"] is not None else "-"
