@@ -129,9 +129,9 @@ def calculate(expr: str) -> str:
         raise _fail(expr, f"is {len(expr)} characters long (at most {MAX_CHARS})")
     try:
         with warnings.catch_warnings():  # "9if 1 else 0" only warns in Python: refuse it, print nothing
-            warnings.simplefilter("error", SyntaxWarning)
+            warnings.simplefilter("error", SyntaxWarning)  # the parser reports it as a SyntaxError then
             tree = ast.parse(expr.strip(), mode="eval")
-    except (SyntaxError, SyntaxWarning) as e:
+    except SyntaxError as e:
         raise _fail(expr, f"is not an expression ({e.msg})") from None
     n = sum(1 for _ in ast.walk(tree))
     if n > MAX_NODES:
