@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import torch_threads
+
 from lmforge.model.layers import cross_entropy as cross_entropy_reference
 from lmforge.train.optim import AdamW, param_groups_for
 from lmforge.model import (CausalSelfAttention, Embedding, KVCache, Linear, ModelConfig, Norm, RMSNorm,
@@ -19,10 +21,8 @@ from lmforge.model import (CausalSelfAttention, Embedding, KVCache, Linear, Mode
 @pytest.fixture(autouse=True)
 def one_thread():
     """Tiny tensors: one thread avoids OpenMP spin-waiting on a busy machine (10x faster here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with torch_threads(1):
+        yield
 
 
 def tiny_cfg(**kw) -> ModelConfig:
