@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -416,33 +417,54 @@ def test_encoder_is_thread_safe_across_python_threads() -> None:
     assert got == expected * 3
 
 
-def spins_while(fn) -> int:
-    """Run fn on a thread; count loop turns this thread makes meanwhile (0 if fn holds the GIL)."""
+def share_while(fn) -> float:
+    """Run fn on a thread; the share of its run during which this thread ran Python (best of 3).
+
+    A call that holds the GIL lets this thread run only after it returns (at most one switch
+    interval, 5 ms, before the caller stamps its end), so its share stays near 0 for a call of
+    tens of milliseconds; a call that releases the GIL gives a share near 1. Best of three so
+    that a scheduler that leaves this thread off the CPU for one whole call cannot fail the test.
+    """
     import threading
 
-    started = threading.Event()
+    best = 0.0
+    for _ in range(3):
+        span: list[int] = []
+        started = threading.Event()
 
-    def target() -> None:
-        started.set()
-        fn()
+        def target() -> None:
+            started.set()
+            span.append(time.perf_counter_ns())
+            fn()
+            span.append(time.perf_counter_ns())
 
-    t = threading.Thread(target=target)
-    t.start()
-    started.wait()
-    spins = 0
-    while t.is_alive():
-        spins += 1
-    t.join()
-    return spins
+        t = threading.Thread(target=target)
+        t.start()
+        started.wait()
+        stamps = []
+        while t.is_alive():
+            stamps.append(time.perf_counter_ns())
+        t.join()
+        inside = [s for s in stamps if span[0] < s < span[1]]
+        if len(inside) >= 2:
+            best = max(best, (inside[-1] - inside[0]) / (span[1] - span[0]))
+    return best
+
+
+def test_share_while_tells_a_held_gil_from_a_released_one() -> None:
+    """The measure itself: catastrophic backtracking in `re` holds the GIL; a sleep releases it."""
+    assert share_while(lambda: re.fullmatch(r"(a+)+b", "a" * 21)) < 0.3
+    assert share_while(lambda: time.sleep(0.05)) > 0.6
 
 
 def test_heavy_calls_release_the_gil() -> None:
-    data = random_corpus(100_000, seed=12).encode()
+    text = random_corpus(400_000, seed=12)
+    data = text.encode()
     c = _core.PretokenCounter(_core.PATTERN_GPT2, [EOT.encode()])
-    assert spins_while(lambda: c.add(data, 1)) > 1000
+    assert share_while(lambda: c.add(data, 1)) > 0.6
     enc, *_ = build_tokenizer(random_corpus(500, seed=4), 100, "gpt2", 1, (EOT,))
-    docs = [data.decode()[k:k + 5000] for k in range(0, len(data) // 2, 5000)]
-    assert spins_while(lambda: enc.encode_batch(docs, 1, True)) > 1000
+    docs = [text[k:k + 5000] for k in range(0, len(text) // 2, 5000)]
+    assert share_while(lambda: enc.encode_batch(docs, 1, True)) > 0.6
 
 
 def test_encoder_cache_overflow_keeps_results_exact() -> None:
