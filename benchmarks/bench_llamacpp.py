@@ -129,15 +129,14 @@ class Lmforge:
 
     @staticmethod
     def _packed(model, dtype: str):
-        """The matrices a decode step reads, packed as the decoder packs them (for the bytes they take)."""
+        """The matrices a decode step reads, packed as the decoder packs them (for the bytes they take): every
+        2-D weight once — the head, tied or not (a step reads one embedding row, not the table)."""
         from lmforge.generate.packed import PackedLinear, weight_dtype_of
 
         wd = weight_dtype_of(dtype)
-        for name, p in model.state_dict().items():
+        for name, p in model.state_dict().items():  # a tied head is listed once, as lm_head.weight
             if p.dim() == 2 and name != "token_embeddings.weight":
                 yield PackedLinear(p, wd)
-        if model.cfg.tie_embeddings:
-            yield PackedLinear(model.lm_head.weight, wd)
 
     def prefill(self) -> float:
         import torch

@@ -42,3 +42,23 @@ def test_bench_llamacpp_quick(tmp_path):
         assert cells[3].endswith("x") and cells[7].endswith("x"), row
     assert "int4 / int8 decode (lmforge):" in out.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_bytes_per_token_count_every_matrix_once(tied):
+    """The decode rows' GB/s: a step reads each matrix once, a tied head included once (it was counted twice)."""
+    import torch
+
+    from bench_llamacpp import Lmforge, _weight_bytes
+    from lmforge.model import ModelConfig, TransformerLM
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, context_length=32, d_model=64, n_layers=2, n_heads=4, d_ff=128,
+                      tie_embeddings=tied)
+    model = TransformerLM(cfg)
+    read = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and n != "token_embeddings.weight")
+    if tied:
+        read += cfg.vocab_size * cfg.d_model  # the head is the embedding table
+    assert sum(_weight_bytes(p) for p in Lmforge._packed(model, "float32")) == 4 * read
+    int4 = sum(_weight_bytes(p) for p in Lmforge._packed(model, "int4"))
+    assert int4 == read // 2 + 4 * (read // 32)  # two codes per byte, a float32 scale per 32 weights
