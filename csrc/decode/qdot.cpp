@@ -196,6 +196,11 @@ LMFORGE_AVX2 inline void store_tile(const __m256 (&acc)[MR][PR], float* y, size_
         for (int q = 0; q < PR; ++q) store_out(acc[i][q], y + (m0 + i) * ldy, (p0 + q) * kPanel, N);
 }
 
+// Prefetch: each cache line of the tile's panels is asked for one tile ahead (the same line of panels
+// p0+PR ..: what the next tile reads when one row is multiplied, as in a decode step at batch 1); a tile's
+// PR panels are one contiguous region, so this keeps a whole tile of loads in flight from DRAM. Measured on a Zen 3 VM (2 threads, products too big
+// for the L3, alternating runs): int4 and int8 products streamed 20-22 GB/s with every other line asked for
+// 1 KB ahead in its panel, 24-29 GB/s one tile ahead; the float tiles (products.cpp) gained nothing from it.
 // int8 weights: rows [m0, m0+MR) x panels [p0, p0+PR). Per 4 k a 32-byte vector holds 4 codes of each of the
 // panel's 8 rows; vpmaddubsw needs an unsigned operand, so |x| times the weights carrying x's sign (llama.cpp's
 // trick; |x|, |w| <= 127 keep each pair sum within int16), vpmaddwd with ones adds the pairs into int32 lanes.
@@ -215,7 +220,7 @@ LMFORGE_AVX2 void tile_i8(const int8_t* xq, const float* d, size_t m0, size_t G,
             __m256i wv[PR];
             for (int q = 0; q < PR; ++q) {
                 const int8_t* at = w + ((p0 + q) * Kp + g * kBlock + 4 * s) * kPanel;
-                if ((s & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + 1024, _MM_HINT_T0);
+                if ((s & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + PR * Kp * kPanel, _MM_HINT_T0);
                 wv[q] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
             }
             for (int i = 0; i < MR; ++i) {
@@ -256,7 +261,9 @@ LMFORGE_AVX2 void tile_i4(const int8_t* xq, const float* d, const int32_t* xsum,
             __m256i lo[PR], hi[PR];
             for (int q = 0; q < PR; ++q) {
                 const uint8_t* at = w + ((p0 + q) * G + g) * 128 + 32 * v;
-                if (v == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + 1024, _MM_HINT_T0);
+                if ((v & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + PR * G * 128, _MM_HINT_T0);
+                if (v == 0 && (g & 1) == 0)
+                    _mm_prefetch(reinterpret_cast<const char*>(sc + ((p0 + q + PR) * G + g) * kPanel), _MM_HINT_T0);
                 const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
                 lo[q] = _mm256_and_si256(raw, nib);
                 hi[q] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
