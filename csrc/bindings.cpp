@@ -138,6 +138,8 @@ size_t packed_k(WeightType wt, size_t K) {
     return is_int4(wt) ? 16 * ((K + 31) / 32) : wt == WeightType::I8Q8 ? 32 * ((K + 31) / 32) : K;
 }
 size_t scale_count(WeightType wt, size_t N, size_t K) { return is_int4(wt) ? (N + 7) / 8 * ((K + 31) / 32) * 8 : N; }
+// int8 scales are float32, int4 scales fp16 bit patterns (uint16), as decode/kernels.h stores them.
+nb::dlpack::dtype scale_dtype(WeightType wt) { return is_int4(wt) ? nb::dtype<uint16_t>() : nb::dtype<float>(); }
 
 // The whole decode step (decode/step.cpp). The model points into the weight arrays it was built from;
 // it keeps them alive, and refuses arrays it would have to convert (a converted copy would not live).
@@ -173,7 +175,9 @@ struct StepModel {
         if (w.dtype() != packed_dtype(pm.wt)) throw std::invalid_argument(name + " has the wrong dtype for its kind");
         if (needs_scales(pm.wt)) {
             if (t[2].is_none()) throw std::invalid_argument(name + ": int8 and int4 weights need scales");
-            auto sc = take<nb::ndarray<nb::ro, float, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(t[2], what);
+            auto sc = take<nb::ndarray<nb::ro, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(t[2], what);
+            if (sc.dtype() != scale_dtype(pm.wt))
+                throw std::invalid_argument(name + ": scales are float32 for int8 weights, fp16 bits (uint16) for int4");
             if (sc.shape(0) < scale_count(pm.wt, N, K))
                 throw std::invalid_argument(name + ": one scale per output row (int8) or per 8 rows x 32 columns (int4)");
             pm.scales = sc.data();
@@ -213,7 +217,7 @@ NB_MODULE(_core, m) {
         [](nb::ndarray<nb::ro, float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
            nb::ndarray<nb::ro, nb::ndim<3>, nb::c_contig, nb::device::cpu> w, int kind,
            nb::ndarray<float, nb::ndim<2>, nb::device::cpu> y, int threads,
-           std::optional<nb::ndarray<nb::ro, float, nb::ndim<1>, nb::c_contig, nb::device::cpu>> scales) {
+           std::optional<nb::ndarray<nb::ro, nb::ndim<1>, nb::c_contig, nb::device::cpu>> scales) {
             const size_t M = x.shape(0), K = x.shape(1), N = y.shape(1);
             if (y.shape(0) != M || y.stride(1) != 1 || y.stride(0) < (int64_t)N)
                 throw std::invalid_argument("linear_rows: y must be (M, N) with contiguous rows, M = len(x)");
@@ -228,11 +232,11 @@ NB_MODULE(_core, m) {
             if (w.dtype() != packed_dtype(wt))
                 throw std::invalid_argument("linear_rows: w must be float32 for kind 0, uint16 bits for kinds 1, 2, "
                                             "int8 for kinds 3 and 5 and uint8 for kinds 4 and 6");
-            const float* sp = nullptr;
+            const void* sp = nullptr;
             if (needs_scales(wt)) {
-                if (!scales || scales->shape(0) < scale_count(wt, N, K))
+                if (!scales || scales->dtype() != scale_dtype(wt) || scales->shape(0) < scale_count(wt, N, K))
                     throw std::invalid_argument("linear_rows: int8 weights need scales, one float32 per output row; "
-                                                "int4 weights one per 8 rows x 32 columns");
+                                                "int4 weights one fp16 (as uint16 bits) per 8 rows x 32 columns");
                 sp = scales->data();
             }
             const float* xp = x.data();
@@ -246,7 +250,7 @@ NB_MODULE(_core, m) {
         "y[:] = x @ W.T for a few rows x (M, K) float32; W (N, K) comes packed in panels of 8 rows, "
         "w[p, k, j] = W[8p + j, k] (zero past N), as float32 (kind 0), bf16/fp16 bits in uint16 (kind 1/2) or "
         "int8 codes (kind 3, W = w * scales[n] per output row) or int4 codes (kind 4, uint8 (ceil(N / 8), 16 ceil(K / 32), 8): "
-        "two k per byte, low nibble first; W = scales[(p * G + k // 32) * 8 + j] * (q - 8)); kinds 5 and 6: the same codes "
+        "two k per byte, low nibble first; W = scales[(p * G + k // 32) * 8 + j] * (q - 8), scales fp16 bits in uint16); kinds 5 and 6: the same codes "
         "in the integer layouts of decode/kernels.h, x rounded to int8 per block of 32, int32 block sums. Accumulates in float32 on up "
         "to `threads` threads; each output's sum runs in the same order whatever M and the threads (batch invariant).");
     m.def(

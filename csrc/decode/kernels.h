@@ -24,7 +24,8 @@ enum class WeightType { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, I4 = 4, I8Q8 = 5, I4
 // are int8 codes and W[n][k] = w * scales[n] (scales: at least N floats). For I4 (groups of 32 k, G =
 // ceil(K / 32)) w holds codes q in [0, 15], two k per byte: w[(p * 16 G + k / 2) * 8 + j] has q[8p + j][k] in
 // its low nibble for even k, its high nibble for odd k, and W[n][k] = scales[(p * G + k / 32) * 8 + j] * (q - 8)
-// (scales: ceil(N / 8) * G * 8 floats). Other types ignore scales.
+// (scales: ceil(N / 8) * G * 8 fp16 bit patterns, uint16, 2 bytes per 32 weights as in llama.cpp's Q4_0). Other
+// types ignore scales.
 // I8Q8 (K padded to 32 G with zero codes): w[(p * 32 G + 4 s) * 8 + 4 j + i] = c[8p + j][4s + i], four k of
 // each row per 32 bytes; scales as I8. I4Q8: per panel p and group g 128 bytes, w[(p * G + g) * 128 + 32 v +
 // 4 j + i] = q[8p + j][32g + 4v + i] | q[8p + j][32g + 16 + 4v + i] << 4; scales as I4. Their sums: qdot.cpp.
@@ -33,7 +34,7 @@ enum class WeightType { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, I4 = 4, I8Q8 = 5, I4
 // threads <= 1 runs on the calling thread only; concurrent calls from several threads are serialised.
 // y must not overlap x or w.
 void linear_rows(const float* x, size_t M, size_t K, const void* w, WeightType wt, size_t N, float* y, size_t ldy,
-                 int threads, const float* scales = nullptr);
+                 int threads, const void* scales = nullptr);
 
 // Attention of one new query per row over a KV cache, for decoding. q and out are (B, H, D); k and v are
 // (B / T, Hkv, S, D) with H a multiple of Hkv (query head h reads cache head h / (H / Hkv)); query row b reads
@@ -55,7 +56,7 @@ void swiglu_rows(const float* gate_up, size_t M, size_t F, float* out);
 
 // The integer path of linear_rows for I8Q8 and I4Q8 (qdot.cpp, which states the arithmetic).
 void linear_rows_q8(const float* x, size_t M, size_t K, const void* w, WeightType wt, size_t N, float* y,
-                    size_t ldy, int threads, const float* scales);
+                    size_t ldy, int threads, const void* scales);
 // x (M, K) rounded per block of 32 along a row (G = ceil(K / 32) blocks, the tail padded with zeros):
 // codes xq (M, 32 G) in [-127, 127], scales d (M, G), code sums xsum (M, G) (qdot.cpp says how).
 void quantize_rows_q8(const float* x, size_t M, size_t K, int8_t* xq, float* d, int32_t* xsum);
@@ -77,7 +78,7 @@ struct PackedMatrix {
     const void* w = nullptr;
     WeightType wt = WeightType::F32;
     size_t N = 0, K = 0;
-    const float* scales = nullptr;  // I8, I8Q8: N floats; I4, I4Q8: ceil(N / 8) * ceil(K / 32) * 8 floats
+    const void* scales = nullptr;  // I8, I8Q8: N floats; I4, I4Q8: ceil(N / 8) * ceil(K / 32) * 8 fp16 (uint16)
 };
 
 // One pre-norm block: x += out(attention(rope(qkv(rms(x) * ln1)))); x += down(swiglu(up(rms(x) * ln2))),

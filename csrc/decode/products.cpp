@@ -32,29 +32,10 @@ namespace lmforge {
 namespace {
 
 // ---------------------------------------------------------------------------------------------------
-// 16-bit floats to fp32 (scalar; exact, as torch's .float() converts them).
+// 16-bit floats to fp32 (scalar; exact, as torch's .float() converts them; fp16: simd.h).
 
 inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-
-inline float f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);  // inf / nan
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);  // normal: rebias 15 -> 127
-    } else if (man == 0) {
-        bits = sign;  // +-0
-    } else {  // subnormal: value = man * 2^-24; normalise into an fp32 normal
-        int e = -1;
-        do { ++e; man <<= 1; } while (!(man & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-    }
     float f;
     std::memcpy(&f, &bits, 4);
     return f;
@@ -80,7 +61,7 @@ constexpr size_t kPanel = 8;
 // Scalar kernels: every CPU (the compiler vectorizes the j loops). Panels [p0, p1), all M rows; each output
 // summed over k in order, as the vector tiles do (same order, not the same bits: no FMA here).
 template <WeightType WT>
-void block_scalar(const float* x, const float*, size_t M, size_t K, const void* w, const float*, size_t N, size_t p0,
+void block_scalar(const float* x, const float*, size_t M, size_t K, const void* w, const void*, size_t N, size_t p0,
                   size_t p1, float* y, size_t ldy) {
     for (size_t p = p0; p < p1; ++p) {
         for (size_t m = 0; m < M; ++m) {
@@ -97,9 +78,10 @@ void block_scalar(const float* x, const float*, size_t M, size_t K, const void* 
 
 // int4 (layout in tiles.inc, tile4): per group of 32 k, the even and the odd k summed apart, part = even + odd,
 // then acc += s * (part - 8 * xs[g]).
-void block_scalar4(const float* x, const float* xs, size_t M, size_t K, const void* wv, const float* sc, size_t N,
+void block_scalar4(const float* x, const float* xs, size_t M, size_t K, const void* wv, const void* scv, size_t N,
                    size_t p0, size_t p1, float* y, size_t ldy) {
     const auto* w = static_cast<const uint8_t*>(wv);
+    const auto* sc = static_cast<const uint16_t*>(scv);
     const size_t G = (K + 31) / 32, KP = 16 * G;
     for (size_t p = p0; p < p1; ++p) {
         for (size_t m = 0; m < M; ++m) {
@@ -115,9 +97,9 @@ void block_scalar4(const float* x, const float* xs, size_t M, size_t K, const vo
                         for (size_t j = 0; j < kPanel; ++j) even[j] += xr[k] * (float)(at[j] & 0xF);
                     }
                 }
-                const float* s = sc + (p * G + g) * kPanel;
+                const uint16_t* s = sc + (p * G + g) * kPanel;
                 const float x8 = 8.0f * xs[m * G + g];
-                for (size_t j = 0; j < kPanel; ++j) acc[j] += s[j] * ((even[j] + odd[j]) - x8);
+                for (size_t j = 0; j < kPanel; ++j) acc[j] += f16_to_f32(s[j]) * ((even[j] + odd[j]) - x8);
             }
             for (size_t j = 0; j < kPanel && p * kPanel + j < N; ++j) y[m * ldy + p * kPanel + j] = acc[j];
         }
@@ -144,7 +126,7 @@ constexpr bool kWide = true;
 #undef LMFORGE_TILES
 #endif  // LMFORGE_X86
 
-using BlockFn = void (*)(const float*, const float*, size_t, size_t, const void*, const float*, size_t, size_t,
+using BlockFn = void (*)(const float*, const float*, size_t, size_t, const void*, const void*, size_t, size_t,
                          size_t, float*, size_t);
 
 template <WeightType WT>
@@ -179,7 +161,7 @@ struct Job {
     float* y;
     size_t ldy;
     size_t panels_per_chunk;
-    const float* scales;  // int8: per output row, applied after the products; int4: per group (in the tiles)
+    const void* scales;   // int8: float32 per output row, applied after the products; int4: fp16 per group (tiles)
     bool row_scales;      // int8
 };
 
@@ -195,13 +177,13 @@ void run_chunk(void* ctx, uint32_t chunk) {
     const size_t p0 = std::min(panels, j.panels_per_chunk * chunk), p1 = std::min(panels, p0 + j.panels_per_chunk);
     if (p0 >= p1) return;
     j.block(j.x, j.xs, j.M, j.K, j.w, j.scales, j.N, p0, p1, j.y, j.ldy);
-    if (j.row_scales) apply_scales(j.scales, j.M, p0 * kPanel, std::min(j.N, p1 * kPanel), j.y, j.ldy);
+    if (j.row_scales) apply_scales(static_cast<const float*>(j.scales), j.M, p0 * kPanel, std::min(j.N, p1 * kPanel), j.y, j.ldy);
 }
 
 }  // namespace
 
 void linear_rows(const float* x, size_t M, size_t K, const void* w, WeightType wt, size_t N, float* y, size_t ldy,
-                 int threads, const float* scales) {
+                 int threads, const void* scales) {
     if (M == 0 || N == 0) return;
     if (wt == WeightType::I8Q8 || wt == WeightType::I4Q8)
         return linear_rows_q8(x, M, K, w, wt, N, y, ldy, threads, scales);

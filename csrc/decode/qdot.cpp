@@ -9,7 +9,7 @@
 // Per output y[m][n], with q the activation codes, d[m][g] their scales, blocks g = 0 .. G-1 in that order and
 // isum = sum over the block of q[m][k] * c[n][k] (an exact int32):
 //   I8Q8 (codes c in [-127, 127], a scale s[n] per row):     acc = acc + float(isum) * d[m][g];  y = acc * s[n]
-//   I4Q8 (codes c = code - 8 in [-8, 7], scales s[n][g]):    acc = acc + float(isum) * (d[m][g] * s[n][g])
+//   I4Q8 (codes c = code - 8 in [-8, 7], scales s[n][g], fp16): acc = acc + float(isum) * (d[m][g] * s[n][g])
 // each operation rounded to float32 on its own (no FMA: the build has -ffp-contract=off), acc starting at 0.
 // The order depends only on K: batch invariant, and the scalar and AVX2 code give the same bits.
 #include <algorithm>
@@ -95,8 +95,9 @@ void isums_i4(const int8_t* xs, const uint8_t* w, size_t p, size_t g, size_t G, 
 
 template <bool I4>
 void block_scalar(const int8_t* xq, const float* d, const int32_t* xsum, size_t M, size_t G, const void* w,
-                  const float* sc, size_t N, size_t p0, size_t p1, float* y, size_t ldy) {
+                  const void* scv, size_t N, size_t p0, size_t p1, float* y, size_t ldy) {
     const size_t Kp = G * kBlock;
+    const auto* sc = static_cast<const uint16_t*>(scv);  // int4: fp16 scales (int8's row scales: run_qchunk)
     for (size_t p = p0; p < p1; ++p)
         for (size_t m = 0; m < M; ++m) {
             float acc[kPanel] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -106,7 +107,7 @@ void block_scalar(const int8_t* xq, const float* d, const int32_t* xsum, size_t 
                 if constexpr (I4) isums_i4(xs, static_cast<const uint8_t*>(w), p, g, G, xsum[m * G + g], isum);
                 else isums_i8(xs, static_cast<const int8_t*>(w), p, g, Kp, isum);
                 for (size_t j = 0; j < kPanel; ++j) {
-                    const float dd = I4 ? d[m * G + g] * sc[(p * G + g) * kPanel + j] : d[m * G + g];
+                    const float dd = I4 ? d[m * G + g] * f16_to_f32(sc[(p * G + g) * kPanel + j]) : d[m * G + g];
                     const float t = (float)isum[j] * dd;
                     acc[j] = acc[j] + t;
                 }
@@ -247,7 +248,7 @@ LMFORGE_AVX2 void tile_i8(const int8_t* xq, const float* d, size_t m0, size_t G,
 // The -8 comes off as 8 * (the block's code sum of x).
 template <int MR, int PR>
 LMFORGE_AVX2 void tile_i4(const int8_t* xq, const float* d, const int32_t* xsum, size_t m0, size_t G,
-                          const uint8_t* w, const float* sc, size_t N, size_t p0, float* y, size_t ldy) {
+                          const uint8_t* w, const uint16_t* sc, size_t N, size_t p0, float* y, size_t ldy) {
     const size_t Kp = G * kBlock;
     const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(0xF);
     __m256 acc[MR][PR];
@@ -281,7 +282,8 @@ LMFORGE_AVX2 void tile_i4(const int8_t* xq, const float* d, const int32_t* xsum,
             const __m256 dv = _mm256_set1_ps(d[(m0 + i) * G + g]);
             for (int q = 0; q < PR; ++q) {
                 const __m256i exact = _mm256_sub_epi32(_mm256_madd_epi16(s16[i][q], ones), corr);
-                const __m256 dd = _mm256_mul_ps(dv, _mm256_loadu_ps(sc + ((p0 + q) * G + g) * kPanel));
+                const __m256 dd = _mm256_mul_ps(
+                    dv, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + ((p0 + q) * G + g) * kPanel))));
                 acc[i][q] = _mm256_add_ps(acc[i][q], _mm256_mul_ps(_mm256_cvtepi32_ps(exact), dd));
             }
         }
@@ -295,13 +297,14 @@ constexpr int panels_i4(int MR) { return MR == 1 ? 4 : MR <= 3 ? 2 : 1; }
 
 template <bool I4, int MR>
 LMFORGE_AVX2 void rows_q(const int8_t* xq, const float* d, const int32_t* xsum, size_t m, size_t G, const void* w,
-                         const float* sc, size_t N, size_t p0, size_t p1, float* y, size_t ldy) {
+                         const void* sc, size_t N, size_t p0, size_t p1, float* y, size_t ldy) {
     size_t p = p0;
     if constexpr (I4) {
         constexpr int PR = panels_i4(MR);
         const auto* w4 = static_cast<const uint8_t*>(w);
-        for (; p + PR <= p1; p += PR) tile_i4<MR, PR>(xq, d, xsum, m, G, w4, sc, N, p, y, ldy);
-        for (; p < p1; ++p) tile_i4<MR, 1>(xq, d, xsum, m, G, w4, sc, N, p, y, ldy);
+        const auto* s4 = static_cast<const uint16_t*>(sc);
+        for (; p + PR <= p1; p += PR) tile_i4<MR, PR>(xq, d, xsum, m, G, w4, s4, N, p, y, ldy);
+        for (; p < p1; ++p) tile_i4<MR, 1>(xq, d, xsum, m, G, w4, s4, N, p, y, ldy);
     } else {
         constexpr int PR = panels_i8(MR);
         const auto* w8 = static_cast<const int8_t*>(w);
@@ -313,7 +316,7 @@ LMFORGE_AVX2 void rows_q(const int8_t* xq, const float* d, const int32_t* xsum, 
 // All M rows against panels [p0, p1): groups of 4 panels stay in L1/L2 while 4-row tiles pass over them.
 template <bool I4>
 LMFORGE_AVX2 void block_avx2(const int8_t* xq, const float* d, const int32_t* xsum, size_t M, size_t G,
-                             const void* w, const float* sc, size_t N, size_t p0, size_t p1, float* y, size_t ldy) {
+                             const void* w, const void* sc, size_t N, size_t p0, size_t p1, float* y, size_t ldy) {
     constexpr size_t R = 4, PG = 4, MC = 64;
     for (size_t mc = 0; mc < M; mc += MC) {
         const size_t me = std::min(M, mc + MC);
@@ -332,7 +335,7 @@ LMFORGE_AVX2 void block_avx2(const int8_t* xq, const float* d, const int32_t* xs
 }
 #endif  // LMFORGE_X86
 
-using QBlockFn = void (*)(const int8_t*, const float*, const int32_t*, size_t, size_t, const void*, const float*,
+using QBlockFn = void (*)(const int8_t*, const float*, const int32_t*, size_t, size_t, const void*, const void*,
                           size_t, size_t, size_t, float*, size_t);
 
 struct QJob {
@@ -342,7 +345,7 @@ struct QJob {
     const int32_t* xsum;
     size_t M, G;
     const void* w;
-    const float* scales;
+    const void* scales;  // I8Q8: float32 per row; I4Q8: fp16 per 8 rows x 32 k
     size_t N;
     float* y;
     size_t ldy;
@@ -356,9 +359,11 @@ void run_qchunk(void* ctx, uint32_t chunk) {
     const size_t p0 = std::min(panels, j.panels_per_chunk * chunk), p1 = std::min(panels, p0 + j.panels_per_chunk);
     if (p0 >= p1) return;
     j.block(j.xq, j.d, j.xsum, j.M, j.G, j.w, j.scales, j.N, p0, p1, j.y, j.ldy);
-    if (j.row_scales)
+    if (j.row_scales) {
+        const auto* s = static_cast<const float*>(j.scales);
         for (size_t m = 0; m < j.M; ++m)
-            for (size_t n = p0 * kPanel; n < std::min(j.N, p1 * kPanel); ++n) j.y[m * j.ldy + n] *= j.scales[n];
+            for (size_t n = p0 * kPanel; n < std::min(j.N, p1 * kPanel); ++n) j.y[m * j.ldy + n] *= s[n];
+    }
 }
 
 bool use_avx2() {
@@ -379,7 +384,7 @@ void quantize_rows_q8(const float* x, size_t M, size_t K, int8_t* xq, float* d, 
 }
 
 void linear_rows_q8(const float* x, size_t M, size_t K, const void* w, WeightType wt, size_t N, float* y,
-                    size_t ldy, int threads, const float* scales) {
+                    size_t ldy, int threads, const void* scales) {
     const bool i4 = wt == WeightType::I4Q8;
     QBlockFn block = i4 ? block_scalar<true> : block_scalar<false>;
 #ifdef LMFORGE_X86

@@ -1,8 +1,10 @@
 // CPU dispatch shared by the decode kernels in csrc/decode/ (Python: lmforge.generate.engine): whether
-// the AVX2 and AVX-512 code may run, the switches that force the scalar or AVX2 code (tests), and two AVX2
-// helpers, hsum and exp8.
+// the AVX2 and AVX-512 code may run, the switches that force the scalar or AVX2 code (tests), the scalar
+// fp16 conversion (fp16 weights, int4 scales), and two AVX2 helpers, hsum and exp8.
 #pragma once
 #include <atomic>
+#include <cstdint>
+#include <cstring>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -13,6 +15,26 @@ namespace lmforge {
 
 inline std::atomic<bool> g_force_scalar{false};  // tests: run the scalar kernels on an AVX2 machine too
 inline std::atomic<bool> g_force_avx2{false};    // tests: run the AVX2 kernels on an AVX-512 machine too
+
+// An IEEE fp16 bit pattern as fp32 (exact; what F16C's vcvtph2ps gives, subnormals, inf and NaN included).
+inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);  // inf / nan
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);  // normal: rebias 15 -> 127
+    } else if (man == 0) {
+        bits = sign;  // +-0
+    } else {  // subnormal: value = man * 2^-24; normalise into an fp32 normal
+        int e = -1;
+        do { ++e; man <<= 1; } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
 
 #ifdef LMFORGE_X86
 // AVX2 + FMA (+ F16C for fp16) code is compiled for those instructions whatever the build flags and

@@ -2,8 +2,8 @@
 
 ``packed[p, k, j] = W[8p + j, k]``, so one product streams the weights once, sequentially, whatever the number
 of rows. The weights may be stored in float32 (exact), bfloat16 / float16 (half the bytes), as int8 codes with
-one float32 scale per output row (a quarter; ``w ~ code * max|row| / 127``) or as int4 codes with a scale per
-group of 32 weights along a row (an eighth, plus the scales), rounded exactly as llama.cpp's Q4_0 rounds them
+one float32 scale per output row (a quarter; ``w ~ code * max|row| / 127``) or as int4 codes with a float16 scale
+per group of 32 weights along a row (4.5 bits a weight, as llama.cpp's Q4_0), rounded exactly as Q4_0 rounds them
 (:func:`quantize_q4_0`). int4 is named by ``torch.quint4x2`` (4-bit codes, two per byte) or ``"int4"``.
 
 Two arithmetics (``activations``): ``"float32"`` multiplies float32 activations by the stored weights converted to
@@ -179,7 +179,9 @@ class PackedLinear:
             sc = torch.zeros(panels * PANEL, groups)
             sc[: self.n] = scales
             self.scales = sc.view(panels, PANEL, groups).transpose(1, 2).contiguous()  # (P, G, 8)
-            self._array, self._scales = self.packed.numpy(), self.scales.view(-1).numpy()
+            # the kernel reads the scales as the float16 they are (exact): their bit patterns as uint16
+            self._array = self.packed.numpy()
+            self._scales = self.scales.view(-1).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
             return
         if dtype == torch.int8:
             peak = w.abs().amax(1)

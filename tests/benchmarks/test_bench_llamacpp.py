@@ -61,4 +61,4 @@ def test_bytes_per_token_count_every_matrix_once(tied):
         read += cfg.vocab_size * cfg.d_model  # the head is the embedding table
     assert sum(_weight_bytes(p) for p in Lmforge._packed(model, "float32")) == 4 * read
     int4 = sum(_weight_bytes(p) for p in Lmforge._packed(model, "int4"))
-    assert int4 == read // 2 + 4 * (read // 32)  # two codes per byte, a float32 scale per 32 weights
+    assert int4 == read // 2 + 2 * (read // 32)  # two codes per byte, a float16 scale per 32 weights (Q4_0's 4.5 bits)

@@ -104,8 +104,12 @@ def test_packed_linear_rejects_bad_shapes():
                           np.zeros((1, 16), np.float32), 1)
     q4 = PackedLinear(torch.randn(16, 40), INT4)  # K = 40: two groups, (2, 32, 8) codes, 2 * 2 * 8 scales
     assert q4._array.shape == (2, 32, 8) and q4._scales.shape == (32,)
-    with pytest.raises(ValueError, match="int4 weights one per 8 rows x 32 columns"):
+    assert q4._scales.dtype == np.uint16  # float16 bits: 2 bytes per 32 weights, as Q4_0
+    with pytest.raises(ValueError, match="int4 weights one fp16 .* per 8 rows x 32 columns"):
         _core.linear_rows(np.zeros((1, 40), np.float32), q4._array, 4, np.zeros((1, 16), np.float32), 1, q4._scales[:31])
+    with pytest.raises(ValueError, match="int4 weights one fp16"):  # float32 scales: the wrong dtype
+        _core.linear_rows(np.zeros((1, 40), np.float32), q4._array, 4, np.zeros((1, 16), np.float32), 1,
+                          q4.scales.view(-1).numpy())
     with pytest.raises(ValueError, match=r"16 ceil\(K / 32\)"):
         _core.linear_rows(np.zeros((1, 70), np.float32), q4._array, 4, np.zeros((1, 16), np.float32), 1, q4._scales)
 
