@@ -199,9 +199,10 @@ LMFORGE_AVX2 inline void store_tile(const __m256 (&acc)[MR][PR], float* y, size_
 
 // Prefetch: each cache line of the tile's panels is asked for one tile ahead (the same line of panels
 // p0+PR ..: what the next tile reads when one row is multiplied, as in a decode step at batch 1); a tile's
-// PR panels are one contiguous region, so this keeps a whole tile of loads in flight from DRAM. Measured on a Zen 3 VM (2 threads, products too big
-// for the L3, alternating runs): int4 and int8 products streamed 20-22 GB/s with every other line asked for
-// 1 KB ahead in its panel, 24-29 GB/s one tile ahead; the float tiles (products.cpp) gained nothing from it.
+// PR panels are one contiguous region, so this keeps a whole tile of loads in flight from DRAM. Measured on a
+// Zen 3 VM (2 threads, products too big for the L3, alternating runs): with every other line asked for 1 KB
+// ahead in its panel int4 products streamed 15-20 GB/s and int8 20-22; one tile ahead, 24-29 and 26-29. The
+// float tiles (products.cpp) gained nothing measurable from the same change.
 // int8 weights: rows [m0, m0+MR) x panels [p0, p0+PR). Per 4 k a 32-byte vector holds 4 codes of each of the
 // panel's 8 rows; vpmaddubsw needs an unsigned operand, so |x| times the weights carrying x's sign (llama.cpp's
 // trick; |x|, |w| <= 127 keep each pair sum within int16), vpmaddwd with ones adds the pairs into int32 lanes.
