@@ -195,7 +195,7 @@ struct StepModel {
 
 NB_MODULE(_core, m) {
     m.doc() = "lmforge C++ core: pre-tokenization, pre-token counting, BPE training and encoding, document splitting, decode-time matrix products and attention";
-    m.attr("ABI_VERSION") = 6;  // checked by lmforge._native.core(): bump both when a binding changes
+    m.attr("ABI_VERSION") = 7;  // checked by lmforge._native.core(): bump both when a binding changes
     m.attr("PATTERN_GPT2") = (int)kGPT2;
     m.attr("PATTERN_GPT4") = (int)kGPT4;
     m.attr("PATTERN_NANOCHAT") = (int)kNanochat;
