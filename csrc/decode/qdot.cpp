@@ -172,21 +172,11 @@ LMFORGE_AVX2 inline __m256i bcast4(const int8_t* p) {
     return _mm256_set1_epi32(v);
 }
 
-// The 8 outputs n0 .. n0+7 of one row (those below N).
-LMFORGE_AVX2 inline void store_out(__m256 s, float* row, size_t n0, size_t N) {
-    if (n0 + kPanel <= N) {
-        _mm256_storeu_ps(row + n0, s);
-    } else {
-        alignas(32) float tmp[kPanel];
-        _mm256_store_ps(tmp, s);
-        for (size_t j = 0; n0 + j < N; ++j) row[n0 + j] = tmp[j];
-    }
-}
-
-template <int MR, int PR>
-LMFORGE_AVX2 inline void zero_tile(__m256 (&acc)[MR][PR]) {
+// A tile of vectors (float sums or int32/int16 block sums) set to zero.
+template <class V, int MR, int PR>
+LMFORGE_AVX2 inline void zero_tile(V (&t)[MR][PR]) {
     for (int i = 0; i < MR; ++i)
-        for (int q = 0; q < PR; ++q) acc[i][q] = _mm256_setzero_ps();
+        for (int q = 0; q < PR; ++q) t[i][q] = V{};
 }
 
 // A tile's outputs: rows m0.., panels p0..
@@ -194,7 +184,7 @@ template <int MR, int PR>
 LMFORGE_AVX2 inline void store_tile(const __m256 (&acc)[MR][PR], float* y, size_t m0, size_t ldy, size_t p0,
                                     size_t N) {
     for (int i = 0; i < MR; ++i)
-        for (int q = 0; q < PR; ++q) store_out(acc[i][q], y + (m0 + i) * ldy, (p0 + q) * kPanel, N);
+        for (int q = 0; q < PR; ++q) store8(acc[i][q], y + (m0 + i) * ldy, (p0 + q) * kPanel, N);
 }
 
 // Prefetch: each cache line of the tile's panels is asked for one tile ahead (the same line of panels
@@ -215,8 +205,7 @@ LMFORGE_AVX2 void tile_i8(const int8_t* xq, const float* d, size_t m0, size_t G,
     zero_tile(acc);
     for (size_t g = 0; g < G; ++g) {
         __m256i isum[MR][PR];
-        for (int i = 0; i < MR; ++i)
-            for (int q = 0; q < PR; ++q) isum[i][q] = _mm256_setzero_si256();
+        zero_tile(isum);
         #pragma GCC unroll 8
         for (size_t s = 0; s < kBlock / 4; ++s) {
             __m256i wv[PR];
@@ -256,8 +245,7 @@ LMFORGE_AVX2 void tile_i4(const int8_t* xq, const float* d, const int32_t* xsum,
     zero_tile(acc);
     for (size_t g = 0; g < G; ++g) {
         __m256i s16[MR][PR];
-        for (int i = 0; i < MR; ++i)
-            for (int q = 0; q < PR; ++q) s16[i][q] = _mm256_setzero_si256();
+        zero_tile(s16);
         #pragma GCC unroll 4
         for (size_t v = 0; v < 4; ++v) {
             __m256i lo[PR], hi[PR];

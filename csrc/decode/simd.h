@@ -1,8 +1,9 @@
 // CPU dispatch shared by the decode kernels in csrc/decode/ (Python: lmforge.generate.engine): whether
 // the AVX2 and AVX-512 code may run, the switches that force the scalar or AVX2 code (tests), the scalar
-// fp16 conversion (fp16 weights, int4 scales), and two AVX2 helpers, hsum and exp8.
+// fp16 conversion (fp16 weights, int4 scales), and the AVX2 helpers store8, hsum and exp8.
 #pragma once
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -54,6 +55,17 @@ inline bool cpu_has_avx512() {
                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
                            __builtin_cpu_supports("avx512dq");
     return ok;
+}
+
+// The 8 outputs n0 .. n0+7 of one row (those below N: a panel's last rows may be padding past N).
+LMFORGE_AVX2 inline void store8(__m256 s, float* row, size_t n0, size_t N) {
+    if (n0 + 8 <= N) {
+        _mm256_storeu_ps(row + n0, s);
+    } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, s);
+        for (size_t j = 0; n0 + j < N; ++j) row[n0 + j] = tmp[j];
+    }
 }
 
 // The sum of the 8 lanes.
