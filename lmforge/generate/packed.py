@@ -210,13 +210,17 @@ class PackedLinear:
         """The stored weight as ``(N, K)`` float32 (rounded to ``dtype``; int8 codes times their row scale; int4
         ``scale * (code - 8)`` per group, exact in float32)."""
         if self.dtype == INT4:
-            codes = self.codes.transpose(1, 2).reshape(-1, self.codes.shape[1])[: self.n, : self.k]  # (N, K)
-            scales = self.scales.transpose(1, 2).reshape(-1, self.scales.shape[1])[: self.n]  # (N, G)
-            return (codes.float() - 8) * scales.repeat_interleave(GROUP, 1)[:, : self.k]
+            codes, scales = self._int4_rows()
+            return (codes[:, : self.k].float() - 8) * scales.repeat_interleave(GROUP, 1)[:, : self.k]
         if self.kind == _Q8_KINDS[torch.int8]:
             return self._int8_codes()[:, : self.k].float() * self.scales[:, None]
         w = self.packed.transpose(1, 2).reshape(-1, self.k)[: self.n].float()
         return w if self.scales is None else w * self.scales[:, None]
+
+    def _int4_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int4 weights' codes ``(N, 32 G)`` (0..15, 8 past ``K``) and scales ``(N, G)``, unpacked from the panels."""
+        codes = self.codes.transpose(1, 2).reshape(-1, self.codes.shape[1])[: self.n]
+        return codes, self.scales.transpose(1, 2).reshape(-1, self.scales.shape[1])[: self.n]
 
     def _int8_codes(self) -> torch.Tensor:
         """int8 weights' codes ``(N, K)`` (integer layout: ``(N, 32 G)``, zero past ``K``)."""
@@ -239,9 +243,8 @@ class PackedLinear:
         if self.activations == "float32":
             return x.float() @ self.weight().T
         if self.dtype == INT4:
-            codes = self.codes.transpose(1, 2).reshape(-1, self.codes.shape[1])[: self.n].to(torch.int16) - 8
-            scales = self.scales.transpose(1, 2).reshape(-1, self.scales.shape[1])[: self.n]  # (N, G)
-            return q8_products(x, codes, block_scales=scales)
+            codes, scales = self._int4_rows()
+            return q8_products(x, codes.to(torch.int16) - 8, block_scales=scales)
         return q8_products(x, self._int8_codes(), row_scales=self.scales)
 
 
