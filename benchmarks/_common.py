@@ -193,6 +193,13 @@ def print_table(title: str, rows: list[dict[str, Any]], mb: float) -> None:
     sys.stdout.flush()
 
 
+def precision(name: str) -> tuple[str, str]:
+    """A benchmark row's precision as ``(weight_dtype, activations)`` for ``Engine``: ``"int4"`` is int4 weights with
+    float32 activations, ``"int4+a8"`` the same weights with ``activations="int8"``."""
+    weights, a8, _ = name.partition("+a8")
+    return weights, "int8" if a8 else "float32"
+
+
 def write_run(root: Path, tok: Any, cfg: Any) -> Path:
     """``root/run``: a run directory holding ``tok``, a config with ``cfg`` and one checkpoint of a ``TransformerLM``
     of ``cfg`` with random weights (seed 0), as training would leave it (for the export and llama.cpp benchmarks)."""

@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import EOT, median, read_bandwidth, synthetic_documents, write_run  # noqa: E402
+from _common import EOT, median, precision, read_bandwidth, synthetic_documents, write_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / ".llama.cpp"  # ignored by git: the build tree of llama.cpp
@@ -120,8 +120,8 @@ class Lmforge:
 
         from lmforge.generate.engine import Engine
 
-        weights, a8, _ = dtype.partition("+a8")
-        self.engine = Engine(model, weight_dtype=weights, activations="int8" if a8 else "float32")
+        weights, activations = precision(dtype)
+        self.engine = Engine(model, weight_dtype=weights, activations=activations)
         g = torch.Generator().manual_seed(1)
         self.prompt = torch.randint(0, model.cfg.vocab_size, (prompt,), generator=g).tolist()
         self.gen, self.capacity = gen, min(context, max(prompt, gen + 1))

@@ -24,15 +24,15 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import EOT, precision, synthetic_documents  # noqa: E402
+
 DTYPES = ["float32", "bfloat16", "float16", "int8", "int4", "int8+a8", "int4+a8"]
 
 
 def quick_run(root: Path) -> Path:
     """A tiny run trained for a few steps on synthetic text by ``lmforge speedrun`` (the smoke test's input)."""
     from lmforge.cli import main as cli
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _common import EOT, synthetic_documents
 
     corpus = root / "corpus.txt"
     corpus.write_text(EOT.join(synthetic_documents(100_000)), encoding="utf-8")
@@ -68,8 +68,8 @@ def main() -> int:
         print("| weights | loss | perplexity | bits/byte | perplexity vs float32 |")
         print("|---|---:|---:|---:|---:|")
         for dtype in DTYPES:
-            weights, a8, _ = dtype.partition("+a8")
-            model = Engine(gen.model, weight_dtype=weights, activations="int8" if a8 else "float32").model
+            weights, activations = precision(dtype)
+            model = Engine(gen.model, weight_dtype=weights, activations=activations).model
             r = perplexity_of_shards(model, gen.tokenizer, data, limit=a.limit)
             base = base or r
             bpb = f"{r['bpb']:.4f}" if r["bpb"] is not None else "-"
