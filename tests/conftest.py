@@ -148,6 +148,16 @@ def make_documents(n_docs: int = 40, seed: int = 0, words_per_doc: int = 60) -> 
     return docs
 
 
+def tiny_lm(seed: int = 0, **kw: Any) -> Any:
+    """A seeded ``TransformerLM`` in eval mode, d_model 64 x 2 layers, vocab 97, context 48 (``kw`` overrides the
+    config): the decoder tests' small model."""
+    from lmforge.model import ModelConfig, TransformerLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=97, context_length=48, d_model=64, n_layers=2, n_heads=4, d_ff=96) | kw
+    return TransformerLM(ModelConfig(**cfg)).eval()
+
+
 def make_corpus_text(n_docs: int = 40, seed: int = 0, eot: str = "<|endoftext|>") -> str:
     """:func:`make_documents` joined by ``eot`` (the usual layout of a pretraining text file)."""
     return eot.join(make_documents(n_docs, seed))

@@ -6,20 +6,19 @@ the argument checks of the binding."""
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_lm
 
 from lmforge._native import core
 from lmforge.generate.engine import Engine
 from lmforge.generate.packed import INT4, PackedLinear, kernel_available
-from lmforge.model import ModelConfig, TransformerLM
+from lmforge.model import TransformerLM
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="C++ extension not built")
 VOCAB = 97
 
 
 def _model(seed: int = 0, **kw) -> TransformerLM:
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=VOCAB, context_length=40, d_model=64, n_layers=2, n_heads=4, d_ff=96) | kw
-    return TransformerLM(ModelConfig(**cfg)).eval()
+    return tiny_lm(seed, **({"vocab_size": VOCAB, "context_length": 40} | kw))
 
 
 def _pair(model: TransformerLM, dtype: str) -> tuple[Engine, Engine]:

@@ -7,12 +7,13 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_lm as _model
 
 from lmforge._native import core
 from lmforge.generate.engine import Engine
 from lmforge.generate.packed import INT4, PackedLinear, kernel_available, quantize_q4_0, weight_dtype_of
 from lmforge.generate import Generator
-from lmforge.model import ModelConfig, TransformerLM
+from lmforge.model import TransformerLM
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="C++ extension not built")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, INT4]
@@ -146,12 +147,6 @@ def test_attend_rejects_bad_lengths():
         _attend(q, k, k, torch.tensor([0, 4]), 1.0, 1)
     with pytest.raises(ValueError, match="length"):
         _attend(q, k, k, torch.tensor([5, 4]), 1.0, 1)
-
-
-def _model(seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=97, context_length=48, d_model=64, n_layers=2, n_heads=4, d_ff=96) | kw
-    return TransformerLM(ModelConfig(**cfg)).eval()
 
 
 def _rounded(model, dtype):

@@ -7,13 +7,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_lm as _model
 
 from lmforge._native import core
 from lmforge.generate import Generator
 from lmforge.generate.engine import Engine
 from lmforge.generate.packed import (INT4, PackedLinear, activations_of, kernel_available, q8_products,
                                      quantize_rows_q8)
-from lmforge.model import ModelConfig, TransformerLM
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="C++ extension not built")
 SHAPES = [(1000, 64), (37, 19), (129, 512), (8, 1), (300, 333), (72, 96)]  # N off the panel, K off the block
@@ -102,12 +102,6 @@ def test_activations_setting_and_errors():
     with pytest.raises(ValueError, match=r"kind 5: \(ceil\(N / 8\), 32 ceil\(K / 32\), 8\)"):
         core().linear_rows(np.zeros((1, 40), np.float32), lin._array[:, :40].copy(), 5, np.zeros((1, 16), np.float32),
                            1, lin._scales)
-
-
-def _model(seed: int = 0, **kw) -> TransformerLM:
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=97, context_length=48, d_model=64, n_layers=2, n_heads=4, d_ff=96) | kw
-    return TransformerLM(ModelConfig(**cfg)).eval()
 
 
 def test_generator_keeps_its_arithmetic():
