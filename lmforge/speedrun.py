@@ -310,7 +310,7 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
              val_fraction: float = 0.1, sample_tokens: int = 200, force: bool = False,
              progress: bool = True, sft_budget: str | int | float | None = "2.5min",
              chat_eval_items: int = 40, target_bpb: float | None = None,
-             rl_budget: str | int | float | None = None) -> dict[str, Any]:
+             rl_budget: str | int | float | None = "2min") -> dict[str, Any]:
     """Run (or resume) the whole pipeline in ``out`` and write ``out/report.md``; returns the stage records.
 
     ``corpus``: ``"shakespeare"`` or a path/glob of text/jsonl/parquet files. ``model_size``: a key of

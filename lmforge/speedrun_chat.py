@@ -42,7 +42,7 @@ RL_WINDOW = (0.05, 0.80)
 """RL trains on the chat tasks whose exact match after SFT lies in this range: below it the model rarely samples a
 right answer (no reward to learn from), above it there is little left to gain."""
 RL_SETTINGS = ("rl.samples_per_prompt=8", "rl.prompts_per_step=8", "rl.prompts_per_decode=4", "rl.max_new_tokens=24",
-               "optimizer.lr=5e-4", "training.checkpoint_every=5")
+               "training.checkpoint_every=5")
 """The speedrun's RL settings on top of ``lmforge rl``'s defaults (64 replies per step, short replies)."""
 
 

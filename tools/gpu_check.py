@@ -35,7 +35,7 @@ resume          70        35  three train() processes (start, NCCL, 12 small ste
 generate       100        55  HF compiles its static-cache forward once per batch size (CUDA graphs)
 serve           70        30  the server's start, 64 clients x 64 tokens, 6 sequential HF requests
 loop            80        40  a tokenizer and shards from 3 MB, then train(): 30 steps with a block compile
-speedrun        80        45  tokenizer, data, 300 + 60 steps of the medium model, evals
+speedrun        90        55  tokenizer, data, 300 + 60 + 10 RL steps of the medium model, evals
 suite         rest         -  model/train/generate tests (not slow) on the GPU machine's torch (optional)
 ===========  =====  ========  =============================================================================
 """
@@ -320,7 +320,7 @@ def run(c: Check) -> None:
         ("serve", [*infer, "serve", *dry, *quick], 70, False),
         ("loop", [*train, "loop", *dry, *quick, *peak, *work], 80, False),
         ("speedrun", [*run_cmd, "speedrun", str(_speedrun_corpus(c)), str(c.work / "speedrun"),
-                      "cpu" if a.dry_run else "cuda", *quick], 80, False),
+                      "cpu" if a.dry_run else "cuda", *quick], 90, False),
         ("suite", [*run_cmd, "pytest", *pytest, "-m", "not slow and not gpu",
                    *(["-n", "8"] if importlib.util.find_spec("xdist") else []),
                    "tests/model", "tests/train", "tests/generate"], 10**4, True),

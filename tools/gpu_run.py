@@ -36,10 +36,11 @@ def pytest(args: list[str], result: str) -> int:
 
 
 def speedrun(corpus: str, out: str, device: str, result: str, quick: bool = False) -> int:
-    """``lmforge speedrun`` on a local corpus with step budgets (a GPU: the medium model, 300 + 60 steps; the CPU:
-    the tiny one, 4 steps, 2 with ``quick``)."""
+    """``lmforge speedrun`` on a local corpus with step budgets (a GPU: the medium model, 300 pretraining, 60 SFT
+    and 10 RL steps; the CPU: the tiny one, 4 steps, 2 with ``quick``)."""
     size = ["--model-size", "tiny", "--budget", "2steps" if quick else "4steps", "--no-chat", "--vocab-size", "300"] \
-        if device == "cpu" else ["--model-size", "medium", "--budget", "300steps", "--sft-budget", "60steps"]
+        if device == "cpu" else ["--model-size", "medium", "--budget", "300steps", "--sft-budget", "60steps",
+                                 "--rl-minutes", "10steps"]
     p = subprocess.run([sys.executable, "-m", "lmforge.cli", "speedrun", "--corpus", corpus, "--out", out, "--device",
                         device, "--no-progress", "--force", *size], cwd=ROOT)
     state = Path(out) / "speedrun.json"

@@ -50,12 +50,15 @@ logger = logging.getLogger("lmforge")
 __all__ = ["RL_DEFAULTS", "RESULTS_FILE", "rl", "rl_config", "read_rl_results"]
 
 RL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "optimizer": {"name": "adamw", "lr": 1e-4, "min_lr": 0.0, "warmup_steps": 0, "decay_steps": None,
+    "optimizer": {"name": "adamw", "lr": 3e-5, "min_lr": 0.0, "warmup_steps": 0, "decay_steps": None,
                   "schedule": "constant", "weight_decay": 0.0, "grad_clip": 1.0},
     "training": {"max_steps": 50, "log_every": 1, "eval_every": 1_000_000, "checkpoint_every": 10, "keep_last": 2},
     "rl": {},
 }
-"""What ``rl`` changes from the base run's config (any of it can be overridden with ``--set``)."""
+"""What ``rl`` changes from the base run's config (any of it can be overridden with ``--set``). The learning rate
+is small: AdamW moves every weight by about the learning rate whatever the gradient's size, and a policy
+gradient from 64 replies is mostly noise, so at 1e-4 the speedrun's SFT model lost its calculator skill (46% ->
+0% in 60 steps) where 2e-5..5e-5 took it to 66-80%."""
 
 RESULTS_FILE = "rl.json"
 """The RL run's evaluation before and after training (``{"before", "after"}``), read by the run card."""

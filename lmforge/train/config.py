@@ -263,8 +263,11 @@ class RLConfig:
     """Divide each group's advantages by the group's reward standard deviation (GRPO). Off by default: it weights
     prompts the model almost always (or almost never) solves as much as the ones it is learning (Dr. GRPO,
     Liu et al. 2025), and nanochat's RL does without it."""
-    temperature: float = 1.0
-    """Sampling temperature of the rollouts and of pass@k (> 0: at 0 all K replies would be the same)."""
+    temperature: float = 0.5
+    """Sampling temperature of the rollouts and of pass@k (> 0: at 0 all K replies would be the same). Below 1 by
+    default: a small model's distribution at 1 is so flat that right replies are rare (the speedrun's SFT model
+    samples a right calculator reply 2% of the time at 1, 28% at 0.5, greedy 46%), and a reward never seen teaches
+    nothing."""
     top_k: int | None = None
     """Sample among the ``top_k`` most likely tokens only; ``null`` = all."""
     top_p: float | None = None

@@ -77,7 +77,7 @@ def test_each_step_decodes_with_the_updated_weights(chat_run, rl_tasks, tmp_path
     base = {"run": str(chat_run), "checkpoint": str(run.checkpoint_path), "sha256": ""}
     cfg = rl_config(run.config, tok.vocab_size, tmp_path, base, False,
                     overrides=["rl.prompts_per_step=4", "rl.samples_per_prompt=4", "rl.max_new_tokens=12",
-                               "rl.prompts_per_decode=2"])
+                               "rl.prompts_per_decode=2", f"rl.temperature={SAMPLING['temperature']}"])
     prompts, _ = read_prompts(rl_tasks["train"], fmt, cfg.context_length, cfg.rl.max_new_tokens)
     model, _, _ = load_model(chat_run)
     model.train()
