@@ -215,6 +215,7 @@ class _Run:
     elapsed: float = 0.0  # step time of this session, excluding eval and saves
     interval_time: float = 0.0  # step time and tokens since the last logged step
     interval_tokens: int = 0
+    tokens: int = 0  # input positions run through forward and backward since step 0 (every rank)
     flops_per_token: float = 0.0  # for MFU, with ``peak`` (None: unknown, MFU not reported)
     peak: float | None = None
     reached_target: bool = False  # an evaluation reached ``training.target_val_bpb``: save and stop
@@ -225,6 +226,7 @@ class _Run:
 
     @property
     def tokens_per_step(self) -> int:
+        """A full step's tokens (global batch x context); RL's padded rollouts run fewer (``_train_step`` counts)."""
         return self.batch.tokens_per_step(self.cfg.context_length)
 
 
@@ -348,6 +350,7 @@ def _resume(run: _Run) -> Any:
         run.loader.load_state_dict(state["loader"])
         _set_rng_state(state["rng"], device)
         run.step, run.last_ckpt = step, path
+        run.tokens = int(state.get("tokens", run.step * run.tokens_per_step))
         logger.info("resuming from sharded checkpoint %s at step %d", path, step)
         run.log.rewind(run.step)
         run.best_val = run.ckpts.best_val_loss()
@@ -363,6 +366,7 @@ def _resume(run: _Run) -> Any:
         run.step = load_trained_state(run.cfg, ck, run.model, run.optimizer)
         run.loader.load_state_dict(state["loader"])
         _set_rng_state(state["rng"], device)
+        run.tokens = int(state.get("tokens", run.step * run.tokens_per_step))  # older checkpoints: full steps
         run.last_ckpt, fsdp_optim_state = path, ck.optimizer if run.fsdp else None
         del ck
         logger.info("resumed from %s at step %d", path, run.step)
@@ -413,7 +417,7 @@ def _train_step(run: _Run) -> tuple[float, float, float]:
     n_targets = global_target_count(batches, device)  # trained targets of the whole step, over every rank
     denom = loss_scale(n_targets, run.info.world_size)
     ignore = IGNORE_INDEX if masked(run.loader) else None
-    loss_sum = torch.zeros((), device=device)
+    loss_sum, positions = torch.zeros((), device=device), 0
     for i, (x, y, *weights) in enumerate(batches):  # weights: each target's loss factor (RL's advantages)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         w = weights[0].to(device, non_blocking=True) if weights else None
@@ -423,7 +427,10 @@ def _train_step(run: _Run) -> tuple[float, float, float]:
                 micro = model(x, targets=y, ignore_index=ignore, reduction="sum", weights=w)
             (micro / denom).backward()
         loss_sum += micro.detach()
-    loss = all_reduce_sum([loss_sum.item()], device)[0] / max(n_targets, 1.0)
+        positions += x.numel()
+    # the positions run (RL's rollouts are padded to their longest row, not the context) make tokens/s and MFU
+    total_loss, step_tokens = all_reduce_sum([loss_sum.item(), float(positions)], device)
+    loss = total_loss / max(n_targets, 1.0)
     # the norm is taken before any update, so a NaN/inf loss or gradient never reaches the weights
     grad_norm = float(clip_grad_norm(model.parameters(), oc.grad_clip) if oc.grad_clip > 0
                       else global_grad_norm(model.parameters()))
@@ -440,7 +447,8 @@ def _train_step(run: _Run) -> tuple[float, float, float]:
     dt = time.perf_counter() - t0
     run.elapsed += dt
     run.interval_time += dt
-    run.interval_tokens += run.tokens_per_step
+    run.interval_tokens += int(step_tokens)
+    run.tokens += int(step_tokens)
     return loss, lr, grad_norm
 
 
@@ -452,7 +460,7 @@ def _log(run: _Run, loss: float, lr: float, grad_norm: float) -> dict[str, str]:
     mfu = tps / info.world_size * run.flops_per_token / run.peak if run.peak else None
     extra = run.loader.step_metrics() if hasattr(run.loader, "step_metrics") else {}  # RL: reward, lengths
     run.log.log({"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "mfu": mfu,
-                 "tokens": run.step * run.tokens_per_step, **extra})
+                 "tokens": run.tokens, **extra})
     run.interval_time, run.interval_tokens = 0.0, 0
     shown = {"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"}
     if mfu is not None:
@@ -505,7 +513,7 @@ def _snapshot(run: _Run) -> tuple[Any, Any]:
 
 def _train_state(run: _Run) -> dict[str, Any]:
     """The checkpoint's extra: data-loader position and RNG states, and the resolved config."""
-    return {"train": {"loader": run.loader.state_dict(), "rng": _rng_state(run.info.device)},
+    return {"train": {"loader": run.loader.state_dict(), "rng": _rng_state(run.info.device), "tokens": run.tokens},
             "config": to_dict(run.cfg)}
 
 
@@ -517,7 +525,7 @@ def _finish(run: _Run) -> dict[str, Any]:
     last_val = next((r for r in reversed(run.log.records) if "val_loss" in r), {})
     return {"step": run.step, "loss": last_train.get("loss"), "val_loss": last_val.get("val_loss"),
             "val_ppl": last_val.get("val_ppl"), "val_bpb": last_val.get("val_bpb"), "best_val_loss": run.best_val,
-            "tokens": run.step * run.tokens_per_step, "tokens_per_s": last_train.get("tokens_per_s"),
+            "tokens": run.tokens, "tokens_per_s": last_train.get("tokens_per_s"),
             "mfu": last_train.get("mfu"), "train_seconds": run.elapsed,
             "checkpoint": str(run.last_ckpt) if run.last_ckpt else None, "run_dir": str(run.run_dir),
             "reached_target": run.reached_target}

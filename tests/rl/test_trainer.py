@@ -49,6 +49,11 @@ def test_rl_end_to_end_learns_from_the_reward_and_reports_before_and_after(chat_
     for s in steps:
         assert 0 <= s["reward"] <= 1 and s["reply_tokens"] > 0 and 0 <= s["tool_call_share"] <= 1
         assert s["reward"] == s["ended_share"]  # the format reward is the share of replies that ended
+    # tokens (and so tokens/s and MFU) count the positions the update ran: 16 rollouts padded to their longest,
+    # far fewer than 16 rows of the whole context (what a full step would run, and what was counted before)
+    context = int(re.search(r"context_length: (\d+)", (out / "config.yaml").read_text())[1])
+    ran = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}, *steps], steps)]
+    assert all(0 < n < 16 * context / 2 for n in ran) and len(set(ran)) > 1, (ran, context)
     rewards = [s["reward"] for s in steps]
     # at temperature 2 the SFT model ends 7/8 of its replies; it learns to end them all (with the learning rate
     # at 1e-9 the last three steps end 0.875, 0.75, 0.81: the rise is the gradient's, not the seeds')
