@@ -154,6 +154,7 @@ def child(side: str, base: str, root: str, run_dir: str, steps: int, args: argpa
     from lmforge.rl import rl
     from lmforge.train.finetune import build_model
     from lmforge.train import load_run_config
+    from lmforge.train.metrics import step_seconds
 
     sets = [f"training.max_steps={steps}", f"rl.prompts_per_step={args.prompts}", f"rl.samples_per_prompt={args.k}",
             f"rl.max_new_tokens={args.new_tokens}", f"rl.prompts_per_decode={args.per_decode}",
@@ -162,9 +163,9 @@ def child(side: str, base: str, root: str, run_dir: str, steps: int, args: argpa
         sets += ["lora.rank=8", "lora.alpha=16"]
     m = rl(base, _tasks(Path(root), "train"), run_dir, overrides=sets, progress=False)
     recs = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    recs = [r for r in recs if "reward" in r][1:] or recs  # the first step pays one-time costs
+    step_s = step_seconds(recs)[1:]  # the first step pays one-time costs
+    recs = [r for r in recs if "reward" in r][1:]
     cfg = load_run_config(Path(run_dir) / "config.yaml")
-    step_s = [cfg.training.global_batch_size * cfg.context_length / r["tokens_per_s"] for r in recs]
     model = build_model(cfg, torch.device("cpu"), resuming=False)
     ck = read_checkpoint(CheckpointManager(Path(run_dir)).steps()[-1][1])
     opt = sum(t.numel() * t.element_size() for s in ck.optimizer["state"].values() for t in s.values()

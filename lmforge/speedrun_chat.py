@@ -27,7 +27,7 @@ from lmforge.evals.generative import exact_match
 from lmforge.generate import Generator
 from lmforge.rl import rl as reinforce
 from lmforge.rl.data import DATA_DIR as RL_DATA_DIR
-from lmforge.train import load_run_config
+from lmforge.train.metrics import step_seconds
 
 logger = logging.getLogger("lmforge")
 
@@ -169,9 +169,7 @@ def _rl(after_sft: dict[str, Any], chat_dir: Path, tasks_dir: Path, sft_dir: Pat
     else:
         reinforce(sft_dir, tasks_dir / "train.jsonl", rl_dir, overrides=[*base, "training.max_steps=2"],
                   progress=progress)
-        second = [r for r in map(json.loads, (rl_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r][1]
-        cfg = load_run_config(rl_dir / "config.yaml")
-        step_s = cfg.training.global_batch_size * cfg.context_length / second["tokens_per_s"]
+        step_s = step_seconds(list(map(json.loads, (rl_dir / "metrics.jsonl").read_text().splitlines())))[1]
         steps = max(2, int(amount * 60 / step_s))
         logger.info("RL plan: %.1f s for the second step (the first warms up at about half speed) -> %d steps "
                     "(~%.1f min)", step_s, steps, steps * step_s / 60)

@@ -20,6 +20,20 @@ logger = logging.getLogger("lmforge")
 _warned_no_plot: list[bool] = []  # the missing-matplotlib warning is logged once per process
 
 
+def step_seconds(records: list[dict[str, Any]]) -> list[float]:
+    """Seconds per optimizer step of each logged training record of ``metrics.jsonl``, in order: the tokens run
+    since the previous logged step over the record's tokens/s (its interval's own rate), per step of the interval.
+    (A step's tokens are what it ran: for RL's padded rollouts far fewer than batch x context.)"""
+    out, prev_step, prev_tokens = [], 0, 0
+    for r in records:
+        if "loss" not in r or not r.get("tokens_per_s"):
+            continue
+        steps = max(1, int(r["step"]) - prev_step)
+        out.append((float(r["tokens"]) - prev_tokens) / float(r["tokens_per_s"]) / steps)
+        prev_step, prev_tokens = int(r["step"]), float(r["tokens"])
+    return out
+
+
 def plot_losses(records: list[dict[str, Any]], path: str | Path) -> bool:
     """Write a PNG of train loss (and val loss, if any) against step, atomically; False (and no file) when
     matplotlib is not installed: the plot is the one thing training can do without."""

@@ -36,3 +36,16 @@ def test_training_imports_and_plots_nothing_without_matplotlib_or_platformdirs(t
     assert not (tmp_path / "loss.png").exists() and (tmp_path / "metrics.jsonl").exists()
     assert r.stderr.count("matplotlib is not installed") == 1, r.stderr  # warned once, not per plot
 
+
+
+def test_step_seconds_reads_each_interval_from_its_own_tokens_and_rate() -> None:
+    """Seconds per step come from the tokens a logged interval ran over its rate, not from batch x context (RL's
+    padded rollouts run far fewer): evaluation records are skipped, an interval of several steps is divided."""
+    from lmforge.train.metrics import step_seconds
+
+    records = [{"step": 1, "loss": 2.0, "tokens": 300, "tokens_per_s": 150.0},
+               {"step": 1, "val_loss": 2.1},
+               {"step": 4, "loss": 1.5, "tokens": 900, "tokens_per_s": 200.0},  # 600 tokens in 3 steps at 200/s
+               {"step": 5, "loss": 1.4, "tokens": 1000, "tokens_per_s": 0.0}]  # no rate: skipped
+    assert step_seconds(records) == [2.0, 1.0]
+    assert step_seconds([]) == []
