@@ -13,7 +13,7 @@ from lmforge._native import core
 from lmforge.generate.engine import Engine
 from lmforge.generate.packed import INT4, PackedLinear, kernel_available, quantize_q4_0, weight_dtype_of
 from lmforge.generate import Generator
-from lmforge.model import TransformerLM
+from lmforge.model import KVCache, TransformerLM
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="C++ extension not built")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, INT4]
@@ -202,7 +202,7 @@ def test_weight_dtype_errors():
 
 def test_decoder_restores_torch_threads(monkeypatch):
     """A kernel step runs PyTorch on one thread (the kernel has its own pool, given PyTorch's count) and puts
-    the count back; prefill is the model's forward and keeps PyTorch's threads."""
+    the count back; so does a prefill (it does not run a step)."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -221,6 +221,26 @@ def test_decoder_restores_torch_threads(monkeypatch):
             dec.step(logits.argmax(-1))
         assert seen == [(1, 2)]
         assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_kernel_prefill_allocates_its_cache_on_one_torch_thread(monkeypatch):
+    """On the kernel path a prefill zeroes its cache with PyTorch on one thread (after a parallel fill PyTorch's
+    OpenMP workers spin on the cores the kernel's pool then needs) and puts PyTorch's count back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        dec, seen = Engine(_model()), []
+        original = KVCache.for_model
+
+        def spy(*a, **k):
+            seen.append((torch.get_num_threads(), dec._threads))
+            return original(*a, **k)
+
+        monkeypatch.setattr(KVCache, "for_model", spy)
+        dec.prefill([[1, 2, 3]], 10)
+        assert seen == [(1, 2)] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 
