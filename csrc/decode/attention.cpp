@@ -125,10 +125,13 @@ void attend_chunk(void* ctx, uint32_t chunk) {
     if (scores.size() < j.S) scores.resize(j.S);
     const size_t G = j.H / j.Hkv, end = std::min(j.B * j.H, (chunk + 1) * j.per);
     for (size_t i = chunk * j.per; i < end; ++i) {
-        const size_t b = i / j.H, h = i % j.H;
+        // head-major: consecutive pairs are the rows of one head, so a prompt's rows (T > 1) reuse that head's
+        // keys and values from L1/L2 instead of cycling through every head's (each pair is computed alone: the
+        // order changes no result)
+        const size_t h = i / j.B, b = i % j.B;
         const size_t base = (b / j.T * j.Hkv + h / G) * j.S * j.D;
-        const float* q = j.q + i * j.D;
-        float* o = j.out + i * j.D;
+        const float* q = j.q + (b * j.H + h) * j.D;
+        float* o = j.out + (b * j.H + h) * j.D;
 #ifdef LMFORGE_X86
         if (j.vec) {
             attend_one_avx2(q, j.k + base, j.v + base, (size_t)j.lengths[b], j.D, j.scale, scores.data(), o);
