@@ -23,7 +23,8 @@ def _speedrun_args(p: argparse.ArgumentParser) -> None:
                    help=f"model preset (default {_DEFAULT_SIZE}: d_model {size.d_model}, {size.n_layers} layers, "
                         f"context {size.context_length})")
     p.add_argument("--budget", default="8min",
-                   help="training budget: minutes ('8', '8min') or steps ('300steps'); default 8min (~14 min in all with the chat and RL stages)")
+                   help="training budget: minutes ('8', '8min') or steps ('300steps'); default 8min (~14 min in all "
+                        "with the chat and RL stages)")
     p.add_argument("--sft-budget", default="2.5min",
                    help="chat fine-tuning on the built-in chat tasks after pretraining: minutes or steps, like "
                         "--budget (default 2.5min)")
