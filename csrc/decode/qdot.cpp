@@ -271,8 +271,7 @@ LMFORGE_AVX2 void tile_i4(const int8_t* xq, const float* d, const int32_t* xsum,
             const __m256 dv = _mm256_set1_ps(d[(m0 + i) * G + g]);
             for (int q = 0; q < PR; ++q) {
                 const __m256i exact = _mm256_sub_epi32(_mm256_madd_epi16(s16[i][q], ones), corr);
-                const __m256 dd = _mm256_mul_ps(
-                    dv, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + ((p0 + q) * G + g) * kPanel))));
+                const __m256 dd = _mm256_mul_ps(dv, f16x8_to_f32(sc + ((p0 + q) * G + g) * kPanel));
                 acc[i][q] = _mm256_add_ps(acc[i][q], _mm256_mul_ps(_mm256_cvtepi32_ps(exact), dd));
             }
         }

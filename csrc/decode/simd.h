@@ -1,6 +1,6 @@
 // CPU dispatch shared by the decode kernels in csrc/decode/ (Python: lmforge.generate.engine): whether
 // the AVX2 and AVX-512 code may run, the switches that force the scalar or AVX2 code (tests), the scalar
-// fp16 conversion (fp16 weights, int4 scales), and the AVX2 helpers store8, hsum and exp8.
+// fp16 conversion (fp16 weights, int4 scales), and the AVX2 helpers f16x8_to_f32, store8, hsum and exp8.
 #pragma once
 #include <atomic>
 #include <cstddef>
@@ -55,6 +55,11 @@ inline bool cpu_has_avx512() {
                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
                            __builtin_cpu_supports("avx512dq");
     return ok;
+}
+
+// 8 fp16 bit patterns as fp32 (F16C; the vector twin of f16_to_f32): fp16 weights, int4 scales.
+LMFORGE_AVX2 inline __m256 f16x8_to_f32(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // The 8 outputs n0 .. n0+7 of one row (those below N: a panel's last rows may be padding past N).
