@@ -121,17 +121,21 @@ def parse_budget(budget: str | int | float) -> tuple[str, float]:
 # ==================================================================================================
 # Bookkeeping: which stages are done, and with what inputs
 # ==================================================================================================
+def _refuse_foreign(out: Path) -> None:
+    """``ValueError`` when ``out`` is a non-empty folder that no speedrun wrote (``--force`` never empties it)."""
+    if out.is_dir() and any(out.iterdir()) and not (out / STATE_FILE).exists():
+        raise ValueError(f"{out} exists and is not a speedrun directory (no {STATE_FILE}); choose another --out, or "
+                         "empty it")
+
+
 class _State:
     """``speedrun.json``: the settings of the run and one record per finished stage (written atomically)."""
 
     def __init__(self, out: Path, settings: dict[str, Any], force: bool) -> None:
         self.path = out / STATE_FILE
-        if out.exists() and any(out.iterdir()):
-            if not self.path.exists():
-                raise ValueError(f"{out} exists and is not a speedrun directory (no {STATE_FILE}); choose another "
-                                 "--out, or empty it")
-            if force:
-                _remove_artifacts(out)
+        _refuse_foreign(out)
+        if force and out.exists() and any(out.iterdir()):
+            _remove_artifacts(out)
         if self.path.exists():
             self.data = json.loads(self.path.read_text(encoding="utf-8"))
             old = self.data.get("settings", {})
@@ -344,6 +348,7 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"speedrun output {out} is an existing file; choose another --out directory")
+    _refuse_foreign(out)  # before the corpus: a named one may be downloaded first
     t_start = time.perf_counter()
     paths = _resolve_corpus(corpus)
     inputs = [(str(p), p.stat().st_size, sha256_file(p)) for p in paths]

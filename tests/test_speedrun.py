@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import re
+from unittest import mock
 
 import pytest
 from conftest import make_corpus_text
@@ -207,6 +208,10 @@ def test_speedrun_bad_input(tmp_path, corpus):
     with pytest.raises(ValueError, match="not a speedrun directory"):
         run(foreign, corpus, force=True)
     assert (foreign / "notes.txt").read_text() == "keep me"
+    # refused before the corpus is fetched: a named dataset is not downloaded (no network on a GPU machine) first
+    with mock.patch("lmforge.speedrun.get_dataset", side_effect=AssertionError("fetched the corpus")):
+        with pytest.raises(ValueError, match="not a speedrun directory"):
+            run(foreign, "shakespeare")
 
 
 @pytest.mark.parametrize("text, want", [("8", ("minutes", 8.0)), ("8min", ("minutes", 8.0)), ("2.5m", ("minutes", 2.5)),

@@ -127,9 +127,30 @@ def download_command(dest: Path, pins: list[str], python: str = sys.executable) 
             "--implementation", "cp", *plat, "-d", str(dest), *pins]
 
 
+def dependency_closure(seeds: Iterable[str]) -> dict[str, str]:
+    """``{normalised name: installed version}`` of ``seeds`` and everything they require here (extras and markers
+    that do not apply left out): a bare image lacks a dependency's dependencies too (fastapi 0.165 imports
+    opentelemetry)."""
+    from packaging.requirements import Requirement
+
+    found: dict[str, str] = {}
+    todo = list(seeds)
+    while todo:
+        name = norm(todo.pop())
+        if name in found:
+            continue
+        dist = importlib.metadata.distribution(name)
+        found[name] = dist.version
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return found
+
+
 def prepare() -> int:
     """Download the wheels and copy a corpus into ``.gpu-check/`` (run on a machine with PyPI access)."""
-    pins = [f"{n}=={importlib.metadata.version(n)}" for n in PREPARE_PACKAGES]
+    pins = [f"{n}=={v}" for n, v in sorted(dependency_closure(PREPARE_PACKAGES).items())]
     shutil.rmtree(WHEELS, ignore_errors=True)  # one version of each: two would stop the install
     WHEELS.mkdir(parents=True)
     if subprocess.run(download_command(WHEELS, pins)).returncode != 0:

@@ -90,6 +90,7 @@ class Engine:
             raise ValueError(f"use_kernel=True needs a float32 model on CPU and lmforge's C++ extension "
                              f"(this model is {self.dtype} on {self.device})")
         self._kernel = can if use_kernel is None else bool(use_kernel)
+        self.activations = activations_of(activations, wd or self.dtype)  # the settings' own conflicts first
         if wd == INT4 and not self._kernel:
             raise ValueError(f"int4 weights run on the CPU decode kernel only (a float32 model on CPU with lmforge's "
                              f"C++ extension); this model is {self.dtype} on {self.device.type}, and int4 has no "
@@ -98,7 +99,6 @@ class Engine:
             raise ValueError(f"weight_dtype={wd} needs the CPU decode kernel (a float32 model on CPU with lmforge's "
                              f"C++ extension built); this model is {self.dtype} on {self.device}: leave it unset")
         self.weight_dtype = wd or self.dtype
-        self.activations = activations_of(activations, self.weight_dtype)
         self.model = model
         self._decoder: Any = None  # the C++ step's model (kernel path)
         self._arrays: tuple[np.ndarray, ...] = ()  # numpy views of cache.k, .v, .lengths and tokens (kernel path)

@@ -175,7 +175,8 @@ def _project(module: nn.Module, x: Tensor, weights: list[Tensor]) -> tuple[Tenso
     through data pointers and in-place version counters) or autograd is needed again.
     """
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-        module.__dict__.pop("_fused_cache", None)
+        if not torch.compiler.is_compiling():  # torch 2.11's dynamo breaks the graph on a __dict__.pop
+            module.__dict__.pop("_fused_cache", None)
         return _Projections.apply(x, *weights)
     key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
     hit = module.__dict__.get("_fused_cache")

@@ -97,6 +97,9 @@ def test_activations_setting_and_errors():
         PackedLinear(torch.randn(8, 8), torch.bfloat16, activations="int8")
     with pytest.raises(ValueError, match="needs int8 or int4 weights"):
         Engine(_model(), activations="int8")
+    # the settings' own conflict comes before the device's (a GPU, or no kernel, said "needs the CPU decode kernel")
+    with pytest.raises(ValueError, match="needs int8 or int4 weights"):
+        Engine(_model(), weight_dtype="bf16", activations="int8", use_kernel=False)
     lin = PackedLinear(torch.randn(16, 40), torch.int8, activations="int8")  # K = 40: padded to 64 codes
     assert lin._array.shape == (2, 64, 8) and lin._array.dtype == np.int8
     with pytest.raises(ValueError, match=r"kind 5: \(ceil\(N / 8\), 32 ceil\(K / 32\), 8\)"):

@@ -123,6 +123,17 @@ def test_install_plan_takes_only_the_missing_wheels_and_names_what_none_provides
     assert "manylinux2014_x86_64" in cmd and cmd[-1] == "platformdirs==4.3.6"
 
 
+def test_prepare_downloads_what_the_light_dependencies_need_too() -> None:
+    """A bare image lacked fastapi's own dependency (opentelemetry-api, first H100 run): --prepare takes the closure
+    of what is installed here, extras left out."""
+    have = gpu_check.dependency_closure(["fastapi"])
+    assert {"fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types"} <= set(have)
+    assert all(v for v in have.values())
+    assert "email-validator" not in have and "jinja2" not in have  # fastapi[all]'s, not fastapi's
+    assert set(gpu_check.PREPARE_PACKAGES) <= {gpu_check.norm(n) for n in gpu_check.dependency_closure(
+        gpu_check.PREPARE_PACKAGES)}
+
+
 def test_a_dependency_without_a_wheel_is_named_with_the_prepare_command(tmp_path, monkeypatch, capsys) -> None:
     gpu = {"torch": "2.11.0", "cuda": True, "bf16": True, "name": "NVIDIA H100 80GB HBM3", "capability": [9, 0]}
     monkeypatch.setattr(gpu_check, "_python_json", lambda code, env: gpu if code == gpu_check._DEVICE else ["torch"])
