@@ -326,18 +326,20 @@ def run(c: Check) -> None:
         peak.append(f"--datasheet={probe[0]['datasheet_bf16_flops']}")
     work = [f"--work={c.work}"] + ([f"--corpus={CORPUS}"] if CORPUS.exists() and not a.dry_run else [])
     has_timeout = importlib.util.find_spec("pytest_timeout") is not None
-    tests = ["tests/train/test_gpu.py"] + ([] if a.dry_run else ["tests/test_cli_bad_input.py"])
+    tests = ["tests/train/test_gpu.py", "tests/generate/test_graphs.py"] + ([] if a.dry_run else
+                                                                          ["tests/test_cli_bad_input.py"])
     pytest = ["-q", "-p", "no:cacheprovider", *(["--timeout=120"] if has_timeout else ["-o", "addopts=-ra"])]
     run_cmd = [py, "tools/gpu_run.py"]  # pytest and the speedrun, with their exit codes and figures as JSON lines
     plan: list[tuple[str, list[str], float, bool]] = [
         ("tests", [*run_cmd, "pytest", *pytest, *tests], 100, False),
         ("train-gpt2", [*train, "train", "--shape", "tiny" if a.dry_run else "gpt2", *dry, *quick, *peak, *work,
-                        *(["--runs=lmforge:eager,hf:eager,lmforge:compiled"] if a.dry_run else [])], 120, False),
+                        *([f"--runs={a.train_runs}"] if a.train_runs else
+                          ["--runs=lmforge:eager,hf:eager,lmforge:compiled"] if a.dry_run else [])], 120, False),
         ("train-d20", [*train, "train", "--shape", "tiny20" if a.dry_run else "d20", *dry, *quick, *peak, *work,
                        *(["--runs=lmforge:eager" + ("" if a.quick else ",hf:eager")] if a.dry_run else [])], 130,
          False),
         ("resume", [*train, "resume", *dry, *quick, *work], 70, False),
-        ("generate", [*infer, "generate", *dry, *quick], 100, False),
+        ("generate", [*infer, "generate", *dry, *quick], 130, False),
         ("serve", [*infer, "serve", *dry, *quick], 70, False),
         ("loop", [*train, "loop", *dry, *quick, *peak, *work], 80, False),
         ("speedrun", [*run_cmd, "speedrun", str(_speedrun_corpus(c)), str(c.work / "speedrun"),
@@ -366,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds for the whole run (default 470; a dry run: 1800, its caps 4x: a shared CPU is slow)")
     ap.add_argument("--only", default=None, help="comma-separated stages to run (default: all)")
     ap.add_argument("--no-install", action="store_true", help="lmforge is installed already: skip that stage")
+    ap.add_argument("--train-runs", default=None,
+                    help="the GPT-2 training stage's runs, IMPL:MODE,... (default: lmforge and hf, eager and compiled)")
     a = ap.parse_args(argv)
     a.dry_run = a.dry_run or a.quick
     a.budget = a.budget or (600.0 if a.quick else 1800.0 if a.dry_run else 470.0)

@@ -1,7 +1,8 @@
 """The GPU check's inference stages, one per process (``tools/gpu_check.py`` runs them, each under a time cap):
 
 * ``generate``: greedy decoding with lmforge's one engine (``Generator``: prefill and steps through the model's
-  forward and KV cache on CUDA) at batch 1 and 64, against HF ``generate`` from the same weights (bf16 both):
+  forward and KV cache on CUDA, each batch size's step replayed as a CUDA graph; ``lmforge_no_graphs``: the same
+  steps launched op by op) at batch 1 and 64, against HF ``generate`` from the same weights (bf16 both):
   its default (dynamic cache) and its fastest (a static cache, which HF compiles itself on CUDA:
   ``torch.compile`` with CUDA graphs). The first tokens of lmforge and HF must agree.
 * ``serve``: the real ``lmforge serve`` (its own process, continuous batching, ``--max-batch`` = clients) with 64
@@ -54,6 +55,7 @@ def generate(a: argparse.Namespace) -> None:
     from _common import hf_twins
 
     from lmforge.generate import Generator
+    from lmforge.generate.engine import Engine
 
     dev = torch.device("cpu" if a.dry_run else "cuda")
     cfg = _cfg("tiny" if a.dry_run else "gpt2")
@@ -69,6 +71,8 @@ def generate(a: argparse.Namespace) -> None:
     ours.to(torch.bfloat16)  # timed in bf16, both; a near tie may then flip a token (reported, not failed)
     ref.to(torch.bfloat16)
     gen = Generator(ours)
+    plain = Generator(ours)
+    plain.engine = Engine(ours, static_steps=False)  # the same forward without CUDA graphs
     batches = (1, 2) if a.quick else (1, 4) if a.dry_run else (1, 64)
     g = torch.Generator().manual_seed(0)
     for batch in batches:
@@ -82,20 +86,23 @@ def generate(a: argparse.Namespace) -> None:
                                         min_new_tokens=n_new, do_sample=False, **extra)[:, prompt_len:].tolist()
 
         runs = {"lmforge": lambda: gen.generate_ids(rows, n_new, temperature=0),
+                "lmforge_no_graphs": lambda: plain.generate_ids(rows, n_new, temperature=0),
                 "hf_dynamic": hf(False), "hf_static_compiled": hf(True)}
         toks: dict[str, Any] = {}
         best: dict[str, float] = {}
         warm: dict[str, float] = {}
         for name, fn in runs.items():  # the first call warms up (and compiles HF's static-cache forward)
             warm[name], toks[name] = _timed(fn, dev)
-        for _ in range(1 if a.quick else 2 if a.dry_run else 3):  # alternating rounds; the best of each
+        for _ in range(1 if a.quick else 2):  # alternating rounds; the best of each
             for name, fn in runs.items():
                 best[name] = min(best.get(name, float("inf")), _timed(fn, dev)[0])
         agree = sum(x == y for r, h in zip(toks["lmforge"], toks["hf_static_compiled"]) for x, y in zip(r, h))
         for name in runs:
             emit(a.result, {"kind": "generate", "impl": name, "batch": batch, "new_tokens": n_new,
                             "tokens_per_s": batch * n_new / best[name], "warmup_s": warm[name],
-                            "bf16_tokens_equal_hf": agree / (batch * n_new), "ok": True})
+                            "bf16_tokens_equal_hf": agree / (batch * n_new), "ok": True,
+                            **({"graphs_captured": gen.engine._graphs.captured} if name == "lmforge" and
+                               gen.engine._graphs is not None else {})})
 
 
 def serve(a: argparse.Namespace) -> None:

@@ -10,9 +10,9 @@ from lmforge.model.layers import (Embedding, Linear, RMSNorm, RotaryPositionalEm
                                   scaled_dot_product_attention, silu, softmax)
 from lmforge.model.losses import cross_entropy, linear_cross_entropy
 from lmforge.model.transformer import (CausalSelfAttention, KVCache, ModelConfig, Norm, TransformerBlock, TransformerLM,
-                                       flops_per_token, matmul_params_per_token, num_params)
+                                       cached_projections, flops_per_token, matmul_params_per_token, num_params)
 
 __all__ = ["ModelConfig", "TransformerLM", "TransformerBlock", "CausalSelfAttention", "KVCache", "Norm", "Linear",
            "Embedding", "RMSNorm", "SwiGLU", "RotaryPositionalEmbedding", "softmax", "silu",
            "scaled_dot_product_attention", "cross_entropy", "linear_cross_entropy", "num_params",
-           "flops_per_token", "matmul_params_per_token"]
+           "flops_per_token", "matmul_params_per_token", "cached_projections"]

@@ -30,6 +30,10 @@ class KVCache:
     says what each query sees), and :meth:`advance` moves the lengths on.
     A row can be emptied (:meth:`reset`) and refilled alone through a view of it (:meth:`rows`), which shares
     the storage: that is how a row slides past the context or a finished request frees its slot.
+
+    ``static = True`` (a view's setting, for decode steps captured as CUDA graphs) plans every pass with fixed
+    shapes and no host sync: new tokens go to each row's own columns and every query attends over all ``capacity``
+    columns under a mask. The caller keeps room in every row (the engine slides full rows first): nothing checks.
     """
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, capacity: int,
@@ -43,6 +47,7 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.k.device)
         self.capacity = capacity
+        self.static = False
         self._plan: tuple[int, int | None, Tensor, int] | None = None
 
     @classmethod
@@ -60,7 +65,7 @@ class KVCache:
     @classmethod
     def _view(cls, k: Tensor, v: Tensor, lengths: Tensor) -> "KVCache":
         view = cls.__new__(cls)
-        view.k, view.v, view.lengths, view.capacity, view._plan = k, v, lengths, k.shape[3], None
+        view.k, view.v, view.lengths, view.capacity, view.static, view._plan = k, v, lengths, k.shape[3], False, None
         return view
 
     @property
@@ -79,9 +84,13 @@ class KVCache:
     def begin(self, T: int) -> Tensor:
         """Plan a forward pass of ``T`` new tokens per row; returns their RoPE positions (= cache columns).
 
-        ``(T,)`` when every row starts at the same column, else ``(B, T)``. The model calls this once per
+        ``(T,)`` when every row starts at the same column, else ``(B, T)`` (always, when :attr:`static`). The model calls this once per
         forward, then :meth:`write` per layer, :meth:`mask`, and :meth:`advance` at the end.
         """
+        if self.static:  # fixed shapes, no host sync: each row's own columns, attention over the whole capacity
+            cols = self.lengths[:, None] + torch.arange(T, device=self.k.device)  # (B, T)
+            self._plan = (T, None, cols, self.capacity)
+            return cols
         lo, hi = (int(x) for x in torch.aminmax(self.lengths))  # one host sync per forward
         check_context(hi + T, self.capacity, f"a cached row ({hi} cached + {T} new tokens)", "the KV cache's capacity")
         steps = torch.arange(T, device=self.k.device)

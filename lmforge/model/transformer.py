@@ -36,7 +36,7 @@ from lmforge.model.losses import cross_entropy, linear_cross_entropy
 __all__ = ["ModelConfig", "MAX_CONTEXT_LENGTH", "TransformerLM", "TransformerBlock", "CausalSelfAttention", "KVCache",
            "Linear", "Embedding", "RMSNorm", "SwiGLU", "RotaryPositionalEmbedding", "softmax", "silu",
            "scaled_dot_product_attention", "cross_entropy", "linear_cross_entropy", "num_params",
-           "flops_per_token", "matmul_params_per_token"]
+           "flops_per_token", "matmul_params_per_token", "cached_projections"]
 
 
 MAX_CONTEXT_LENGTH = 1 << 20
@@ -184,6 +184,12 @@ def _project(module: nn.Module, x: Tensor, weights: list[Tensor]) -> tuple[Tenso
         hit = (key, torch.cat(weights, dim=0))
         module.__dict__["_fused_cache"] = hit
     return (x @ hit[1].T).split([w.shape[0] for w in weights], dim=-1)
+
+
+def cached_projections(model: nn.Module) -> list[Tensor]:
+    """The concatenated weights :func:`_project` caches on ``model``'s modules for decoding. A CUDA graph that
+    reads them holds these references, so a later concatenation cannot free the memory the graph replays on."""
+    return [hit[1] for m in model.modules() if (hit := m.__dict__.get("_fused_cache")) is not None]
 
 
 def _project_modules(owner: nn.Module, x: Tensor, modules: tuple[nn.Module, ...]) -> tuple[Tensor, ...]:
