@@ -222,7 +222,11 @@ class _RMSNormFn(torch.autograd.Function):
         xn = x32 * inv  # (..., d)
         ctx.save_for_backward(xn, inv, weight)
         ctx.x_dtype = x.dtype
-        return (xn * weight).to(x.dtype)
+        y = xn * weight
+        # No ``.to`` that returns ``y`` itself: torch 2.11's dynamo then routes the gradient wrongly when compiled
+        # (every gradient before a norm came out wrong on an H100 and on the CPU: tests/model/test_compile.py fails
+        # there without this; the aliased-output bug class of pytorch/pytorch#180642, fixed for 2.12).
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, g: Tensor):

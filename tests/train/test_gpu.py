@@ -144,8 +144,12 @@ def test_compiled_model_on_cuda_matches_eager() -> None:
     got_loss = torch.compile(model, fullgraph=True)(x, targets=y)
     got = torch.autograd.grad(got_loss, list(model.parameters()))
     torch.testing.assert_close(got_loss, eager, rtol=1e-4, atol=1e-4)
-    for (name, _), a, b in zip(model.named_parameters(), got, want):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=name)
+    # every parameter's worst error, so a failure shows where and how large (the 2026-11-27 H100 run, torch 2.11:
+    # this failed at the first parameter, token_embeddings.weight, without saying by how much)
+    bad = [f"{name}: max |diff| {float((a - b).abs().max()):.2e}, max |grad| {float(b.abs().max()):.2e}"
+           for (name, _), a, b in zip(model.named_parameters(), got, want)
+           if not torch.allclose(a, b, rtol=1e-3, atol=1e-4)]
+    assert not bad, "compiled gradients differ from eager's: " + "; ".join(bad)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
