@@ -8,11 +8,13 @@ first step of each batch size runs eagerly and is then captured as a CUDA graph,
 launch per token. Elsewhere (``capture=False``) the same static step runs eagerly: what tests hold against the
 model's ordinary forward.
 
-The graphs belong to one cache's storage: :meth:`reset` drops them when the engine builds another cache.
+The graphs belong to one cache's storage: :meth:`reset` drops them when the engine builds another cache. A capture
+that fails (a driver or library that refuses it) is logged once and decoding goes on without graphs.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
@@ -21,6 +23,8 @@ from torch import Tensor
 from lmforge.model import KVCache
 
 __all__ = ["StepGraphs"]
+
+logger = logging.getLogger("lmforge")
 
 
 class _Entry:
@@ -45,13 +49,11 @@ class StepGraphs:
                  keep: Callable[[], list[Tensor]] = list) -> None:
         self.run, self.capture, self.keep = run, capture, keep
         self._entries: dict[int, _Entry] = {}
-        self._pool: Any = None
         self.captured = 0  # graphs captured since the last reset (tests and benchmarks read it)
 
     def reset(self) -> None:
         """Forget every graph (the cache they write into is gone)."""
         self._entries.clear()
-        self._pool = None
         self.captured = 0
 
     def step(self, cache: KVCache, tokens: Tensor) -> Tensor:
@@ -68,18 +70,32 @@ class StepGraphs:
         e.tokens.copy_(tokens[:, None])
         if not self.capture:
             return self.run(e.tokens, e.view)
-        # The first step at this size runs eagerly on a side stream (lazy initialisations must not be captured),
-        # then the same step is captured: capture records kernels without running them, so the cache is unchanged.
+        logits = self._warm(e)
+        try:
+            e.graph = self._capture(e)
+        except RuntimeError as err:  # the step already ran: go on without graphs rather than fail the request
+            logger.warning("decoding without CUDA graphs from now on: capturing the batch-%d step failed (%s)", B,
+                           str(err).splitlines()[0] if str(err) else type(err).__name__)
+            self.capture = False
+            e.graph = e.out = None
+            return logits
+        e.kept = self.keep()
+        self.captured += 1
+        return logits
+
+    def _warm(self, e: _Entry) -> Tensor:
+        """The first step at a batch size, eagerly on a side stream (lazy initialisations must not be captured)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             logits = self.run(e.tokens, e.view)
         torch.cuda.current_stream().wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            e.out = self.run(e.tokens, e.view)
-        e.graph, e.kept = graph, self.keep()
-        self.captured += 1
         return logits
+
+    def _capture(self, e: _Entry) -> Any:
+        """The same step as a CUDA graph: capture records kernels without running them, so the cache is unchanged.
+        Each graph has its own memory pool (replays of different batch sizes never share scratch memory)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            e.out = self.run(e.tokens, e.view)
+        return graph

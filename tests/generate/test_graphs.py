@@ -4,6 +4,8 @@ static step, bit for bit, and greedy decoding to the ordinary path."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -81,9 +83,39 @@ def test_a_same_shaped_cache_is_reused_and_zeroed() -> None:
     assert first == Generator(model).generate_ids([[1, 2, 3], [4, 5]], 10, temperature=0)
 
 
+def test_a_failed_capture_keeps_decoding_without_graphs(caplog) -> None:
+    """A capture the driver refuses: the step that ran eagerly is returned, one warning, and later steps run
+    eagerly (and right); no graph is counted."""
+    from lmforge.generate.graphs import StepGraphs
+
+    class Refused(StepGraphs):
+        def _warm(self, e):  # the CPU has no side streams: the eager step itself
+            return self.run(e.tokens, e.view)
+
+        def _capture(self, e):
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    model = _model()
+    plain, static = _pair(model)
+    static._graphs = Refused(static._graphs.run, capture=True)
+    a, b = plain.prefill([[1, 2, 3]], 16), static.prefill([[1, 2, 3]], 16)
+    with caplog.at_level(logging.WARNING, logger="lmforge"):
+        for _ in range(5):
+            t = a.argmax(-1)
+            a, b = plain.step(t), static.step(t)
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert [r.getMessage() for r in caplog.records] == [
+        "decoding without CUDA graphs from now on: capturing the batch-1 step failed (operation not permitted when "
+        "stream is capturing)"]
+    assert not static._graphs.capture and static._graphs.captured == 0
+
+
 def test_static_steps_are_the_pytorch_paths() -> None:
-    with pytest.raises(ValueError, match="static_steps is the PyTorch path's"):
-        Engine(_model(), use_kernel=True, static_steps=True)
+    from lmforge.generate.packed import kernel_available
+
+    if kernel_available():
+        with pytest.raises(ValueError, match="static_steps is the PyTorch path's"):
+            Engine(_model(), use_kernel=True, static_steps=True)
     assert Engine(_model(), use_kernel=False)._graphs is None  # off on the CPU unless asked for
 
 
