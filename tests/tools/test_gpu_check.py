@@ -211,3 +211,24 @@ def test_targets_and_summary_read_the_figures() -> None:
     text = summary(doc)
     assert "| gpt2 | lmforge | compiled | 32 x 1024 | 470,000 |" in text and "| serve | timeout | 70 (70) | killed |" in text
     assert "| bf16 MFU, GPT-2 small shape (lmforge, best mode) | 45% | 47.0% | yes |" in text
+
+
+def test_runs_that_train_apart_from_the_same_start_fail_the_stage(tmp_path: Path, monkeypatch) -> None:
+    """The first losses agreed on the H100 while a compiled run's gradients were wrong (torch 2.11): the stage now
+    also compares the runs' last losses after the same steps, and a spread past the tolerance is a failure."""
+    import argparse
+
+    import gpu_train
+
+    last = iter([5.75, 5.75, 5.50])  # the third run trains elsewhere
+    monkeypatch.setattr(gpu_train, "_time_run", lambda *a, **k: {
+        "tokens_per_s": 1.0, "step_ms": 1.0, "warmup_s": 0.0, "peak_mem_gib": None, "first_step_loss": 5.77,
+        "last_loss": next(last)})
+    result = tmp_path / "r.jsonl"
+    a = argparse.Namespace(dry_run=True, quick=True, shape="tiny", runs="lmforge:eager,hf:eager,lmforge:compiled",
+                           peak=None, datasheet=None, result=str(result))
+    gpu_train.train(a)
+    recs = [json.loads(x) for x in result.read_text().splitlines()]
+    same = [r for r in recs if r["kind"] == "same_training"]
+    assert len(same) == 1 and same[0]["ok"] is False and same[0]["spread"] == pytest.approx(0.25)
+    assert same[0]["last_losses"] == {"lmforge:eager": 5.75, "hf:eager": 5.75, "lmforge:compiled": 5.5}
