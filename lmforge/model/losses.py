@@ -10,12 +10,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from lmforge.model.layers import cross_entropy as cross_entropy_reference
 
-__all__ = ["cross_entropy", "linear_cross_entropy", "cross_entropy_reference"]
+__all__ = ["cross_entropy", "linear_cross_entropy", "cross_entropy_reference", "softmax_grad", "compiled_softmax_grad"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -59,13 +61,13 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, valid: Tensor | None, chunk: int, cdtype,
-                scale: float) -> Tensor:
+                scale: float, chunk_fn: Any = None) -> Tensor:
         N = h.shape[0]
         f32 = cdtype == torch.float32
         if not _sync_ok(h):
             with torch.autocast(h.device.type, enabled=False):
                 loss, grad_h, grad_w = _chunk_sync_free(h.to(cdtype), w.to(cdtype), targets, valid, chunk, scale,
-                                                        ctx.needs_input_grad[1])
+                                                        ctx.needs_input_grad[1], chunk_fn)
             ctx.save_for_backward(grad_h, grad_w)
             ctx.dtypes = (h.dtype, w.dtype)
             ctx.used = False
@@ -124,7 +126,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         if not _sync_ok(g):  # a GPU or a compiled graph: scale out of place (x * 1.0 == x), no host read of g
             return ((grad_h * g).to(h_dtype), None if grad_w is None else (grad_w * g).to(w_dtype),
-                    None, None, None, None, None)
+                    None, None, None, None, None, None)
         if ctx.used:  # the saved gradients are scaled in place below, so a second pass would be wrong
             raise RuntimeError("linear_cross_entropy: backward through the same loss twice is not supported; "
                                "recompute the loss instead of retain_graph=True")
@@ -133,7 +135,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_h.mul_(g)
             if grad_w is not None:
                 grad_w.mul_(g)
-        return grad_h.to(h_dtype), None if grad_w is None else grad_w.to(w_dtype), None, None, None, None, None
+        return grad_h.to(h_dtype), None if grad_w is None else grad_w.to(w_dtype), None, None, None, None, None, None
 
 
 def _sync_ok(t: Tensor) -> bool:
@@ -141,14 +143,40 @@ def _sync_ok(t: Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
+def softmax_grad(logits: Tensor, t: Tensor, valid: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """``(Σ nll, d(scale · Σ nll)/d logits)`` of one chunk of logits ``(n, V)`` against targets ``t (n, 1)`` (rows
+    weighted by ``valid (n,)``), the gradient in the logits' dtype: :func:`_chunk_sync_free`'s elementwise part,
+    written without in-place ops so that a compiler fuses it into a pass or two over the chunk.
+    ``linear_cross_entropy(..., chunk_fn=torch.compile(softmax_grad))`` runs it compiled (``training.compile``
+    does on a GPU: eagerly it is ~6 passes over a float32 chunk)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
+    nll = logp.gather(1, t).squeeze(1).neg()  # (n,)
+    p = logp.exp().scatter_add(1, t, torch.full_like(t, -1.0, dtype=logp.dtype))  # p - onehot
+    if valid is not None:
+        nll, p = nll * valid, p * valid[:, None]
+    return nll.sum(), (p * scale).to(logits.dtype)
+
+
+_COMPILED: dict[tuple, Any] = {}
+
+
+def compiled_softmax_grad(**options: Any) -> Any:
+    """:func:`softmax_grad` under ``torch.compile(**options)`` with static shapes, built once per set of options."""
+    key = tuple(sorted(options.items()))
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(softmax_grad, dynamic=False, **options)
+    return _COMPILED[key]
+
+
 def _chunk_sync_free(hc: Tensor, wc: Tensor, targets: Tensor, valid: Tensor | None, chunk: int, scale: float,
-                     want_w: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+                     want_w: bool, chunk_fn: Any = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(scale · summed loss, its gradient for h, for w or None)`` of ``hc wcᵀ``, ``chunk`` rows at a time,
     with no host sync and no data-dependent branch (the GPU and compiled form of :class:`_LinearCrossEntropySum`).
 
     Per chunk: logits in the compute dtype; their float32 log-softmax gives the loss exactly however small
     ``p[target]`` is; ``exp`` of it is the softmax, which becomes ``p - onehot`` in place and feeds both
-    gradient GEMMs (``h``'s in the compute dtype, ``w``'s accumulated in float32).
+    gradient GEMMs (``h``'s in the compute dtype, ``w``'s accumulated in float32). ``chunk_fn``: a compiled
+    :func:`softmax_grad` for that elementwise part (the same numbers up to the compiler's rounding).
     """
     N = hc.shape[0]
     f32 = hc.dtype == torch.float32
@@ -157,6 +185,13 @@ def _chunk_sync_free(hc: Tensor, wc: Tensor, targets: Tensor, valid: Tensor | No
     for s in range(0, N, chunk):
         e = min(N, s + chunk)
         t = targets[s:e, None]  # (n, 1)
+        if chunk_fn is not None:
+            nll_sum, pc = chunk_fn(hc[s:e] @ wc.T, t, None if valid is None else valid[s:e], scale)
+            losses.append(nll_sum)
+            grads_h.append(pc @ wc)  # (n, d)
+            if grad_w is not None:
+                grad_w.add_(pc.T @ hc[s:e])  # (V, d)
+            continue
         logp = torch.log_softmax((hc[s:e] @ wc.T).float(), dim=-1)  # (n, V)
         nll = logp.gather(1, t).squeeze(1).neg()  # (n,)
         p = logp.exp_()  # (n, V) softmax, in place
@@ -236,11 +271,11 @@ def _chunk_rows(n_rows: int, vocab_size: int, device_type: str = "cpu") -> int:
 
 def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, ignore_index: int | None = None,
                          reduction: str = "mean", chunk_rows: int | None = None,
-                         weights: Tensor | None = None) -> Tensor:
+                         weights: Tensor | None = None, chunk_fn: Any = None) -> Tensor:
     """``cross_entropy(h @ weight.T, targets, weights=weights)`` without materialising the ``(N, V)`` logits.
 
     ``h (..., d)``, ``weight (V, d)``. Under autocast the matmuls run in the autocast dtype and the
-    softmax in float32, like the unfused path.
+    softmax in float32, like the unfused path. ``chunk_fn`` (off the CPU): a compiled :func:`softmax_grad`.
     """
     if reduction == "none":
         return cross_entropy_reference(h @ weight.T, targets, ignore_index, "none", weights)
@@ -254,8 +289,8 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, ignore_inde
     chunk = chunk_rows or _chunk_rows(h2.shape[0], weight.shape[0], dev)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         if reduction == "mean" and valid is None and h2.shape[0]:  # the 1/N rides in the GEMMs (see _LinearCrossEntropySum)
-            return _LinearCrossEntropySum.apply(h2, weight, safe, valid, chunk, cdtype, 1.0 / h2.shape[0])
-        total = _LinearCrossEntropySum.apply(h2, weight, safe, valid, chunk, cdtype, 1.0)
+            return _LinearCrossEntropySum.apply(h2, weight, safe, valid, chunk, cdtype, 1.0 / h2.shape[0], chunk_fn)
+        total = _LinearCrossEntropySum.apply(h2, weight, safe, valid, chunk, cdtype, 1.0, chunk_fn)
     else:  # evaluation: chunked loss only
         parts = []
         for s in range(0, h2.shape[0], chunk):

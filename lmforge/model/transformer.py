@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ from lmforge.checkpoint import grow_rows
 from lmforge.model.layers import (Device, DType, Embedding, Linear, RMSNorm, RotaryPositionalEmbedding, SwiGLU, default_d_ff,
                             scaled_dot_product_attention, silu, softmax)
 from lmforge.model.cache import KVCache, check_context
-from lmforge.model.losses import cross_entropy, linear_cross_entropy
+from lmforge.model.losses import compiled_softmax_grad, cross_entropy, linear_cross_entropy
 
 __all__ = ["ModelConfig", "MAX_CONTEXT_LENGTH", "TransformerLM", "TransformerBlock", "CausalSelfAttention", "KVCache",
            "Linear", "Embedding", "RMSNorm", "SwiGLU", "RotaryPositionalEmbedding", "softmax", "silu",
@@ -416,6 +417,9 @@ class TransformerLM(nn.Module):
             for _ in range(cfg.n_layers))
         self.ln_final = Norm(cfg.d_model, cfg.norm_eps, fast=cfg.fast, device=device, dtype=dtype)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, device=device, dtype=dtype)
+        # torch.compile options for the fused loss's elementwise part off the CPU (training.compile sets them:
+        # lmforge.train.distributed.compile_blocks); None runs it eagerly
+        self.loss_compile: dict[str, Any] | None = None
         if cfg.tie_embeddings:
             self.lm_head.weight = self.token_embeddings.weight
         self.init_weights()
@@ -538,7 +542,12 @@ class TransformerLM(nn.Module):
         if targets is None:
             return self.lm_head(x)  # (B, T, V)
         if self.cfg.fast and type(self.lm_head) is Linear:  # a LoRA-wrapped head goes through its module
-            return linear_cross_entropy(x, self.lm_head.weight, targets, ignore_index, reduction, weights=weights)
+            # (inside a whole-model compile the chunk is traced with the rest, and torch 2.11 cannot pass a compiled
+            # function through an autograd.Function there)
+            chunk_fn = (None if self.loss_compile is None or torch.compiler.is_compiling() else
+                        compiled_softmax_grad(**self.loss_compile))
+            return linear_cross_entropy(x, self.lm_head.weight, targets, ignore_index, reduction, weights=weights,
+                                        chunk_fn=chunk_fn)
         return cross_entropy(self.lm_head(x), targets, ignore_index, reduction, weights)
 
 

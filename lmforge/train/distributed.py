@@ -172,11 +172,15 @@ def compile_blocks(model: Any) -> int:
     whole GPT-2 traced as one graph takes a minute or more. Compiled in place (``nn.Module.compile``), the module
     names and ``state_dict`` keys stay the same, and data-parallel wrappers keep their hooks outside the graphs
     (DDP's bucketed all-reduces overlap the backward; FSDP2 gathers and frees per block). The embedding, the final
-    norm and the fused loss run eagerly (the loss's chunks are large GEMMs: little for a compiler to fuse).
+    norm and the fused loss's GEMMs run eagerly; the loss's elementwise part per chunk (log-softmax, exp, minus the
+    one-hot, the cast: ~6 passes over a float32 chunk of logits eagerly) is compiled on its own
+    (:func:`lmforge.model.losses.softmax_grad`), used off the CPU, where the loss takes its sync-free form.
     """
     blocks = list(getattr(model, "layers", []))
     for block in blocks:
         block.compile(**_COMPILE_OPTIONS)
+    if hasattr(model, "loss_compile"):  # the fused loss's elementwise part too (used off the CPU)
+        model.loss_compile = dict(_COMPILE_OPTIONS)
     return len(blocks)
 
 
