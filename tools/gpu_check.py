@@ -10,7 +10,7 @@ Stages, in order, each in its own process under its own time cap (cut further so
 ``.gpu-check/wheels`` that this Python lacks, then ``pip install --no-build-isolation --no-deps -e .``, no
 network), ``probe`` (the GPU and its measured bf16 matmul peak), ``tests`` (``pytest -m gpu`` and the CLI's
 bad-input sweep on the GPU), ``train-gpt2`` and ``train-d20`` (bf16 MFU, lmforge vs HF from the same weights,
-eager and compiled), ``resume`` (FSDP2 + DCP, SIGKILL, resume), ``generate``, ``serve``, ``loop`` (lmforge's own
+eager and compiled), ``profile`` (one compiled step's device time by kind), ``resume`` (FSDP2 + DCP, SIGKILL, resume), ``generate``, ``serve``, ``loop`` (lmforge's own
 ``train()``), ``speedrun`` (a local corpus, step budgets) and ``suite`` (model/train/generate tests with the time
 left; optional). Every figure goes to ``OUT/gpu_check.json`` (rewritten after each stage, so a run cut short
 still leaves what it measured), the children's output to ``OUT/gpu_check.log``, the tables to ``OUT/summary.md``.
@@ -30,6 +30,7 @@ install        150      9-36  the C++ extension (61 CPU-seconds of compiling on 
 probe           40       4-6  20 bf16 products of 8192^2
 tests          100     35-66  the GPU tests (inductor compiles, CUDA graphs) and the CLI's bad-input sweep
 train-gpt2     120        64  HF init; 4 runs x (3 warm-up + 10 timed steps of 84-168 ms); 2 block compiles
+profile         60         -  one compiled GPT-2 step under torch.profiler: device time by kind, top kernels
 train-d20      100  93 (4 r)  the compiled runs only (lmforge, HF): ~2.5x the FLOPs per token of GPT-2 small
 resume          70        44  three train() processes (start, NCCL, 12 small steps each)
 generate       150   95 (b1)  HF compiles its static-cache forward per batch size (~21 s each); batch 64 times
@@ -337,6 +338,7 @@ def run(c: Check) -> None:
         ("train-gpt2", [*train, "train", "--shape", "tiny" if a.dry_run else "gpt2", *dry, *quick, *peak, *work,
                         *([f"--runs={a.train_runs}"] if a.train_runs else
                           ["--runs=lmforge:eager,hf:eager,lmforge:compiled"] if a.dry_run else [])], 120, False),
+        ("profile", [*train, "profile", *dry, *quick, *work], 60, False),
         ("train-d20", [*train, "train", "--shape", "tiny20" if a.dry_run else "d20", *dry, *quick, *peak, *work,
                        "--runs=" + ("lmforge:eager" + ("" if a.quick else ",hf:eager") if a.dry_run else
                                     "lmforge:compiled,hf:compiled")], 100, False),

@@ -63,6 +63,9 @@ def _stage_result(name: str, st: dict[str, Any]) -> str:
             return f"{_f(r.get('tokens_per_s'), ',.0f')} tokens/s, MFU {_f(r.get('mfu', r.get('mfu_datasheet')), '.1f', 100, '%')}"
         if r.get("kind") == "serve":
             return f"{r['clients']} clients: {r['ratio']:.1f}x sequential HF"
+        if r.get("kind") == "profile":
+            parts = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r["shares"].items(), key=lambda kv: -kv[1]))
+            return f"{r['ms_per_step']:.1f} ms/step ({r['time']}): {parts}"
     gen = {(r["batch"], r["impl"]): r["tokens_per_s"] for r in recs if r.get("kind") == "generate"}
     if gen:
         return ", ".join(f"batch {b}: {gen[b, 'lmforge'] / max(v for (bb, i), v in gen.items() if bb == b and i.startswith('hf')):.2f}x"
@@ -101,6 +104,11 @@ def summary(doc: dict[str, Any]) -> str:
                   "bf16 tokens equal to HF's |", "|---:|---|---:|---:|---:|"]
         lines += [f"| {r['batch']} | {r['impl']} | {r['tokens_per_s']:,.0f} | {r['warmup_s']:.1f} | "
                   f"{r['bf16_tokens_equal_hf']:.0%} |" for r in gen]
+    for r in _records(doc, "profile", "profile"):
+        lines += ["", f"### one compiled training step ({r['shape']}, batch {r['batch']}): the top kernels", "",
+                  "| kernel | kind | ms per step | calls |", "|---|---|---:|---:|"]
+        lines += [f"| `{t['name'][:80].replace('|', '/')}` | {t['kind']} | {t['ms']:.2f} | {t['calls']} |"
+                  for t in r["top"]]
     for r in _records(doc, "serve", "serve"):
         lines += ["", "### serving (float32, streaming clients)", "", "| clients | lmforge serve tokens/s | "
                   "HF sequential tokens/s | ratio | TTFT p50 ms | texts equal to HF |", "|---:|---:|---:|---:|---:|---:|",

@@ -7,6 +7,8 @@
   (lmforge as ``training.compile`` compiles: each block in place; HF's decoder layers the same way), peak memory.
   Before any timing, both compute the first loss of the same batch from the same weights: they must agree within
   bf16 tolerance, or the stage fails (they would not be doing the same work).
+* ``profile``: one compiled lmforge step at the GPT-2 shape under ``torch.profiler``: device time by kind (GEMM,
+  attention, compiled kernels, optimizer, other) and the top kernels.
 * ``loop``: lmforge's own ``train()`` (data loader, syncs, logging included) at the GPT-2 shape, bf16, compiled.
 * ``resume``: an FSDP2 run at world size 1 (NCCL on a GPU, Gloo on the CPU) with DCP checkpoints, SIGKILLed after
   a checkpoint and resumed, against an uninterrupted run: losses bit for bit under
@@ -279,6 +281,76 @@ def train(a: argparse.Namespace) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# profile: where one compiled training step spends its device time
+# --------------------------------------------------------------------------------------------------
+_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa")),  # first: memory-efficient attention is a cutlass kernel
+          ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "addmm", "aten::mm", "aten::bmm")),
+          ("compiled (triton / inductor)", ("triton", "cpp_fused")), ("optimizer", ("adam", "multi_tensor", "foreach")))
+
+
+def kind_of(name: str) -> str:
+    """The class of a profiled kernel (or CPU op) by its name: GEMM, attention, compiled, optimizer or other."""
+    low = name.lower()
+    return next((k for k, keys in _KINDS if any(x in low for x in keys)), "other")
+
+
+def profile(a: argparse.Namespace) -> None:
+    """One compiled lmforge training step at the GPT-2 shape under ``torch.profiler``: its device time by kind and
+    the top kernels (the next step towards the MFU target is knowing what the non-GEMM time is)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    dev = _device(a)
+    if a.dry_run:
+        from lmforge.train import distributed
+
+        distributed._COMPILE_OPTIONS.update(backend="aot_eager")
+    shape = "tiny" if a.dry_run else "gpt2"
+    cfg = _model_config(shape)
+    batch = SHAPES[shape][5]
+    hf_state = _hf_init(cfg, dev)
+    g = torch.Generator().manual_seed(1)
+    batches = [_split(torch.randint(0, cfg.vocab_size, (batch, cfg.context_length + 1), generator=g), dev)
+               for _ in range(2)]
+    model, opt, loss_fn = _build("lmforge", cfg, hf_state, dev, compiled=True)
+    from lmforge.train.optim import clip_grad_norm
+
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(b: tuple[Any, Any]) -> None:
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = loss_fn(*b)
+        loss.backward()
+        clip_grad_norm(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for i in range(3):  # the compiles, then steady state
+        step(batches[i % 2])
+    _sync(dev)
+    steps = 1 if a.quick else 2
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for i in range(steps):
+            step(batches[i % 2])
+        _sync(dev)
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0) if dev.type == "cuda" else e.self_cpu_time_total
+        if t > 0:
+            rows.append((e.key, t / steps / 1e3, e.count // steps))  # ms per step, calls per step
+    total = sum(t for _, t, _ in rows) or 1.0
+    shares: dict[str, float] = {}
+    for name, t, _ in rows:
+        shares[kind_of(name)] = shares.get(kind_of(name), 0.0) + t / total
+    top = sorted(rows, key=lambda r: -r[1])[:12]
+    emit(a.result, {"kind": "profile", "shape": shape, "batch": batch, "ms_per_step": total,
+                    "time": "device" if dev.type == "cuda" else "cpu (self)", "shares": shares,
+                    "top": [{"name": n[:120], "ms": t, "calls": c, "kind": kind_of(n)} for n, t, c in top],
+                    "ok": total > 0})
+
+
+# --------------------------------------------------------------------------------------------------
 # data for the loop and resume stages
 # --------------------------------------------------------------------------------------------------
 def corpus_slice(corpus: str | None, n_bytes: int, eot: str) -> str:
@@ -445,7 +517,7 @@ def resume(a: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=("probe", "train", "loop", "resume"))
+    ap.add_argument("stage", choices=("probe", "train", "profile", "loop", "resume"))
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--quick", action="store_true", help="with --dry-run: a step or two of each part")
     ap.add_argument("--result", default=None, help="append JSON lines here")
@@ -457,7 +529,7 @@ def main() -> None:
     ap.add_argument("--work", default="gpu-check-out/work", help="scratch folder (shards, runs)")
     ap.add_argument("--corpus", default=None, help="a local text file for the loop/resume data (default: synthetic)")
     a = ap.parse_args()
-    {"probe": probe, "train": train, "loop": loop, "resume": resume}[a.stage](a)
+    {"probe": probe, "train": train, "profile": profile, "loop": loop, "resume": resume}[a.stage](a)
 
 
 if __name__ == "__main__":

@@ -60,8 +60,8 @@ def test_quick_dry_run_runs_every_stage_and_writes_every_figure(tmp_path: Path) 
     stages = doc["stages"]
     assert r.returncode == 0, (r.stdout[-3000:], {k: v["status"] for k, v in stages.items()})
     assert doc["dry_run"] and doc["quick"]
-    assert list(stages) == ["probe", "tests", "train-gpt2", "train-d20", "resume", "generate", "serve", "loop",
-                            "speedrun"]
+    assert list(stages) == ["probe", "tests", "train-gpt2", "profile", "train-d20", "resume", "generate", "serve",
+                            "loop", "speedrun"]
     assert all(s["status"] == "ok" and s["cpu_s"] > 0 for s in stages.values())
 
     def kinds(stage: str) -> list[dict]:
@@ -69,11 +69,16 @@ def test_quick_dry_run_runs_every_stage_and_writes_every_figure(tmp_path: Path) 
 
     assert kinds("probe")[0]["peak_flops"] > 0 and kinds("tests")[0]["rc"] == 0
     assert kinds("tests")[0]["skipped"] >= 10  # the GPU tests collect (as a file alone) and skip on a CPU
-    same, *runs = kinds("train-gpt2")
+    same, *runs, trained = kinds("train-gpt2")
     assert same["kind"] == "same_work" and same["ok"] and abs(same["loss_lmforge"] - same["loss_hf"]) < 2e-2
+    assert trained["kind"] == "same_training" and trained["ok"] and len(trained["last_losses"]) == 3
     assert [(x["impl"], x["compile"]) for x in runs] == [("lmforge", "eager"), ("hf", "eager"), ("lmforge", "compiled")]
     assert all(x["tokens_per_s"] > 0 and 0 < x["mfu"] for x in runs)
-    assert [(x["kind"], x.get("impl")) for x in kinds("train-d20")] == [("same_work", None), ("train", "lmforge")]
+    assert [(x["kind"], x.get("impl")) for x in kinds("train-d20")] == [("same_work", None), ("train", "lmforge"),
+                                                                        ("same_training", None)]
+    prof = kinds("profile")[0]
+    assert prof["ms_per_step"] > 0 and prof["top"] and abs(sum(prof["shares"].values()) - 1) < 1e-6
+    assert prof["shares"].get("gemm", 0) > 0
     assert runs[0]["first_step_loss"] == pytest.approx(runs[1]["first_step_loss"], abs=2e-2)
     res = kinds("resume")[0]
     assert res["bitwise"] and res["killed_after_step"] > res["checkpoint_step"] == 4  # killed mid-run, resumed
@@ -81,14 +86,16 @@ def test_quick_dry_run_runs_every_stage_and_writes_every_figure(tmp_path: Path) 
     gen = kinds("generate")
     assert gen[0]["kind"] == "same_work" and gen[0]["ok"]
     assert {(x["batch"], x["impl"]) for x in gen[1:]} == {(b, i) for b in (1, 2)
-                                                         for i in ("lmforge", "hf_dynamic", "hf_static_compiled")}
+                                                         for i in ("lmforge", "lmforge_no_graphs", "hf_dynamic",
+                                                                   "hf_static_compiled")}
     serve = kinds("serve")[0]
     assert serve["clients"] == 2 and serve["ratio"] > 0 and serve["texts_equal_hf"] == "1/1"
     assert kinds("loop")[0]["steps"] == 6 and kinds("speedrun")[0]["val_loss"] > 0
     assert set(doc["targets"]) == {"mfu_gpt2", "mfu_d20", "train_vs_hf", "generate_b1_vs_hf", "serve_vs_hf"}
     assert all(t["got"] is not None for t in doc["targets"].values())
     text = (out / "summary.md").read_text()
-    for heading in ("| stage | status", "### bf16 training", "### greedy generation", "### serving", "### targets"):
+    for heading in ("| stage | status", "### bf16 training", "### one compiled training step", "### greedy generation",
+                    "### serving", "### targets"):
         assert heading in text
     assert text.strip() in r.stdout and (out / "gpu_check.log").stat().st_size > 0
 
@@ -232,3 +239,15 @@ def test_runs_that_train_apart_from_the_same_start_fail_the_stage(tmp_path: Path
     same = [r for r in recs if r["kind"] == "same_training"]
     assert len(same) == 1 and same[0]["ok"] is False and same[0]["spread"] == pytest.approx(0.25)
     assert same[0]["last_losses"] == {"lmforge:eager": 5.75, "hf:eager": 5.75, "lmforge:compiled": 5.5}
+
+
+def test_profiled_kernels_are_classified_by_name() -> None:
+    import gpu_train
+
+    assert gpu_train.kind_of("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert gpu_train.kind_of("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNT") == "gemm"
+    assert gpu_train.kind_of("void pytorch_flash::flash_fwd_kernel<...>") == "attention"
+    assert gpu_train.kind_of("fmha_cutlassF_bf16_aligned_64x64_rf_sm80") == "attention"
+    assert gpu_train.kind_of("triton_per_fused__to_copy_mul_rsqrt_0") == "compiled (triton / inductor)"
+    assert gpu_train.kind_of("void at::native::(anonymous)::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
+    assert gpu_train.kind_of("void at::native::elementwise_kernel<128, 2>") == "other"
