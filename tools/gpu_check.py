@@ -18,7 +18,7 @@ still leaves what it measured), the children's output to ``OUT/gpu_check.log``, 
 timed out or found no time (``suite`` may be cut or skipped); 2: no CUDA device, no bf16, or a dependency
 missing with no wheel for it.
 
-The time plan for one H100 (16 cores), 560 s in all so that a machine's 10-minute command limit leaves room. The
+The time plan for one H100 (16 cores), 580 s in all so that a machine's 10-minute command limit leaves room. The
 "measured" column is the two runs on an H100 80GB HBM3 of 2026-11-27 (torch 2.11); a stage whose cap would pass the
 deadline gets only what is left (the most important stages come first; ``suite`` takes whatever remains):
 
@@ -369,14 +369,14 @@ def main(argv: list[str] | None = None) -> int:
                                                 "(default: $OUT, else gpu-check-out/)")
     ap.add_argument("--work", default=None, help="scratch folder for shards and runs (default: a new temp folder)")
     ap.add_argument("--budget", type=float, default=None,
-                    help="seconds for the whole run (default 560; a dry run: 1800, its caps 4x: a shared CPU is slow)")
+                    help="seconds for the whole run (default 580; a dry run: 1800, its caps 4x: a shared CPU is slow)")
     ap.add_argument("--only", default=None, help="comma-separated stages to run (default: all)")
     ap.add_argument("--no-install", action="store_true", help="lmforge is installed already: skip that stage")
     ap.add_argument("--train-runs", default=None,
                     help="the GPT-2 training stage's runs, IMPL:MODE,... (default: lmforge and hf, eager and compiled)")
     a = ap.parse_args(argv)
     a.dry_run = a.dry_run or a.quick
-    a.budget = a.budget or (600.0 if a.quick else 1800.0 if a.dry_run else 560.0)
+    a.budget = a.budget or (600.0 if a.quick else 1800.0 if a.dry_run else 580.0)
     if a.prepare:
         return prepare()
     c = Check(a)
