@@ -524,7 +524,9 @@ class TransformerLM(nn.Module):
         # threads, so its sums depended on thread timing and training was bit for bit only at one thread.
         x = F.embedding(idx, self.token_embeddings.weight) if self.cfg.fast else self.token_embeddings(idx)
         for i, layer in enumerate(self.layers):
-            x = layer(x, token_positions, cache, i)
+            # the layer index only with a cache: an int argument that differs per block would make torch 2.11
+            # compile a second graph for the blocks (2.13 shares one; tests/train/test_distributed.py)
+            x = layer(x, token_positions) if cache is None else layer(x, token_positions, cache, i)
         if cache is not None:
             cache.advance(T)
         return self.ln_final(x)  # (B, T, d_model)
