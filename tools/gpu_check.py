@@ -330,7 +330,8 @@ def run(c: Check) -> None:
     has_timeout = importlib.util.find_spec("pytest_timeout") is not None
     # the GPU tests, and the compile test on the CPU under this machine's torch (dynamo bugs are per version)
     tests = ["tests/train/test_gpu.py", "tests/generate/test_graphs.py", "tests/model/test_compile.py"] + (
-        [] if a.dry_run else ["tests/test_cli_bad_input.py"])
+        [] if a.dry_run else ["tests/test_cli_bad_input.py",
+                              "tests/rl/test_trainer.py::test_rl_on_cuda_samples_trains_and_resumes"])
     pytest = ["-q", "-p", "no:cacheprovider", *(["--timeout=120"] if has_timeout else ["-o", "addopts=-ra"])]
     run_cmd = [py, "tools/gpu_run.py"]  # pytest and the speedrun, with their exit codes and figures as JSON lines
     plan: list[tuple[str, list[str], float, bool]] = [
