@@ -10,9 +10,9 @@ Stages, in order, each in its own process under its own time cap (cut further so
 ``.gpu-check/wheels`` that this Python lacks, then ``pip install --no-build-isolation --no-deps -e .``, no
 network), ``probe`` (the GPU and its measured bf16 matmul peak), ``tests`` (``pytest -m gpu`` and the CLI's
 bad-input sweep on the GPU), ``train-gpt2`` and ``train-d20`` (bf16 MFU, lmforge vs HF from the same weights,
-eager and compiled), ``profile`` (one compiled step's device time by kind), ``resume`` (FSDP2 + DCP, SIGKILL, resume), ``generate``, ``serve``, ``loop`` (lmforge's own
-``train()``), ``speedrun`` (a local corpus, step budgets) and ``suite`` (model/train/generate tests with the time
-left; optional). Every figure goes to ``OUT/gpu_check.json`` (rewritten after each stage, so a run cut short
+eager and compiled), ``profile`` (one compiled step's device time by kind), ``resume`` (FSDP2 + DCP, SIGKILL,
+resume), ``generate``, ``serve``, ``loop`` (lmforge's own ``train()``), ``speedrun`` (a local corpus, step
+budgets) and ``suite`` (model/train/generate tests with the time left; optional). Every figure goes to ``OUT/gpu_check.json`` (rewritten after each stage, so a run cut short
 still leaves what it measured), the children's output to ``OUT/gpu_check.log``, the tables to ``OUT/summary.md``.
 ``OUT`` is ``--out``, else ``$OUT``, else ``gpu-check-out/``. Exit 0: every stage passed; 1: a stage failed,
 timed out or found no time (``suite`` may be cut or skipped); 2: no CUDA device, no bf16, or a dependency
@@ -33,8 +33,8 @@ train-gpt2     120        64  HF init; 4 runs x (3 warm-up + 10 timed steps of 8
 profile         60         -  one compiled GPT-2 step under torch.profiler: device time by kind, top kernels
 train-d20      100  93 (4 r)  the compiled runs only (lmforge, HF): ~2.5x the FLOPs per token of GPT-2 small
 resume          70        44  three train() processes (start, NCCL, 12 small steps each)
-generate       150   95 (b1)  HF compiles its static-cache forward per batch size (~21 s each); batch 64 times
-                              lmforge and HF's fastest only
+generate       150   95 (b1)  HF compiles its static-cache forward per batch size (~21 s each), lmforge its
+                              step at batch 1 (not timed yet); batch 64 times lmforge and HF's fastest only
 serve           70        36  the server's start, 64 clients x 64 tokens, 6 sequential HF requests
 loop            80        44  a tokenizer and shards from 3 MB, then train(): 30 steps with a block compile
 speedrun        90         -  tokenizer, data, 300 + 60 + 10 RL steps of the medium model, evals (not reached yet)

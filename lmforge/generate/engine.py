@@ -70,11 +70,14 @@ class Engine:
     ``use_kernel=False`` forces the PyTorch path (the reference for the kernels).
     ``static_steps`` (the PyTorch path; default: on CUDA) runs each step with fixed shapes over the whole cache
     (:mod:`lmforge.generate.graphs`), replayed as a CUDA graph on a GPU: one launch per token instead of ~200.
+    ``compile_steps`` (with static steps; True, or ``torch.compile`` options) compiles that step first, once per
+    batch size, so the graph replays fewer, fused kernels (not yet measured on a GPU).
     """
 
     def __init__(self, model: Any, window_drop: int | None = None,
                  weight_dtype: torch.dtype | str | None = None, use_kernel: bool | None = None,
-                 activations: str | None = None, static_steps: bool | None = None) -> None:
+                 activations: str | None = None, static_steps: bool | None = None,
+                 compile_steps: bool | dict[str, Any] = False) -> None:
         model = unwrap_model(model)
         if has_lora(model):  # the kernels pack plain weights: decode a merged copy (the same logits)
             model = merged_copy(model)
@@ -117,8 +120,13 @@ class Engine:
         if static and self._kernel:
             raise ValueError("static_steps is the PyTorch path's (CUDA graphs); the CPU decode kernel has its own "
                              "steps: pass use_kernel=False with it, or leave static_steps unset")
-        self._graphs = (StepGraphs(lambda t, c: self._run(t, c, None), self.device.type == "cuda",
-                                   lambda: cached_projections(self.model)) if static else None)
+        if compile_steps and not static:
+            raise ValueError("compile_steps compiles the static steps: use it with static_steps (the default on CUDA)")
+        run = lambda t, c: self._run(t, c, None)  # noqa: E731
+        if compile_steps:  # one compile per batch size (static shapes), then captured like the eager step
+            run = torch.compile(run, dynamic=False, **(compile_steps if isinstance(compile_steps, dict) else {}))
+        self._graphs = (StepGraphs(run, self.device.type == "cuda", lambda: cached_projections(self.model))
+                        if static else None)
 
     # ---------------------------------------------------------------------------------------------
     def _pack(self, model: Any) -> None:

@@ -173,12 +173,15 @@ def _project(module: nn.Module, x: Tensor, weights: list[Tensor]) -> tuple[Tenso
 
     Training: :class:`_Projections` (lean backward). Without autograd (decoding) one matmul over the
     concatenated weights, whose concatenation is cached on ``module`` until a weight changes (tracked
-    through data pointers and in-place version counters) or autograd is needed again.
+    through data pointers and in-place version counters) or autograd is needed again; a compiled decode step
+    multiplies by each weight (the compiler schedules them).
     """
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         if not torch.compiler.is_compiling():  # torch 2.11's dynamo breaks the graph on a __dict__.pop
             module.__dict__.pop("_fused_cache", None)
         return _Projections.apply(x, *weights)
+    if torch.compiler.is_compiling():  # a traced decode step: no data pointers there; one product per weight
+        return tuple(x @ w.T for w in weights)
     key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
     hit = module.__dict__.get("_fused_cache")
     if hit is None or hit[0] != key:

@@ -144,3 +144,26 @@ def test_cuda_graph_replays_equal_the_eager_static_step_and_greedy_the_plain_pat
     n = fast.engine._graphs.captured
     assert fast.generate_ids(prompts, 40, temperature=0) == plain.generate_ids(prompts, 40, temperature=0)
     assert fast.engine._graphs.captured == n == 1
+    fused = Generator(model)
+    fused.engine = Engine(model, compile_steps=True)  # inductor, then captured
+    assert fused.generate_ids(prompts, 40, temperature=0) == plain.generate_ids(prompts, 40, temperature=0)
+    assert fused.engine._graphs.captured == 1
+
+
+def test_compiled_static_steps_match_the_forward() -> None:
+    """``compile_steps``: the static step traced and compiled (``aot_eager`` here: the trace is what could break),
+    one graph per batch size, with the ordinary forward's logits through a slide."""
+    torch._dynamo.reset()
+    model = _model()
+    plain = Engine(model, use_kernel=False, static_steps=False)
+    compiled = Engine(model, use_kernel=False, static_steps=True, compile_steps={"backend": "aot_eager",
+                                                                                 "fullgraph": True})
+    rows = [[1, 2, 3, 4, 5], [6, 7]]
+    a, b = plain.prefill(rows, 32), compiled.prefill(rows, 32)
+    for _ in range(40):  # past the context: slides between compiled steps
+        t = a.argmax(-1)
+        a, b = plain.step(t), compiled.step(t)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert plain.lengths == compiled.lengths
+    with pytest.raises(ValueError, match="compile_steps compiles the static steps"):
+        Engine(model, use_kernel=False, static_steps=False, compile_steps=True)

@@ -86,8 +86,8 @@ def test_quick_dry_run_runs_every_stage_and_writes_every_figure(tmp_path: Path) 
     gen = kinds("generate")
     assert gen[0]["kind"] == "same_work" and gen[0]["ok"]
     assert {(x["batch"], x["impl"]) for x in gen[1:]} == {(b, i) for b in (1, 2)
-                                                         for i in ("lmforge", "lmforge_no_graphs", "hf_dynamic",
-                                                                   "hf_static_compiled")}
+                                                         for i in ("lmforge", "lmforge_no_graphs", "lmforge_compiled",
+                                                                   "hf_dynamic", "hf_static_compiled")}
     serve = kinds("serve")[0]
     assert serve["clients"] == 2 and serve["ratio"] > 0 and serve["texts_equal_hf"] == "1/1"
     assert kinds("loop")[0]["steps"] == 6 and kinds("speedrun")[0]["val_loss"] > 0
