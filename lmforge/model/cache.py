@@ -84,8 +84,9 @@ class KVCache:
     def begin(self, T: int) -> Tensor:
         """Plan a forward pass of ``T`` new tokens per row; returns their RoPE positions (= cache columns).
 
-        ``(T,)`` when every row starts at the same column, else ``(B, T)`` (always, when :attr:`static`). The model calls this once per
-        forward, then :meth:`write` per layer, :meth:`mask`, and :meth:`advance` at the end.
+        ``(T,)`` when every row starts at the same column, else ``(B, T)`` (always, when :attr:`static`). The
+        model calls this once per forward, then :meth:`write` per layer, :meth:`mask`, and :meth:`advance` at the
+        end.
         """
         if self.static:  # fixed shapes, no host sync: each row's own columns, attention over the whole capacity
             cols = self.lengths[:, None] + torch.arange(T, device=self.k.device)  # (B, T)
