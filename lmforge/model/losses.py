@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -143,18 +144,27 @@ def _sync_ok(t: Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def softmax_grad(logits: Tensor, t: Tensor, valid: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+def softmax_grad(logits: Tensor, t: Tensor, valid: Tensor | None, scale: float,
+                 inplace: bool = False) -> tuple[Tensor, Tensor]:
     """``(Σ nll, d(scale · Σ nll)/d logits)`` of one chunk of logits ``(n, V)`` against targets ``t (n, 1)`` (rows
-    weighted by ``valid (n,)``), the gradient in the logits' dtype: :func:`_chunk_sync_free`'s elementwise part,
-    written without in-place ops so that a compiler fuses it into a pass or two over the chunk.
-    ``linear_cross_entropy(..., chunk_fn=torch.compile(softmax_grad))`` runs it compiled (``training.compile``
-    does on a GPU: eagerly it is ~6 passes over a float32 chunk)."""
+    weighted by ``valid (n,)``), the gradient in the logits' dtype: :func:`_chunk_sync_free`'s elementwise part.
+
+    Their float32 log-softmax gives the loss exactly however small ``p[target]`` is; its ``exp`` is the softmax,
+    which becomes ``p - onehot``. ``inplace`` reuses the float32 buffer for that (eagerly: less memory);
+    without it there is no in-place op, so that a compiler fuses the whole into a pass or two over the chunk
+    (``training.compile`` runs it so off the CPU: eagerly it is ~6 passes over a float32 chunk). Both give the
+    same numbers.
+    """
     logp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
     nll = logp.gather(1, t).squeeze(1).neg()  # (n,)
-    p = logp.exp().scatter_add(1, t, torch.full_like(t, -1.0, dtype=logp.dtype))  # p - onehot
+    minus = torch.full_like(t, -1.0, dtype=logp.dtype)
+    p = logp.exp_().scatter_add_(1, t, minus) if inplace else logp.exp().scatter_add(1, t, minus)  # p - onehot
     if valid is not None:
-        nll, p = nll * valid, p * valid[:, None]
-    return nll.sum(), (p * scale).to(logits.dtype)
+        nll = nll * valid
+        p = p.mul_(valid[:, None]) if inplace else p * valid[:, None]
+    if scale != 1.0:
+        p = p.mul_(scale) if inplace else p * scale
+    return nll.sum(), p.to(logits.dtype)
 
 
 _COMPILED: dict[tuple, Any] = {}
@@ -173,36 +183,18 @@ def _chunk_sync_free(hc: Tensor, wc: Tensor, targets: Tensor, valid: Tensor | No
     """``(scale · summed loss, its gradient for h, for w or None)`` of ``hc wcᵀ``, ``chunk`` rows at a time,
     with no host sync and no data-dependent branch (the GPU and compiled form of :class:`_LinearCrossEntropySum`).
 
-    Per chunk: logits in the compute dtype; their float32 log-softmax gives the loss exactly however small
-    ``p[target]`` is; ``exp`` of it is the softmax, which becomes ``p - onehot`` in place and feeds both
-    gradient GEMMs (``h``'s in the compute dtype, ``w``'s accumulated in float32). ``chunk_fn``: a compiled
-    :func:`softmax_grad` for that elementwise part (the same numbers up to the compiler's rounding).
+    Per chunk: logits in the compute dtype, :func:`softmax_grad` (in place, or ``chunk_fn``: it compiled) for the
+    loss and the logits' gradient, which feeds both gradient GEMMs (``h``'s in the compute dtype, ``w``'s
+    accumulated in float32).
     """
     N = hc.shape[0]
-    f32 = hc.dtype == torch.float32
+    fn = chunk_fn or functools.partial(softmax_grad, inplace=True)
     grad_w = torch.zeros(wc.shape, dtype=torch.float32, device=wc.device) if want_w else None
     losses, grads_h = [], []
     for s in range(0, N, chunk):
         e = min(N, s + chunk)
-        t = targets[s:e, None]  # (n, 1)
-        if chunk_fn is not None:
-            nll_sum, pc = chunk_fn(hc[s:e] @ wc.T, t, None if valid is None else valid[s:e], scale)
-            losses.append(nll_sum)
-            grads_h.append(pc @ wc)  # (n, d)
-            if grad_w is not None:
-                grad_w.add_(pc.T @ hc[s:e])  # (V, d)
-            continue
-        logp = torch.log_softmax((hc[s:e] @ wc.T).float(), dim=-1)  # (n, V)
-        nll = logp.gather(1, t).squeeze(1).neg()  # (n,)
-        p = logp.exp_()  # (n, V) softmax, in place
-        p.scatter_add_(1, t, torch.full_like(t, -1.0, dtype=p.dtype))  # d(sum nll)/d logits = p - onehot
-        if valid is not None:
-            nll = nll * valid[s:e]
-            p.mul_(valid[s:e, None])
-        losses.append(nll.sum())
-        if scale != 1.0:
-            p.mul_(scale)
-        pc = p if f32 else p.to(hc.dtype)
+        nll_sum, pc = fn(hc[s:e] @ wc.T, targets[s:e, None], None if valid is None else valid[s:e], scale)
+        losses.append(nll_sum)
         grads_h.append(pc @ wc)  # (n, d)
         if grad_w is not None:
             grad_w.add_(pc.T @ hc[s:e])  # (V, d)
