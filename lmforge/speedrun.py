@@ -132,8 +132,7 @@ class _State:
     """``speedrun.json``: the settings of the run and one record per finished stage (written atomically)."""
 
     def __init__(self, out: Path, settings: dict[str, Any], force: bool) -> None:
-        self.path = out / STATE_FILE
-        _refuse_foreign(out)
+        self.path = out / STATE_FILE  # a foreign ``out`` was refused already (speedrun: _refuse_foreign)
         if force and out.exists() and any(out.iterdir()):
             _remove_artifacts(out)
         if self.path.exists():
