@@ -337,7 +337,7 @@ def _resume(run: _Run) -> Any:
     Returns what ``_wrap`` loads once the model is wrapped: the checkpoint's full optimizer state under FSDP,
     or the directory of a sharded (DCP) checkpoint, whose weights and optimizer state go in after wrapping.
     """
-    main, device = run.info.is_main, run.info.device
+    main = run.info.is_main
     if main:  # half-written temporaries of a killed run (checkpoints, loss.png, metrics rewrite)
         run.ckpts.remove_stale_temporaries()
         remove_stale_temporaries(run.run_dir, _RUN_FILES)
@@ -346,11 +346,8 @@ def _resume(run: _Run) -> Any:
     if sharded and (not files or sharded[-1][0] > files[-1][0]
                     or (sharded[-1][0] == files[-1][0] and run.cfg.training.checkpoint_format == "dcp")):
         step, path = sharded[-1]  # the newest checkpoint is sharded: at any world size, whatever the format now
-        state = read_dcp_extra(path, read_dcp_meta(path))["train"]
-        run.loader.load_state_dict(state["loader"])
-        _set_rng_state(state["rng"], device)
         run.step, run.last_ckpt = step, path
-        run.tokens = int(state.get("tokens", run.step * run.tokens_per_step))
+        _restore_train_state(run, read_dcp_extra(path, read_dcp_meta(path))["train"])
         logger.info("resuming from sharded checkpoint %s at step %d", path, step)
         run.log.rewind(run.step)
         run.best_val = run.ckpts.best_val_loss()
@@ -364,15 +361,21 @@ def _resume(run: _Run) -> Any:
             raise ValueError(f"{path} holds no training state (not written by `lmforge train`); move it out of "
                              f"{run.ckpts.dir} or use a new --run-dir")
         run.step = load_trained_state(run.cfg, ck, run.model, run.optimizer)
-        run.loader.load_state_dict(state["loader"])
-        _set_rng_state(state["rng"], device)
-        run.tokens = int(state.get("tokens", run.step * run.tokens_per_step))  # older checkpoints: full steps
+        _restore_train_state(run, state)
         run.last_ckpt, fsdp_optim_state = path, ck.optimizer if run.fsdp else None
         del ck
         logger.info("resumed from %s at step %d", path, run.step)
     run.log.rewind(run.step)  # drop events logged after the checkpoint: the loop logs them again, identically
     run.best_val = run.ckpts.best_val_loss()
     return fsdp_optim_state
+
+
+def _restore_train_state(run: _Run, state: dict[str, Any]) -> None:
+    """The data-loader position, RNG states and token count of a checkpoint's training state (``run.step`` set;
+    older checkpoints hold no count: full steps)."""
+    run.loader.load_state_dict(state["loader"])
+    _set_rng_state(state["rng"], run.info.device)
+    run.tokens = int(state.get("tokens", run.step * run.tokens_per_step))
 
 
 def _wrap(run: _Run, pending: Any) -> None:
