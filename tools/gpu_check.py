@@ -12,8 +12,9 @@ network), ``probe`` (the GPU and its measured bf16 matmul peak), ``tests`` (``py
 bad-input sweep on the GPU), ``train-gpt2`` and ``train-d20`` (bf16 MFU, lmforge vs HF from the same weights,
 eager and compiled), ``profile`` (one compiled step's device time by kind), ``resume`` (FSDP2 + DCP, SIGKILL,
 resume), ``generate``, ``serve``, ``loop`` (lmforge's own ``train()``), ``speedrun`` (a local corpus, step
-budgets) and ``suite`` (model/train/generate tests with the time left; optional). Every figure goes to ``OUT/gpu_check.json`` (rewritten after each stage, so a run cut short
-still leaves what it measured), the children's output to ``OUT/gpu_check.log``, the tables to ``OUT/summary.md``.
+budgets) and ``suite`` (model/train/generate tests with the time left; optional). Every figure goes to
+``OUT/gpu_check.json`` (rewritten after each stage, so a run cut short still leaves what it measured), the
+children's output to ``OUT/gpu_check.log``, the tables to ``OUT/summary.md``.
 ``OUT`` is ``--out``, else ``$OUT``, else ``gpu-check-out/``. Exit 0: every stage passed; 1: a stage failed,
 timed out or found no time (``suite`` may be cut or skipped); 2: no CUDA device, no bf16, or a dependency
 missing with no wheel for it.

@@ -3,8 +3,9 @@
 * ``generate``: greedy decoding with lmforge's one engine (``Generator``: prefill and steps through the model's
   forward and KV cache on CUDA, each batch size's step replayed as a CUDA graph; ``lmforge_no_graphs``: the same
   steps launched op by op; ``lmforge_compiled``: the step compiled by inductor, then captured) at batch 1 and 64,
-  against HF ``generate`` from the same weights (bf16 both): its default (dynamic cache) and its fastest (a static cache, which HF compiles itself on CUDA:
-  ``torch.compile`` with CUDA graphs). The first tokens of lmforge and HF must agree.
+  against HF ``generate`` from the same weights (bf16 both): its default (dynamic cache) and its fastest (a static
+  cache, which HF compiles itself on CUDA: ``torch.compile`` with CUDA graphs). The first tokens of lmforge and HF
+  must agree.
 * ``serve``: the real ``lmforge serve`` (its own process, continuous batching, ``--max-batch`` = clients) with 64
   concurrent streaming clients, against the same requests through HF ``generate`` one after another (float32:
   what ``lmforge serve`` runs on CUDA); HF's sequential rate is measured on the first few requests (it is the same

@@ -68,8 +68,9 @@ def _stage_result(name: str, st: dict[str, Any]) -> str:
             return f"{r['ms_per_step']:.1f} ms/step ({r['time']}): {parts}"
     gen = {(r["batch"], r["impl"]): r["tokens_per_s"] for r in recs if r.get("kind") == "generate"}
     if gen:
-        return ", ".join(f"batch {b}: {gen[b, 'lmforge'] / max(v for (bb, i), v in gen.items() if bb == b and i.startswith('hf')):.2f}x"
-                         for b in sorted({b for b, _ in gen})) + " HF's fastest"
+        batches = sorted({b for b, _ in gen})
+        hf = {b: max(v for (bb, i), v in gen.items() if bb == b and i.startswith("hf")) for b in batches}
+        return ", ".join(f"batch {b}: {gen[b, 'lmforge'] / hf[b]:.2f}x" for b in batches) + " HF's fastest"
     mfus = {r["impl"] + "/" + r["compile"]: r.get("mfu") for r in recs if r.get("kind") == "train"}
     if mfus:
         return ", ".join(f"{k} {_f(v, '.1f', 100, '%')}" for k, v in mfus.items())

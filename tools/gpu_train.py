@@ -62,6 +62,14 @@ def _device(a: argparse.Namespace) -> Any:
     return torch.device("cpu" if a.dry_run else "cuda")
 
 
+def _dry_compile(a: argparse.Namespace) -> None:
+    """A dry run compiles with ``aot_eager``: the CPU traces in seconds, no C++ build."""
+    if a.dry_run:
+        from lmforge.train import distributed
+
+        distributed._COMPILE_OPTIONS.update(backend="aot_eager")
+
+
 def _sync(dev: Any) -> None:
     import torch
 
@@ -183,14 +191,13 @@ def _free(dev: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def _time_run(impl: str, compiled: bool, cfg: Any, hf_state: dict, batches: list, dev: Any, warmup: int,
-              steps: int) -> dict[str, Any]:
-    """Warm-up steps (the first compiles), then ``steps`` timed optimizer steps: tokens/s, step time, peak memory."""
+def _stepper(impl: str, model: Any, opt: Any, loss_fn: Any, dev: Any) -> Any:
+    """One optimizer step on a batch, bf16 autocast, gradients clipped to norm 1 (each implementation's own
+    clipping); returns the detached loss."""
     import torch
 
     from lmforge.train.optim import clip_grad_norm
 
-    model, opt, loss_fn = _build(impl, cfg, hf_state, dev, compiled)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(b: tuple[Any, Any]) -> Any:
@@ -205,6 +212,16 @@ def _time_run(impl: str, compiled: bool, cfg: Any, hf_state: dict, batches: list
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    return step
+
+
+def _time_run(impl: str, compiled: bool, cfg: Any, hf_state: dict, batches: list, dev: Any, warmup: int,
+              steps: int) -> dict[str, Any]:
+    """Warm-up steps (the first compiles), then ``steps`` timed optimizer steps: tokens/s, step time, peak memory."""
+    import torch
+
+    model, opt, loss_fn = _build(impl, cfg, hf_state, dev, compiled)
+    step = _stepper(impl, model, opt, loss_fn, dev)
     t0 = time.perf_counter()
     first = step(batches[0])
     for i in range(1, warmup):
@@ -233,10 +250,7 @@ def train(a: argparse.Namespace) -> None:
     from lmforge.model import flops_per_token
 
     dev = _device(a)
-    if a.dry_run:
-        from lmforge.train import distributed
-
-        distributed._COMPILE_OPTIONS.update(backend="aot_eager")  # the CPU traces in seconds, no C++ build
+    _dry_compile(a)
     cfg = _model_config(a.shape)
     batch = SHAPES[a.shape][5]
     T = cfg.context_length
@@ -283,7 +297,8 @@ def train(a: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------------------------
 # profile: where one compiled training step spends its device time
 # --------------------------------------------------------------------------------------------------
-_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa")),  # first: memory-efficient attention is a cutlass kernel
+# attention first: the memory-efficient attention kernel is a cutlass kernel too
+_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa")),
           ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "addmm", "aten::mm", "aten::bmm")),
           ("compiled (triton / inductor)", ("triton", "cpp_fused")), ("optimizer", ("adam", "multi_tensor", "foreach")))
 
@@ -301,10 +316,7 @@ def profile(a: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity
 
     dev = _device(a)
-    if a.dry_run:
-        from lmforge.train import distributed
-
-        distributed._COMPILE_OPTIONS.update(backend="aot_eager")
+    _dry_compile(a)
     shape = "tiny" if a.dry_run else "gpt2"
     cfg = _model_config(shape)
     batch = SHAPES[shape][5]
@@ -312,19 +324,7 @@ def profile(a: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(1)
     batches = [_split(torch.randint(0, cfg.vocab_size, (batch, cfg.context_length + 1), generator=g), dev)
                for _ in range(2)]
-    model, opt, loss_fn = _build("lmforge", cfg, hf_state, dev, compiled=True)
-    from lmforge.train.optim import clip_grad_norm
-
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def step(b: tuple[Any, Any]) -> None:
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            loss = loss_fn(*b)
-        loss.backward()
-        clip_grad_norm(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = _stepper("lmforge", *_build("lmforge", cfg, hf_state, dev, compiled=True), dev)
     for i in range(3):  # the compiles, then steady state
         step(batches[i % 2])
     _sync(dev)
@@ -411,10 +411,7 @@ def loop(a: argparse.Namespace) -> None:
     from lmforge.train import load_run_config, train as run_train
 
     dev = _device(a)
-    if a.dry_run:
-        from lmforge.train import distributed
-
-        distributed._COMPILE_OPTIONS.update(backend="aot_eager")
+    _dry_compile(a)
     shape = "tiny" if a.dry_run else "gpt2"
     steps, every = (6, 2) if a.dry_run else (30, 10)  # past the warm-up's 5 steps
     data = _shards(a)
