@@ -30,8 +30,8 @@ def _speedrun_args(p: argparse.ArgumentParser) -> None:
                         "--budget (default 2.5min)")
     p.add_argument("--rl-minutes", default="2",
                    help="reinforcement learning after SFT on the tasks the fine-tuned model solves 5-80%% of the "
-                        "time: minutes (or 'Nsteps'); 0 skips it (default 2: in three demos it lifted the calculator "
-                        "task by 20, 25 and 42 points, see docs/benchmarks.md)")
+                        "time: minutes (or 'Nsteps'); 0 skips it (default 2: in four demos it lifted the calculator "
+                        "task by 20, 25, 42 and 5 points, see docs/benchmarks.md)")
     p.add_argument("--no-chat", action="store_true", help="skip the chat stages (fine-tuning and its scores)")
     p.add_argument("--target-bpb", type=float, default=None,
                    help="stop pretraining at the first evaluation with validation bits/byte at or below this, and "
