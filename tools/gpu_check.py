@@ -226,8 +226,9 @@ class Check:
             seconds, cpu = time.monotonic() - t, _children_cpu() - cpu
         records = [json.loads(x) for x in result.read_text().splitlines()] if result.exists() else []
         bad = [r for r in records if r.get("ok") is False]
-        # an optional stage (the suite, in the time left) cut at the deadline is not a failure
-        status = ("cut" if optional else "timeout") if rc is None else "failed" if rc or bad else "ok"
+        # an optional stage (the suite, in the time left) cut at the deadline is not a failure, unless what it ran
+        # had already failed (its tests are named as they fail)
+        status = "failed" if bad or rc else ("cut" if optional else "timeout") if rc is None else "ok"
         note = "" if status == "ok" else self._tail(name)
         self.record(name, status, seconds, cap, records, note, cpu)
         return records

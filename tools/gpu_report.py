@@ -50,6 +50,9 @@ def _f(x: Any, fmt: str = ".1f", scale: float = 1.0, suffix: str = "") -> str:
 
 def _stage_result(name: str, st: dict[str, Any]) -> str:
     recs = st.get("records", [])
+    failed = [r["test"].split(" ", 1)[0] for r in recs if r.get("kind") == "pytest_failure"]
+    if failed:  # named as they failed, so a run cut at its cap names them too
+        return f"failed: {', '.join(failed)}"[:400].replace("|", "/")
     if st["status"] != "ok" and st.get("note"):
         return st["note"].strip().splitlines()[-1][:120].replace("|", "/")
     for r in recs:

@@ -8,6 +8,7 @@ JSON line appended to ``--result`` (exit code, counts, figures), like the Python
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -16,22 +17,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
+from gpu_failures import PREFIX  # noqa: E402
 from gpu_train import emit  # noqa: E402
 
 
 def pytest(args: list[str], result: str) -> int:
     """Run pytest with ``args``, its output passed through as it comes (a stage cut short keeps it in the log);
-    its counts from the summary line."""
-    p = subprocess.Popen([sys.executable, "-m", "pytest", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, cwd=ROOT)
-    last = ""
+    its counts from the summary line, the failed tests as they fail (``gpu_failures``), each also in ``result`` at
+    once, so that a run killed at its cap still names them."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tools"), os.environ.get("PYTHONPATH")])))
+    p = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "gpu_failures", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    last, failed = "", []
     for line in p.stdout:
         sys.stdout.write(line)
         sys.stdout.flush()
+        if line.startswith(PREFIX):
+            failed.append(line[len(PREFIX):].strip())
+            emit(result, {"kind": "pytest_failure", "test": failed[-1], "ok": False})
         last = line.strip() or last
     rc = p.wait()
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed)", last)}
-    emit(result, {"kind": "pytest", "rc": rc, "ok": rc == 0, "summary": last.strip("= "), **counts})
+    emit(result, {"kind": "pytest", "rc": rc, "ok": rc == 0, "summary": last.strip("= "), "failed_tests": failed,
+                  **counts})
     return rc
 
 

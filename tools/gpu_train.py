@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +310,23 @@ def kind_of(name: str) -> str:
     return next((k for k, keys in _KINDS if any(x in low for x in keys)), "other")
 
 
+def timed_rows(averages: Iterable[Any], steps: int, on_device: bool) -> list[tuple[str, float, int]]:
+    """(name, ms per step, calls per step) of each profiled event that took time. On a device only the kernels
+    count: an op's own device time is the kernels it launched, so counting ops too counted each kernel twice (the
+    H100 run of 2026-11-27 summed 148 ms for a 76 ms step). On the CPU, each op's self time."""
+    from torch.autograd import DeviceType
+
+    rows = []
+    for e in averages:
+        if on_device:
+            t = e.self_device_time_total if e.device_type != DeviceType.CPU else 0
+        else:
+            t = e.self_cpu_time_total
+        if t > 0:
+            rows.append((e.key, t / steps / 1e3, e.count // steps))
+    return rows
+
+
 def profile(a: argparse.Namespace) -> None:
     """One compiled lmforge training step at the GPT-2 shape under ``torch.profiler``: its device time by kind and
     the top kernels (the next step towards the MFU target is knowing what the non-GEMM time is)."""
@@ -334,11 +352,7 @@ def profile(a: argparse.Namespace) -> None:
         for i in range(steps):
             step(batches[i % 2])
         _sync(dev)
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", 0) if dev.type == "cuda" else e.self_cpu_time_total
-        if t > 0:
-            rows.append((e.key, t / steps / 1e3, e.count // steps))  # ms per step, calls per step
+    rows = timed_rows(prof.key_averages(), steps, on_device=dev.type == "cuda")
     total = sum(t for _, t, _ in rows) or 1.0
     shares: dict[str, float] = {}
     for name, t, _ in rows:

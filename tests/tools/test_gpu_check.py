@@ -251,3 +251,45 @@ def test_profiled_kernels_are_classified_by_name() -> None:
     assert gpu_train.kind_of("triton_per_fused__to_copy_mul_rsqrt_0") == "compiled (triton / inductor)"
     assert gpu_train.kind_of("void at::native::(anonymous)::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
     assert gpu_train.kind_of("void at::native::elementwise_kernel<128, 2>") == "other"
+
+
+def test_profile_counts_each_device_kernel_once() -> None:
+    """The profiler lists an op (``aten::mm``, its own device time = the kernels it launched) and each kernel; the
+    H100 run of 2026-11-27 summed both and reported 148 ms for a 76 ms step."""
+    import gpu_train
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    op = FunctionEvent(0, "aten::mm", 1, 0, 50, use_device="cuda", stack=[])  # the CPU-side op: 50 us on the host
+    op.append_kernel("nvjet_gemm", 0, 3000)  # it launched a 3 ms kernel
+    kernel = FunctionEvent(1, "nvjet_gemm", 2, 10, 3010, use_device="cuda", stack=[], device_type=DeviceType.CUDA)
+    softmax = FunctionEvent(2, "triton_red_fused_softmax", 2, 3020, 4020, use_device="cuda", stack=[],
+                            device_type=DeviceType.CUDA)
+    events = EventList([op, kernel, softmax], use_device="cuda")
+    events._build_tree()
+    averages = events.key_averages()
+    assert sum(e.self_device_time_total for e in averages) == 7000  # what the old sum counted: the gemm twice
+    rows = gpu_train.timed_rows(averages, steps=2, on_device=True)
+    assert sorted(rows) == [("nvjet_gemm", 1.5, 0), ("triton_red_fused_softmax", 0.5, 0)]
+    cpu_rows = gpu_train.timed_rows(averages, steps=1, on_device=False)  # on the CPU: each op's own host time
+    assert ("aten::mm", 0.05, 1) in cpu_rows
+
+
+def test_a_test_run_cut_at_its_cap_still_names_the_tests_that_failed(tmp_path: Path, monkeypatch) -> None:
+    """The suite stage (optional, the time left) killed mid-run: the failure before the cut is named in the JSON and
+    the summary, and fails the stage (the H100 run of 2026-11-27 showed one ``F`` and never said which test)."""
+    monkeypatch.setattr(gpu_check, "MIN_STAGE_S", 0.0)
+    monkeypatch.setattr(gpu_check, "RESERVE_S", 0.0)
+    tests = tmp_path / "test_cut.py"
+    tests.write_text("import time\n\ndef test_a_fails():\n    assert 1 + 1 == 3, 'wrong sum'\n\n"
+                     "def test_b_hangs():\n    time.sleep(120)\n")
+    c = gpu_check.Check(gpu_check.argparse.Namespace(out=str(tmp_path / "out"), work=str(tmp_path / "w"), budget=120,
+                                                     dry_run=False))
+    argv = [sys.executable, str(ROOT / "tools/gpu_run.py"), "pytest", "-q", "-p", "no:cacheprovider", "-o",
+            "addopts=", "--rootdir", str(tmp_path), str(tests)]
+    records = c.stage("suite", argv, cap=6, optional=True)
+    (fail,) = [r for r in records if r["kind"] == "pytest_failure"]
+    assert fail["test"].startswith("test_cut.py::test_a_fails (call)") and "wrong sum" in fail["test"]
+    doc = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert doc["stages"]["suite"]["status"] == "failed"
+    assert "| suite | failed |" in summary(doc) and "failed: test_cut.py::test_a_fails" in summary(doc)
