@@ -20,8 +20,10 @@ timed out or found no time (``suite`` may be cut or skipped); 2: no CUDA device,
 missing with no wheel for it.
 
 The time plan for one H100 (16 cores), 580 s in all so that a machine's 10-minute command limit leaves room. The
-"measured" column is the two runs on an H100 80GB HBM3 of 2026-11-27 (torch 2.11); a stage whose cap would pass the
-deadline gets only what is left (the most important stages come first; ``suite`` takes whatever remains):
+"measured" column is the three runs on an H100 80GB HBM3 of 2026-11-27 (torch 2.11); a stage whose cap would pass
+the deadline gets only what is left (the most important stages come first; ``suite`` takes whatever remains). All
+the stages took ~620 s in run 3, so one call reaches the loop; ``--only speedrun,suite --no-install`` on the same
+warm machine does the rest:
 
 ===========  =====  ========  =============================================================================
 stage        cap s  measured  where the time goes
@@ -29,16 +31,16 @@ stage        cap s  measured  where the time goes
 device         120         4  importing torch, one CUDA query
 install        150      9-36  the C++ extension (61 CPU-seconds of compiling on the dev machine)
 probe           40       4-6  20 bf16 products of 8192^2
-tests          100     35-66  the GPU tests (inductor compiles, CUDA graphs) and the CLI's bad-input sweep
-train-gpt2     120        64  HF init; 4 runs x (3 warm-up + 10 timed steps of 84-168 ms); 2 block compiles
-profile         60         -  one compiled GPT-2 step under torch.profiler: device time by kind, top kernels
-train-d20      100  93 (4 r)  the compiled runs only (lmforge, HF): ~2.5x the FLOPs per token of GPT-2 small
-resume          70        44  three train() processes (start, NCCL, 12 small steps each)
-generate       150   95 (b1)  HF compiles its static-cache forward per batch size (~21 s each), lmforge its
-                              step at batch 1 (not timed yet); batch 64 times lmforge and HF's fastest only
-serve           70        36  the server's start, 64 clients x 64 tokens, 6 sequential HF requests
-loop            80        44  a tokenizer and shards from 3 MB, then train(): 30 steps with a block compile
-speedrun        90         -  tokenizer, data, 300 + 60 + 10 RL steps of the medium model, evals (not reached yet)
+tests          100     35-68  the GPU tests (inductor compiles, CUDA graphs) and the CLI's bad-input sweep
+train-gpt2     120     64-68  HF init; 4 runs x (3 warm-up + 10 timed steps of 76-167 ms); 2 block compiles
+profile         60        43  one compiled GPT-2 step under torch.profiler: device time by kind, top kernels
+train-d20      100        76  the compiled runs only (lmforge, HF): ~3.6x the FLOPs per token of GPT-2 small
+resume          70     44-48  three train() processes (start, NCCL, 12 small steps each)
+generate       150       124  HF compiles its static-cache forward per batch size (~14-25 s each), lmforge its
+                              step at batch 1 (23 s); batch 64 times lmforge and HF's fastest only
+serve           70     36-41  the server's start, 64 clients x 64 tokens, 6 sequential HF requests
+loop            80     44-54  a tokenizer and shards from 3 MB, then train(): 30 steps with a block compile
+speedrun        90        55  tokenizer, data, 300 + 60 + 10 RL steps of the medium model, evals
 suite         rest         -  model/train/generate tests (not slow) on the GPU machine's torch (optional)
 ===========  =====  ========  =============================================================================
 """
