@@ -42,6 +42,7 @@ void decode_step(const DecodeModel& m, const int64_t* tokens, size_t B, size_t T
         ends[r] = pos[r] + 1;  // attention sees the token itself and those before it
     }
     const float scale = (float)(1.0 / std::sqrt((double)D));  // as Python's 1 / math.sqrt(D) passed as a float
+    size_t n = M, per = T;  // the rows the layer carries on past its cache writes, and the queries per cache row
     for (size_t l = 0; l < m.layers.size(); ++l) {
         const DecodeLayer& L = m.layers[l];
         float* kl = k + l * layer_stride + row0;
@@ -49,17 +50,30 @@ void decode_step(const DecodeModel& m, const int64_t* tokens, size_t B, size_t T
         rms_norm_rows(x.data(), M, C, L.ln1, m.eps, h.data());
         linear(L.qkv, h.data(), M, qkv.data(), threads);
         rope_cache_rows(qkv.data(), M, H, Hkv, D, m.cos, m.sin, pos.data(), kl, vl, S, q.data(), T);
-        attend_rows(q.data(), kl, vl, ends.data(), M, H, Hkv, S, D, scale, att.data(), threads, T);
-        linear(L.out, att.data(), M, y.data(), threads);
-        add_into(x.data(), y.data(), M * C);
-        rms_norm_rows(x.data(), M, C, L.ln2, m.eps, h.data());
-        linear(L.up, h.data(), M, gate_up.data(), threads);
-        swiglu_rows(gate_up.data(), M, F, act.data());
-        linear(L.down, act.data(), M, y.data(), threads);
-        add_into(x.data(), y.data(), M * C);
+        if (l + 1 == m.layers.size() && T > 1) {
+            // The last layer's keys and values are in the cache; past them only each row's last token reaches
+            // the head, so its attention, projections and MLP run for those B tokens alone (moved to rows
+            // 0 .. B-1). Each kernel works per row, so they get the bits they would get among all T.
+            for (size_t b = 0; b < B; ++b) {
+                const size_t r = b * T + T - 1;
+                std::memmove(q.data() + b * H * D, q.data() + r * H * D, H * D * sizeof(float));
+                std::memmove(x.data() + b * C, x.data() + r * C, C * sizeof(float));
+                ends[b] = ends[r];
+            }
+            n = B, per = 1;
+        }
+        attend_rows(q.data(), kl, vl, ends.data(), n, H, Hkv, S, D, scale, att.data(), threads, per);
+        linear(L.out, att.data(), n, y.data(), threads);
+        add_into(x.data(), y.data(), n * C);
+        rms_norm_rows(x.data(), n, C, L.ln2, m.eps, h.data());
+        linear(L.up, h.data(), n, gate_up.data(), threads);
+        swiglu_rows(gate_up.data(), n, F, act.data());
+        linear(L.down, act.data(), n, y.data(), threads);
+        add_into(x.data(), y.data(), n * C);
     }
+    const size_t stride = n == M ? T : 1;  // where each row's last token is now
     for (size_t b = 0; b < B; ++b)  // the last token of each row: the final norm and the head
-        rms_norm_rows(x.data() + (b * T + T - 1) * C, 1, C, m.ln_final, m.eps, h.data() + b * C);
+        rms_norm_rows(x.data() + (b * stride + stride - 1) * C, 1, C, m.ln_final, m.eps, h.data() + b * C);
     linear(m.head, h.data(), B, logits, threads);
     for (size_t b = 0; b < B; ++b) lengths[b] += (int64_t)T;
 }
