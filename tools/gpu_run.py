@@ -32,7 +32,7 @@ def pytest(args: list[str], result: str) -> int:
     for line in p.stdout:
         sys.stdout.write(line)
         sys.stdout.flush()
-        if line.startswith(PREFIX):
+        if line.startswith(PREFIX) and line[len(PREFIX):].strip() not in failed:  # once, were xdist to echo it
             failed.append(line[len(PREFIX):].strip())
             emit(result, {"kind": "pytest_failure", "test": failed[-1], "ok": False})
         last = line.strip() or last
