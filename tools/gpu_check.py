@@ -353,7 +353,9 @@ def run(c: Check) -> None:
         ("loop", [*train, "loop", *dry, *quick, *peak, *work], 80, False),
         ("speedrun", [*run_cmd, "speedrun", str(_speedrun_corpus(c)), str(c.work / "speedrun"),
                       "cpu" if a.dry_run else "cuda", *quick], 90, False),
-        ("suite", [*run_cmd, "pytest", *pytest, "-m", "not slow and not gpu",
+        # 8 workers of 2 threads each: with torch's default (a thread per core) 8 workers would run 128 threads
+        # on 16 cores, and a test's time limit would measure the crowd
+        ("suite", ["env", "OMP_NUM_THREADS=2", *run_cmd, "pytest", *pytest, "-m", "not slow and not gpu",
                    *(["-n", "8"] if importlib.util.find_spec("xdist") else []),
                    "tests/model", "tests/train", "tests/generate"], 10**4, True),
     ]
