@@ -231,3 +231,27 @@ def test_a_rows_logits_do_not_depend_on_its_batch(dtype, isa):
         for t in target[1:-1]:
             eng.step(torch.tensor([t]))
         assert torch.equal(eng.step(torch.tensor([target[-1]]))[0], alone[0])
+
+
+def test_a_prefill_reuses_a_same_shaped_cache_and_forgets_it():
+    """A second prefill of the same shape reuses the cache's memory (no fresh pages to zero) and gives what a fresh
+    engine gives, though the longer first prompt left its keys and values past the new rows' lengths."""
+    model = _model()
+    g = torch.Generator().manual_seed(3)
+    long, short = (torch.randint(0, 96, (n,), generator=g).tolist() for n in (30, 9))
+    e = Engine(model)
+    e.prefill([long], 40)
+    k0 = e.cache.k.data_ptr()
+    assert bool(e.cache.k[:, 0, :, 9:30].abs().sum() > 0)  # what the short prompt must not see
+    got = [e.prefill([short], 40)]
+    assert e.cache.k.data_ptr() == k0 and e.lengths == [9]
+    got += [e.step(got[-1].argmax(-1)) for _ in range(5)]
+    fresh = Engine(model)
+    want = [fresh.prefill([short], 40)]
+    want += [fresh.step(want[-1].argmax(-1)) for _ in range(5)]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    e.open_slots(1, 40)  # serving on the same shape: the same memory, every row empty
+    assert e.cache.k.data_ptr() == k0 and e.lengths == [0] and e.free_slots == 1
+    e.prefill([short, long[:9]], 40)  # another shape: a new cache
+    assert e.cache.batch_size == 2 and e.lengths == [9, 9]
