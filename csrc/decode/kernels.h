@@ -112,9 +112,9 @@ struct DecodeModel {
 // rms_norm_rows, linear_rows, swiglu_rows, linear_rows and the add; then the final norm and the head on each
 // row's last token). In the last layer a prompt's tokens stop after writing their keys and values: only each
 // row's last token, the one whose logits are returned, goes on through attention, projections and MLP (at
-// d512 x 4 layers a fifth of a 256-token prompt's products). Every kernel is batch invariant, so a token's numbers are the same bits whether it comes
-// in a prompt of T or in a step, and whatever the other rows are. The caller checks the shapes, token ids
-// (< vocab) and lengths (lengths[b] + T <= S and <= positions).
+// d512 x 4 layers a fifth of a 256-token prompt's products). Every kernel is batch invariant, so a token's
+// numbers are the same bits whether it comes in a prompt of T or in a step, and whatever the other rows are.
+// The caller checks the shapes, token ids (< vocab) and lengths (lengths[b] + T <= S and <= positions).
 void decode_step(const DecodeModel& m, const int64_t* tokens, size_t B, size_t T, float* k, float* v, size_t rows,
                  size_t first, size_t S, int64_t* lengths, float* logits, int threads);
 

