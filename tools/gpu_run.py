@@ -25,16 +25,18 @@ def pytest(args: list[str], result: str) -> int:
     """Run pytest with ``args``, its output passed through as it comes (a stage cut short keeps it in the log);
     its counts from the summary line, the failed tests as they fail (``gpu_failures``), each also in ``result`` at
     once, so that a run killed at its cap still names them."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tools"), os.environ.get("PYTHONPATH")])))
+    path = os.pathsep.join(filter(None, [str(ROOT / "tools"), os.environ.get("PYTHONPATH")]))  # finds gpu_failures
+    env = dict(os.environ, PYTHONPATH=path)
     p = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "gpu_failures", *args], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
     last, failed = "", []
     for line in p.stdout:
         sys.stdout.write(line)
         sys.stdout.flush()
-        if line.startswith(PREFIX) and line[len(PREFIX):].strip() not in failed:  # once, were xdist to echo it
-            failed.append(line[len(PREFIX):].strip())
-            emit(result, {"kind": "pytest_failure", "test": failed[-1], "ok": False})
+        test = line[len(PREFIX):].strip() if line.startswith(PREFIX) else None
+        if test is not None and test not in failed:  # once, were xdist to echo it
+            failed.append(test)
+            emit(result, {"kind": "pytest_failure", "test": test, "ok": False})
         last = line.strip() or last
     rc = p.wait()
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed)", last)}

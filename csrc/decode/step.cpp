@@ -71,9 +71,8 @@ void decode_step(const DecodeModel& m, const int64_t* tokens, size_t B, size_t T
         linear(L.down, act.data(), n, y.data(), threads);
         add_into(x.data(), y.data(), n * C);
     }
-    const size_t stride = n == M ? T : 1;  // where each row's last token is now
-    for (size_t b = 0; b < B; ++b)  // the last token of each row: the final norm and the head
-        rms_norm_rows(x.data() + (b * stride + stride - 1) * C, 1, C, m.ln_final, m.eps, h.data() + b * C);
+    for (size_t b = 0; b < B; ++b)  // the last token of each row (rows of per tokens now): the final norm, the head
+        rms_norm_rows(x.data() + (b * per + per - 1) * C, 1, C, m.ln_final, m.eps, h.data() + b * C);
     linear(m.head, h.data(), B, logits, threads);
     for (size_t b = 0; b < B; ++b) lengths[b] += (int64_t)T;
 }
