@@ -14,6 +14,7 @@
 
 #include "corpus/docsplit.h"
 #include "decode/kernels.h"
+#include "decode/pool.h"
 #include "tokenizer/bpe_training.h"
 #include "tokenizer/counter.h"
 #include "tokenizer/encoder.h"
@@ -328,6 +329,16 @@ NB_MODULE(_core, m) {
             swiglu_rows(gate_up.data(), gate_up.shape(0), out.shape(1), out.data());
         },
         nb::arg("gate_up"), nb::arg("out"), "out = silu(g) * u for gate_up = [g | u] (M, 2F), float32.");
+    m.def(
+        "pool_selfcheck",
+        [](uint64_t jobs, int threads) {
+            if (threads < 2 || threads > 64) throw std::invalid_argument("pool_selfcheck: threads must be in [2, 64]");
+            nb::gil_scoped_release release;
+            return pool_selfcheck(jobs, threads);
+        },
+        nb::arg("jobs"), nb::arg("threads"),
+        "Run `jobs` tiny jobs back to back on the decode kernels' pool; the number of chunks that ran other than "
+        "exactly once (0 when the pool is right; for tests).");
     m.def("linear_isa", &linear_isa,
           "Instruction set the decode kernels use on this CPU: 'avx512', 'avx2' or 'scalar'.");
     m.def("linear_force_scalar", &linear_force_scalar, nb::arg("on"),

@@ -12,7 +12,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-ABI_VERSION: int = 4
+ABI_VERSION: int = 7
 
 PATTERN_GPT2: int = 0
 
@@ -27,9 +27,9 @@ def utf8_error_offset(data: bytes | bytearray | memoryview) -> int:
     Offset of the first invalid UTF-8 byte in data, or -1 if it is valid UTF-8.
     """
 
-def linear_rows(x: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu', writable=False)], w: Annotated[NDArray, dict(shape=(None, None, None), order='C', device='cpu', writable=False)], kind: int, y: Annotated[NDArray[numpy.float32], dict(shape=(None, None), device='cpu')], threads: int, scales: Annotated[NDArray[numpy.float32], dict(shape=(None,), order='C', device='cpu', writable=False)] | None = None) -> None:
+def linear_rows(x: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu', writable=False)], w: Annotated[NDArray, dict(shape=(None, None, None), order='C', device='cpu', writable=False)], kind: int, y: Annotated[NDArray[numpy.float32], dict(shape=(None, None), device='cpu')], threads: int, scales: Annotated[NDArray, dict(shape=(None,), order='C', device='cpu', writable=False)] | None = None) -> None:
     """
-    y[:] = x @ W.T for a few rows x (M, K) float32; W (N, K) comes packed in panels of 8 rows, w[p, k, j] = W[8p + j, k] (zero past N), as float32 (kind 0), bf16/fp16 bits in uint16 (kind 1/2), int8 codes (kind 3, W = w * scales[n] per output row) or int4 codes (kind 4, uint8 (ceil(N / 8), 16 ceil(K / 32), 8): two k per byte, low nibble first; W = scales[(p * G + k // 32) * 8 + j] * (q - 8)). Accumulates in float32 on up to `threads` threads; each output's sum runs in the same order whatever M and the threads (batch invariant).
+    y[:] = x @ W.T for a few rows x (M, K) float32; W (N, K) comes packed in panels of 8 rows, w[p, k, j] = W[8p + j, k] (zero past N), as float32 (kind 0), bf16/fp16 bits in uint16 (kind 1/2) or int8 codes (kind 3, W = w * scales[n] per output row) or int4 codes (kind 4, uint8 (ceil(N / 8), 16 ceil(K / 32), 8): two k per byte, low nibble first; W = scales[(p * G + k // 32) * 8 + j] * (q - 8), scales fp16 bits in uint16); kinds 5 and 6: the same codes in the integer layouts of decode/kernels.h, x rounded to int8 per block of 32, int32 block sums. Accumulates in float32 on up to `threads` threads; each output's sum runs in the same order whatever M and the threads (batch invariant).
     """
 
 def attend_rows(q: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None), order='C', device='cpu', writable=False)], k: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None), order='C', device='cpu', writable=False)], v: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None, None), order='C', device='cpu', writable=False)], lengths: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], scale: float, out: Annotated[NDArray[numpy.float32], dict(shape=(None, None, None), order='C', device='cpu')], threads: int) -> None:
@@ -49,6 +49,11 @@ def rope_cache_rows(qkv: Annotated[NDArray[numpy.float32], dict(shape=(None, Non
 
 def swiglu_rows(gate_up: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu', writable=False)], out: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu')]) -> None:
     """out = silu(g) * u for gate_up = [g | u] (M, 2F), float32."""
+
+def pool_selfcheck(jobs: int, threads: int) -> int:
+    """
+    Run `jobs` tiny jobs back to back on the decode kernels' pool; the number of chunks that ran other than exactly once (0 when the pool is right; for tests).
+    """
 
 def linear_isa() -> str:
     """

@@ -3,6 +3,8 @@
 
 #include <pthread.h>
 
+#include <memory>
+
 namespace lmforge {
 
 std::mutex g_pool_mu;
@@ -22,6 +24,42 @@ Pool* pool_of(int threads) {
         g_pool = new Pool(threads - 1);
     }
     return g_pool;
+}
+
+namespace {
+// One job of pool_selfcheck: how often each chunk ran, and runs of a chunk the job does not have.
+struct CheckJob {
+    uint32_t chunks = 0;
+    std::atomic<uint32_t> runs[kSelfcheckMaxChunks];
+    std::atomic<uint32_t> stray{0};
+};
+
+void check_chunk(void* ctx, uint32_t c) {
+    auto* j = static_cast<CheckJob*>(ctx);
+    if (c < j->chunks)
+        j->runs[c].fetch_add(1, std::memory_order_relaxed);
+    else
+        j->stray.fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace
+
+uint64_t pool_selfcheck(uint64_t jobs, int threads) {
+    // Jobs back to back with chunk counts that rise and fall (1, 2, ..., 16, 1, ...): a claim that reads
+    // the next job's count against the last job's ticket shows up as a chunk run twice or out of range.
+    // The jobs' records live in a ring, so a late stray run lands in a record that is checked again.
+    constexpr size_t kRing = 64;
+    auto ring = std::make_unique<CheckJob[]>(kRing);
+    uint64_t wrong = 0;
+    std::lock_guard<std::mutex> lk(g_pool_mu);
+    Pool* pool = pool_of(threads);
+    for (uint64_t i = 0; i < jobs; ++i) {
+        CheckJob& j = ring[i % kRing];
+        j.chunks = 1 + (uint32_t)(i % kSelfcheckMaxChunks);
+        pool->run(check_chunk, &j, j.chunks);
+        for (uint32_t c = 0; c < j.chunks; ++c) wrong += j.runs[c].exchange(0, std::memory_order_relaxed) != 1;
+        wrong += j.stray.exchange(0, std::memory_order_relaxed);
+    }
+    return wrong;
 }
 
 }  // namespace lmforge

@@ -38,12 +38,15 @@ public:
 
     // Run fn(ctx, c) for every chunk c in [0, chunks), on the caller and the workers; returns when all ran.
     void run(void (*fn)(void*, uint32_t), void* ctx, uint32_t chunks) {
+        if (chunks > kMaxChunks) {  // more than a ticket holds (callers make about 8 per thread): the caller alone
+            for (uint32_t c = 0; c < chunks; ++c) fn(ctx, c);
+            return;
+        }
         fn_.store(fn, std::memory_order_relaxed);
         ctx_.store(ctx, std::memory_order_relaxed);
-        chunks_.store(chunks, std::memory_order_relaxed);
         done_.store(0, std::memory_order_relaxed);
         const uint64_t job = ++job_;
-        ticket_.store(job << 32, std::memory_order_release);  // publishes the fields above
+        ticket_.store(job << 32 | (uint64_t)chunks << 16, std::memory_order_release);  // publishes the fields above
         wake_.fetch_add(1);  // seq_cst: a worker going to sleep either sees it or is seen in sleepers_
         if (sleepers_.load() > 0) {
             std::lock_guard<std::mutex> lk(mu_);
@@ -62,15 +65,20 @@ private:
 #endif
     }
 
-    // Claim and run chunks of job `job` until none is left (or a newer job has replaced it).
+    // Claim and run chunks of job `job` until none is left (or a newer job has replaced it). A claim is one
+    // compare-and-swap on the ticket, which holds the job, its chunk count and the next chunk: the count a
+    // claim is checked against is always its own job's. (With the count in a separate atomic, a worker
+    // holding the last job's spent ticket could read the next job's larger count while the caller was
+    // between the two stores, claim a chunk that job never had, and count it done in the next job: a
+    // double run, a wrong result, or a caller waiting forever for a count it had passed.)
     void work(uint64_t job) {
         uint64_t t = ticket_.load(std::memory_order_acquire);
         for (;;) {
-            if ((t >> 32) != job || (uint32_t)t >= chunks_.load(std::memory_order_relaxed)) return;
+            if ((t >> 32) != job || (t & 0xFFFF) >= (t >> 16 & 0xFFFF)) return;
             // A successful claim means the job is still current: the caller waits for this chunk, so
             // the job's fields stay valid until done_ counts it.
             if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
-                fn_.load(std::memory_order_relaxed)(ctx_.load(std::memory_order_relaxed), (uint32_t)t);
+                fn_.load(std::memory_order_relaxed)(ctx_.load(std::memory_order_relaxed), (uint32_t)(t & 0xFFFF));
                 done_.fetch_add(1, std::memory_order_release);
                 t = ticket_.load(std::memory_order_acquire);
             }
@@ -106,10 +114,10 @@ private:
     // Decode steps call the kernel every few tens of microseconds; spinning (politely, see loop()) through
     // those gaps saves a sleep and wake-up per call, and 0.5 ms of spinning after the last call costs little.
     static constexpr int kSpinMicros = 500;
+    static constexpr uint32_t kMaxChunks = 0xFFFF;
     std::vector<std::thread> workers_;
     std::atomic<uint64_t> wake_{0};    // bumped once per job: wakes the workers
-    std::atomic<uint64_t> ticket_{0};  // (job << 32) | next chunk to claim
-    std::atomic<uint32_t> chunks_{0};  // chunks of the current job
+    std::atomic<uint64_t> ticket_{0};  // job << 32 | chunks << 16 | next chunk to claim
     std::atomic<uint32_t> done_{0};    // chunks of the current job that have run
     std::atomic<void (*)(void*, uint32_t)> fn_{nullptr};
     std::atomic<void*> ctx_{nullptr};
@@ -124,5 +132,10 @@ private:
 // hold g_pool_mu around it and the job they run on it: one job in the pool at a time.
 Pool* pool_of(int threads);
 extern std::mutex g_pool_mu;
+
+// Runs `jobs` tiny jobs back to back on pool_of(threads) and returns how many chunks ran other than
+// exactly once (for tests: a race between jobs shows here, or as a hang).
+constexpr uint32_t kSelfcheckMaxChunks = 16;
+uint64_t pool_selfcheck(uint64_t jobs, int threads);
 
 }  // namespace lmforge

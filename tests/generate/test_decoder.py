@@ -3,6 +3,8 @@ decoder options built on them (16-bit weights, thread handling)."""
 
 import multiprocessing
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -283,6 +285,19 @@ def test_kernel_pool_survives_fork():
     finally:
         p.kill()
         p.join(10)
+
+
+def test_kernel_pool_runs_each_chunk_once_across_back_to_back_jobs():
+    """Hundreds of thousands of tiny pool jobs back to back, chunk counts rising and falling: every chunk runs
+    exactly once and the caller never waits forever. (A claim checked against the next job's chunk count
+    hung this within 100k jobs in most runs, and hung an RL rollout under load; a hang here is the
+    subprocess's timeout.)"""
+    code = "from lmforge import _core; print(*(_core.pool_selfcheck(300_000, t) for t in (2, 3, 4)))"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the decode kernels' pool hung: a job's caller waited for a chunk count it never saw")
+    assert out.stdout.split() == ["0", "0", "0"], out.stdout  # chunks run twice or out of range, per thread count
 
 
 @pytest.mark.parametrize("kw", [{}, {"n_kv_heads": 2}, {"n_kv_heads": 1, "tie_embeddings": True}])
