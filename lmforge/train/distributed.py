@@ -201,11 +201,15 @@ def wrap_model(model: Any, mode: Literal["none", "ddp", "fsdp"], info: DistInfo,
     if compile:
         compile_blocks(model)
     if mode == "fsdp" and _active():
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard  # here: importing FSDP costs every process ~1 s of CPU
 
+        # the run's own device type: FSDP2's default mesh is the machine's accelerator, which moves a CPU run's
+        # shards to CUDA on any machine that has a GPU
+        mesh = init_device_mesh(info.device.type, (info.world_size,))
         for block in getattr(model, "layers", []):
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     elif mode == "ddp" and _active():
         ids = [info.device.index] if info.device.type == "cuda" else None
         model = DDP(model, device_ids=ids)

@@ -87,3 +87,19 @@ def test_gradient_sync_is_skipped_before_the_last_micro_batch(group) -> None:
     assert hasattr(fsdp_model, "set_requires_gradient_sync") and not hasattr(fsdp_model, "no_sync")
     with D.gradient_sync(torch.nn.Linear(2, 2), False):
         pass
+
+
+def test_fsdp_shards_live_on_the_runs_device_even_where_an_accelerator_is(group, monkeypatch) -> None:
+    """FSDP2 shards a CPU run on a CPU mesh, also on a machine with a GPU (FSDP2's default mesh is the
+    machine's accelerator: a CPU run's shards went to cuda:0 on the GPU machine). Here the accelerator is
+    reported as CUDA, as there: the old default tried to build a CUDA mesh."""
+    from torch.distributed.tensor import DTensor
+
+    monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device("cuda"))
+    model = D.wrap_model(_model(), "fsdp", group)
+    weights = [p for p in model.parameters()]
+    assert weights and all(isinstance(p, DTensor) and p.device_mesh.device_type == "cpu" for p in weights)
+    assert all(p.device.type == "cpu" for p in weights)
+    loss = model(torch.randint(0, 32, (2, 8)), targets=torch.randint(0, 32, (2, 8)))
+    loss.backward()
+    assert loss.device.type == "cpu" and all(p.grad is not None for p in weights)
