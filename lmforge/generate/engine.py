@@ -106,7 +106,8 @@ class Engine:
                              f"path there yet: decode on CPU (--device cpu)")
         if wd is not None and wd != self.dtype and not self._kernel:
             raise ValueError(f"weight_dtype={wd} needs the CPU decode kernel (a float32 model on CPU with lmforge's "
-                             f"C++ extension built); this model is {self.dtype} on {self.device}: leave it unset")
+                             f"C++ extension built); this model is {self.dtype} on {self.device}: leave it unset, or "
+                             f"decode on CPU (--device cpu)")
         self.weight_dtype = wd or self.dtype
         self.model = model
         self._decoder: Any = None  # the C++ step's model (kernel path)

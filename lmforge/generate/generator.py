@@ -33,6 +33,7 @@ from lmforge.checkpoint import apply_checkpoint, unwrap_model
 from lmforge.common import resolve_device, token_ids
 from lmforge.config import from_dict
 from lmforge.generate.engine import Engine
+from lmforge.generate.packed import weight_dtype_of
 from lmforge.generate.sampling import check_sampling, check_seed, sample_next
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.run import open_run
@@ -146,8 +147,12 @@ class Generator:
 
         Uses ``checkpoint`` if given (a file, or ``"best"`` for ``checkpoints/best.safetensors``), else the
         newest step checkpoint that verifies (a corrupt newest one is skipped with a warning).
-        ``weight_dtype`` and ``activations`` as in the constructor.
+        ``weight_dtype`` and ``activations`` as in the constructor; packed weights (anything but float32) run on
+        the CPU decode kernels only, so with them ``device="auto"`` means the CPU, also where a GPU is.
         """
+        wd = weight_dtype_of(weight_dtype)
+        if device == "auto" and wd is not None and wd != torch.float32:
+            device = "cpu"
         model, tokenizer, info = load_run_model(run_dir, checkpoint, device)
         logger.info("loaded %s (step %d) on %s", info["checkpoint"], info["step"], next(model.parameters()).device)
         return cls(model, tokenizer, weight_dtype=weight_dtype, activations=activations)

@@ -357,6 +357,23 @@ def test_cli_generate(tmp_path, tiny_tokenizer, capsys):
     assert "top_p must be in (0, 1]" in err and "does not exist" in err and "context length" in err
 
 
+@pytest.mark.skipif(not kernel_available(), reason="C++ extension not built")
+def test_packed_weights_take_the_cpu_where_a_gpu_is(tmp_path, tiny_tokenizer, monkeypatch, capsys):
+    """With packed weights (the CPU kernels' only) the default device ``auto`` means the CPU, also on a
+    machine with a GPU (as in the GPU check, where `lmforge generate --weight-dtype bf16` loaded on cuda:0
+    and refused). CUDA is reported present here; loading there would fail on this machine."""
+    from lmforge.cli import main
+
+    model = make_run_dir(tmp_path / "run", tiny_tokenizer)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gen = Generator.from_run(tmp_path / "run", weight_dtype="int8")
+    assert gen.device.type == "cpu" and gen.engine._kernel
+    want = Generator(model, tiny_tokenizer, weight_dtype="bf16").generate("the cat", 6, temperature=0)
+    argv = ["generate", "--run", str(tmp_path / "run"), "--prompt", "the cat", "--temperature", "0",
+            "--max-new-tokens", "6", "--weight-dtype", "bf16"]
+    assert main(argv) == 0 and capsys.readouterr().out == "the cat" + want + "\n"
+
+
 def test_cli_generate_on_one_thread(tmp_path, tiny_tokenizer):
     """The real `lmforge generate` in a fresh process with PyTorch on one thread (as under OMP_NUM_THREADS=1,
     `taskset -c 0` or a one-core container) prints the library's greedy text and exits 0."""
