@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,39 @@ def shared_fixtures() -> Path:
     if not SHARED_FIXTURES.is_dir():
         pytest.skip(f"CS336 fixtures not found at {SHARED_FIXTURES}")
     return SHARED_FIXTURES
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text))
+
+
+# csrc/unicode_tables.h (the C++ pre-tokenizers' letter/number/space classes) is generated from a release of the
+# `regex` module; the tests compare the C++ side with the installed `regex`.
+_TABLES = Path(__file__).resolve().parents[1] / "csrc" / "unicode_tables.h"
+TABLES_REGEX = _version(m.group(1)) if _TABLES.is_file() and (m := re.search(
+    r"`regex` module ([\d.]+)", _TABLES.read_text(encoding="utf-8")[:300])) else ()
+
+
+def regex_knows_the_tables() -> bool:
+    """Whether the installed ``regex`` knows at least the Unicode version the C++ tables were made from. An
+    older one (a GPU image's, say) has no class for the code points assigned since: there, and only there, the
+    C++ side and the ``regex`` reference rightly differ."""
+    import regex
+
+    return _version(regex.__version__) >= TABLES_REGEX
+
+
+def characters() -> Any:
+    """A Hypothesis strategy of single code points for comparing the C++ pre-tokenizers with ``regex``: any but
+    surrogates, and where the installed ``regex`` is older than the C++ tables, only code points it has a class
+    for (assigned both in this Python's Unicode database and in ``regex``'s)."""
+    import regex
+    from hypothesis import strategies as st
+
+    if regex_knows_the_tables():
+        return st.characters(exclude_categories=("Cs",))
+    unassigned = regex.compile(r"\p{Cn}")
+    return st.characters(exclude_categories=("Cs", "Cn")).filter(lambda c: not unassigned.match(c))
 
 
 def make_documents(n_docs: int = 40, seed: int = 0, words_per_doc: int = 60) -> list[str]:
