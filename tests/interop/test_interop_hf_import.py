@@ -55,7 +55,7 @@ def test_imported_run_computes_hf_logits_and_generates(hf_folder, tmp_path):
     out = import_hf(hf_folder, tmp_path / "run")
     assert is_run_dir(out) and open_run(out).checkpoint.iteration == 0
     theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
-    gen = Generator.from_run(out)
+    gen = Generator.from_run(out, device="cpu")  # compared with the HF model on the CPU
     hf_tok = tokenizers.Tokenizer.from_file(str(hf_folder / "tokenizer.json"))
     for text in TEXTS:  # the imported tokenizer gives the HF tokenizer's ids
         assert gen.tokenizer.encode(text) == hf_tok.encode(text, add_special_tokens=False).ids, text
@@ -210,7 +210,7 @@ def test_import_of_a_sharded_tied_checkpoint_written_by_transformers(tmp_path):
     assert (d / "model.safetensors.index.json").is_file()
     out = import_hf(d, tmp_path / "run")
     assert open_run(out).config["model"]["tie_embeddings"] is True
-    gen = Generator.from_run(out)
+    gen = Generator.from_run(out, device="cpu")  # compared with the HF model on the CPU
     idx = torch.randint(0, vocab, (2, 20))
     with torch.no_grad():
         assert (gen.model(idx) - theirs(idx).logits).abs().max().item() <= 1e-5

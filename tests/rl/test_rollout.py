@@ -38,7 +38,7 @@ def test_replies_are_the_chats_own_tool_calls_run_and_fed_back(chat_run) -> None
     """Each row of a batch of 4 prompts x 4 samples equals ``Generator.turn`` alone on its prompt with its seed and
     a ``ToolUse`` (what ChatSession does): the same ids, forced output included, the same finish; the forced ids
     are exactly the calculator's output, flagged as not sampled."""
-    model, tok, _ = load_model(chat_run)
+    model, tok, _ = load_model(chat_run, device="cpu")
     fmt, gen = ChatFormat(tok), Generator(model, tok)
     prompts, seeds = _prompts(fmt), _seeds(4, 4)
     groups = sample_replies(gen.engine, prompts, seeds, fmt=fmt, vocab_limit=tok.vocab_size, **SAMPLING)
@@ -59,7 +59,7 @@ def test_replies_are_the_chats_own_tool_calls_run_and_fed_back(chat_run) -> None
 
 
 def test_kernel_rollouts_equal_the_pytorch_engines(chat_run) -> None:
-    model, tok, _ = load_model(chat_run)
+    model, tok, _ = load_model(chat_run, device="cpu")
     fmt = ChatFormat(tok)
     prompts, seeds = _prompts(fmt), _seeds(4, 4)
     fast = sample_replies(Engine(model), prompts, seeds, fmt=fmt, vocab_limit=tok.vocab_size, **SAMPLING)
@@ -79,7 +79,7 @@ def test_each_step_decodes_with_the_updated_weights(chat_run, rl_tasks, tmp_path
                     overrides=["rl.prompts_per_step=4", "rl.samples_per_prompt=4", "rl.max_new_tokens=12",
                                "rl.prompts_per_decode=2", f"rl.temperature={SAMPLING['temperature']}"])
     prompts, _ = read_prompts(rl_tasks["train"], fmt, cfg.context_length, cfg.rl.max_new_tokens)
-    model, _, _ = load_model(chat_run)
+    model, _, _ = load_model(chat_run, device="cpu")
     model.train()
     src = RolloutSource(cfg, prompts, fmt, DistInfo(0, 0, 1, torch.device("cpu")), micro_batch=16)
     src.bind(model)
@@ -110,7 +110,7 @@ def test_each_step_decodes_with_the_updated_weights(chat_run, rl_tasks, tmp_path
 
 @pytest.mark.parametrize("bad", ["empty", "long"])
 def test_a_prompt_without_room_for_a_reply_is_refused(chat_run, bad) -> None:
-    model, tok, _ = load_model(chat_run)
+    model, tok, _ = load_model(chat_run, device="cpu")
     fmt = ChatFormat(tok)
     p = list(range(5)) * 20 if bad == "long" else []
     with pytest.raises(ValueError, match="leaves no room for a reply"):
