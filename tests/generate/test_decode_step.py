@@ -112,7 +112,7 @@ def test_widest_and_avx2_products_are_bit_identical():
                                                 (INT4, "float32"), (torch.int8, "int8"), (INT4, "int8")])
 def test_many_rows_give_each_rows_bits(dtype, activations, isa):
     """A product of many rows (a prompt: from 12 rows on, the register- and k-blocked GEMM of tiles.inc) gives each
-    row the bits it gets alone (the decode tiles), K past one k-block (256) and N off the panel included."""
+    row the bits it gets alone (the decode tiles), K past one k-block (1024) and N off the panel included."""
     g = torch.Generator().manual_seed(2)
     for n, k in [(100, 600), (37, 19), (300, 1344)]:
         lin = PackedLinear(torch.randn(n, k, generator=g), dtype, activations)
