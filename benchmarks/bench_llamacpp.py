@@ -151,6 +151,7 @@ class Lmforge:
 
         with torch.inference_mode():
             logits = self.engine.prefill([self.prompt[:1]], self.capacity)
+        with torch.inference_mode(), self.engine.serial_torch():  # the greedy pick too, as Generator decodes
             t0 = time.perf_counter()
             for _ in range(self.gen):
                 logits = self.engine.step(logits.argmax(-1))
