@@ -151,10 +151,12 @@ class Lmforge:
 
         with torch.inference_mode():
             logits = self.engine.prefill([self.prompt[:1]], self.capacity)
+        from lmforge.generate.sampling import sample_next
+
         with torch.inference_mode(), self.engine.serial_torch():  # the greedy pick too, as Generator decodes
             t0 = time.perf_counter()
             for _ in range(self.gen):
-                logits = self.engine.step(logits.argmax(-1))
+                logits = self.engine.step(sample_next(logits, 0.0))
             return self.gen / (time.perf_counter() - t0)
 
 
