@@ -287,6 +287,22 @@ def test_kernel_pool_survives_fork():
         p.join(10)
 
 
+def test_a_kernel_step_inside_serial_torch_skips_the_wrappers(monkeypatch):
+    """Inside ``serial_torch`` (the decode loops of Generator, the scheduler and RL) a kernel step goes straight to
+    the C++ step, not through ``_step``'s inference-mode and serial-torch wrappers (~30 us a token), with the
+    logits the wrapped step gives."""
+    model = _model(seed=5)
+    fast, wrapped = Engine(model), Engine(model)
+    assert fast._kernel
+    with torch.inference_mode():
+        a, b = fast.prefill([[1, 2, 3]], 20), wrapped.prefill([[1, 2, 3]], 20)
+        want = wrapped.step(b.argmax(-1))
+    monkeypatch.setattr(Engine, "_step", lambda self, tokens: pytest.fail("the wrapped step ran"))
+    with torch.inference_mode(), fast.serial_torch():
+        got = fast.step(a.argmax(-1))
+    assert torch.equal(got, want)
+
+
 def test_kernel_pool_runs_each_chunk_once_across_back_to_back_jobs():
     """Hundreds of thousands of tiny pool jobs back to back, chunk counts rising and falling: every chunk runs
     exactly once and the caller never waits forever. (A claim checked against the next job's chunk count
