@@ -41,8 +41,8 @@ generate       150       124  HF compiles its static-cache forward per batch siz
 serve           70     36-41  the server's start, 64 clients x 64 tokens, 6 sequential HF requests
 loop            80     44-54  a tokenizer and shards from 3 MB, then train(): 30 steps with a block compile
 speedrun        90        55  tokenizer, data, 300 + 60 + 10 RL steps of the medium model, evals
-suite         rest        45  the test suite (not slow) on the GPU machine's torch, 8 workers (optional); 45 s
-                              for model/train/generate (727 tests) on an H200
+suite         rest       172  the test suite (not slow) on the GPU machine's torch, 8 workers (optional): the
+                              whole suite's 1,699 tests on an H200 (45 s for model/train/generate's 727)
 ===========  =====  ========  =============================================================================
 """
 

@@ -74,11 +74,11 @@ private:
     void work(uint64_t job) {
         uint64_t t = ticket_.load(std::memory_order_acquire);
         for (;;) {
-            if ((t >> 32) != job || (t & 0xFFFF) >= (t >> 16 & 0xFFFF)) return;
+            if ((t >> 32) != job || (t & kMaxChunks) >= (t >> 16 & kMaxChunks)) return;
             // A successful claim means the job is still current: the caller waits for this chunk, so
             // the job's fields stay valid until done_ counts it.
             if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
-                fn_.load(std::memory_order_relaxed)(ctx_.load(std::memory_order_relaxed), (uint32_t)(t & 0xFFFF));
+                fn_.load(std::memory_order_relaxed)(ctx_.load(std::memory_order_relaxed), (uint32_t)(t & kMaxChunks));
                 done_.fetch_add(1, std::memory_order_release);
                 t = ticket_.load(std::memory_order_acquire);
             }
@@ -114,7 +114,7 @@ private:
     // Decode steps call the kernel every few tens of microseconds; spinning (politely, see loop()) through
     // those gaps saves a sleep and wake-up per call, and 0.5 ms of spinning after the last call costs little.
     static constexpr int kSpinMicros = 500;
-    static constexpr uint32_t kMaxChunks = 0xFFFF;
+    static constexpr uint32_t kMaxChunks = 0xFFFF;  // the ticket's 16-bit fields: the count and the next chunk
     std::vector<std::thread> workers_;
     std::atomic<uint64_t> wake_{0};    // bumped once per job: wakes the workers
     std::atomic<uint64_t> ticket_{0};  // job << 32 | chunks << 16 | next chunk to claim
