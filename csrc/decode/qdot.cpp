@@ -279,6 +279,47 @@ LMFORGE_AVX2 void tile_i4(const int8_t* xq, const float* d, const int32_t* xsum,
     store_tile(acc, y, m0, ldy, p0, N);
 }
 
+// The same for one row (a decode step), each panel's vector unpacked and used at once: the live registers are
+// the PR int16 sums, the PR float sums, the two broadcasts and the mask. tile_i4<1, 4> unpacks all four panels
+// first and spills to the stack (16 vector registers); this one, in one process alternating with it: the
+// products 6-12% faster at d512 and GPT-2-small sizes, a d512 int4 decode step 6% (same bits).
+template <int PR>
+LMFORGE_AVX2 void tile_i4_row(const int8_t* xq, const float* d, const int32_t* xsum, size_t m0, size_t G,
+                              const uint8_t* w, const uint16_t* sc, size_t N, size_t p0, float* y, size_t ldy) {
+    const size_t Kp = G * kBlock;
+    const __m256i nib = _mm256_set1_epi8(0xF);
+    __m256 acc[PR];
+    for (int q = 0; q < PR; ++q) acc[q] = _mm256_setzero_ps();
+    const int8_t* xrow = xq + m0 * Kp;
+    const uint8_t* base = w + p0 * G * 128;
+    for (size_t g = 0; g < G; ++g) {
+        __m256i s16[PR];
+        for (int q = 0; q < PR; ++q) s16[q] = _mm256_setzero_si256();
+        const int8_t* xs = xrow + g * kBlock;
+        for (size_t v = 0; v < 4; ++v) {
+            const __m256i xa = bcast4(xs + 4 * v), xb = bcast4(xs + 16 + 4 * v);
+            for (int q = 0; q < PR; ++q) {
+                const uint8_t* at = base + ((size_t)q * G + g) * 128 + 32 * v;
+                if ((v & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + PR * G * 128, _MM_HINT_T0);
+                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+                const __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+                s16[q] = _mm256_add_epi16(s16[q], _mm256_maddubs_epi16(lo, xa));
+                s16[q] = _mm256_add_epi16(s16[q], _mm256_maddubs_epi16(hi, xb));
+            }
+        }
+        const __m256i corr = _mm256_set1_epi32(8 * xsum[m0 * G + g]);
+        const __m256 dv = _mm256_set1_ps(d[m0 * G + g]);
+        for (int q = 0; q < PR; ++q) {
+            const uint16_t* s = sc + ((p0 + q) * G + g) * kPanel;
+            if (g % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(s) + PR * G * kPanel * 2, _MM_HINT_T0);
+            const __m256i exact = _mm256_sub_epi32(_mm256_madd_epi16(s16[q], _mm256_set1_epi16(1)), corr);
+            const __m256 dd = _mm256_mul_ps(dv, f16x8_to_f32(s));
+            acc[q] = _mm256_add_ps(acc[q], _mm256_mul_ps(_mm256_cvtepi32_ps(exact), dd));
+        }
+    }
+    for (int q = 0; q < PR; ++q) store8(acc[q], y + m0 * ldy, (p0 + q) * kPanel, N);
+}
+
 // Panels per tile for MR rows (16 registers: the int32 sums, the weight vectors, the broadcasts).
 constexpr int panels_i8(int MR) { return MR == 1 ? 4 : MR == 2 ? 2 : 1; }
 constexpr int panels_i4(int MR) { return MR == 1 ? 4 : MR <= 3 ? 2 : 1; }
@@ -291,8 +332,13 @@ LMFORGE_AVX2 void rows_q(const int8_t* xq, const float* d, const int32_t* xsum, 
         constexpr int PR = panels_i4(MR);
         const auto* w4 = static_cast<const uint8_t*>(w);
         const auto* s4 = static_cast<const uint16_t*>(sc);
-        for (; p + PR <= p1; p += PR) tile_i4<MR, PR>(xq, d, xsum, m, G, w4, s4, N, p, y, ldy);
-        for (; p < p1; ++p) tile_i4<MR, 1>(xq, d, xsum, m, G, w4, s4, N, p, y, ldy);
+        if constexpr (MR == 1) {  // a decode step's one row
+            for (; p + PR <= p1; p += PR) tile_i4_row<PR>(xq, d, xsum, m, G, w4, s4, N, p, y, ldy);
+            for (; p < p1; ++p) tile_i4_row<1>(xq, d, xsum, m, G, w4, s4, N, p, y, ldy);
+        } else {
+            for (; p + PR <= p1; p += PR) tile_i4<MR, PR>(xq, d, xsum, m, G, w4, s4, N, p, y, ldy);
+            for (; p < p1; ++p) tile_i4<MR, 1>(xq, d, xsum, m, G, w4, s4, N, p, y, ldy);
+        }
     } else {
         constexpr int PR = panels_i8(MR);
         const auto* w8 = static_cast<const int8_t*>(w);
