@@ -17,6 +17,8 @@ follow a model whose matrices were rounded that way (:meth:`PackedLinear.weight`
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 
@@ -25,6 +27,7 @@ from lmforge._native import available, core
 __all__ = ["PackedLinear", "WEIGHT_DTYPES", "INT4", "GROUP", "ACTIVATIONS", "weight_dtype_of", "activations_of",
            "kernel_available", "quantize_q4_0", "quantize_rows_q8", "q8_products", "Q8Linear"]
 
+HUGE_PAGE = 2 << 20  # bytes in one of Linux's transparent huge pages on x86-64 and most arm64 kernels
 PANEL = 8  # output rows per panel of a packed weight (one AVX2 vector of float32 outputs)
 GROUP = 32  # int4: weights per scale along a row (llama.cpp's Q4_0 block)
 INT4 = torch.quint4x2
@@ -138,6 +141,29 @@ def quantize_q4_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.view(n, groups * GROUP), d[..., 0].to(torch.float16).float()
 
 
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` in memory that Linux may back with 2 MiB pages (``madvise(MADV_HUGEPAGE)`` on a
+    private anonymous mapping; a system left at ``transparent_hugepage=madvise`` gives them only when asked).
+
+    A decode step streams every packed weight once; with 4 KiB pages each 4 KiB costs a TLB miss and restarts the
+    hardware prefetcher's stream. Measured on the Zen 3 VM, one process alternating the same engine on both
+    (medians of 10-30 rounds): decode +3.5% float32 and +5.5% int8 at d512 x 4, +4.6% bfloat16 and +1-2% float32
+    at GPT-2 small. Tensors under a huge page, and systems without ``MADV_HUGEPAGE``, get a plain copy.
+    """
+    nbytes = t.numel() * t.element_size()
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or nbytes < HUGE_PAGE:
+        return t.contiguous()
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared ones are shmem: no THP
+    try:
+        buf.madvise(advice)  # before the first touch: the pages are faulted in huge
+    except OSError:  # a kernel built without transparent huge pages: 4 KiB pages, the same bytes
+        pass
+    out = torch.frombuffer(buf, dtype=t.dtype, count=t.numel()).view(t.shape)  # keeps buf alive
+    out.copy_(t)
+    return out
+
+
 class PackedLinear:
     """A weight ``W (N, K)`` packed for the decode kernel; ``lin(x)`` is ``x @ W.T`` for ``x (M, K)`` float32.
 
@@ -172,10 +198,10 @@ class PackedLinear:
             self.codes = pad.view(panels, PANEL, groups * GROUP).transpose(1, 2)  # (P, 32 G, 8)
             if q8:  # per panel and block, byte [v, j, i] = code[j][4v + i] | code[j][16 + 4v + i] << 4
                 c = pad.view(panels, PANEL, groups, 2, 4, 4)  # (P, j, G, half, v, i)
-                self.packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(
-                    panels, 16 * groups, PANEL).contiguous()  # (P, G, v, j, i) as (P, 16 G, 8)
+                self.packed = on_huge_pages((c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(
+                    panels, 16 * groups, PANEL))  # (P, G, v, j, i) as (P, 16 G, 8)
             else:
-                self.packed = (self.codes[:, 0::2] | (self.codes[:, 1::2] << 4)).contiguous()  # (P, 16 G, 8)
+                self.packed = on_huge_pages(self.codes[:, 0::2] | (self.codes[:, 1::2] << 4))  # (P, 16 G, 8)
             sc = torch.zeros(panels * PANEL, groups)
             sc[: self.n] = scales
             self.scales = sc.view(panels, PANEL, groups).transpose(1, 2).contiguous()  # (P, G, 8)
@@ -191,12 +217,13 @@ class PackedLinear:
             kp = -(-self.k // GROUP) * GROUP
             codes = torch.zeros(panels * PANEL, kp, dtype=torch.int8)
             codes[: self.n, : self.k] = w.to(torch.int8)
-            self.packed = codes.view(panels, PANEL, kp // 4, 4).permute(0, 2, 1, 3).reshape(panels, kp, PANEL).contiguous()
+            self.packed = on_huge_pages(
+                codes.view(panels, PANEL, kp // 4, 4).permute(0, 2, 1, 3).reshape(panels, kp, PANEL))
             self._array, self._scales = self.packed.numpy(), self.scales.numpy()
             return
         padded = torch.zeros(panels * PANEL, self.k, dtype=dtype)
         padded[: self.n] = w.to(dtype)
-        self.packed = padded.view(panels, PANEL, self.k).transpose(1, 2).contiguous()  # (P, K, 8)
+        self.packed = on_huge_pages(padded.view(panels, PANEL, self.k).transpose(1, 2))  # (P, K, 8)
         # what the kernel reads: float32 or int8, or the 16-bit patterns as uint16 (numpy has no bfloat16)
         self._array = (self.packed.view(torch.int16).numpy().view(np.uint16) if dtype in (torch.bfloat16, torch.float16)
                        else self.packed.numpy())
