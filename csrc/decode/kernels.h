@@ -44,13 +44,15 @@ void attend_rows(const float* q, const float* k, const float* v, const int64_t* 
                  size_t Hkv, size_t S, size_t D, float scale, float* out, int threads, size_t T = 1);
 
 // The small operations of a decode step (calling thread only), matching the model's definitions:
-// out = x / sqrt(mean(x^2) + eps) * w per row of x (M, C).
+// out = x / sqrt(mean(x^2) + eps) * w per row of x (M, C), the sum of squares in 8 lanes (rows.cpp: the order).
 void rms_norm_rows(const float* x, size_t M, size_t C, const float* w, float eps, float* out);
 // From fused projections qkv (B, (H + 2 Hkv) D): RoPE (pairs (2i, 2i+1) turned by the angle at position
 // pos[b], tables cos/sin (positions, D/2)) on the q and k heads; q to q_out (B, H, D), k and v written
-// into the caches (B / T, Hkv, S, D) at column pos[b] of cache row b / T.
+// into the caches (B / T, Hkv, S, D) at column pos[b] of cache row (b0 + b) / T (b0: the first row's index in
+// the batch, when a part of it is passed).
 void rope_cache_rows(const float* qkv, size_t B, size_t H, size_t Hkv, size_t D, const float* cos, const float* sin,
-                     const int64_t* pos, float* k_cache, float* v_cache, size_t S, float* q_out, size_t T = 1);
+                     const int64_t* pos, float* k_cache, float* v_cache, size_t S, float* q_out, size_t T = 1,
+                     size_t b0 = 0);
 // out (M, F) = silu(g) * u for gate_up (M, 2F) = [g | u].
 void swiglu_rows(const float* gate_up, size_t M, size_t F, float* out);
 

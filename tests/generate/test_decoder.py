@@ -403,6 +403,28 @@ def test_small_decode_ops_equal_pytorch():
                               np.array([4], np.int64), k.numpy(), k.clone().numpy(), torch.zeros(1, 1, 4).numpy())
 
 
+@pytest.mark.parametrize("C", [1, 7, 8, 40, 517, 768])
+def test_rms_norm_rows_same_bits_on_every_isa(C):
+    """RMSNorm's sum of squares runs in 8 lanes on both paths, added in one order: the vector and the scalar code
+    give the same bits (a prompt's rows and a decode step's agree whichever runs), and both follow PyTorch's."""
+    from lmforge import _core
+
+    g = torch.Generator().manual_seed(C)
+    x = torch.randn(5, C, generator=g) * torch.logspace(-3, 3, 5)[:, None]
+    w = torch.randn(C, generator=g)
+    outs = []
+    for scalar in (False, True):
+        _core.linear_force_scalar(scalar)
+        try:
+            out = torch.empty(5, C)
+            _core.rms_norm_rows(x.numpy(), w.numpy(), 1e-5, out.numpy())
+        finally:
+            _core.linear_force_scalar(False)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], torch.nn.functional.rms_norm(x, (C,), w, 1e-5), rtol=2e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("F", [1, 8, 13, 1344])
 def test_swiglu_rows_vector_and_scalar_equal_float64(F, isa):
     """The vector kernel's own exp (clamped to float's range) against silu(g) * u in float64, g from -120 to 120."""
