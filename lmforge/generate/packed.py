@@ -91,7 +91,9 @@ def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = blocks.view(m, groups, GROUP)
     bad = ~blocks.isfinite().all(2)  # (M, G)
     amax = blocks.abs().amax(2)
-    inv = torch.where(bad | (amax == 0), torch.zeros_like(amax), 127.0 / amax)
+    # 127 / amax as one correctly rounded division, like the kernel: ``127.0 / amax`` would be
+    # ``amax.reciprocal() * 127`` in PyTorch, two roundings, one float32 unit off on some blocks.
+    inv = torch.where(bad | (amax == 0), torch.zeros_like(amax), torch.full_like(amax, 127.0) / amax)
     d = torch.where(bad, torch.full_like(amax, float("nan")), amax / 127.0)
     safe = torch.where(bad[..., None], torch.zeros_like(blocks), blocks)
     codes = torch.round(safe * inv[..., None]).clamp_(-127, 127).to(torch.int8)

@@ -62,6 +62,24 @@ def test_activation_rounding_worked_example():
     assert not codes[0, 35:].any()
 
 
+def test_activation_rounding_divides_once(isa):
+    """id = 127 / amax is one correctly rounded float32 division (the docstring's spec, the C++ kernel's
+    ``127.0f / amax``), not 127 times a rounded reciprocal: here the two differ by one float32 unit and the code
+    by one (x * id = 110.5000 vs 110.49999: 111 vs 110). The spec, the reference and the kernel agree."""
+    x = torch.zeros(1, 32)
+    x[0, :2] = torch.tensor([1.9757849, 2.2708116])
+    xs, amax = np.float32(1.9757849), np.float32(2.2708116)
+    spec = int(np.round(xs * (np.float32(127) / amax)))  # numpy: float32 division, round half to even
+    assert spec == 111 and int(np.round(xs * (np.float32(1) / amax * np.float32(127)))) == 110
+    codes, d = quantize_rows_q8(x)
+    assert codes[0, :2].tolist() == [spec, 127] and d[0, 0].item() == amax / np.float32(127)
+    # the kernel, on weights that read code 0 alone, gives the reference's bits (with code 110: another number)
+    w = torch.zeros(8, 32)
+    w[0, 0] = 1.0
+    lin = PackedLinear(w, torch.int8, activations="int8")
+    assert torch.equal(lin(x, 1), lin.reference(x))
+
+
 def test_a_non_finite_activation_makes_its_row_nan(isa):
     """A block holding inf or nan has no scale: the row's outputs are nan (as float32 products would make
     them), the other rows untouched."""
