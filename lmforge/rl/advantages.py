@@ -7,11 +7,16 @@ teaches nothing (every advantage 0) but its tokens still count in the loss's den
 
 **The loss** is REINFORCE on the sampled tokens: with ``n`` the number of sampled tokens of the whole step (every
 reply, every rank: the loop's global target count), ``loss = -(1/n) sum_t A_t log p(y_t)``, where ``A_t`` is the
-advantage of the reply token ``t`` belongs to. The loop computes it as its masked cross-entropy with a weight per
-target (``TransformerLM.forward(..., weights=)``): targets are the reply's sampled ids (the stop id included),
-a tool's output and the prompt are :data:`~lmforge.data.conversations.IGNORE_INDEX`, as SFT masks them. With
-``rl.kl_coef = b > 0`` each sampled token's weight becomes ``A_t - b (log p(y_t) - log p_ref(y_t))`` (the
-score-function gradient of ``b KL(p || p_ref)`` estimated on the sampled tokens), ``p_ref`` the starting model.
+advantage of the reply token ``t`` belongs to and ``p`` the distribution the rollouts sampled from (the logits
+divided by ``rl.temperature``: :meth:`lmforge.rl.source.RolloutSource.tempered`). The loop computes it as its
+masked cross-entropy with a weight per target (``TransformerLM.forward(..., weights=)``): targets are the reply's
+sampled ids (the stop id included), a tool's output and the prompt are
+:data:`~lmforge.data.conversations.IGNORE_INDEX`, as SFT masks them. With ``rl.kl_coef = b > 0`` each sampled
+token's weight becomes ``A_t - b (log p(y_t) - log p_ref(y_t))``, ``p_ref`` the starting model (at the same
+temperature). In expectation that term is the gradient of ``b sum_t KL(p(.|c_t) || p_ref(.|c_t))``, the
+per-position KLs at the sampled contexts ``c_t`` *held fixed*: it is not the score-function gradient of the
+reply-level ``b KL(p || p_ref)``, which would weight token ``t`` by the sum of the log-ratios from ``t`` to the
+reply's end (how a change at ``t`` moves the later contexts is left out).
 
 Worked example (one prompt, K = 2, rewards 1 and 0, so advantages +0.5 and -0.5): reply 0 is ``a b <end>``,
 reply 1 is ``<python_start> 2 <python_end> <output_start> 4 <output_end> c`` (ended by the length limit); the

@@ -19,16 +19,22 @@ a step ``s``, on every rank:
    (mean reward, reply length, tool-call share, ended share) are summed over ranks.
 4. The loop's masked, weighted loss over the global count of sampled tokens, backward, update.
 
+Every log-probability the update takes (the loss's, and the KL term's of the policy and of the reference) is
+the one of the distribution the rollouts sampled from: the logits divided by ``rl.temperature``
+(:meth:`RolloutSource.tempered`), so the step is the policy gradient of the policy that sampled. Top-k/top-p
+truncation, when set, is not in it (the log-probability is over the whole vocabulary, as is usual).
+
 Everything a step draws comes from its seeds, so the loader's state is the number of steps taken: a run killed
 anywhere resumes from its last checkpoint and samples, scores and trains exactly as one that never stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -45,7 +51,7 @@ from lmforge.train.finetune import build_model
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["RolloutSource", "rollout_source", "step_prompts"]
+__all__ = ["RolloutSource", "rollout_source", "step_prompts", "tempered_logits"]
 
 STATE_VERSION = 1
 
@@ -61,6 +67,20 @@ def step_prompts(n: int, seed: int, step: int, per_step: int) -> list[int]:
             orders[epoch] = epoch_order(n, seed, epoch)
         out.append(int(orders[epoch][pos]))
     return out
+
+
+@contextlib.contextmanager
+def tempered_logits(temperature: float, *models: Any) -> Iterator[None]:
+    """Inside, each bare ``TransformerLM`` of ``models`` computes its logits (and so its loss) divided by
+    ``temperature``: its final norm's output is divided, and the LM head is linear without a bias (a LoRA-wrapped
+    head too), so the logits are. Nothing changes at temperature 1."""
+    hooks = [] if temperature == 1 else [m.ln_final.register_forward_hook(lambda _m, _i, out: out / temperature)
+                                          for m in models]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 class RolloutSource:
@@ -98,9 +118,19 @@ class RolloutSource:
         """The bare model being trained: rollouts sample from its weights as they are at each step."""
         self.model = model
         if self.rl.kl_coef > 0 and self.ref is None:
-            self.ref = build_model(dataclasses.replace(self.cfg, lora=None), self.info.device, resuming=False).eval()
+            # its initialisation draws from torch's RNG, which a resumed run has just restored: fork it, so the
+            # training's random numbers (LoRA dropout) are those of a run that never stopped
+            cuda = [self.info.device] if self.info.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda):
+                self.ref = build_model(dataclasses.replace(self.cfg, lora=None), self.info.device,
+                                       resuming=False).eval()
             for p in self.ref.parameters():
                 p.requires_grad_(False)
+
+    def tempered(self) -> contextlib.AbstractContextManager:
+        """The loop runs the loss's forward inside this: the bound model's logits divided by ``rl.temperature``,
+        the distribution the rollouts were sampled from (see the module docstring)."""
+        return tempered_logits(self.rl.temperature, self.model)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The next ``(x, y, weights)`` micro-batch; the first of a step draws the step's rollouts."""
@@ -159,13 +189,14 @@ class RolloutSource:
 
     @torch.no_grad()
     def _kl_weights(self, batches: list) -> tuple[float, float]:
-        """Subtract ``kl_coef · (log p - log p_ref)`` of each sampled token from its weight, in place; returns
-        ``(sum of the log-ratios, count)`` for the log."""
+        """Subtract ``kl_coef · (log p - log p_ref)`` of each sampled token from its weight, in place (both at
+        the sampling temperature); returns ``(sum of the log-ratios, count)`` for the log."""
         device, total, count = self.info.device, 0.0, 0
         for x, y, w in batches:
             x, y = x.to(device), y.to(device)
-            lp = -self.model(x, targets=y, ignore_index=IGNORE_INDEX, reduction="none").view(y.shape)  # (B, T)
-            ref = -self.ref(x, targets=y, ignore_index=IGNORE_INDEX, reduction="none").view(y.shape)
+            with tempered_logits(self.rl.temperature, self.model, self.ref):
+                lp = -self.model(x, targets=y, ignore_index=IGNORE_INDEX, reduction="none").view(y.shape)  # (B, T)
+                ref = -self.ref(x, targets=y, ignore_index=IGNORE_INDEX, reduction="none").view(y.shape)
             ratio = ((lp - ref) * (y != IGNORE_INDEX)).cpu()
             w.sub_(self.rl.kl_coef * ratio)
             total, count = total + float(ratio.sum()), count + int((y != IGNORE_INDEX).sum())

@@ -17,6 +17,7 @@ the marker ``lmforge-run.json``; see ``docs/DESIGN.md``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -250,8 +251,9 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
     ``source(cfg, tokenizer, info, micro_batch) -> (train split, val split or None, val batches, loader)``;
     default :func:`~lmforge.train.finetune.conversation_data`. Its loader's ``next_batch()`` gives ``(x, y)`` or
     ``(x, y, weights)`` (each target's loss times its weight: RL's advantages); a loader with ``bind(model)`` is
-    given the bare model before the first step (RL samples its batches from it), and one with ``step_metrics()``
-    adds their figures to each logged step. ``lmforge.rl`` plugs in here.
+    given the bare model before the first step (RL samples its batches from it), one with ``tempered()`` has the
+    loss's forward run inside that context (RL: the logits divided by the sampling temperature), and one with
+    ``step_metrics()`` adds their figures to each logged step. ``lmforge.rl`` plugs in here.
     """
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = setup_distributed(cfg.training.device)
@@ -420,13 +422,14 @@ def _train_step(run: _Run) -> tuple[float, float, float]:
     n_targets = global_target_count(batches, device)  # trained targets of the whole step, over every rank
     denom = loss_scale(n_targets, run.info.world_size)
     ignore = IGNORE_INDEX if masked(run.loader) else None
+    tempered = getattr(run.loader, "tempered", contextlib.nullcontext)  # RL: the policy that sampled (T != 1)
     loss_sum, positions = torch.zeros((), device=device), 0
     for i, (x, y, *weights) in enumerate(batches):  # weights: each target's loss factor (RL's advantages)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         w = weights[0].to(device, non_blocking=True) if weights else None
         last_micro = i == run.batch.accum_steps - 1
         with gradient_sync(model, last_micro):  # DDP/FSDP reduce gradients once, after the last micro-batch
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16"):
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16"), tempered():
                 micro = model(x, targets=y, ignore_index=ignore, reduction="sum", weights=w)
             (micro / denom).backward()
         loss_sum += micro.detach()
