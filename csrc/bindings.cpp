@@ -9,6 +9,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
@@ -133,12 +134,26 @@ nb::dlpack::dtype packed_dtype(WeightType wt) {
         default: return nb::dtype<uint16_t>();
     }
 }
+// Sizes from Python are untrusted: a product or sum that wraps would pass a bound check and send a kernel
+// outside its arrays. ceil_div never wraps; mul and add throw where the result does not fit size_t.
+size_t ceil_div(size_t a, size_t b) { return a / b + (a % b != 0); }
+size_t mul(size_t a, size_t b, const char* what) {
+    size_t r;
+    if (__builtin_mul_overflow(a, b, &r)) throw std::invalid_argument(std::string(what) + ": sizes overflow");
+    return r;
+}
+size_t add(size_t a, size_t b, const char* what) {
+    size_t r;
+    if (__builtin_add_overflow(a, b, &r)) throw std::invalid_argument(std::string(what) + ": sizes overflow");
+    return r;
+}
 bool needs_scales(WeightType wt) { return (int)wt >= (int)WeightType::I8; }
 bool is_int4(WeightType wt) { return wt == WeightType::I4 || wt == WeightType::I4Q8; }
 size_t packed_k(WeightType wt, size_t K) {
-    return is_int4(wt) ? 16 * ((K + 31) / 32) : wt == WeightType::I8Q8 ? 32 * ((K + 31) / 32) : K;
+    return is_int4(wt) ? 16 * ceil_div(K, 32) : wt == WeightType::I8Q8 ? 32 * ceil_div(K, 32) : K;
 }
-size_t scale_count(WeightType wt, size_t N, size_t K) { return is_int4(wt) ? (N + 7) / 8 * ((K + 31) / 32) * 8 : N; }
+// Called once the packed array's shape matched (N, K): then the count is below the array's size.
+size_t scale_count(WeightType wt, size_t N, size_t K) { return is_int4(wt) ? ceil_div(N, 8) * ceil_div(K, 32) * 8 : N; }
 // int8 scales are float32, int4 scales fp16 bit patterns (uint16), as decode/kernels.h stores them.
 nb::dlpack::dtype scale_dtype(WeightType wt) { return is_int4(wt) ? nb::dtype<uint16_t>() : nb::dtype<float>(); }
 
@@ -174,6 +189,11 @@ struct StepModel {
         pm.N = N;
         pm.K = K;
         if (w.dtype() != packed_dtype(pm.wt)) throw std::invalid_argument(name + " has the wrong dtype for its kind");
+        // K >= 1 (the model's sizes are checked first), so a matching shape holds at least N * K / 2 bytes: N is real.
+        if (w.shape(0) != ceil_div(pm.N, 8) || w.shape(1) != packed_k(pm.wt, K) || w.shape(2) != 8)
+            throw std::invalid_argument(name + " must be packed as (ceil(N / 8), K, 8) (int4: (ceil(N / 8), "
+                                        "16 ceil(K / 32), 8); kind 5: (ceil(N / 8), 32 ceil(K / 32), 8)) with N = " + std::to_string(pm.N) + ", K = " +
+                                        std::to_string(K));
         if (needs_scales(pm.wt)) {
             if (t[2].is_none()) throw std::invalid_argument(name + ": int8 and int4 weights need scales");
             auto sc = take<nb::ndarray<nb::ro, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(t[2], what);
@@ -183,10 +203,6 @@ struct StepModel {
                 throw std::invalid_argument(name + ": one scale per output row (int8) or per 8 rows x 32 columns (int4)");
             pm.scales = sc.data();
         }
-        if (w.shape(0) != (pm.N + 7) / 8 || w.shape(1) != packed_k(pm.wt, K) || w.shape(2) != 8)
-            throw std::invalid_argument(name + " must be packed as (ceil(N / 8), K, 8) (int4: (ceil(N / 8), "
-                                        "16 ceil(K / 32), 8); kind 5: (ceil(N / 8), 32 ceil(K / 32), 8)) with N = " + std::to_string(pm.N) + ", K = " +
-                                        std::to_string(K));
         pm.w = w.data();
         return pm;
     }
@@ -196,7 +212,7 @@ struct StepModel {
 
 NB_MODULE(_core, m) {
     m.doc() = "lmforge C++ core: pre-tokenization, pre-token counting, BPE training and encoding, document splitting, decode-time matrix products and attention";
-    m.attr("ABI_VERSION") = 7;  // checked by lmforge._native.core(): bump both when a binding changes
+    m.attr("ABI_VERSION") = 8;  // checked by lmforge._native.core(): bump both when a binding changes
     m.attr("PATTERN_GPT2") = (int)kGPT2;
     m.attr("PATTERN_GPT4") = (int)kGPT4;
     m.attr("PATTERN_NANOCHAT") = (int)kNanochat;
@@ -219,6 +235,7 @@ NB_MODULE(_core, m) {
            nb::ndarray<nb::ro, nb::ndim<3>, nb::c_contig, nb::device::cpu> w, int kind,
            nb::ndarray<float, nb::ndim<2>, nb::device::cpu> y, int threads,
            std::optional<nb::ndarray<nb::ro, nb::ndim<1>, nb::c_contig, nb::device::cpu>> scales) {
+            // A shape (0, K) x may claim any K: only the shapes below that real memory backs are trusted.
             const size_t M = x.shape(0), K = x.shape(1), N = y.shape(1);
             if (y.shape(0) != M || y.stride(1) != 1 || y.stride(0) < (int64_t)N)
                 throw std::invalid_argument("linear_rows: y must be (M, N) with contiguous rows, M = len(x)");
@@ -226,7 +243,7 @@ NB_MODULE(_core, m) {
                 throw std::invalid_argument("linear_rows: kind is 0 (fp32), 1 (bf16), 2 (fp16), 3 (int8), 4 (int4), "
                                             "5 (int8, int8 activations) or 6 (int4, int8 activations)");
             const auto wt = (WeightType)kind;
-            if (w.shape(0) != (N + 7) / 8 || w.shape(1) != packed_k(wt, K) || w.shape(2) != 8)
+            if (w.shape(0) != ceil_div(N, 8) || w.shape(1) != packed_k(wt, K) || w.shape(2) != 8)
                 throw std::invalid_argument("linear_rows: w must be packed as (ceil(N / 8), K, 8) (int4: (ceil(N / 8), "
                                             "16 ceil(K / 32), 8); kind 5: (ceil(N / 8), 32 ceil(K / 32), 8)) for x "
                                             "(M, K), y (M, N)");
@@ -247,7 +264,8 @@ NB_MODULE(_core, m) {
             nb::gil_scoped_release release;
             linear_rows(xp, M, K, wp, wt, N, yp, ldy, threads, sp);
         },
-        nb::arg("x"), nb::arg("w"), nb::arg("kind"), nb::arg("y"), nb::arg("threads"), nb::arg("scales") = nb::none(),
+        nb::arg("x"), nb::arg("w"), nb::arg("kind"), nb::arg("y").noconvert(), nb::arg("threads"),
+        nb::arg("scales") = nb::none(),
         "y[:] = x @ W.T for a few rows x (M, K) float32; W (N, K) comes packed in panels of 8 rows, "
         "w[p, k, j] = W[8p + j, k] (zero past N), as float32 (kind 0), bf16/fp16 bits in uint16 (kind 1/2) or "
         "int8 codes (kind 3, W = w * scales[n] per output row) or int4 codes (kind 4, uint8 (ceil(N / 8), 16 ceil(K / 32), 8): "
@@ -278,7 +296,7 @@ NB_MODULE(_core, m) {
             nb::gil_scoped_release release;
             attend_rows(qp, kp, vp, lp, B, H, Hkv, S, D, scale, op, threads);
         },
-        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("lengths"), nb::arg("scale"), nb::arg("out"),
+        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("lengths"), nb::arg("scale"), nb::arg("out").noconvert(),
         nb::arg("threads"),
         "out[b, h] = softmax(scale * q[b, h] . k[b, h // G, :n].T) @ v[b, h // G, :n] with n = lengths[b], "
         "G = H // Hkv: one decode step's attention over a KV cache (B, Hkv, S, D), float32.");
@@ -291,7 +309,7 @@ NB_MODULE(_core, m) {
                 throw std::invalid_argument("rms_norm_rows: x and out are (M, C), w is (C,)");
             rms_norm_rows(x.data(), x.shape(0), x.shape(1), w.data(), eps, out.data());
         },
-        nb::arg("x"), nb::arg("w"), nb::arg("eps"), nb::arg("out"),
+        nb::arg("x"), nb::arg("w"), nb::arg("eps"), nb::arg("out").noconvert(),
         "out = x / sqrt(mean(x**2, -1) + eps) * w for x (M, C) float32 (decode-step RMSNorm).");
     m.def(
         "rope_cache_rows",
@@ -316,8 +334,8 @@ NB_MODULE(_core, m) {
             rope_cache_rows(qkv.data(), B, H, Hkv, D, cos.data(), sin.data(), pos.data(), k_cache.data(),
                             v_cache.data(), S, q_out.data());
         },
-        nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("pos"), nb::arg("k_cache"), nb::arg("v_cache"),
-        nb::arg("q_out"),
+        nb::arg("qkv"), nb::arg("cos"), nb::arg("sin"), nb::arg("pos"), nb::arg("k_cache").noconvert(),
+        nb::arg("v_cache").noconvert(), nb::arg("q_out").noconvert(),
         "RoPE at positions pos on the q and k heads of fused projections qkv; q to q_out, k and v into the caches "
         "at column pos[b] (one decode step).");
     m.def(
@@ -328,7 +346,7 @@ NB_MODULE(_core, m) {
                 throw std::invalid_argument("swiglu_rows: gate_up is (M, 2F) and out (M, F)");
             swiglu_rows(gate_up.data(), gate_up.shape(0), out.shape(1), out.data());
         },
-        nb::arg("gate_up"), nb::arg("out"), "out = silu(g) * u for gate_up = [g | u] (M, 2F), float32.");
+        nb::arg("gate_up"), nb::arg("out").noconvert(), "out = silu(g) * u for gate_up = [g | u] (M, 2F), float32.");
     m.def(
         "pool_selfcheck",
         [](uint64_t jobs, int threads) {
@@ -367,17 +385,21 @@ NB_MODULE(_core, m) {
                         sn.shape(1) != c.shape(1))
                         throw std::invalid_argument("DecodeModel: n_heads must be a multiple of n_kv_heads, cos and sin "
                                                     "(positions, head_dim / 2)");
+                    if (d.vocab == 0 || d.C == 0 || d.F == 0 || head_n == 0)
+                        throw std::invalid_argument("DecodeModel: embed (V, C), d_ff and head_n must not be empty");
                     const size_t C = d.C, H = d.H, Hkv = d.Hkv, D = d.D, F = d.F;
+                    const size_t qkv_n = mul(add(H, mul(2, Hkv, "DecodeModel"), "DecodeModel"), D, "DecodeModel");
+                    const size_t hd = mul(H, D, "DecodeModel"), ff2 = mul(2, F, "DecodeModel");
                     for (nb::handle item : layers) {
                         nb::tuple t;
                         if (!nb::try_cast<nb::tuple>(item, t) || t.size() != 6)
                             throw std::invalid_argument("DecodeModel: a layer is (ln1, qkv, out, ln2, up, down)");
                         DecodeLayer L;
                         L.ln1 = s->vec(t[0], C, "ln1");
-                        L.qkv = s->matrix(t[1], (H + 2 * Hkv) * D, C, "qkv");
-                        L.out = s->matrix(t[2], C, H * D, "out");
+                        L.qkv = s->matrix(t[1], qkv_n, C, "qkv");
+                        L.out = s->matrix(t[2], C, hd, "out");
                         L.ln2 = s->vec(t[3], C, "ln2");
-                        L.up = s->matrix(t[4], 2 * F, C, "up");
+                        L.up = s->matrix(t[4], ff2, C, "up");
                         L.down = s->matrix(t[5], C, F, "down");
                         d.layers.push_back(L);
                     }
@@ -407,17 +429,23 @@ NB_MODULE(_core, m) {
                     throw std::invalid_argument("DecodeModel.step: k and v must be (layers, rows, n_kv_heads, S, head_dim)");
                 for (size_t i = 0; i < 5; ++i)
                     if (v.shape(i) != k.shape(i)) throw std::invalid_argument("DecodeModel.step: v must be shaped like k");
-                if (B == 0 || first + B > rows || tokens.shape(0) == 0 || tokens.shape(0) % B ||
+                // first > rows - B, not first + B > rows: first comes from Python and the sum could wrap.
+                if (B == 0 || B > rows || first > rows - B || tokens.shape(0) == 0 || tokens.shape(0) % B ||
                     logits.shape(0) != B || logits.shape(1) != d.head.N)
                     throw std::invalid_argument("DecodeModel.step: lengths (B,) with 0 < B <= rows - first, tokens "
                                                 "(B * T,), logits (B, head_n)");
                 const size_t T = tokens.shape(0) / B;
+                // The step's scratch: M = B * T rows of the model's widest product (decode/step.cpp).
+                const size_t widest = std::max({d.C, d.head.N, d.layers.empty() ? 0 : d.layers[0].qkv.N,
+                                                d.layers.empty() ? 0 : d.layers[0].up.N});
+                mul(B * T, widest, "DecodeModel.step");
                 for (size_t i = 0; i < B * T; ++i)
                     if (tokens(i) < 0 || (size_t)tokens(i) >= d.vocab)
                         throw std::invalid_argument("DecodeModel.step: token id " + std::to_string(tokens(i)) +
                                                     " outside the vocabulary [0, " + std::to_string(d.vocab) + ")");
                 for (size_t b = 0; b < B; ++b)
-                    if (lengths(b) < 0 || (size_t)lengths(b) + T > S || (size_t)lengths(b) + T > d.positions)
+                    if (lengths(b) < 0 || T > S || T > d.positions || (size_t)lengths(b) > S - T ||
+                        (size_t)lengths(b) > d.positions - T)
                         throw std::invalid_argument("DecodeModel.step: a row's cache is full (or its length is "
                                                     "outside the cache and the RoPE tables)");
                 const int64_t* tp = tokens.data();
@@ -426,8 +454,8 @@ NB_MODULE(_core, m) {
                 nb::gil_scoped_release release;
                 decode_step(d, tp, B, T, kp, vp, rows, first, S, np, lp, threads);
             },
-            nb::arg("tokens"), nb::arg("k"), nb::arg("v"), nb::arg("lengths"), nb::arg("logits"), nb::arg("threads"),
-            nb::arg("first") = 0,
+            nb::arg("tokens"), nb::arg("k").noconvert(), nb::arg("v").noconvert(), nb::arg("lengths").noconvert(),
+            nb::arg("logits").noconvert(), nb::arg("threads"), nb::arg("first") = 0,
             "Feed T = len(tokens) // B tokens to each of B = len(lengths) rows: row b's tokens "
             "tokens[b * T:(b + 1) * T] go to cache row first + b at columns lengths[b] .. lengths[b] + T - 1 of the "
             "cache k, v (layers, rows, n_kv_heads, S, head_dim); writes their keys and values there, the logits "
@@ -642,8 +670,10 @@ NB_MODULE(_core, m) {
             "Encode documents into one uint32 token array plus int64 offsets (len(texts) + 1).")
         .def(
             "encode_spans",
-            [](const PyEncoder& e, nb::handle data, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> starts,
-               nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ends, int num_threads, bool allow_special,
+            [](const PyEncoder& e, nb::handle data,
+               nb::ndarray<nb::ro, int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> starts,
+               nb::ndarray<nb::ro, int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> ends, int num_threads,
+               bool allow_special,
                int64_t bos, int64_t eos, int itemsize) {
                 ByteView v(data);
                 if (starts.shape(0) != ends.shape(0)) throw std::invalid_argument("starts and ends differ in length");
@@ -654,9 +684,25 @@ NB_MODULE(_core, m) {
                 std::vector<std::pair<const uint8_t*, size_t>> docs(n);
                 for (size_t i = 0; i < n; ++i) {
                     int64_t a = starts(i), b = ends(i);
-                    if (a < 0 || b < a || (size_t)b > v.size()) throw std::invalid_argument("span out of the buffer");
+                    if (a < 0 || b < a || (size_t)b > v.size())
+                        throw std::invalid_argument("span " + std::to_string(i) + " [" + std::to_string(a) + ", " +
+                                                    std::to_string(b) + ") is outside the buffer of " +
+                                                    std::to_string(v.size()) + " bytes");
                     docs[i] = {v.data() + a, (size_t)(b - a)};
                 }
+                // Each span must be whole UTF-8 (the pre-tokenizer's classes assume it; a span that cuts a
+                // character would also read, as part of it, bytes the caller did not give).
+                size_t bad_doc = n;
+                long long bad_at = -1;
+                {
+                    nb::gil_scoped_release release;
+                    for (size_t i = 0; i < n && bad_at < 0; ++i)
+                        if ((bad_at = utf8_error_offset(docs[i].first, docs[i].second)) >= 0) bad_doc = i;
+                }
+                if (bad_at >= 0)
+                    throw std::invalid_argument("span " + std::to_string(bad_doc) + " is not valid UTF-8 (at byte " +
+                                                std::to_string((long long)(docs[bad_doc].first - v.data()) + bad_at) +
+                                                " of the buffer)");
                 std::vector<int64_t> lengths(n);
                 std::vector<uint16_t> out16;
                 std::vector<uint32_t> out32;
@@ -691,7 +737,7 @@ NB_MODULE(_core, m) {
             },
             nb::arg("data"), nb::arg("starts"), nb::arg("ends"), nb::arg("num_threads"), nb::arg("allow_special"),
             nb::arg("bos"), nb::arg("eos"), nb::arg("itemsize"),
-            "Encode the documents data[starts[i]:ends[i]] (valid UTF-8) into one uint16/uint32 array with optional "
+            "Encode the documents data[starts[i]:ends[i]] (each valid UTF-8, else ValueError) into one uint16/uint32 array with optional "
             "BOS/EOS (-1: none) around each, plus int64 per-document lengths.")
         .def(
             "decode_bytes",

@@ -51,21 +51,24 @@ struct Char {
     uint8_t flags;
 };
 
-// Decode the character at s[0] (valid UTF-8 assumed; n >= 1 bytes available).
-inline Char decode_char(const uint8_t* s) {
+// Decode the character at s[0], n >= 1 bytes being available there. Meant for valid UTF-8, but never reads
+// past s[n - 1] whatever the bytes: a lead byte whose sequence would run past n, or a byte that cannot start a
+// sequence, decodes as one character U+FFFD of one byte (class "other"), so a scan always moves on.
+inline Char decode_char(const uint8_t* s, size_t n) {
     uint8_t c = s[0];
     if (c < 0x80) return {c, 1, latin1_flags(c)};
-    uint32_t cp, len;
-    if (c < 0xE0) { cp = ((c & 0x1Fu) << 6) | (s[1] & 0x3Fu); len = 2; }
-    else if (c < 0xF0) { cp = ((c & 0x0Fu) << 12) | ((s[1] & 0x3Fu) << 6) | (s[2] & 0x3Fu); len = 3; }
-    else { cp = ((c & 0x07u) << 18) | ((s[1] & 0x3Fu) << 12) | ((s[2] & 0x3Fu) << 6) | (s[3] & 0x3Fu); len = 4; }
+    uint32_t cp, len = c < 0xC0 ? 0 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : c < 0xF8 ? 4 : 0;
+    if (len == 0 || len > n) return {0xFFFD, 1, 0};
+    if (len == 2) cp = ((c & 0x1Fu) << 6) | (s[1] & 0x3Fu);
+    else if (len == 3) cp = ((c & 0x0Fu) << 12) | ((s[1] & 0x3Fu) << 6) | (s[2] & 0x3Fu);
+    else cp = ((c & 0x07u) << 18) | ((s[1] & 0x3Fu) << 12) | ((s[2] & 0x3Fu) << 6) | (s[3] & 0x3Fu);
     return {cp, len, unicode_flags(cp)};
 }
 
-// Flags of the character starting at s[0] without returning its length (for run scanning).
-inline uint8_t char_flags(const uint8_t* s, uint32_t* len) {
+// Flags of the character starting at s[0] (n >= 1 bytes available) without returning its length (for run scanning).
+inline uint8_t char_flags(const uint8_t* s, size_t n, uint32_t* len) {
     if (s[0] < 0x80) { *len = 1; return latin1_flags(s[0]); }
-    Char c = decode_char(s);
+    Char c = decode_char(s, n);
     *len = c.len;
     return c.flags;
 }

@@ -12,7 +12,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-ABI_VERSION: int = 7
+ABI_VERSION: int = 8
 
 PATTERN_GPT2: int = 0
 
@@ -139,9 +139,9 @@ class Encoder:
         Encode documents into one uint32 token array plus int64 offsets (len(texts) + 1).
         """
 
-    def encode_spans(self, data: object, starts: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', writable=False)], ends: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', writable=False)], num_threads: int, allow_special: bool, bos: int, eos: int, itemsize: int) -> tuple:
+    def encode_spans(self, data: object, starts: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], ends: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], num_threads: int, allow_special: bool, bos: int, eos: int, itemsize: int) -> tuple:
         """
-        Encode the documents data[starts[i]:ends[i]] (valid UTF-8) into one uint16/uint32 array with optional BOS/EOS (-1: none) around each, plus int64 per-document lengths.
+        Encode the documents data[starts[i]:ends[i]] (each valid UTF-8, else ValueError) into one uint16/uint32 array with optional BOS/EOS (-1: none) around each, plus int64 per-document lengths.
         """
 
     def decode_bytes(self, ids: list[int]) -> bytes:

@@ -21,7 +21,7 @@ __all__ = ["ABI_VERSION", "REBUILD_COMMAND", "available", "core"]
 
 # The ABI_VERSION these Python sources are written against; csrc/bindings.cpp sets the built one. Bump
 # both together when a binding changes, so that a stale build says so instead of failing mid-call.
-ABI_VERSION = 7
+ABI_VERSION = 8
 REBUILD_COMMAND = "pip install --no-build-isolation -e ."
 
 

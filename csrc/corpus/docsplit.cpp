@@ -32,8 +32,7 @@ inline size_t space_at(const uint8_t* p, const uint8_t* end) {
     uint8_t c = *p;
     if (c < 0x80) return is_py_space(c) ? 1 : 0;
     if (c != 0xC2 && c != 0xE1 && c != 0xE2 && c != 0xE3) return 0;  // lead bytes of every non-ASCII space
-    Char ch = decode_char(p);
-    if (p + ch.len > end) return 0;
+    Char ch = decode_char(p, end - p);
     return is_py_space(ch.cp) ? ch.len : 0;
 }
 

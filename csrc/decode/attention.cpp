@@ -147,7 +147,7 @@ void attend_chunk(void* ctx, uint32_t chunk) {
 void attend_rows(const float* q, const float* k, const float* v, const int64_t* lengths, size_t B, size_t H,
                  size_t Hkv, size_t S, size_t D, float scale, float* out, int threads, size_t T) {
     if (B == 0 || H == 0) return;
-    std::lock_guard<std::mutex> lk(g_pool_mu);
+    std::lock_guard<ForkSafeMutex> lk(g_pool_mu);
     bool vec = false;
 #ifdef LMFORGE_X86
     vec = cpu_has_avx2() && D % 8 == 0 && !g_force_scalar.load(std::memory_order_relaxed);

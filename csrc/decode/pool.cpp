@@ -7,7 +7,7 @@
 
 namespace lmforge {
 
-std::mutex g_pool_mu;
+ForkSafeMutex g_pool_mu;
 
 namespace {
 // The pool lives for the process. After fork() the child has none of the parent's threads, so the
@@ -50,7 +50,7 @@ uint64_t pool_selfcheck(uint64_t jobs, int threads) {
     constexpr size_t kRing = 64;
     auto ring = std::make_unique<CheckJob[]>(kRing);
     uint64_t wrong = 0;
-    std::lock_guard<std::mutex> lk(g_pool_mu);
+    std::lock_guard<ForkSafeMutex> lk(g_pool_mu);
     Pool* pool = pool_of(threads);
     for (uint64_t i = 0; i < jobs; ++i) {
         CheckJob& j = ring[i % kRing];

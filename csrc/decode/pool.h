@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "decode/simd.h"
+#include "forksafe.h"
 
 namespace lmforge {
 
@@ -28,7 +29,7 @@ public:
     ~Pool() {
         {
             std::lock_guard<std::mutex> lk(mu_);
-            stop_ = true;
+            stop_.store(true);
             wake_.fetch_add(1);
         }
         cv_.notify_all();
@@ -106,7 +107,7 @@ private:
                 }
             }
             seen = w;
-            if (stop_) return;
+            if (stop_.load()) return;
             work(ticket_.load(std::memory_order_acquire) >> 32);
         }
     }
@@ -125,13 +126,13 @@ private:
     std::atomic<int> sleepers_{0};
     std::mutex mu_;
     std::condition_variable cv_;
-    bool stop_ = false;  // written under mu_ before the wake-up that ends the workers
+    std::atomic<bool> stop_{false};  // set before the wake-up that ends the workers, read by them (atomic: TSan)
 };
 
 // The process's pool with `threads` threads counting the caller (made or remade to that size). Callers
 // hold g_pool_mu around it and the job they run on it: one job in the pool at a time.
 Pool* pool_of(int threads);
-extern std::mutex g_pool_mu;
+extern ForkSafeMutex g_pool_mu;  // fork() waits for the job that holds it (forksafe.h)
 
 // Runs `jobs` tiny jobs back to back on pool_of(threads) and returns how many chunks ran other than
 // exactly once (for tests: a race between jobs shows here, or as a hang).

@@ -187,7 +187,7 @@ void linear_rows(const float* x, size_t M, size_t K, const void* w, WeightType w
     if (M == 0 || N == 0) return;
     if (wt == WeightType::I8Q8 || wt == WeightType::I4Q8)
         return linear_rows_q8(x, M, K, w, wt, N, y, ldy, threads, scales);
-    std::lock_guard<std::mutex> lk(g_pool_mu);
+    std::lock_guard<ForkSafeMutex> lk(g_pool_mu);
     const BlockFn block = pick_block(wt);
     // int4: each row's sum over each group of 32 k, in order (the tiles take 8 * xs off per group)
     thread_local std::vector<float> xs;

@@ -445,7 +445,7 @@ void linear_rows_q8(const float* x, size_t M, size_t K, const void* w, WeightTyp
     }
     threads = std::min(threads, 64);
     job.panels_per_chunk = std::max<size_t>(4, (panels / (8 * (size_t)threads) + 3) & ~(size_t)3);
-    std::lock_guard<std::mutex> lk(g_pool_mu);
+    std::lock_guard<ForkSafeMutex> lk(g_pool_mu);
     pool_of(threads)->run(run_qchunk, &job, (uint32_t)((panels + job.panels_per_chunk - 1) / job.panels_per_chunk));
 }
 

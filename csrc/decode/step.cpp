@@ -43,7 +43,7 @@ void for_rows(size_t M, int threads, F&& fn) {
         const size_t r0 = i * j.per, r1 = std::min(j.M, r0 + j.per);
         if (r0 < r1) (*j.fn)(r0, r1);
     };
-    std::lock_guard<std::mutex> lk(g_pool_mu);
+    std::lock_guard<ForkSafeMutex> lk(g_pool_mu);
     pool_of(std::min(threads, 64))->run(chunk, &ctx, (uint32_t)((M + per - 1) / per));
 }
 

@@ -68,8 +68,16 @@ public:
             tok_.push_back(std::string(1, (char)c));
             tok_id_.emplace(tok_.back(), c);
         }
+        // A pair's count is a sum of word counts, one per occurrence, and merges only remove occurrences: if
+        // the sum of count x (len - 1) over the words fits int64, no pair count can overflow.
+        int64_t pairs_total = 0;
         counter.for_each([&](const uint8_t* p, uint32_t len, int64_t count) {
             if (len < 2 || count <= 0) return;  // no pairs in a single byte
+            int64_t occ;
+            if (__builtin_mul_overflow(count, (int64_t)len - 1, &occ) ||
+                __builtin_add_overflow(pairs_total, occ, &pairs_total))
+                throw std::invalid_argument("train_bpe: the pair counts (count x pairs of each pre-token, summed) "
+                                            "exceed 2**63 - 1; scale the counts down");
             words_.push_back({(uint64_t)syms_.size(), len, count});
             for (uint32_t k = 0; k < len; ++k) syms_.push_back(p[k]);
         });

@@ -50,7 +50,7 @@ void PretokenCounter::add(const uint8_t* data, size_t n, int num_threads) {
         throw std::invalid_argument("num_threads must be >= 1, got " + std::to_string(num_threads));
     if (n >= (size_t(1) << 32))
         throw std::invalid_argument("add() takes at most 4 GiB at a time; feed the data in smaller chunks");
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<ForkSafeMutex> lock(mu_);
     // Fewer threads for small inputs: below ~256 KiB per thread the thread start-up dominates.
     size_t max_threads = std::min<size_t>(256, std::max<size_t>(1, n / (256 * 1024)));
     size_t T = std::min<size_t>((size_t)num_threads, max_threads);
@@ -81,6 +81,10 @@ void PretokenCounter::add(const uint8_t* data, size_t n, int num_threads) {
             throw std::invalid_argument("invalid UTF-8 at byte offset " + std::to_string(bad[t]) +
                                         " of the data given to add(); decode/clean the input (e.g. "
                                         "errors='replace') before counting");
+    int64_t sum = total_;
+    for (size_t t = 0; t < T; ++t)
+        if (__builtin_add_overflow(sum, totals[t], &sum))
+            throw std::invalid_argument("add: the total count would exceed 2**63 - 1; nothing was added");
     for (size_t t = 0; t < T; ++t) {
         merge_into_table(locals[t]);
         total_ += totals[t];
@@ -92,10 +96,13 @@ void PretokenCounter::add_counts(const std::vector<std::string>& words, const st
     if (words.size() != counts.size())
         throw std::invalid_argument("add_counts: words and counts differ in length (" + std::to_string(words.size()) +
                                     " vs " + std::to_string(counts.size()) + ")");
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<ForkSafeMutex> lock(mu_);
+    int64_t total = total_;  // every entry's count is at most the total: if it fits int64, they all do
     for (size_t k = 0; k < words.size(); ++k) {
         if (counts[k] < 0) throw std::invalid_argument("add_counts: counts must be >= 0");
         if (words[k].empty()) throw std::invalid_argument("add_counts: empty pre-token; drop empty words");
+        if (__builtin_add_overflow(total, counts[k], &total))
+            throw std::invalid_argument("add_counts: the total count would exceed 2**63 - 1; nothing was added");
     }
     for (size_t k = 0; k < words.size(); ++k) {
         if (counts[k] == 0) continue;

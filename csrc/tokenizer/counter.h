@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "forksafe.h"
 #include "tokenizer/hash.h"
 #include "tokenizer/pretokenize.h"
 
@@ -22,14 +23,14 @@ public:
     // Add counts of already pre-tokenized words (custom patterns).
     void add_counts(const std::vector<std::string>& words, const std::vector<int64_t>& counts);
 
-    size_t size() const { std::lock_guard<std::mutex> lock(mu_); return map_.size(); }
-    int64_t total() const { std::lock_guard<std::mutex> lock(mu_); return total_; }
+    size_t size() const { std::lock_guard<ForkSafeMutex> lock(mu_); return map_.size(); }
+    int64_t total() const { std::lock_guard<ForkSafeMutex> lock(mu_); return total_; }
     int pattern() const { return pattern_; }
     // Calls f(ptr, len, count) for every unique pre-token (under the lock: an add() running on
     // another Python thread, with the GIL released, cannot change the table meanwhile).
     template <class F>
     void for_each(F&& f) const {
-        std::lock_guard<std::mutex> lock(mu_);
+        std::lock_guard<ForkSafeMutex> lock(mu_);
         for (const auto& e : map_.slots())
             if (e.ptr) f(e.ptr, e.len, e.count);
     }
@@ -41,7 +42,7 @@ private:
     StrCountMap map_;  // keys live in arena_
     Arena arena_;
     int64_t total_ = 0;
-    mutable std::mutex mu_;  // one add() at a time; readers wait for it
+    mutable ForkSafeMutex mu_;  // one add() at a time; readers wait for it; fork() waits for an add()
 };
 
 }  // namespace lmforge

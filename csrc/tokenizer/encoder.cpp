@@ -108,7 +108,7 @@ Encoder::Encoder(std::vector<std::string> vocab, const std::vector<std::pair<int
 }
 
 std::unique_ptr<EncodeCache> Encoder::acquire_cache() const {
-    std::lock_guard<std::mutex> lock(pool_mu_);
+    std::lock_guard<ForkSafeMutex> lock(pool_mu_);
     if (pool_.empty()) return std::make_unique<EncodeCache>();
     auto c = std::move(pool_.back());
     pool_.pop_back();
@@ -116,7 +116,7 @@ std::unique_ptr<EncodeCache> Encoder::acquire_cache() const {
 }
 
 void Encoder::release_cache(std::unique_ptr<EncodeCache> c) const {
-    std::lock_guard<std::mutex> lock(pool_mu_);
+    std::lock_guard<ForkSafeMutex> lock(pool_mu_);
     if (pool_.size() < 8) pool_.push_back(std::move(c));  // bounded: idle caches are kept, not hoarded
 }
 

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "forksafe.h"
 #include "tokenizer/hash.h"
 #include "tokenizer/pretokenize.h"
 
@@ -87,7 +88,7 @@ private:
     U64Map ranks_;
     SpecialSplitter specials_;
     int pattern_;
-    mutable std::mutex pool_mu_;
+    mutable ForkSafeMutex pool_mu_;  // a fork() mid-encode leaves it unlocked in the child (forksafe.h)
     mutable std::vector<std::unique_ptr<EncodeCache>> pool_;
 };
 

@@ -1,5 +1,5 @@
 // Hand-written pre-tokenizers equivalent to regex.findall with the gpt2 / gpt4 / nanochat patterns,
-// working on valid UTF-8 bytes, plus special-token splitting and thread-safe split points. Used by the
+// working on valid UTF-8 bytes (on any other bytes they never read past the text: utf8.h's decode_char), plus special-token splitting and thread-safe split points. Used by the
 // counter and the encoder (Python: lmforge.tokenizer) and bound as _core.pretokenize for the tests.
 //
 // How findall runs these patterns (tried in order at each position; every character is one of
@@ -42,7 +42,7 @@ inline size_t run_end(const uint8_t* s, size_t i, size_t n) {
             if (cls == 0 ? f != 0 : !(f & cls)) break;
             ++i;
         } else {
-            Char ch = decode_char(s + i);
+            Char ch = decode_char(s + i, n - i);
             if (cls == 0 ? ch.flags != 0 : !(ch.flags & cls)) break;
             i += ch.len;
         }
@@ -63,7 +63,7 @@ inline size_t ws_run(const uint8_t* s, size_t i, size_t n, size_t* last, size_t*
             *last = i;
             ++i;
         } else {
-            Char ch = decode_char(s + i);
+            Char ch = decode_char(s + i, n - i);
             if (!(ch.flags & kFlagS)) break;
             *last = i;
             i += ch.len;
@@ -97,11 +97,11 @@ inline void pretok_gpt2(const uint8_t* s, size_t n, Emit&& emit) {
                 }
             }
         }
-        Char ch = decode_char(s + i);
+        Char ch = decode_char(s + i, n - i);
         size_t j = i;  // where the class run starts (after an optional ' ')
         uint8_t f = ch.flags;
         if (c == ' ' && i + 1 < n) {
-            Char nx = decode_char(s + i + 1);
+            Char nx = decode_char(s + i + 1, n - i - 1);
             if (!(nx.flags & kFlagS)) { j = i + 1; f = nx.flags; }
         }
         size_t end;
@@ -123,9 +123,9 @@ template <class Emit>
 inline void pretok_gpt4(const uint8_t* s, size_t n, int max_digits, Emit&& emit) {
     size_t i = 0;
     while (i < n) {
-        Char ch = decode_char(s + i);
+        Char ch = decode_char(s + i, n - i);
         if (ch.cp == '\'' && i + 1 < n) {  // '(?i:[sdmt]|ll|ve|re)
-            Char d = decode_char(s + i + 1);
+            Char d = decode_char(s + i + 1, n - i - 1);
             if (LMF_FOLD(s, d.cp) || LMF_FOLD(d, d.cp) || LMF_FOLD(m, d.cp) || LMF_FOLD(t, d.cp)) {
                 emit(s + i, 1 + d.len);
                 i += 1 + d.len;
@@ -133,7 +133,7 @@ inline void pretok_gpt4(const uint8_t* s, size_t n, int max_digits, Emit&& emit)
             }
             size_t k = i + 1 + d.len;
             if (k < n && (LMF_FOLD(l, d.cp) || LMF_FOLD(v, d.cp) || LMF_FOLD(r, d.cp))) {
-                Char e = decode_char(s + k);
+                Char e = decode_char(s + k, n - k);
                 if ((LMF_FOLD(l, d.cp) && LMF_FOLD(l, e.cp)) || (LMF_FOLD(v, d.cp) && LMF_FOLD(e, e.cp)) ||
                     (LMF_FOLD(r, d.cp) && LMF_FOLD(e, e.cp))) {
                     emit(s + i, 1 + d.len + e.len);
@@ -151,7 +151,7 @@ inline void pretok_gpt4(const uint8_t* s, size_t n, int max_digits, Emit&& emit)
             continue;
         }
         if (!(f & kFlagN) && ch.cp != '\r' && ch.cp != '\n' && i + ch.len < n) {  // ... with a prefix
-            Char nx = decode_char(s + i + ch.len);
+            Char nx = decode_char(s + i + ch.len, n - i - ch.len);
             if (nx.flags & kFlagL) {
                 end = run_end<kFlagL>(s, i + ch.len + nx.len, n);
                 emit(s + i, end - i);
@@ -163,7 +163,7 @@ inline void pretok_gpt4(const uint8_t* s, size_t n, int max_digits, Emit&& emit)
             end = i + ch.len;
             for (int d = 1; d < max_digits && end < n; ++d) {
                 uint32_t len;
-                if (!(char_flags(s + end, &len) & kFlagN)) break;
+                if (!(char_flags(s + end, n - end, &len) & kFlagN)) break;
                 end += len;
             }
             emit(s + i, end - i);
@@ -173,7 +173,7 @@ inline void pretok_gpt4(const uint8_t* s, size_t n, int max_digits, Emit&& emit)
         size_t j = f == 0 ? i : n;  // start of an "other" run: ' '?[^\s\p{L}\p{N}]++[\r\n]*
         if (ch.cp == ' ' && i + 1 < n) {
             uint32_t len;
-            if (char_flags(s + i + 1, &len) == 0) j = i + 1;
+            if (char_flags(s + i + 1, n - i - 1, &len) == 0) j = i + 1;
         }
         if (j < n) {
             end = run_end<0>(s, j, n);
