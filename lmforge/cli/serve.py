@@ -21,6 +21,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (printable ASCII, no spaces). Prefer the "
                         "environment variable LMFORGE_API_KEY, the default: a key on the command line shows in `ps` "
                         "to every user of the machine (default: $LMFORGE_API_KEY, else no key)")
+    p.add_argument("--allowed-hosts", default="",
+                   help="comma-separated host names (besides localhost, IP addresses and --host) that requests may "
+                        "name in their Host header, e.g. chat.example.com for a server reached by that name; '*' "
+                        "allows any (behind a proxy that checks it). Other names are refused, against DNS "
+                        "rebinding (default: none)")
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="requests decoded together, one batched step for all (default 8)")
     p.add_argument("--max-queue", type=positive_int, default=64,
@@ -37,11 +42,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 def _serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise CLIError(f"--port must be in [0, 65535], got {args.port}")
-    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         raise CLIError(f"lmforge serve needs {' and '.join(missing)}: pip install 'lmforge[serve]'")
     from lmforge.serve import ServedModel, serve
-    from lmforge.serve.server import API_KEY_ENV, check_api_key
+    from lmforge.serve.access import API_KEY_ENV, AllowedHosts, check_api_key
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
@@ -52,6 +57,11 @@ def _serve(args: argparse.Namespace) -> int:
             check_api_key(api_key)  # before loading the model
         except ValueError as e:
             raise CLIError(f"{source}: {e}") from None
+    allowed = [h for h in args.allowed_hosts.split(",") if h.strip()]
+    try:
+        AllowedHosts(allowed)
+    except ValueError as e:
+        raise CLIError(f"--allowed-hosts: {e}") from None
     served = ServedModel.from_run(args.run, args.checkpoint, device=args.device, weight_dtype=args.weight_dtype,
                                   max_batch=args.max_batch, max_queue=args.max_queue,
                                   max_tokens_cap=args.max_tokens_cap)
@@ -59,7 +69,8 @@ def _serve(args: argparse.Namespace) -> int:
     def ready(url: str) -> None:
         print(f"lmforge serve: {served.model_id} on {url}  (chat page: {url}/  API: {url}/v1)", flush=True)
 
-    serve(served, args.host, args.port, api_key=api_key, max_body=args.max_body, on_ready=ready)
+    serve(served, args.host, args.port, api_key=api_key, max_body=args.max_body, on_ready=ready,
+          allowed_hosts=allowed)
     return 0
 
 

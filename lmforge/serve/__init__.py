@@ -2,11 +2,13 @@
 
 ``server`` loads a run for serving (:class:`ServedModel`: engine, tokenizer, the batching scheduler, the chat
 renderer) and runs the process (:func:`serve`: bind, uvicorn, drain on SIGTERM); ``app`` is the HTTP layer
-(FastAPI: routes, auth, limits, streaming), which only calls the scheduler; ``api`` holds the OpenAI request
-schemas, error shape and response builders; ``static/`` is the page. Needs the ``serve`` extra
-(``pip install 'lmforge[serve]'``: fastapi, uvicorn).
+(FastAPI: routes, auth, limits, streaming), which only calls the scheduler; ``access`` decides who may use it
+(the API key, the allowed ``Host`` names); ``api`` holds the OpenAI request schemas, error shape and response
+builders; ``metrics`` the Prometheus metrics; ``static/`` is the page. Needs the ``serve`` extra
+(``pip install 'lmforge[serve]'``: fastapi, uvicorn, prometheus_client).
 """
 
-from lmforge.serve.server import ServedModel, bind, exposure_warning, serve
+from lmforge.serve.access import exposure_warning
+from lmforge.serve.server import ServedModel, bind, serve
 
 __all__ = ["ServedModel", "bind", "exposure_warning", "serve"]

@@ -8,19 +8,20 @@ this event loop (``call_soon_threadsafe``): as one JSON object, or streamed as s
 (``data: {chunk}`` lines, then ``data: [DONE]``). A client that goes away cancels its request, which frees
 its row at the next step (or its place in the queue at once): a stream notices when it can no longer send, a
 plain request by watching the connection while it waits. A request body must arrive within ``body_timeout``
-seconds (else 408, and the connection is closed). Every error has the OpenAI shape
-``{"error": {message, type, param, code}}``.
+seconds (else 408, and the connection is closed). API POST bodies must be sent as ``application/json`` (else
+415) and a request's ``Host`` must be one this server answers (:mod:`~lmforge.serve.access`, else 400): no
+cross-site page can post to it, by a simple request or by DNS rebinding. Every error has the OpenAI shape
+``{"error": {message, type, param, code}}``; after a 500 the keep-alive connection stays usable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from importlib import resources
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -30,8 +31,8 @@ from lmforge.generate.scheduler import QueueFull, Update
 from lmforge.generate.scheduler import Request as Job
 from lmforge.serve import api, structured
 from lmforge.serve.api import APIError, ChatCompletionRequest, CompletionRequest
-from lmforge.serve.metrics import Metrics
-from lmforge.serve.server import check_api_key
+from lmforge.serve.access import AllowedHosts, HostCheck, check_api_key, key_matches
+from lmforge.serve.metrics import CONTENT_TYPE, Metrics
 
 logger = logging.getLogger("lmforge")
 
@@ -49,16 +50,21 @@ def _error(e: APIError) -> JSONResponse:
 
 
 def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
-               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
+               body_timeout: float = BODY_TIMEOUT_S, allowed_hosts: AllowedHosts | Sequence[str] = ()) -> FastAPI:
     """The app serving ``served`` (a :class:`~lmforge.serve.server.ServedModel`).
 
     ``api_key``: required as ``Authorization: Bearer KEY`` on ``/v1/*`` (the page and ``/health`` stay open);
-    ``ValueError`` if it could never match (:func:`~lmforge.serve.server.check_api_key`). ``max_body``: the
+    ``ValueError`` if it could never match (:func:`~lmforge.serve.access.check_api_key`). ``max_body``: the
     largest request body in bytes (beyond: 413). ``body_timeout``: seconds a request body may take to arrive
-    (beyond: 408, connection closed). The app's lifespan starts and stops the scheduler's engine thread.
+    (beyond: 408, connection closed). ``allowed_hosts``: the host names a request's ``Host`` may carry besides
+    ``localhost`` and IP addresses (others: 400; ``*``: any; :class:`~lmforge.serve.access.AllowedHosts`).
+    API POST bodies must come as ``Content-Type: application/json`` (else 415), which a cross-site page cannot
+    send without the CORS preflight this server never grants. The app's lifespan starts and stops the
+    scheduler's engine thread.
     """
     if api_key is not None:
         check_api_key(api_key)
+    hosts = allowed_hosts if isinstance(allowed_hosts, AllowedHosts) else AllowedHosts(allowed_hosts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -69,6 +75,8 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
             served.scheduler.stop()
 
     app = FastAPI(title="lmforge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Unexpected, fail=lambda scope, e: _internal(Request(scope), e))  # (inner: added first)
+    app.add_middleware(HostCheck, hosts=hosts)
     sched = served.scheduler
     metrics = Metrics(sched.load)
 
@@ -78,30 +86,34 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         if e.status != 401:
-            metrics.request(request.url.path, e.status)
+            metrics.request(_endpoint(request), e.status)
         return _error(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         what = "no such route" if e.status_code == 404 else str(e.detail)
+        metrics.request(_endpoint(request), e.status_code)
         return _error(APIError(e.status_code, f"{request.method} {request.url.path}: {what}",
                                code="not_found" if e.status_code == 404 else None))
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception) -> JSONResponse:
-        logger.exception("request failed")
+    def _internal(request: Request, e: Exception) -> JSONResponse:
+        logger.error("request failed", exc_info=e)
+        metrics.request(_endpoint(request), 500)
         return _error(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
     async def authorize(request: Request) -> None:
         if api_key is None:
             return
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        if not key_matches(request.headers.get("authorization", ""), api_key):
             raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' with the "
                                 "key the server was started with", code="invalid_api_key")
 
     async def body(request: Request) -> bytes:
+        kind = request.headers.get("content-type", "")
+        if kind.partition(";")[0].strip().lower() != "application/json":
+            shown = repr(kind[:60]) if kind else "none"
+            raise APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json' (this "
+                                f"one came with {shown})", code="unsupported_media_type")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body:
             raise APIError(413, f"the request body has {declared} bytes, over this server's limit of {max_body}",
@@ -234,7 +246,7 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
         await authorize(request)
-        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.text(), headers={"Content-Type": CONTENT_TYPE})
 
     # ---------------------------------------------------------------------------------------------
     def _job(req: Any, prompt: list[int], limit: int, stop_ids: list[int],
@@ -265,7 +277,7 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
             raise APIError(503, f"the server is shutting down ({e})", type="server_error") from None
         rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
         timing = _Timing(metrics, len(jobs))
-        endpoint = request.url.path
+        endpoint = _endpoint(request)
         if req.stream:
             return StreamingResponse(_stream(jobs, updates, rid, kind, req, timing, endpoint),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -379,6 +391,39 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
                     sched.cancel(job)
 
     return app
+
+
+class _Unexpected:
+    """ASGI middleware: an exception that escaped the app before its response started is answered by
+    ``fail(scope, exception)`` (the OpenAI-shaped 500), and the connection stays usable (the framework's own
+    last resort re-raises it, and uvicorn then drops the connection without ``Connection: close``). After the
+    response started (a stream), the exception goes on: the connection must close."""
+
+    def __init__(self, app: Any, fail: Callable[[dict[str, Any], Exception], Response]) -> None:
+        self.app, self.fail = app, fail
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        started = False
+
+        async def watch(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as e:  # noqa: BLE001
+            if started:
+                raise
+            await self.fail(scope, e)(scope, receive, send)
+
+
+def _endpoint(request: Request) -> str:
+    """The matched route's path template (``/v1/models/{name}``), or ``other``: a metric label is never a path
+    a client wrote (each would be a new series)."""
+    return getattr(request.scope.get("route"), "path", None) or "other"
 
 
 def _noop(update: Update) -> None:

@@ -16,7 +16,6 @@ conversation: the special ids of the call and its output, not ~60 byte tokens of
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import re
@@ -24,7 +23,7 @@ import signal
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from lmforge.chat.format import ChatFormat, Message, check_conversation
 from lmforge.chat.tools import ToolUse
@@ -32,14 +31,13 @@ from lmforge.generate import Generator
 from lmforge.generate.constraints import ConstraintError, Grammars
 from lmforge.generate.engine import Engine
 from lmforge.generate.scheduler import Scheduler
+from lmforge.serve.access import AllowedHosts, check_api_key, exposure_warning
 from lmforge.serve.api import APIError
 from lmforge.tokenizer import Tokenizer
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["ServedModel", "TOOL_TEXT", "bind", "check_api_key", "exposure_warning", "messages_from_text", "serve"]
-
-API_KEY_ENV = "LMFORGE_API_KEY"
+__all__ = ["ServedModel", "TOOL_TEXT", "bind", "messages_from_text", "serve"]
 
 TOOL_TEXT: dict[str, str] = {"<|python_start|>": "<calculator>", "<|python_end|>": "</calculator>",
                              "<|output_start|>": "<output>", "<|output_end|>": "</output>"}
@@ -69,16 +67,6 @@ def messages_from_text(content: str) -> list[Message]:
         start = m.end()
     out.append({"role": "assistant", "content": content[start:]})
     return out
-
-
-def check_api_key(key: str) -> None:
-    """``ValueError`` unless ``key`` can be sent in an ``Authorization: Bearer KEY`` header and match: printable
-    ASCII without spaces (a key with spaces or other characters could never be matched)."""
-    if not key or any(not "!" <= c <= "~" for c in key):
-        bad = next((c for c in key if not "!" <= c <= "~"), None)
-        what = "is empty" if not key else f"holds {'a space' if bad == ' ' else repr(bad)}"
-        raise ValueError(f"the API key {what}; a key must be printable ASCII without spaces (letters, digits, "
-                         "punctuation), since clients send it in an HTTP header, e.g. from `openssl rand -hex 24`")
 
 
 class ServedModel:
@@ -219,20 +207,6 @@ class ServedModel:
         return asked
 
 
-def exposure_warning(host: str, api_key: str | None) -> str | None:
-    """The warning for listening on ``host`` without a key, when ``host`` is not a loopback address."""
-    if api_key:
-        return None
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name
-        loopback = False
-    if loopback:
-        return None
-    return (f"listening on {host} without an API key: anyone who can reach this address can use the model; "
-            f"pass --api-key (or set {API_KEY_ENV}), or bind 127.0.0.1")
-
-
 def bind(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
     """A listening TCP socket on ``host:port`` (``port`` 0: a free one; IPv6 if ``host`` has a colon)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -286,22 +260,25 @@ def uvicorn_config(app: Any, header_timeout: float = HEADER_TIMEOUT_S, **kw: Any
 
 def serve(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_body: int = 1 << 20, on_ready: Callable[[str], None] | None = None,
-          drain_timeout: float = 300.0) -> None:
+          drain_timeout: float = 300.0, allowed_hosts: Sequence[str] = ()) -> None:
     """Serve ``served`` over HTTP until SIGTERM or Ctrl-C; requests in flight finish first (up to
-    ``drain_timeout`` seconds). ``on_ready(url)`` is called once the socket listens. ``ValueError`` for an
-    ``api_key`` that could never match (:func:`check_api_key`)."""
+    ``drain_timeout`` seconds). ``on_ready(url)`` is called once the socket listens. Requests may name in
+    ``Host`` an IP address, ``localhost``, ``host`` or one of ``allowed_hosts`` (``*``: any;
+    :class:`~lmforge.serve.access.AllowedHosts`). ``ValueError`` for an ``api_key`` that could never match
+    (:func:`~lmforge.serve.access.check_api_key`) or a malformed allowed host."""
     import uvicorn  # the optional extra: pip install lmforge[serve]
 
     from lmforge.serve.app import create_app
 
     if api_key is not None:
         check_api_key(api_key)
+    hosts = AllowedHosts([host, *allowed_hosts])
     warning = exposure_warning(host, api_key)
     if warning:
         logger.warning("%s", warning)
     sock = bind(host, port)
     url = "http://%s:%d" % ((f"[{host}]" if ":" in host else host), sock.getsockname()[1])
-    app = create_app(served, api_key=api_key, max_body=max_body)
+    app = create_app(served, api_key=api_key, max_body=max_body, allowed_hosts=hosts)
     config = uvicorn_config(app, log_level="warning", timeout_graceful_shutdown=drain_timeout, access_log=False)
     server = uvicorn.Server(config)
     logger.info("serving %s on %s (web chat at %s/, API at %s/v1; %s)", served.model_id, url, url, url,

@@ -256,7 +256,7 @@ def leave(url: str, rng: random.Random, stream: bool) -> None:
     host, port = url.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
     with socket.create_connection((host, int(port))) as s:
-        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
         time.sleep(rng.uniform(0, 0.4))
         if rng.random() < 0.5:
@@ -279,7 +279,8 @@ def _one(url: str, kind: str, i: int, oracle: dict, seed: int) -> tuple[str, boo
     with httpx.Client(trust_env=False, timeout=120) as c:
         if kind == "bad":
             path, body = random.Random(i).choice(bad_bodies()[:-1])  # (not the 2 MiB one: it dominates the run)
-            r = c.post(url + path, content=body if isinstance(body, bytes) else json.dumps(body).encode())
+            r = c.post(url + path, content=body if isinstance(body, bytes) else json.dumps(body).encode(),
+                       headers={"Content-Type": "application/json"})
             return kind, 400 <= r.status_code < 500 and r.status_code != 429, f"{r.status_code}"
         if kind.startswith("leave"):
             leave(url, rng, kind.endswith("stream"))
@@ -297,9 +298,10 @@ def slow_connections(url: str, n: int, until: float) -> dict[str, int]:
     for k in range(n):
         s = socket.create_connection((host, int(port)))
         if k % 3 == 0:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{")
         elif k % 3 == 1:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         s.setblocking(False)
         socks.append(s)
     closed: set[int] = set()

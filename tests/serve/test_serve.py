@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from serve_helpers import NO_PROXY, ThreadServer, openai_client, random_chat_run, wide_zero_run, zero_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+JSON = {"Content-Type": "application/json"}  # what a body sent as bytes must declare (json= sets it)
 MSG = [{"role": "user", "content": "Hello, who are you?"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
@@ -236,7 +237,7 @@ def _err(r: httpx.Response, status: int, param: str | None = None) -> str:
      "messages", "must end with a user message"),
 ])
 def test_bad_requests_are_400_naming_the_field(srv, http, body, param, words):
-    msg = _err(http.post(srv.url + "/v1/chat/completions", content=body), 400, param)
+    msg = _err(http.post(srv.url + "/v1/chat/completions", content=body, headers=JSON), 400, param)
     assert words in msg
 
 
@@ -289,7 +290,7 @@ def test_api_key_body_limit_and_queue_limit(guarded, http):
     def chunked():  # no Content-Length: the limit holds while reading
         yield json.dumps({**body, "prompt": "y" * 3000})[:-1].encode()
         yield b", " + json.dumps({"stop": ["z" * 3000]})[1:].encode()
-    _err(http.post(url, content=chunked(), headers=key), 413)
+    _err(http.post(url, content=chunked(), headers={**key, **JSON}), 413)
 
     # one row and one waiting place: a third request is refused with 429 + Retry-After
     long = {"model": "wide", "prompt": "go", "max_tokens": 4000, "stream": True, "temperature": 0}
@@ -364,9 +365,11 @@ def _start(run: Path, *args: str) -> tuple[subprocess.Popen, str]:
 
 
 def test_lmforge_serve_command_serves_the_client_and_drains_on_sigterm(runs):
-    p, url = _start(runs["zero"], "--max-batch", "2")
+    p, url = _start(runs["zero"], "--max-batch", "2", "--allowed-hosts", "chat.example.com, box.lan")
     try:
         assert url.startswith("http://127.0.0.1:")
+        for host, status in (("chat.example.com", 200), ("box.lan:80", 200), ("evil.example", 400)):  # rebinding
+            assert httpx.get(url + "/health", headers={"Host": host}, trust_env=False).status_code == status
         client = openai_client(url)
         assert [m.id for m in client.models.list()] == ["zero"]
         r = client.chat.completions.create(model="zero", messages=MSG, max_tokens=3, temperature=0)

@@ -73,7 +73,7 @@ def raw_post(url: str, body: dict, path: str = "/v1/completions") -> socket.sock
     host, port = url.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
 
@@ -215,10 +215,10 @@ def test_slow_bodies_headers_and_silent_connections_are_closed(runs):
         for kind in kinds:
             sock = socket.create_connection((host, int(port)))
             if kind == "body":
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                              b"Content-Length: 1000\r\n\r\n{")
             elif kind == "headers":
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
             sock.setblocking(False)
             socks.append(sock)
         with httpx.Client(trust_env=False, timeout=60) as c:  # a stream outliving both deadlines is not cut
@@ -264,7 +264,7 @@ def test_slow_bodies_headers_and_silent_connections_are_closed(runs):
 @pytest.mark.parametrize("body", [b"[" * 100_000, b'{"model": "wide", "prompt": ' + b"[" * 100_000,
                                   b'{"model": "wide", "stream_options": ' + b'{"a": ' * 50_000])
 def test_deeply_nested_json_is_a_400(wide, http, body):
-    r = http.post(wide.url + "/v1/completions", content=body)
+    r = http.post(wide.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"], r.text
 
 
@@ -293,7 +293,8 @@ def test_serve_help_points_to_the_environment_variable_and_refuses_a_bad_one(run
 
 def test_a_prompt_with_a_lone_surrogate_is_a_400(wide, http):
     """JSON may spell a lone surrogate ("\\ud800"); the tokenizer cannot encode it: a 400 naming the prompt, not a 500."""
-    r = http.post(wide.url + "/v1/completions", content=b'{"model": "wide", "prompt": "a\\ud800b", "max_tokens": 2}')
+    r = http.post(wide.url + "/v1/completions", content=b'{"model": "wide", "prompt": "a\\ud800b", "max_tokens": 2}',
+                  headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "surrogate" in r.text, r.text
 
 

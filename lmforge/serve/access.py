@@ -1,0 +1,111 @@
+"""Who may use the server: the API key (:func:`check_api_key`, :func:`key_matches`), the ``Host`` a request may
+name (:class:`AllowedHosts`, enforced by the middleware :class:`HostCheck`) and the warning for a server open
+beyond this machine (:func:`exposure_warning`).
+
+The ``Host`` check stops DNS rebinding: a web page on ``evil.example`` whose name the attacker re-points at
+127.0.0.1 makes the browser send its requests here, same-origin, with ``Host: evil.example``. A rebinding
+always carries the attacker's host *name*, so a request naming an IP address, ``localhost``, the bound host or
+a name allowed by ``--allowed-hosts`` is served and any other name is refused (``*`` allows every name, for a
+deployment behind a proxy that checks it).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+from typing import Any, Iterable
+
+from lmforge.serve.api import error_body
+
+__all__ = ["API_KEY_ENV", "AllowedHosts", "HostCheck", "check_api_key", "exposure_warning", "key_matches"]
+
+API_KEY_ENV = "LMFORGE_API_KEY"
+
+
+def check_api_key(key: str) -> None:
+    """``ValueError`` unless ``key`` can be sent in an ``Authorization: Bearer KEY`` header and match: printable
+    ASCII without spaces (a key with spaces or other characters could never be matched)."""
+    if not key or any(not "!" <= c <= "~" for c in key):
+        bad = next((c for c in key if not "!" <= c <= "~"), None)
+        what = "is empty" if not key else f"holds {'a space' if bad == ' ' else repr(bad)}"
+        raise ValueError(f"the API key {what}; a key must be printable ASCII without spaces (letters, digits, "
+                         "punctuation), since clients send it in an HTTP header, e.g. from `openssl rand -hex 24`")
+
+
+def key_matches(authorization: str, key: str) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer KEY`` (compared in constant time)."""
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning for listening on ``host`` without a key, when ``host`` is not a loopback address."""
+    if api_key or host == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback):
+        return None
+    return (f"listening on {host} without an API key: anyone who can reach this address can use the model; "
+            f"pass --api-key (or set {API_KEY_ENV}), or bind 127.0.0.1")
+
+
+def host_name(header: str) -> str:
+    """The name in a ``Host`` header, lower case, without its port, IPv6 brackets or a final dot:
+    ``[::1]:8000`` -> ``::1``, ``LocalHost.:80`` -> ``localhost``."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        h = h[1:].partition("]")[0]
+    elif h.count(":") == 1:
+        h = h.partition(":")[0]
+    return h.rstrip(".")
+
+
+class AllowedHosts:
+    """The ``Host`` names this server answers (see the module docstring): IP addresses, ``localhost`` and
+    ``names`` (the bound host, ``--allowed-hosts``); ``*`` among them allows every name."""
+
+    def __init__(self, names: Iterable[str] = ()) -> None:
+        names = [n.strip() for n in names]
+        bad = [n for n in names if not n or any(c.isspace() or c in "/@" for c in n)]
+        if bad:
+            raise ValueError(f"allowed host {bad[0]!r} is not a host name; give names like 'chat.example.com' "
+                             "(comma-separated), or '*' to allow any")
+        self.any = "*" in names
+        self.names = {"localhost"} | {host_name(n) for n in names if n != "*"}
+
+    def allows(self, header: str | None) -> bool:
+        """Whether a request whose ``Host`` header is ``header`` may be served (no header: an HTTP/1.0 client,
+        never a browser, allowed)."""
+        if self.any or not header:
+            return True
+        name = host_name(header)
+        return name in self.names or _is_ip(name)
+
+
+class HostCheck:
+    """ASGI middleware: a request naming a ``Host`` that ``hosts`` does not allow is answered 400 in the OpenAI
+    error shape before the app sees it."""
+
+    def __init__(self, app: Any, hosts: AllowedHosts) -> None:
+        self.app, self.hosts = app, hosts
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
+            if not self.hosts.allows(host):
+                shown = host if len(host) <= 100 else host[:100] + "..."
+                body = json.dumps(error_body(
+                    f"Host {shown!r} is not allowed: this server answers requests addressed to localhost, an IP "
+                    "address or its --host (a guard against DNS rebinding); start it with --allowed-hosts NAME to "
+                    "allow a name, or '*' behind a proxy that checks it", param="Host", code="invalid_host")).encode()
+                await send({"type": "http.response.start", "status": 400, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
