@@ -16,8 +16,11 @@ not fit, then pads the rest of the row (input id ``pad_id``, target ignored). A 
 across rows, so every trained token sees its whole conversation; conversations in one row are separated by the
 end-of-text token the chat format starts each one with (the base model saw documents separated the same way).
 Targets whose mask is 0, and padding, become :data:`IGNORE_INDEX`. The loader's position is a few integers
-(``state_dict``), global over data-parallel ranks like :class:`~lmforge.data.BlockLoader`: step ``s`` takes
-``batch_size * world_size`` consecutive rows and rank ``r`` gets the ``r``-th slice.
+(``state_dict``), global over data-parallel ranks like :class:`~lmforge.data.BlockLoader`: batch ``s`` takes
+rows ``[s·G, (s+1)·G)`` (``G = batch_size * world_size``) of the global sequence of rows and rank ``r`` gets the
+``r``-th slice. That sequence is every epoch's rows in turn: epochs pack into different numbers of rows (their
+orders differ), so a batch that reaches an epoch's end takes the next epoch's first rows, and every batch is full
+on every rank, at every epoch (none is dropped, none is short).
 """
 
 from __future__ import annotations
@@ -189,16 +192,25 @@ class ConversationLoader:
 
     @property
     def steps_per_epoch(self) -> int:
+        """Whole global batches in the current epoch's rows."""
         return len(self._rows) // (self.batch_size * self.world_size)
 
+    def _take(self, n: int) -> list[np.ndarray]:
+        """The next ``n`` rows of the global sequence, into the next epoch where this one ends."""
+        out: list[np.ndarray] = []
+        while len(out) < n:
+            if self.consumed >= len(self._rows):
+                self._start_epoch(self.epoch + 1)
+            k = min(n - len(out), len(self._rows) - self.consumed)
+            out.extend(self._rows[self.consumed:self.consumed + k])
+            self.consumed += k
+        return out
+
     def next_batch(self) -> tuple["Any", "Any"]:
-        """This rank's next ``(x, y)`` (int64 CPU tensors ``(B, T)``; ignored targets are -100)."""
-        gb = self.batch_size * self.world_size
-        if self.consumed + gb > len(self._rows):
-            self._start_epoch(self.epoch + 1)
-        lo = self.consumed + self.rank * self.batch_size
-        self.consumed += gb
-        return self.dataset.fill(self._rows[lo:lo + self.batch_size], self.context_length)
+        """This rank's next ``(x, y)`` (int64 CPU tensors ``(B, T)``, ``B = batch_size``; ignored targets are -100)."""
+        rows = self._take(self.batch_size * self.world_size)  # the global batch; this rank's slice is filled
+        lo = self.rank * self.batch_size
+        return self.dataset.fill(rows[lo:lo + self.batch_size], self.context_length)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly (JSON-serialisable)."""
