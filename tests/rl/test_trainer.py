@@ -38,7 +38,7 @@ def test_rl_end_to_end_learns_from_the_reward_and_reports_before_and_after(chat_
     share; rl.json and the run card hold greedy exact match, pass@1 and pass@k before and after, with intervals."""
     out = tmp_path / "rl"
     argv = ["-q", "rl", "--base", str(chat_run), "--data", str(rl_tasks["train"]), "--val-data", str(rl_tasks["val"]),
-            "--run-dir", str(out), "--no-progress", "--set", "rl.reward=format", "--set", "rl.temperature=2"]
+            "--run-dir", str(out), "--no-progress", "--set", "rl.reward=format", "--set", "rl.temperature=2.5"]
     for s in SMALL:
         argv += ["--set", s]
     assert cli.main(argv) == 0
@@ -55,8 +55,8 @@ def test_rl_end_to_end_learns_from_the_reward_and_reports_before_and_after(chat_
     ran = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}, *steps], steps)]
     assert all(0 < n < 16 * context / 2 for n in ran) and len(set(ran)) > 1, (ran, context)
     rewards = [s["reward"] for s in steps]
-    # at temperature 2 the SFT model ends 7/8 of its replies; it learns to end them all (with the learning rate
-    # at 1e-9 the last three steps end 0.875, 0.75, 0.81: the rise is the gradient's, not the seeds')
+    # at temperature 2.5 the SFT model ends 5/8 of its replies at step 1, and 0.81, 0.81, 0.88 at the last three
+    # (with the learning rate at 1e-9, 0.69, 0.81, 0.56: the rise is the gradient's, not the seeds')
     assert rewards[0] < 0.95 and min(rewards[-3:]) > rewards[0], rewards
     res = json.loads((out / "rl.json").read_text())
     for when in ("before", "after"):
