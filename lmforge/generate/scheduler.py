@@ -34,6 +34,7 @@ they join together, the prompt prefilled once and its cache row copied (``Engine
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import threading
@@ -243,13 +244,18 @@ class Scheduler:
                     "max_batch": self.max_batch, "max_queue": self.max_queue}
 
     def start(self) -> None:
-        """Run the loop in a daemon thread until :meth:`stop`."""
+        """Run the loop in a daemon thread until :meth:`stop`, called at the latest when the interpreter exits:
+        a thread left inside a kernel that released the GIL would abort the process (SIGABRT) when it takes the
+        GIL back from a finalizing interpreter."""
         assert self._thread is None, "already started"
         self._thread = threading.Thread(target=self._loop, name="lmforge-engine", daemon=True)
         self._thread.start()
+        atexit.register(self.stop)
 
     def stop(self, timeout: float | None = 30.0) -> None:
-        """Stop the loop: requests still running or waiting end with ``finish_reason="cancelled"``."""
+        """Stop the loop and wait for the engine thread to end (it finishes its current step first): requests
+        still running or waiting end with ``finish_reason="cancelled"``."""
+        atexit.unregister(self.stop)
         with self._cv:
             self._stopping = True
             self._cv.notify()

@@ -519,3 +519,34 @@ def test_several_samples_of_one_prompt_share_one_prefill(monkeypatch):
     with pytest.raises(ValueError, match="same prompt"):
         s.submit_many([Request([1], 2, Collect()), Request([2], 2, Collect())])
     assert s.load()["waiting"] == 0
+
+
+EXIT_WHILE_GENERATING = """
+import time
+from lmforge.generate.engine import Engine
+from lmforge.generate.scheduler import Request, Scheduler
+from lmforge.model import ModelConfig, TransformerLM
+from lmforge.tokenizer import Tokenizer
+
+tok = Tokenizer({i: bytes([i]) for i in range(256)}, [])
+cfg = ModelConfig(vocab_size=256, context_length=4096, d_model=128, n_layers=2, n_heads=2)
+s = Scheduler(Engine(TransformerLM(cfg)), tok, max_batch=1)
+s.start()
+s.submit(Request([65] * 4000, 90, lambda u: u.finish_reason and print(u.finish_reason, flush=True)))
+while s.load()["waiting"]:  # the engine thread took it: it is prefilling 4,000 tokens (0.1-0.5 s in one kernel call)
+    time.sleep(0.001)
+time.sleep(0.01)
+print("exiting", flush=True)
+"""
+
+
+def test_the_interpreter_exits_cleanly_while_the_engine_thread_generates():
+    """The script returns while the engine thread is inside a long prefill (a kernel call without the GIL): the
+    scheduler is stopped and joined at exit (its request cancelled), so the process exits with 0. Left running,
+    the daemon thread took the GIL back from the finalizing interpreter and the process died of SIGABRT."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", EXIT_WHILE_GENERATING], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.split() == ["exiting", "cancelled"], out.stdout
