@@ -267,7 +267,9 @@ class RLConfig:
     """Sampling temperature of the rollouts and of pass@k (> 0: at 0 all K replies would be the same). Below 1 by
     default: a small model's distribution at 1 is so flat that right replies are rare (the speedrun's SFT model
     samples a right calculator reply 2% of the time at 1, 28% at 0.5, greedy 46%), and a reward never seen teaches
-    nothing."""
+    nothing. The update trains the distribution that sampled: the loss's and the KL term's log-probabilities are
+    the model's at this temperature (its logits divided by it), so the trained policy is the model sampled at
+    ``rl.temperature``, not at 1."""
     top_k: int | None = None
     """Sample among the ``top_k`` most likely tokens only; ``null`` = all."""
     top_p: float | None = None
