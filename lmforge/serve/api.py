@@ -1,9 +1,11 @@
 """The OpenAI API's shapes: request schemas (pydantic), the error body, and response/chunk builders.
 
 Requests are validated by :func:`parse`, which turns any problem into an :class:`APIError` (400) whose ``param``
-names the field (``messages.0.role``, ``temperature``). Fields the OpenAI API has and lmforge does not use
-(``user``, ``presence_penalty`` ...) are accepted and ignored; those that would change the answer and are not
-supported (``echo``) are refused with a 400 that says so.
+names the field (``messages.0.role``, ``temperature``). Fields that do not change the answer (``user``,
+``metadata``, unknown names) are accepted and ignored; those that would change it and are not supported
+(``logit_bias``, non-zero ``presence_penalty``/``frequency_penalty``, ``echo``, ``suffix``, ``best_of``,
+``response_format`` on completions, ``stop`` with a constrained reply) are refused with a 400 naming the field
+(:data:`UNSUPPORTED`); a value of the wrong kind (``logprobs: true`` on completions) is refused, never coerced.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from lmforge.generate.sampling import SEED_MAX, SEED_MIN
 from lmforge.generate.scheduler import MAX_LOGPROBS
@@ -192,6 +194,9 @@ class ChatCompletionRequest(_Request):
                            "response_format" if constrained else "structured_outputs")
         if constrained and self.structured_outputs is not None:
             raise APIError(400, "give response_format or structured_outputs, not both", "structured_outputs")
+        if (constrained or self.structured_outputs is not None) and self.stops():
+            raise APIError(400, "stop cannot be combined with response_format or structured_outputs: a stop string "
+                                "would cut the document short of its format; remove stop", "stop")
         so = self.structured_outputs
         if so is not None and (so.regex is None) == (so.choice is None):
             raise APIError(400, "structured_outputs takes one of regex or choice", "structured_outputs")
@@ -199,6 +204,12 @@ class ChatCompletionRequest(_Request):
                 and self.response_format.json_schema is None:
             raise APIError(400, "response_format of type json_schema needs json_schema: {name, schema}",
                            "response_format.json_schema")
+        for k, t in enumerate(self.tools or ()):
+            kind = (t.function.parameters or {}).get("type", "object")
+            if kind != "object":
+                raise APIError(400, f"tools.{k}.function.parameters: a function's parameters must be a JSON Schema "
+                                    f'of an object ("type": "object"), got type {json.dumps(kind)[:40]}',
+                               f"tools.{k}.function.parameters")
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) != len(names):
             raise APIError(400, "tools: two functions have the same name", "tools")
@@ -229,6 +240,14 @@ class CompletionRequest(_Request):
     max_tokens: int | None = Field(default=16, ge=1)  # the OpenAI default for completions
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _alternatives(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError(f"on /v1/completions logprobs is how many alternatives to return per token (0 to "
+                             f"{MAX_LOGPROBS}), not true/false")
+        return v
 
     def n_logprobs(self) -> int | None:
         return self.logprobs
@@ -294,17 +313,42 @@ class DetokenizeRequest(BaseModel):
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
 
+UNSUPPORTED: dict[str, str] = {
+    "logit_bias": "logit_bias is not supported by lmforge serve; remove it",
+    "presence_penalty": "presence_penalty is not supported by lmforge serve; remove it (or send 0)",
+    "frequency_penalty": "frequency_penalty is not supported by lmforge serve; remove it (or send 0)",
+    "best_of": "best_of is not supported by lmforge serve; send n for several samples",
+    "suffix": "suffix (insertion) is not supported by lmforge serve; remove it",
+    "echo": "echo is not supported by lmforge serve",
+}
+"""Fields of the OpenAI API that change the answer and lmforge does not implement: refused when set to anything
+but their neutral value (null, 0, false, {}, 1 for ``best_of``), with these messages."""
+_NEUTRAL = (None, 0, False, {}, "")
+
+
+def _refuse_unsupported(data: dict[str, Any], chat: bool) -> None:
+    for name, message in UNSUPPORTED.items():
+        value = data.get(name)
+        if value in _NEUTRAL or (name == "best_of" and value == 1):
+            continue
+        raise APIError(400, message, name, "unsupported_parameter")
+    if not chat and data.get("response_format") not in (None, {"type": "text"}):
+        raise APIError(400, "response_format is supported by /v1/chat/completions only; send the request there "
+                            "(as messages)", "response_format", "unsupported_parameter")
+
 
 def parse(cls: type[BaseModel], body: bytes) -> Any:
     """``body`` (JSON) validated as ``cls``; an :class:`APIError` (400) naming the bad field otherwise."""
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply to parse; send a flat JSON object") from None
+    except ValueError as e:  # (JSON and UTF-8 errors, and numbers over Python's 4,300-digit limit)
+        raise APIError(400, f"the request body is not valid JSON ({str(e)[:200]}); send a JSON object") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    if cls in (ChatCompletionRequest, CompletionRequest):
+        _refuse_unsupported(data, cls is ChatCompletionRequest)
     try:
         req = cls.model_validate(data)
     except ValidationError as e:

@@ -175,7 +175,10 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
             and not (req.response_format is not None and req.response_format.type == "text" and not req.tools)
         constraints = [None] * req.n
         if constrained and served.chat is not None:  # schemas first: their errors name the parameter at fault
-            constraints = [structured.request_constraint(req, served.chat, served.grammars) for _ in range(req.n)]
+            def build() -> list[Any]:  # compiles (bounded by a deadline in a child process) run off the event loop
+                return [structured.request_constraint(req, served.chat, served.grammars) for _ in range(req.n)]
+
+            constraints = await asyncio.to_thread(build)
         prompt = served.chat_prompt([_message(m) for m in req.messages], tools)
         limit = served.max_tokens(req.limit(), len(prompt), "messages", req.n)
         token_text = dict(served.tool_text)
@@ -281,7 +284,7 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
         if req.stream:
             return StreamingResponse(_stream(jobs, updates, rid, kind, req, timing, endpoint),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        choices = [_Choice() for _ in jobs]
+        choices = [_Choice(job) for job in jobs]
         watcher = asyncio.create_task(_watch(request, jobs, updates))
         try:
             while any(c.last is None for c in choices):
@@ -376,6 +379,9 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
                 open_rows.discard(k)
                 total[k] = u.completion_tokens
                 finish = "tool_calls" if calls[k] and u.finish_reason == "stop" else u.finish_reason
+                cut = structured.cut_call(jobs[k]) if finish == "length" else ""
+                if cut:  # a call cut by max_tokens: what was generated, as text
+                    yield chunk(k, cut)
                 yield chunk(k, "", None, finish, api.usage(u.prompt_tokens, u.completion_tokens) if len(jobs) == 1
                             else None)
                 if not open_rows:
@@ -449,18 +455,25 @@ def _base64(vector: list[float]) -> str:
 
 
 class _Choice:
-    """One choice of a plain (non-streamed) answer, as its updates arrive."""
+    """One choice of a plain (non-streamed) answer to ``job``, as its updates arrive."""
 
-    def __init__(self) -> None:
+    def __init__(self, job: Job) -> None:
+        self.job = job
         self.parts: list[str] = []
         self.lps: list[Any] = []
         self.calls: list[dict[str, Any]] = []
         self.last: Update | None = None
 
     def add(self, u: Update) -> None:
+        """Take ``u``; APIError 400 if the request's grammar failed while decoding (the schema's fault)."""
         self.parts.append(u.text)
         self.lps.extend(u.logprobs)
         self.calls.extend(structured.parse_call(t) for t in u.regions)
+        if u.finish_reason == "length":  # a call cut by max_tokens: what was generated, as text
+            self.parts.append(structured.cut_call(self.job))
+        failed = structured.constraint_failure(self.job) if u.finish_reason == "error" else None
+        if failed is not None:
+            raise failed
         if u.finish_reason is not None:
             self.last = u
 

@@ -22,7 +22,7 @@ from lmforge.generate.constraints import (ConstraintError, Grammars, RowConstrai
                                           regex_grammar)
 from lmforge.serve.api import APIError, ChatCompletionRequest, NamedToolChoice
 
-__all__ = ["call_schema", "parse_call", "request_constraint"]
+__all__ = ["call_schema", "constraint_failure", "cut_call", "parse_call", "request_constraint"]
 
 
 def call_schema(functions: list[Any]) -> dict[str, Any]:
@@ -42,7 +42,8 @@ def _compiled(grammars: Grammars, make: Any, value: Any, param: str) -> Any:
         return grammar
     except ConstraintError as e:
         what = f"{param}: {e}" + (f" (keyword {e.keyword!r})" if e.keyword else "")
-        raise APIError(400, what, param, "unsupported_schema" if e.keyword else "invalid_schema") from None
+        code = "unsupported_schema" if e.keyword else "schema_too_large" if e.limit else "invalid_schema"
+        raise APIError(400, what, param, code) from None
 
 
 def request_constraint(req: ChatCompletionRequest, fmt: ChatFormat, grammars: Grammars) -> RowConstraint | None:
@@ -52,14 +53,16 @@ def request_constraint(req: ChatCompletionRequest, fmt: ChatFormat, grammars: Gr
     rf, so = req.response_format, req.structured_outputs
     if rf is not None and rf.type == "json_schema":
         assert rf.json_schema is not None
-        g = _compiled(grammars, json_grammar, rf.json_schema.schema_, "response_format.json_schema.schema")
-        return RowConstraint(grammars, g, close_id=end, max_regions=1)
+        param = "response_format.json_schema.schema"
+        g = _compiled(grammars, json_grammar, rf.json_schema.schema_, param)
+        return RowConstraint(grammars, g, close_id=end, max_regions=1, source=param)
     if rf is not None and rf.type == "json_object":
-        return RowConstraint(grammars, json_grammar({"type": "object"}), close_id=end, max_regions=1)
+        return RowConstraint(grammars, json_grammar({"type": "object"}), close_id=end, max_regions=1,
+                             source="response_format")
     if so is not None:
         g = (_compiled(grammars, regex_grammar, so.regex, "structured_outputs.regex") if so.regex is not None else
              _compiled(grammars, choice_grammar, so.choice, "structured_outputs.choice"))
-        return RowConstraint(grammars, g, close_id=end, max_regions=1)
+        return RowConstraint(grammars, g, close_id=end, max_regions=1, source="structured_outputs")
     if not req.tools:
         return None
     if not fmt.has_tools:
@@ -77,7 +80,23 @@ def request_constraint(req: ChatCompletionRequest, fmt: ChatFormat, grammars: Gr
         functions = [f for f in functions if f.name == req.tool_choice.function.name]
     g = _compiled(grammars, json_grammar, call_schema(functions), "tools")
     return RowConstraint(grammars, g, close_id=close, start=start, max_regions=None if req.parallel_tool_calls else 1,
-                         after=[start, end], force=[start] if forced else ())
+                         after=[start, end], force=[start] if forced else (), source="tools")
+
+
+def cut_call(job: Any) -> str:
+    """The text of a function call that ``job`` (a scheduler request) had open when it ended ("" if none):
+    a reply cut by ``max_tokens`` inside a call returns it as content, with finish ``length``."""
+    c = job.constraint
+    return c.partial_text() if c is not None and job.capture_regions else ""
+
+
+def constraint_failure(job: Any) -> APIError | None:
+    """The 400 for a request whose grammar failed while decoding (a schema llguidance compiles but cannot
+    follow), None if ``job`` did not fail that way."""
+    c = job.constraint
+    if c is None or c.failure is None:
+        return None
+    return APIError(400, f"{c.source}: {c.failure}; simplify it", c.source, "unsupported_schema")
 
 
 def parse_call(text: str) -> dict[str, Any]:

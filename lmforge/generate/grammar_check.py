@@ -1,0 +1,204 @@
+"""A sacrificial process that compiles each new grammar first, so a grammar that crashes llguidance (a native
+stack overflow, an abort) or compiles past a deadline costs that process and one request, never the server.
+
+:class:`GrammarCheck` (the server's side) starts ``python -I grammar_check.py`` (this file as a script: the child
+imports the standard library and llguidance only, not lmforge or torch, and starts in a fraction of a second),
+hands it the vocabulary once, then one grammar at a time. The child compiles it with llguidance's
+:data:`LIMITS`, on a thread with a :data:`STACK_BYTES` stack (smaller than any thread the server compiles on,
+so what survives here survives there), then walks up to ``probe`` tokens (the lowest allowed id each step), so
+that errors llguidance finds only while decoding (a parser row over its item limit) show up now; it answers
+``{"ok": true}`` or ``{"error": "one line"}``. A child that dies or does not answer within the deadline is
+killed and restarted; that grammar is refused, saying which.
+
+Protocol: JSON lines. Parent -> child: ``{"tokens": [hex, ...], "special": [id, ...], "end": id}`` once, then
+``{"grammar": text, "probe": n}``; child -> parent: ``{"ready": true}`` once, then one answer per grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+__all__ = ["GrammarCheck", "LIMITS", "STACK_BYTES"]
+
+LIMITS: dict[str, Any] = {"verbose_errors": False}
+"""``llguidance.LLParserLimits`` arguments for every compile (here and in the server): errors name the problem
+without echoing the grammar or the parser's state (hundreds of KB on a large schema)."""
+
+STACK_BYTES = 1 << 20
+"""The child's compile thread stack: 1 MiB (llguidance's recursive compile overflows ~8 MiB at a chain of
+~2,500 ``$ref``s, 1 MiB at ~300; the schema limits stop far below either)."""
+
+START_TIMEOUT_S = 60.0
+MAX_MESSAGE = 300  # characters of an error kept (one line)
+
+
+def one_line(message: str, limit: int = MAX_MESSAGE) -> str:
+    """``message``'s first line, at most ``limit`` characters (an error never repeats a whole grammar)."""
+    first = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
+class GrammarCheck:
+    """The server's handle on the child (see the module docstring). Thread-safe: one grammar at a time.
+
+    ``tokens``: each id's bytes (the vocabulary as llguidance sees it, the "may end here" id included);
+    ``special``: the ids no grammar text may contain; ``end``: the "may end here" id. ``timeout``: seconds one
+    grammar may take (compile and probe) before the child is killed. ``started``: children started so far.
+    """
+
+    def __init__(self, tokens: list[bytes], special: list[int], end: int, timeout: float = 10.0,
+                 probe: int = 16) -> None:
+        self._init = (json.dumps({"tokens": [t.hex() for t in tokens], "special": special, "end": end}) + "\n").encode()
+        self.timeout, self.probe = timeout, probe
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._buf = b""
+        self.started = 0
+
+    def check(self, grammar: str) -> str | None:
+        """None when ``grammar`` compiles and survives the probe in the child, else why not (one line)."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._start()
+            try:
+                answer = self._ask({"grammar": grammar, "probe": self.probe}, self.timeout)
+            except TimeoutError:
+                self._kill()
+                return f"compiling it took over {self.timeout:g} s, this server's limit"
+            except (OSError, EOFError):
+                code = self._kill()
+                how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+                return f"it crashed the grammar compiler ({how}); simplify it"
+            return None if answer.get("ok") else one_line(str(answer.get("error")))
+
+    def close(self) -> None:
+        """Stop the child (a later :meth:`check` starts a new one)."""
+        with self._lock:
+            self._kill()
+
+    # ---------------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        self._kill()
+        self._proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self._buf = b""
+        self.started += 1
+        try:
+            self._write(self._init)
+            if not self._read(START_TIMEOUT_S).get("ready"):
+                raise OSError("the grammar check process did not start")
+        except (OSError, EOFError, TimeoutError) as e:
+            self._kill()
+            raise RuntimeError(f"the grammar check process did not start: {e}") from None
+
+    def _kill(self) -> int | None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.kill()
+        code = proc.wait()
+        for f in (proc.stdin, proc.stdout):
+            if f is not None:
+                f.close()
+        return code
+
+    def _ask(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
+        self._write((json.dumps(message) + "\n").encode())
+        return self._read(timeout)
+
+    def _write(self, data: bytes) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        self._proc.stdin.write(data)
+        self._proc.stdin.flush()
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        """The child's next answer line; TimeoutError after ``timeout`` s, EOFError if it died."""
+        assert self._proc is not None and self._proc.stdout is not None
+        fd, deadline = self._proc.stdout.fileno(), time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+            data = os.read(fd, 1 << 16)
+            if not data:
+                raise EOFError
+            self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+
+# --------------------------------------------------------------------------------------------------
+# The child
+# --------------------------------------------------------------------------------------------------
+def _probe(llg: Any, lltok: Any, grammar: str, steps: int, end: int) -> dict[str, Any]:
+    m = llg.LLMatcher(lltok, grammar, log_level=0, limits=llg.LLParserLimits(**LIMITS))
+    if m.is_error():
+        return {"error": m.get_error()}
+    for _ in range(steps):
+        mask = m.compute_bitmask()
+        if m.is_error():
+            return {"error": m.get_error()}
+        allowed = int.from_bytes(mask, "little")
+        if not allowed:
+            return {"error": "the grammar allows no next token"}
+        low = (allowed & -allowed).bit_length() - 1  # the lowest allowed id
+        if low == end:
+            break
+        if not m.consume_token(low):
+            return {"error": m.get_error()}
+    return {"ok": True}
+
+
+def _main() -> None:
+    import llguidance as llg
+
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    init = json.loads(stdin.readline())
+    tokens = [bytes.fromhex(h) for h in init["tokens"]]
+    single = {t[0]: i for i, t in enumerate(tokens) if len(t) == 1 and i not in set(init["special"])}
+
+    class Vocabulary:  # what llguidance.TokenizerWrapper reads
+        eos_token_id, bos_token_id = init["end"], None
+        special_token_ids = sorted(set(init["special"]))
+
+        def __init__(self) -> None:
+            self.tokens = tokens
+
+        def __call__(self, text: bytes | str) -> list[int]:  # only for llguidance's helpers: byte tokens
+            data = text.encode() if isinstance(text, str) else text
+            return [single[b] for b in data if b in single]
+
+    lltok = llg.LLTokenizer(llg.TokenizerWrapper(Vocabulary()), n_vocab=len(tokens))
+
+    def reply(obj: dict[str, Any]) -> None:
+        stdout.write((json.dumps(obj) + "\n").encode())
+        stdout.flush()
+
+    threading.stack_size(STACK_BYTES)
+    reply({"ready": True})
+    for line in stdin:
+        req = json.loads(line)
+        out: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                out.update(_probe(llg, lltok, req["grammar"], int(req["probe"]), init["end"]))
+            except Exception as e:  # noqa: BLE001  (an API-level refusal: say it)
+                out["error"] = f"{type(e).__name__}: {e}"
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        reply({"error": one_line(str(out["error"]))} if "error" in out else {"ok": True})
+
+
+if __name__ == "__main__":
+    _main()
