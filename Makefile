@@ -8,7 +8,7 @@ PIP    := $(BIN)/python -m pip
 # torch==2.13.0 is pinned so that pip picks the CPU wheel available locally instead of a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test install install-test bench gpu-check gpu-check-dry gpu-check-prepare clean
+.PHONY: demo test sanitize install install-test bench gpu-check gpu-check-dry gpu-check-prepare clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ demo: install
 
 test: install-test
 	$(BIN)/python -m pytest -q
+
+# The C++ extension built with ASan + UBSan into build/sanitize (the installed one untouched), its two fuzzers and
+# the kernel and tokenizer tests against it (tools/sanitize.sh; ~8 min on 2 cores). ARGS go to pytest.
+sanitize: install-test
+	PYTHON=$(BIN)/python bash tools/sanitize.sh $(ARGS)
 
 # bench_llamacpp.py (lmforge vs llama.cpp) runs when llama-bench is built (`python benchmarks/bench_llamacpp.py
 # --build`, or LLAMA_BENCH=/path/to/llama-bench); without it, it prints how to get it and the rest go on.
