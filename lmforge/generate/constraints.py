@@ -107,7 +107,7 @@ _LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def _subschemas(node: dict[str, Any]) -> list[tuple[str, Any]]:
+def subschemas(node: dict[str, Any]) -> list[tuple[str, Any]]:
     """``node``'s subschemas as (JSON-pointer suffix, schema) pairs."""
     out: list[tuple[str, Any]] = []
     for k in _ONE:
@@ -150,7 +150,7 @@ def check_schema(schema: dict[str, Any], limits: SchemaLimits) -> None:
             if isinstance(enum, list) and len(enum) > limits.max_enum:
                 raise ConstraintError(f"the JSON Schema's enum at #{pointers[k]} has {len(enum):,} values, over "
                                       f"this server's limit of {limits.max_enum:,}", limit="max_enum")
-            for suffix, sub in _subschemas(node):
+            for suffix, sub in subschemas(node):
                 index[pointers[k] + suffix] = len(nodes)
                 nodes.append(sub)
                 pointers.append(pointers[k] + suffix)
@@ -158,7 +158,7 @@ def check_schema(schema: dict[str, Any], limits: SchemaLimits) -> None:
                 raise ConstraintError(f"the JSON Schema has more subschemas than this server's limit of "
                                       f"{limits.max_nodes:,}; send a smaller one", limit="max_nodes")
         k += 1
-    edges = [[index[pointers[i] + suffix] for suffix, _ in _subschemas(n)] if isinstance(n, dict) else []
+    edges = [[index[pointers[i] + suffix] for suffix, _ in subschemas(n)] if isinstance(n, dict) else []
              for i, n in enumerate(nodes)]
     targets = [_pointer(n.get("$ref")) if isinstance(n, dict) else None for n in nodes]
     refs = [None if t is None else index.get(t) for t in targets]

@@ -13,13 +13,14 @@ into one row constraint (:class:`~lmforge.generate.constraints.RowConstraint`), 
 
 from __future__ import annotations
 
+import copy
 import json
 import uuid
 from typing import Any
 
 from lmforge.chat.format import ChatFormat
 from lmforge.generate.constraints import (ConstraintError, Grammars, RowConstraint, choice_grammar, json_grammar,
-                                          regex_grammar)
+                                          regex_grammar, subschemas)
 from lmforge.serve.api import APIError, ChatCompletionRequest, NamedToolChoice
 
 __all__ = ["call_schema", "constraint_failure", "cut_call", "parse_call", "request_constraint"]
@@ -28,11 +29,41 @@ __all__ = ["call_schema", "constraint_failure", "cut_call", "parse_call", "reque
 def call_schema(functions: list[Any]) -> dict[str, Any]:
     """The JSON Schema of one call's text ``{"name": NAME, "arguments": ARGS}`` to any of ``functions``
     (``Tool.function`` objects; no ``parameters``: any object)."""
-    alternatives = [{"type": "object",
-                     "properties": {"name": {"const": f.name},
-                                    "arguments": f.parameters if f.parameters is not None else {"type": "object"}},
-                     "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    defs: dict[str, Any] = {}
+    alternatives = []
+    for k, f in enumerate(functions):
+        arguments = f.parameters if f.parameters is not None else {"type": "object"}
+        if _local_refs(arguments):  # its "#..." references must still resolve once it sits inside the call
+            name = f"lmforge_function_{k}"
+            defs[name] = _rebased(arguments, f"/$defs/{name}")
+            arguments = {"$ref": f"#/$defs/{name}"}
+        alternatives.append({"type": "object", "properties": {"name": {"const": f.name}, "arguments": arguments},
+                             "required": ["name", "arguments"], "additionalProperties": False})
+    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def _local_refs(schema: Any) -> list[dict[str, Any]]:
+    """Every subschema of ``schema`` (itself included) holding a local ``$ref`` (``#`` or ``#/...``)."""
+    out, stack = [], [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+                out.append(node)
+            stack += [sub for _, sub in subschemas(node)]
+    return out
+
+
+def _rebased(schema: dict[str, Any], base: str) -> dict[str, Any]:
+    """A copy of ``schema`` whose local references point into it at ``base`` (a JSON pointer), where the
+    call's schema places it (``#/$defs/P`` -> ``#<base>/$defs/P``). Only called after the schema passed the
+    limits check, so its depth is bounded."""
+    schema = copy.deepcopy(schema)
+    for node in _local_refs(schema):
+        node["$ref"] = "#" + base + node["$ref"][1:]
+    return schema
 
 
 def _compiled(grammars: Grammars, make: Any, value: Any, param: str) -> Any:
