@@ -606,6 +606,8 @@ def hostile_requests(port: int, seed: int) -> list[Hostile]:
             ("/v1/embeddings", json.dumps({"model": MODEL, "input": [s]}).encode(), None)]
     out += [Hostile(f"surrogate:{path}:{body[40:100].decode()}", path, body, param=param) for path, body, param in lone]
     out.append(Hostile("surrogate:user (ignored)", chat, _chat(user=s), (200,)))
+    out += [Hostile(f"long-value:{path}", path, body, (404,), param="model") for path, body in (  # echoed back?
+        (chat, _chat(model="m" * 100_000)), (comp, _comp(model="m" * 100_000)))]
     # item 9: parameters that change the answer, refused by name
     refused = [(chat, {"logit_bias": {"65": 100}}, "logit_bias"), (comp, {"logit_bias": {"65": -100}}, "logit_bias"),
                (chat, {"presence_penalty": 0.5}, "presence_penalty"),
