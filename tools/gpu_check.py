@@ -9,8 +9,9 @@ Stages, in order, each in its own process under its own time cap (cut further so
 ``--budget`` seconds): ``device`` (a CUDA device with bf16, else one line and exit 2), ``install`` (the wheels in
 ``.gpu-check/wheels`` that this Python lacks, then ``pip install --no-build-isolation --no-deps -e .``, no
 network), ``probe`` (the GPU and its measured bf16 matmul peak), ``tests`` (``pytest -m gpu`` and the CLI's
-bad-input sweep on the GPU), ``train-gpt2`` and ``train-d20`` (bf16 MFU, lmforge vs HF from the same weights,
-eager and compiled), ``profile`` (one compiled step's device time by kind), ``resume`` (FSDP2 + DCP, SIGKILL,
+bad-input sweep on the GPU), ``train-gpt2`` and ``train-d20`` (bf16 MFU against the measured and the datasheet
+peak, lmforge vs HF from the same weights, eager and compiled; HF as its users run it: ``torch.compile`` of the
+whole model, fused AdamW, bf16 autocast), ``profile`` (one compiled step's device time by kind), ``resume`` (FSDP2 + DCP, SIGKILL,
 resume), ``generate``, ``serve``, ``loop`` (lmforge's own ``train()``), ``speedrun`` (a local corpus, step
 budgets) and ``suite`` (the whole test suite but its slow tests, with the time left; optional). Every figure goes to
 ``OUT/gpu_check.json`` (rewritten after each stage, so a run cut short still leaves what it measured), the
@@ -32,7 +33,8 @@ device         120         4  importing torch, one CUDA query
 install        150      9-36  the C++ extension (61 CPU-seconds of compiling on the dev machine)
 probe           40       4-6  20 bf16 products of 8192^2
 tests          100     35-68  the GPU tests (inductor compiles, CUDA graphs) and the CLI's bad-input sweep
-train-gpt2     120     64-68  HF init; 4 runs x (3 warm-up + 10 timed steps of 76-167 ms); 2 block compiles
+train-gpt2     120     64-68  HF init; 4 runs x (3 warm-up + 10 timed steps of 76-167 ms); measured with HF's
+                              decoder layers compiled one by one, before its whole-model compile (not yet timed)
 profile         60        43  one compiled GPT-2 step under torch.profiler: device time by kind, top kernels
 train-d20      100        76  the compiled runs only (lmforge, HF): ~3.6x the FLOPs per token of GPT-2 small
 resume          70     44-48  three train() processes (start, NCCL, 12 small steps each)
@@ -343,7 +345,7 @@ def run(c: Check) -> None:
         ("tests", [*run_cmd, "pytest", *pytest, *tests], 100, False),
         ("train-gpt2", [*train, "train", "--shape", "tiny" if a.dry_run else "gpt2", *dry, *quick, *peak, *work,
                         *([f"--runs={a.train_runs}"] if a.train_runs else
-                          ["--runs=lmforge:eager,hf:eager,lmforge:compiled"] if a.dry_run else [])], 120, False),
+                          ["--runs=lmforge:eager,hf:eager,lmforge:compiled,hf:compiled"] if a.dry_run else [])], 120, False),
         ("profile", [*train, "profile", *dry, *quick, *work], 60, False),
         ("train-d20", [*train, "train", "--shape", "tiny20" if a.dry_run else "d20", *dry, *quick, *peak, *work,
                        "--runs=" + ("lmforge:eager" + ("" if a.quick else ",hf:eager") if a.dry_run else
@@ -381,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated stages to run (default: all)")
     ap.add_argument("--no-install", action="store_true", help="lmforge is installed already: skip that stage")
     ap.add_argument("--train-runs", default=None,
-                    help="the GPT-2 training stage's runs, IMPL:MODE,... (default: lmforge and hf, eager and compiled)")
+                    help="the GPT-2 training stage's runs, IMPL:MODE,... (default: lmforge and hf, eager and compiled; "
+                         "hf:compiled_layers is HF's weaker per-layer compile, labelled so)")
     a = ap.parse_args(argv)
     a.dry_run = a.dry_run or a.quick
     a.budget = a.budget or (600.0 if a.quick else 1800.0 if a.dry_run else 580.0)

@@ -2,11 +2,15 @@
 
 * ``probe``: torch, CUDA, the device, bf16 support, the measured bf16 matmul peak (``lmforge.hardware``: the best
   of a few 8192² products on random data) and the datasheet peak of that GPU model.
-* ``train``: bf16 training throughput and MFU at one shape, lmforge (``TransformerLM`` + its AdamW) against HF
-  ``LlamaForCausalLM`` (SDPA + ``torch.optim.AdamW(fused)``) from the same weights, each eager and compiled
-  (lmforge as ``training.compile`` compiles: each block in place; HF's decoder layers the same way), peak memory.
-  Before any timing, both compute the first loss of the same batch from the same weights: they must agree within
-  bf16 tolerance, or the stage fails (they would not be doing the same work).
+* ``train``: bf16 training throughput and MFU (against the measured peak and against the datasheet, both named)
+  at one shape, lmforge (``TransformerLM`` + its AdamW; compiled as ``training.compile`` compiles: each block in
+  place) against HF ``LlamaForCausalLM`` from the same weights in the configuration an HF user runs: SDPA,
+  ``torch.compile`` of the whole model, ``torch.optim.AdamW(fused=True)`` (CUDA-only: ``foreach`` on the CPU of a dry
+  run, and labelled so), bf16 autocast; each eager and compiled, peak memory. Every record names its
+  configuration (``config``). ``hf:compiled_layers`` (not run by default) is a weaker variant, labelled so: HF's
+  decoder layers compiled one by one, its head and float32 cross-entropy eager. Before any timing, both compute the
+  first loss of the same batch from the same weights: they must agree within bf16 tolerance, or the stage fails
+  (they would not be doing the same work).
 * ``profile``: one compiled lmforge step at the GPT-2 shape under ``torch.profiler``: device time by kind (GEMM,
   attention, compiled kernels, optimizer, other) and the top kernels.
 * ``loop``: lmforge's own ``train()`` (data loader, syncs, logging included) at the GPT-2 shape, bf16, compiled.
@@ -113,13 +117,35 @@ def probe(a: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------------------------
 # train: MFU, lmforge vs HF
 # --------------------------------------------------------------------------------------------------
-def _build(impl: str, cfg: Any, hf_state: dict, dev: Any, compiled: bool) -> tuple[Any, Any, Any]:
-    """(model, optimizer, loss function) of ``impl`` from HF's weights ``hf_state``, on ``dev``."""
+# impl:mode -> what runs. HF's "compiled" is what an HF user does; "compiled_layers" only as a labelled weaker variant.
+MODES = {"lmforge": ("eager", "compiled"), "hf": ("eager", "compiled", "compiled_layers")}
+WEAKER = {("hf", "compiled_layers")}
+KNOWN_RUNS = ", ".join(f"{i}:{m}" for i, ms in MODES.items() for m in ms)
+
+
+def run_config(impl: str, mode: str, dev_type: str) -> str:
+    """The configuration a training run measures, in words (the report's ``config`` column)."""
+    if impl == "lmforge":
+        how = {"eager": "eager", "compiled": "each block compiled in place (training.compile)"}[mode]
+        return f"lmforge TransformerLM, {how}, lmforge AdamW, bf16 autocast, fused LM-head loss"
+    how = {"eager": "eager", "compiled": "torch.compile(whole model)",
+           "compiled_layers": "WEAKER VARIANT: decoder layers compiled one by one, head and fp32 loss eager"}[mode]
+    opt = ("torch.optim.AdamW(fused=True)" if dev_type == "cuda"
+           else "torch.optim.AdamW(foreach=True) (fused is CUDA-only: dry run)")
+    return f"HF LlamaForCausalLM, SDPA, {how}, {opt}, bf16 autocast"
+
+
+def _build(impl: str, cfg: Any, hf_state: dict, dev: Any, mode: str) -> tuple[Any, Any, Any]:
+    """(model, optimizer, loss function) of ``impl`` in ``mode`` (``MODES``) from HF's weights ``hf_state``, on
+    ``dev``: lmforge as ``training.compile`` runs it; HF at its best (whole-model ``torch.compile``, fused AdamW on
+    CUDA, foreach on the CPU), or its labelled weaker variant ``compiled_layers``."""
     import torch
 
     from lmforge.interop import hf
     from lmforge.train.distributed import _COMPILE_OPTIONS, compile_blocks
 
+    if mode not in MODES.get(impl, ()):
+        raise ValueError(f"unknown training run {impl}:{mode}; known: {KNOWN_RUNS}")
     if impl == "lmforge":
         from lmforge.model import TransformerLM
         from lmforge.train.optim import AdamW, param_groups_for
@@ -127,12 +153,10 @@ def _build(impl: str, cfg: Any, hf_state: dict, dev: Any, compiled: bool) -> tup
         model = TransformerLM(cfg)
         model.load_state_dict(hf.from_hf_state_dict(hf_state, cfg))
         model.to(dev)
-        if compiled:
+        if mode == "compiled":
             compile_blocks(model)  # exactly what training.compile does
         opt = AdamW(param_groups_for(model, 0.1), lr=3e-4, betas=(0.9, 0.95))
-
-        def loss_fn(x: Any, y: Any) -> Any:
-            return model(x, targets=y)
+        run = model
     else:
         from transformers import LlamaForCausalLM
 
@@ -141,16 +165,24 @@ def _build(impl: str, cfg: Any, hf_state: dict, dev: Any, compiled: bool) -> tup
         with torch.device(dev):
             model = LlamaForCausalLM(hcfg)
         model.load_state_dict(hf_state)
-        if compiled:
-            for layer in model.model.layers:  # the same rule as lmforge's: each block compiled in place
+        run = model
+        if mode == "compiled":  # what an HF user does: the whole model, head and loss included
+            run = torch.compile(model, **_COMPILE_OPTIONS)
+        elif mode == "compiled_layers":  # the weaker variant: decoder layers only
+            for layer in model.model.layers:
                 layer.compile(**_COMPILE_OPTIONS)
+        cuda = dev.type == "cuda"
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                fused=dev.type == "cuda")
+                                fused=cuda, foreach=not cuda)
 
+    if impl == "lmforge":
+        def loss_fn(x: Any, y: Any) -> Any:
+            return run(x, targets=y)
+    else:
         def loss_fn(x: Any, y: Any) -> Any:  # HF's loss (float32 logits); shift_labels: lmforge's targets
-            return model(input_ids=x, labels=y, shift_labels=y).loss
+            return run(input_ids=x, labels=y, shift_labels=y).loss
     model.train()
-    return model, opt, loss_fn
+    return run, opt, loss_fn
 
 
 def _hf_init(cfg: Any, dev: Any) -> dict:
@@ -171,7 +203,7 @@ def _first_losses(cfg: Any, hf_state: dict, batch: Any, dev: Any) -> dict[str, f
 
     out = {}
     for impl in ("lmforge", "hf"):
-        model, _, loss_fn = _build(impl, cfg, hf_state, dev, compiled=False)
+        model, _, loss_fn = _build(impl, cfg, hf_state, dev, "eager")
         with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
             out[impl] = float(loss_fn(*batch))
         del model
@@ -216,12 +248,12 @@ def _stepper(impl: str, model: Any, opt: Any, loss_fn: Any, dev: Any) -> Any:
     return step
 
 
-def _time_run(impl: str, compiled: bool, cfg: Any, hf_state: dict, batches: list, dev: Any, warmup: int,
+def _time_run(impl: str, mode: str, cfg: Any, hf_state: dict, batches: list, dev: Any, warmup: int,
               steps: int) -> dict[str, Any]:
     """Warm-up steps (the first compiles), then ``steps`` timed optimizer steps: tokens/s, step time, peak memory."""
     import torch
 
-    model, opt, loss_fn = _build(impl, cfg, hf_state, dev, compiled)
+    model, opt, loss_fn = _build(impl, cfg, hf_state, dev, mode)
     step = _stepper(impl, model, opt, loss_fn, dev)
     t0 = time.perf_counter()
     first = step(batches[0])
@@ -268,13 +300,16 @@ def train(a: argparse.Namespace) -> None:
                  "check the weight mapping (lmforge.interop.hf)")
     warmup, steps = (1, 1) if a.quick else (2, 2) if a.dry_run else (3, 10)
     last: dict[str, tuple[int, float]] = {}  # run -> (batch, its last training loss)
-    for run in a.runs.split(","):
-        impl, mode = run.split(":")
+    runs = [tuple(run.split(":", 1)) for run in a.runs.split(",")]
+    if bad := [":".join(r) for r in runs if len(r) != 2 or r[1] not in MODES.get(r[0], ())]:
+        sys.exit(f"unknown training run(s) {', '.join(bad)}; known: {KNOWN_RUNS}")
+    for impl, mode in runs:
+        run = f"{impl}:{mode}"
         b = batch
         while True:
             try:
                 batches = [_split(x[:b], dev) for x in data]
-                rec = _time_run(impl, mode == "compiled", cfg, hf_state, batches, dev, warmup, steps)
+                rec = _time_run(impl, mode, cfg, hf_state, batches, dev, warmup, steps)
                 break
             except torch.cuda.OutOfMemoryError:
                 if b == 1:
@@ -284,6 +319,7 @@ def train(a: argparse.Namespace) -> None:
             b //= 2
         tps = rec["tokens_per_s"]
         emit(a.result, {"kind": "train", "shape": a.shape, "impl": impl, "compile": mode, "batch": b, "context": T,
+                        "config": run_config(impl, mode, dev.type), "weaker_variant": (impl, mode) in WEAKER,
                         "flops_per_token": fpt, "mfu": tps * fpt / a.peak if a.peak else None,
                         "mfu_datasheet": tps * fpt / a.datasheet if a.datasheet else None, "ok": True, **rec})
         last[run] = (b, rec["last_loss"])
@@ -342,7 +378,7 @@ def profile(a: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(1)
     batches = [_split(torch.randint(0, cfg.vocab_size, (batch, cfg.context_length + 1), generator=g), dev)
                for _ in range(2)]
-    step = _stepper("lmforge", *_build("lmforge", cfg, hf_state, dev, compiled=True), dev)
+    step = _stepper("lmforge", *_build("lmforge", cfg, hf_state, dev, "compiled"), dev)
     for i in range(3):  # the compiles, then steady state
         step(batches[i % 2])
     _sync(dev)
@@ -441,7 +477,8 @@ def loop(a: argparse.Namespace) -> None:
 
     fpt = flops_per_token(cfg.model, cfg.context_length)
     emit(a.result, {"kind": "loop", "shape": shape, "steps": m["step"], "tokens_per_s": best, "wall_s": wall,
-                    "mfu": best * fpt / a.peak if best and a.peak else None, "loss": m["loss"],
+                    "mfu": best * fpt / a.peak if best and a.peak else None,
+                    "mfu_datasheet": best * fpt / a.datasheet if best and a.datasheet else None, "loss": m["loss"],
                     "ok": m["step"] == steps and m["loss"] is not None and math.isfinite(m["loss"])})
 
 
@@ -534,7 +571,8 @@ def main() -> None:
     ap.add_argument("--result", default=None, help="append JSON lines here")
     ap.add_argument("--shape", default="gpt2", choices=list(SHAPES))
     ap.add_argument("--runs", default="lmforge:eager,hf:eager,lmforge:compiled,hf:compiled",
-                    help="IMPL:MODE,... timed in this order (impl lmforge|hf, mode eager|compiled)")
+                    help="IMPL:MODE,... timed in this order (lmforge:eager|compiled, hf:eager|compiled, and "
+                         "hf:compiled_layers, a weaker variant labelled so)")
     ap.add_argument("--peak", type=float, default=None, help="measured peak FLOP/s (MFU's denominator)")
     ap.add_argument("--datasheet", type=float, default=None, help="the GPU's datasheet bf16 peak FLOP/s")
     ap.add_argument("--work", default="gpu-check-out/work", help="scratch folder (shards, runs)")

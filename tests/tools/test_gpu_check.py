@@ -71,8 +71,10 @@ def test_quick_dry_run_runs_every_stage_and_writes_every_figure(tmp_path: Path) 
     assert kinds("tests")[0]["skipped"] >= 10  # the GPU tests collect (as a file alone) and skip on a CPU
     same, *runs, trained = kinds("train-gpt2")
     assert same["kind"] == "same_work" and same["ok"] and abs(same["loss_lmforge"] - same["loss_hf"]) < 2e-2
-    assert trained["kind"] == "same_training" and trained["ok"] and len(trained["last_losses"]) == 3
-    assert [(x["impl"], x["compile"]) for x in runs] == [("lmforge", "eager"), ("hf", "eager"), ("lmforge", "compiled")]
+    assert trained["kind"] == "same_training" and trained["ok"] and len(trained["last_losses"]) == 4
+    assert [(x["impl"], x["compile"]) for x in runs] == [("lmforge", "eager"), ("hf", "eager"), ("lmforge", "compiled"),
+                                                         ("hf", "compiled")]
+    assert "torch.compile(whole model)" in runs[3]["config"] and not any(x["weaker_variant"] for x in runs)
     assert all(x["tokens_per_s"] > 0 and 0 < x["mfu"] for x in runs)
     assert [(x["kind"], x.get("impl")) for x in kinds("train-d20")] == [("same_work", None), ("train", "lmforge"),
                                                                         ("same_training", None)]
@@ -216,8 +218,8 @@ def test_targets_and_summary_read_the_figures() -> None:
     assert t["generate_b1_vs_hf"]["got"] == pytest.approx(1.5) and t["generate_b1_vs_hf"]["met"] is False
     assert t["mfu_d20"]["got"] is None and t["serve_vs_hf"]["met"] is None  # not measured: neither met nor missed
     text = summary(doc)
-    assert "| gpt2 | lmforge | compiled | 32 x 1024 | 470,000 |" in text and "| serve | timeout | 70 (70) | killed |" in text
-    assert "| bf16 MFU, GPT-2 small shape (lmforge, best mode) | 45% | 47.0% | yes |" in text
+    assert "| gpt2 | lmforge | compiled | - | 32 x 1024 | 470,000 |" in text and "| serve | timeout | 70 (70) | killed |" in text
+    assert "| bf16 MFU against the measured peak, GPT-2 small shape (lmforge, best mode) | 45% | 47.0% | yes |" in text
 
 
 def test_runs_that_train_apart_from_the_same_start_fail_the_stage(tmp_path: Path, monkeypatch) -> None:
@@ -293,3 +295,48 @@ def test_a_test_run_cut_at_its_cap_still_names_the_tests_that_failed(tmp_path: P
     doc = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert doc["stages"]["suite"]["status"] == "failed"
     assert "| suite | failed |" in summary(doc) and "failed: test_cut.py::test_a_fails" in summary(doc)
+
+
+def test_hf_is_compiled_whole_with_its_fastest_optimizer_and_every_run_names_its_configuration(
+        tmp_path: Path, monkeypatch) -> None:
+    """The HF baseline is what an HF user runs: ``torch.compile`` of the whole model (head and loss included), fused
+    AdamW on CUDA (foreach on the CPU, labelled), bf16 autocast; the per-layer compile only as a labelled weaker
+    variant. A tiny dry run on the CPU: each run trains, and its record and the report name its configuration."""
+    import argparse
+
+    import gpu_train
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from lmforge.train import distributed
+
+    monkeypatch.setattr(distributed, "_COMPILE_OPTIONS", {"backend": "eager"})  # dynamo's trace alone: seconds
+    monkeypatch.setattr(gpu_train, "_dry_compile", lambda a: None)
+    cfg = gpu_train._model_config("tiny")
+    state = gpu_train._hf_init(cfg, torch.device("cpu"))
+    model, opt, _ = gpu_train._build("hf", cfg, state, torch.device("cpu"), "compiled")
+    assert isinstance(model, OptimizedModule) and type(model._orig_mod).__name__ == "LlamaForCausalLM"
+    assert opt.defaults["foreach"] and not opt.defaults["fused"]
+    layers, _, _ = gpu_train._build("hf", cfg, state, torch.device("cpu"), "compiled_layers")
+    assert not isinstance(layers, OptimizedModule) and ("hf", "compiled_layers") in gpu_train.WEAKER
+    with pytest.raises(ValueError, match="hf:compiled_layers"):
+        gpu_train._build("hf", cfg, state, torch.device("cpu"), "fast")
+    assert "fused=True" in gpu_train.run_config("hf", "compiled", "cuda")
+    assert "torch.compile(whole model)" in gpu_train.run_config("hf", "compiled", "cuda")
+
+    result = tmp_path / "r.jsonl"
+    a = argparse.Namespace(dry_run=True, quick=True, shape="tiny", runs="hf:eager,hf:compiled",
+                           peak=1e12, datasheet=2e12, result=str(result))
+    gpu_train.train(a)
+    recs = [json.loads(x) for x in result.read_text().splitlines()]
+    runs = [r for r in recs if r["kind"] == "train"]
+    assert [(r["compile"], r["weaker_variant"]) for r in runs] == [("eager", False), ("compiled", False)]
+    assert "torch.compile(whole model)" in runs[1]["config"] and "foreach" in runs[1]["config"]
+    assert "fused is CUDA-only" in runs[1]["config"] and "WEAKER" not in runs[1]["config"]
+    assert gpu_train.run_config("hf", "compiled_layers", "cuda").count("WEAKER VARIANT") == 1
+    assert all(r["mfu_datasheet"] == pytest.approx(r["mfu"] / 2) for r in runs)
+    assert [r for r in recs if r["kind"] == "same_training"][0]["ok"]
+    doc = {"device": {}, "stages": {"train-gpt2": {"status": "ok", "seconds": 1, "cap_s": 1, "records": recs}}}
+    text = summary(doc)
+    assert "MFU (measured peak) | MFU (datasheet)" in text and f"| {runs[1]['config']} |" in text
+    with pytest.raises(SystemExit, match="unknown training run"):
+        gpu_train.train(argparse.Namespace(**{**vars(a), "runs": "hf:turbo"}))
