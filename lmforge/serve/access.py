@@ -16,7 +16,7 @@ import ipaddress
 import json
 from typing import Any, Iterable
 
-from lmforge.serve.api import error_body
+from lmforge.serve.api import error_body, shown
 
 __all__ = ["API_KEY_ENV", "AllowedHosts", "HostCheck", "check_api_key", "exposure_warning", "key_matches"]
 
@@ -99,9 +99,8 @@ class HostCheck:
         if scope["type"] == "http":
             host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
             if not self.hosts.allows(host):
-                shown = host if len(host) <= 100 else host[:100] + "..."
                 body = json.dumps(error_body(
-                    f"Host {shown!r} is not allowed: this server answers requests addressed to localhost, an IP "
+                    f"Host {shown(host, 100)} is not allowed: this server answers requests addressed to localhost, an IP "
                     "address or its --host (a guard against DNS rebinding); start it with --allowed-hosts NAME to "
                     "allow a name, or '*' behind a proxy that checks it", param="Host", code="invalid_host")).encode()
                 await send({"type": "http.response.start", "status": 400, "headers": [

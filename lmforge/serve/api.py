@@ -11,6 +11,7 @@ names the field (``messages.0.role``, ``temperature``). Fields that do not chang
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -21,7 +22,26 @@ from lmforge.generate.sampling import SEED_MAX, SEED_MIN
 from lmforge.generate.scheduler import MAX_LOGPROBS
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest", "TokenizeRequest",
-           "DetokenizeRequest", "error_body", "parse"]
+           "DetokenizeRequest", "error_body", "parse", "shown"]
+
+MESSAGE_MAX = 800
+"""The longest error message (characters): a last bound, each echoed value is cut by :func:`shown` first."""
+
+
+def shown(value: Any, limit: int = 60, quote: bool = True) -> str:
+    """A client's value as an error message echoes it: quoted (``repr`` of a string, JSON of anything else;
+    ``quote=False``: the string as it is), cut to ``limit`` characters ending ``...``, so no value a client
+    sends makes a long error."""
+    if not quote:
+        text = str(value)
+    elif isinstance(value, str):
+        text = repr(value)
+    else:
+        try:
+            text = json.dumps(value, default=str)
+        except ValueError:  # (an integer over Python's digit limit for str)
+            text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:max(limit - 3, 0)] + "..."
 
 
 class APIError(Exception):
@@ -29,6 +49,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        message = shown(message, MESSAGE_MAX, quote=False)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
         self.headers = headers or {}
@@ -46,11 +67,14 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 # --------------------------------------------------------------------------------------------------
 # Requests
 # --------------------------------------------------------------------------------------------------
+TOKENS_MAX = 2 ** 31 - 1
+"""The largest ``max_tokens`` a request may name (any context is far shorter; larger is refused by the schema)."""
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=TOKENS_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
@@ -174,7 +198,7 @@ class ChatCompletionRequest(_Request):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=TOKENS_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(default=None, max_length=128)
@@ -208,7 +232,7 @@ class ChatCompletionRequest(_Request):
             kind = (t.function.parameters or {}).get("type", "object")
             if kind != "object":
                 raise APIError(400, f"tools.{k}.function.parameters: a function's parameters must be a JSON Schema "
-                                    f'of an object ("type": "object"), got type {json.dumps(kind)[:40]}',
+                                    f'of an object ("type": "object"), got type {shown(kind, 40)}',
                                f"tools.{k}.function.parameters")
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) != len(names):
@@ -216,8 +240,8 @@ class ChatCompletionRequest(_Request):
         if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
             raise APIError(400, "tool_choice needs tools: give the functions the model may call", "tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise APIError(400, f"tool_choice names function {self.tool_choice.function.name!r}, which is not in "
-                                f"tools ({', '.join(names)})", "tool_choice")
+            raise APIError(400, f"tool_choice names function {shown(self.tool_choice.function.name)}, which is not "
+                                f"in tools ({shown(', '.join(names), 200, quote=False)})", "tool_choice")
         for k, m in enumerate(self.messages):
             if m.role == "tool" and m.tool_call_id is None:
                 raise APIError(400, f"messages.{k}: a tool message needs tool_call_id, the id of the call it "
@@ -237,7 +261,7 @@ class CompletionRequest(_Request):
     """``POST /v1/completions``: a raw prompt (one string) continued by the model."""
 
     prompt: str | list[str]
-    max_tokens: int | None = Field(default=16, ge=1)  # the OpenAI default for completions
+    max_tokens: int | None = Field(default=16, ge=1, le=TOKENS_MAX)  # the OpenAI default for completions
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
@@ -281,9 +305,17 @@ class EmbeddingRequest(BaseModel):
     def check_supported(self) -> None:
         if self.dimensions is not None:
             raise APIError(400, "dimensions is not supported: the embedding is the model's hidden size", "dimensions")
-        items = self.input if isinstance(self.input, list) else [self.input]
-        if not items or any(len(x) == 0 for x in items) or (isinstance(self.input, list) and len(self.input) > 256):
+        items = self.items()
+        if not items or any(len(x) == 0 for x in items) or len(items) > 256:
             raise APIError(400, "input must be 1 to 256 non-empty texts or token lists", "input")
+
+    def items(self) -> list[str | list[int]]:
+        """The inputs, each a text or a list of token ids (one list of ints is one input, as OpenAI reads it)."""
+        if not isinstance(self.input, list):
+            return [self.input]
+        if self.input and all(isinstance(x, int) for x in self.input):
+            return [self.input]  # type: ignore[list-item]
+        return list(self.input)  # type: ignore[arg-type]
 
 
 class TokenizeRequest(BaseModel):
@@ -337,6 +369,37 @@ def _refuse_unsupported(data: dict[str, Any], chat: bool) -> None:
                             "(as messages)", "response_format", "unsupported_parameter")
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _unencodable(data: Any) -> str | None:
+    """The field (``tools.0.function.description``; a list of strings is named, not its item: ``stop``) of the
+    first string in ``data``, key or value, that UTF-8 cannot encode (JSON may spell a lone surrogate,
+    ``"\\ud800"``); None if every string encodes."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        node, path = stack.pop()
+        bad = None
+        if isinstance(node, dict):
+            bad = next((k for k in node if not _encodes(k)), None)
+            stack += [(v, f"{path}.{k}" if path else k) for k, v in reversed(node.items())]
+        elif isinstance(node, list):
+            stack += [(v, f"{path}.{i}") for i, v in reversed(list(enumerate(node)))]
+        elif isinstance(node, str) and not _encodes(node):
+            bad = node
+        if bad is not None:
+            return shown(re.sub(r"(\.\d+)+$", "", path), 100, quote=False) or "body"
+    return None
+
+
 def parse(cls: type[BaseModel], body: bytes) -> Any:
     """``body`` (JSON) validated as ``cls``; an :class:`APIError` (400) naming the bad field otherwise."""
     try:
@@ -347,6 +410,11 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
         raise APIError(400, f"the request body is not valid JSON ({str(e)[:200]}); send a JSON object") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    if _SURROGATE_ESCAPE.search(body):  # (else no string in it can hold a lone surrogate: Python decoded it)
+        bad = _unencodable(data)
+        if bad is not None:
+            raise APIError(400, f"{bad}: the text is not valid Unicode (it holds a lone surrogate, which UTF-8 "
+                                "cannot encode); send valid text", bad)
     if cls in (ChatCompletionRequest, CompletionRequest):
         _refuse_unsupported(data, cls is ChatCompletionRequest)
     try:
@@ -360,7 +428,7 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
             else:
                 break
         param = ".".join(parts) or None
-        got = "" if err["type"] == "missing" else f" (got {json.dumps(err.get('input'))[:60]})"
+        got = "" if err["type"] == "missing" else f" (got {shown(err.get('input'))})"
         raise APIError(400, f"{param}: {err['msg']}{got}", param) from None
     req.check_supported()
     return req

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lmforge.generate.scheduler import QueueFull, Update
 from lmforge.generate.scheduler import Request as Job
 from lmforge.serve import api, structured
-from lmforge.serve.api import APIError, ChatCompletionRequest, CompletionRequest
+from lmforge.serve.api import APIError, ChatCompletionRequest, CompletionRequest, shown
 from lmforge.serve.access import AllowedHosts, HostCheck, check_api_key, key_matches
 from lmforge.serve.metrics import CONTENT_TYPE, Metrics
 
@@ -93,13 +93,14 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         what = "no such route" if e.status_code == 404 else str(e.detail)
         metrics.request(_endpoint(request), e.status_code)
-        return _error(APIError(e.status_code, f"{request.method} {request.url.path}: {what}",
+        return _error(APIError(e.status_code, f"{shown(request.method + ' ' + request.url.path, 100)}: {what}",
                                code="not_found" if e.status_code == 404 else None))
 
     def _internal(request: Request, e: Exception) -> JSONResponse:
         logger.error("request failed", exc_info=e)
         metrics.request(_endpoint(request), 500)
-        return _error(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+        return _error(APIError(500, f"internal error: {type(e).__name__}: {shown(e, 300, quote=False)}",
+                               type="server_error"))
 
     async def authorize(request: Request) -> None:
         if api_key is None:
@@ -111,9 +112,8 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
     async def body(request: Request) -> bytes:
         kind = request.headers.get("content-type", "")
         if kind.partition(";")[0].strip().lower() != "application/json":
-            shown = repr(kind[:60]) if kind else "none"
             raise APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json' (this "
-                                f"one came with {shown})", code="unsupported_media_type")
+                                f"one came with {shown(kind) if kind else 'none'})", code="unsupported_media_type")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body:
             raise APIError(413, f"the request body has {declared} bytes, over this server's limit of {max_body}",
@@ -134,7 +134,7 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
 
     def check_model(name: str) -> None:
         if name != served.model_id:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {served.model_id!r} "
+            raise APIError(404, f"model {shown(name)} does not exist; this server serves {served.model_id!r} "
                                 "(see GET /v1/models)", "model", "model_not_found")
 
     # ---------------------------------------------------------------------------------------------
@@ -145,7 +145,7 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
     @app.get("/static/{name}", include_in_schema=False)
     async def static(name: str) -> Response:
         if name not in _STATIC_TYPES:
-            raise APIError(404, f"no static file {name!r}", code="not_found")
+            raise APIError(404, f"no static file {shown(name)}", code="not_found")
         with resources.as_file(STATIC / name) as path:
             return FileResponse(path, media_type=_STATIC_TYPES[name], headers={"Cache-Control": "no-cache"})
 
@@ -203,10 +203,8 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
         await authorize(request)
         req = api.parse(api.EmbeddingRequest, await body(request))
         check_model(req.model)
-        items = req.input if isinstance(req.input, list) and not all(isinstance(x, int) for x in req.input) \
-            else [req.input]
         inputs = []
-        for k, x in enumerate(items):
+        for k, x in enumerate(req.items()):
             ids = served.text_prompt(x) if isinstance(x, str) else list(x)
             if not ids or any(not 0 <= t < served.tokenizer.vocab_size for t in ids):
                 raise APIError(400, f"input {k}: token ids must be in [0, {served.tokenizer.vocab_size})", "input")
@@ -243,7 +241,7 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
             check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < served.tokenizer.vocab_size]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is out of range [0, {served.tokenizer.vocab_size})", "tokens")
+            raise APIError(400, f"token id {shown(bad[0])} is out of range [0, {served.tokenizer.vocab_size})", "tokens")
         return {"prompt": served.tokenizer.decode(req.tokens)}
 
     @app.get("/metrics")
