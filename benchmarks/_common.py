@@ -166,9 +166,18 @@ def alternate(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1) -
     return times
 
 
+def figure(x: float, fmt: str = ".3f") -> str:
+    """``x`` formatted with ``fmt``, or to 3 significant digits where ``fmt`` would print a non-zero ``x`` as zero:
+    a run faster than a table's rounding still prints what it measured (``0.0004`` s is ``0.0004``, not ``0.000``)."""
+    text = f"{x:{fmt}}"
+    if x != 0 and float(text.replace(",", "")) == 0:
+        return f"{x:.3g}"
+    return text
+
+
 def spread(xs: Sequence[float], fmt: str = ".3f") -> str:
-    """``median (min..max)`` of ``xs``, e.g. ``1.234 (1.200..1.300)``."""
-    return f"{median(xs):{fmt}} ({min(xs):{fmt}}..{max(xs):{fmt}})"
+    """``median (min..max)`` of ``xs``, e.g. ``1.234 (1.200..1.300)``; each as :func:`figure` prints it."""
+    return f"{figure(median(xs), fmt)} ({figure(min(xs), fmt)}..{figure(max(xs), fmt)})"
 
 
 def ratio(peer: Sequence[float], ours: Sequence[float]) -> float:
