@@ -17,8 +17,8 @@ import torch
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["GPU_PEAK_BF16", "datasheet_peak", "peak_flops_for", "matmul_peak_flops", "fit_matmul_size", "native_bf16",
-           "resolve_train_dtype"]
+__all__ = ["GPU_PEAK_BF16", "datasheet_peak", "peak_flops_for", "matmul_peak_flops", "train_peak_flops",
+           "fit_matmul_size", "native_bf16", "resolve_train_dtype"]
 
 # Dense bf16 tensor-core peak FLOP/s (no sparsity) by GPU model, from the vendors' datasheets, for MFU when not
 # configured. A name is matched as whole words in ``torch.cuda.get_device_name`` ("L4" is not "L40", "A10" not
@@ -46,12 +46,15 @@ def datasheet_peak(name: str) -> float | None:
 def peak_flops_for(device: Any, configured: float | None) -> float | None:
     """Peak FLOP/s to divide by for MFU: ``configured`` if set, else a known GPU's bf16 peak, else None."""
     if configured:
+        logger.info("MFU against training.peak_flops: %.1f TFLOP/s", configured / 1e12)
         return float(configured)
     if getattr(device, "type", None) == "cuda":
         name = torch.cuda.get_device_name(device)
         flops = datasheet_peak(name)
         if flops is None:
             logger.info("unknown GPU %r: set training.peak_flops to report MFU", name)
+        else:
+            logger.info("MFU against the datasheet bf16 peak of %s: %.0f TFLOP/s", name, flops / 1e12)
         return flops
     return None
 
@@ -137,6 +140,15 @@ def native_bf16(device: str | torch.device = "cpu") -> bool:
 
 
 _warned_slow_bf16: set[str] = set()
+
+
+def train_peak_flops(dtype: str, device: str | torch.device = "cpu", **kwargs: Any) -> tuple[float, str]:
+    """The measured matmul peak in the precision a run trains in (``training.dtype``, ``auto`` resolved by
+    :func:`resolve_train_dtype`) and that precision's name: the MFU denominator where no datasheet figure
+    applies. A bf16 step divided by the fp32 peak reads above 100% on a CPU with native bf16."""
+    resolved = resolve_train_dtype(dtype, device)
+    peak = matmul_peak_flops(device, dtype=torch.bfloat16 if resolved == "bf16" else torch.float32, **kwargs)
+    return peak, resolved
 
 
 def resolve_train_dtype(dtype: str, device: str | torch.device) -> str:

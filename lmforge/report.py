@@ -122,7 +122,8 @@ def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[s
         ("last training loss", _num(tr.get("loss"))),
         ("steps / tokens seen", f"{tr['step']:,} / {tr['tokens']:,}"),
         ("training throughput", f"{tps:,.0f} tokens/s (median of logged intervals)"),
-        ("MFU", f"{100 * mfu:.1f}% of {peak / 1e9:,.0f} GFLOP/s" if mfu else "n/a"),
+        ("MFU", f"{100 * mfu:.1f}% of {peak / 1e9:,.0f} GFLOP/s, the {cfg.training.dtype} matmul peak measured "
+                "before training" if mfu else "n/a"),
         ("parameters (matmul weights)", f"{matmul_params_per_token(cfg.model):,}"),
         ("generation", f"{smp['generation_tokens_per_s']:,.0f} tokens/s (batch {smp['generation_batch']}, KV cache)"),
     ])
@@ -251,18 +252,24 @@ def _base_run(run: Path) -> Any:
     return read_base(run)
 
 
-def _peak(previous: dict[str, Any], config: dict[str, Any]) -> tuple[float, str]:
-    """The peak FLOP/s for MFU: the run's configured ``training.peak_flops`` (the speedrun measures it before
-    training), else the machine's float32 matmul peak measured now (reused from the previous card on this host)."""
-    from lmforge.hardware import matmul_peak_flops
+def _peak(previous: dict[str, Any], config: dict[str, Any]) -> tuple[float, str, str]:
+    """The peak FLOP/s for MFU, where it comes from, and its precision: the run's configured
+    ``training.peak_flops`` (the speedrun measures it in the run's precision before training), else the
+    machine's matmul peak measured now in the precision the run trained in (reused from the previous card on
+    this host when that measured the same precision)."""
+    from lmforge.hardware import train_peak_flops
 
-    configured = (config.get("training") or {}).get("peak_flops")
+    training = config.get("training") or {}
+    dtype = str(training.get("dtype") or "fp32")  # the loop saves the resolved precision
+    configured = training.get("peak_flops")
     if configured:
-        return float(configured), "the run's training.peak_flops"
+        return float(configured), f"the run's training.peak_flops, for {dtype} training", dtype
     old = previous.get("hardware") or {}
-    if old.get("host") == platform.node() and old.get("matmul_peak_flops"):
-        return float(old["matmul_peak_flops"]), old.get("matmul_peak_source", "measured")
-    return matmul_peak_flops("cpu", repeats=5, max_seconds=0.5), f"measured on {time.strftime('%Y-%m-%d')}"
+    if (old.get("host") == platform.node() and old.get("matmul_peak_flops")
+            and old.get("matmul_peak_dtype") == dtype):
+        return float(old["matmul_peak_flops"]), old.get("matmul_peak_source", "measured"), dtype
+    peak, dtype = train_peak_flops(dtype, "cpu", repeats=5, max_seconds=0.5)
+    return peak, f"{dtype} matmul peak measured on {time.strftime('%Y-%m-%d')}", dtype
 
 
 def _samples(run: Path, n: int) -> list[dict[str, str]]:
@@ -295,7 +302,7 @@ def collect_run_card(run_dir: str | Path, samples: int = 2) -> dict[str, Any]:
     steps = CheckpointManager(run).steps()
     tps = _median([r["tokens_per_s"] for r in train if r.get("tokens_per_s")])
     mfu_logged = _median([r["mfu"] for r in train if r.get("mfu")])
-    peak, source = _peak(previous, config)
+    peak, source, peak_dtype = _peak(previous, config)
     ctx = int(config.get("model", {}).get("context_length") or mcfg.context_length)
     card: dict[str, Any] = {
         "run": str(run.resolve()), "name": run.name, "created": marker.get("created"),
@@ -308,15 +315,19 @@ def collect_run_card(run_dir: str | Path, samples: int = 2) -> dict[str, Any]:
         "validation": {k: val[-1].get(k) for k in ("step", "val_loss", "val_ppl", "val_bpb")} if val else None,
         "hardware": {"host": platform.node(), "machine": platform.machine(), "cpu_threads": torch.get_num_threads(),
                      "torch": torch.__version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                     "matmul_peak_flops": peak, "matmul_peak_source": source},
+                     "matmul_peak_flops": peak, "matmul_peak_source": source,
+                     "matmul_peak_dtype": peak_dtype},
         "base_run": _base_run(run),
         "evals": read_results(run),
         "config": config,
     }
     card["training"]["mfu"] = mfu_logged if mfu_logged is not None else (
         tps * flops_per_token(mcfg, ctx) / peak if tps and peak else None)
-    card["training"]["mfu_basis"] = "as logged in training" if mfu_logged is not None else \
-        "median logged tokens/s against the matmul peak below"
+    card["training"]["mfu_basis"] = (("as logged in training, against the run's training.peak_flops"
+                                      if (config.get("training") or {}).get("peak_flops") else
+                                      "as logged in training, against the GPU's datasheet bf16 peak")
+                                     if mfu_logged is not None else
+                                     f"median logged tokens/s against the {peak_dtype} matmul peak below")
     if (run / "tokenizer.json").is_file():
         tok = Tokenizer.load(run / "tokenizer.json")
         card["tokenizer"] = {"fingerprint": tok.fingerprint(), "vocab_size": tok.vocab_size}

@@ -51,7 +51,7 @@ from lmforge.corpus import DATASETS, EOT, expand_inputs, get_dataset, iter_docum
 from lmforge.data import TokenDataset, load_manifest, prepare
 from lmforge.evals.evaluate import load_model
 from lmforge.generate import Generator
-from lmforge.hardware import matmul_peak_flops, resolve_train_dtype
+from lmforge.hardware import resolve_train_dtype, train_peak_flops
 from lmforge.model import TransformerLM
 from lmforge.report import REPORT_FILE, write_speedrun_report
 from lmforge.tokenizer import Tokenizer, train_bpe_from_iterator
@@ -257,7 +257,9 @@ def _plan(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, devi
     # CUDA: the datasheet figure. A budget in steps needs the peak only for the MFU it reports: a short measurement
     # (5 products, as the run card's) instead of the 30 that a budget in minutes plans its steps beside.
     quick = {} if kind == "minutes" else {"repeats": 5}
-    peak = None if device.type == "cuda" else float(f"{matmul_peak_flops(device, **quick):.4g}")
+    # elsewhere the matmul peak measured in the precision the run trains in (bf16 where native: auto)
+    dtype = _run_config(preset, vocab_size, data_dir, tokenizer, device, 10, None).training.dtype
+    peak = None if device.type == "cuda" else float(f"{train_peak_flops(dtype, device, **quick)[0]:.4g}")
     if kind == "steps":
         logger.info("plan: %d steps as asked", int(amount))
         return {"max_steps": int(amount), "step_seconds": None, "peak_flops": peak}

@@ -1,8 +1,10 @@
 """lmforge.hardware: the one source of peak FLOP/s (configured, GPU datasheet, or measured matmul peak)."""
 
-import torch
+import platform
+from pathlib import Path
 
 import pytest
+import torch
 
 from lmforge.hardware import datasheet_peak, fit_matmul_size, matmul_peak_flops, peak_flops_for
 
@@ -41,3 +43,27 @@ def test_peak_flops_for_a_cuda_device_reads_its_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
     assert peak_flops_for(torch.device("cuda"), None) == 756e12
     assert peak_flops_for(torch.device("cuda"), 1e12) == 1e12
+
+
+@pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_the_mfu_denominator_is_measured_in_the_precision_the_run_trains_in(monkeypatch, native, expected):
+    """training.dtype auto trains in bf16 where bf16 is native: its MFU must divide by the bf16 matmul peak (the
+    fp32 peak read 113% on a CPU with avx512_bf16). The capability probe is forced, so this runs on any CPU."""
+    import lmforge.hardware as hw
+    from lmforge import report, speedrun
+
+    seen: list[torch.dtype] = []
+    monkeypatch.setattr(hw, "native_bf16", lambda device: native)
+    monkeypatch.setattr(hw, "matmul_peak_flops", lambda device="cpu", n=2048, dtype=torch.float32, **kw:
+                        seen.append(dtype) or 1e11)
+    assert hw.train_peak_flops("auto", "cpu") == (1e11, "bf16" if native else "fp32")
+    preset = next(iter(speedrun.PRESETS.values()))
+    plan = speedrun._plan(preset, 512, Path("data"), Path("tokenizer.json"), torch.device("cpu"), ("steps", 3))
+    assert plan["peak_flops"] == 1e11
+    name = "bf16" if native else "fp32"
+    peak, source, dtype = report._peak({}, {"training": {"dtype": name}})  # a run card's fallback measurement
+    assert (peak, dtype) == (1e11, name) and source.startswith(f"{name} matmul peak measured")
+    old_card = {"hardware": {"host": platform.node(), "matmul_peak_flops": 5e10, "matmul_peak_dtype": "fp32",
+                             "matmul_peak_source": "fp32 matmul peak measured"}}
+    assert report._peak(old_card, {"training": {"dtype": name}})[0] == (5e10 if name == "fp32" else 1e11)
+    assert seen == [expected] * (4 if native else 3)  # bf16: the old card's fp32 peak is not reused
