@@ -185,6 +185,19 @@ def ratio(peer: Sequence[float], ours: Sequence[float]) -> float:
     return median(peer) / median(ours)
 
 
+def add_json_flag(parser: Any) -> None:
+    """``--json PATH`` on an ``argparse`` parser: where :func:`write_json` puts the run's unrounded figures."""
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write the unrounded figures (every round's seconds, rates) to PATH as JSON")
+
+
+def write_json(path: Path | None, figures: dict[str, Any]) -> None:
+    """Write ``figures`` to ``path`` (``--json``) when given: what a table prints rounded, unrounded, for tests and
+    tools that must not depend on the table's rounding (a fast machine's run can be shorter than it)."""
+    if path is not None:
+        Path(path).write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
+
+
 def print_table(title: str, rows: list[dict[str, Any]], mb: float) -> None:
     """Markdown table: tool, median seconds (range), MB/s at the median, peak RSS, median time relative to lmforge.
 

@@ -28,7 +28,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import alternate, median, shakespeare_documents, spread, synthetic_documents  # noqa: E402
+from _common import (add_json_flag, alternate, median, shakespeare_documents, spread, synthetic_documents,  # noqa: E402
+                     write_json)
 from bench_generate import build_models  # noqa: E402
 
 MESSAGES = ["Hello there, how are you today?", "Tell me about the king and the queen of the land.",
@@ -76,6 +77,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per reply")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (each side once per round)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    add_json_flag(p)
     args = p.parse_args()
     args.context, args.d_model, args.layers, args.heads, vocab = 512, 512, 4, 16, 4000
     if args.quick:
@@ -152,6 +154,8 @@ def main() -> None:
           f"decode tok/s {median(rate['lmforge']) / median(rate['HF']):.2f}x (lmforge/HF), "
           f"conversation wall time {median(walls['HF']) / median(walls['lmforge']):.2f}x")
     print(f"lmforge produced HF's tokens: {same}")
+    write_json(args.json, {"time_to_first_token_s": ttft, "decode_tokens_per_s": rate, "conversation_wall_s": walls,
+                           "same_tokens": same})
     if not same:
         raise SystemExit("lmforge and HF replies differ: not the same work")
 
