@@ -22,8 +22,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (EOT, alternate, median, ratio, shakespeare_documents, spread, synthetic_documents,  # noqa: E402
-                     write_run)
+from _common import (EOT, add_json_flag, alternate, median, ratio, shakespeare_documents, spread,  # noqa: E402
+                     synthetic_documents, write_json, write_run)
 
 
 def make_run(root: Path, a: argparse.Namespace) -> Path:
@@ -45,6 +45,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="a tiny model and 2 rounds (a smoke run)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    add_json_flag(p)
     a = p.parse_args()
     shape = dict(d_model=256, layers=4, heads=8, context=256, vocab=4096)
     if a.quick:
@@ -100,6 +101,7 @@ def main() -> int:
     for name, times in loads.items():
         rel = f"{ratio(times, base):.2f}x" if name in ("lmforge load model", "transformers from_pretrained") else "-"
         print(f"| {name} | {spread(times)} | {size_mb / median(times):.0f} | {rel} |")
+    write_json(a.json, {"weights_mb": size_mb, "seconds": {**exports, **loads}})
     return 0
 
 

@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import run_child, shakespeare_documents, spread, synthetic_documents  # noqa: E402
+from _common import (add_json_flag, run_child, shakespeare_documents, spread, synthetic_documents,  # noqa: E402
+                     write_json)
 
 OPTIMIZERS = ("adamw", "muon")
 
@@ -169,6 +170,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--eval-batches", dest="eval_batches", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    add_json_flag(ap)
     ap.add_argument("--child", choices=OPTIMIZERS, help=argparse.SUPPRESS)
     ap.add_argument("--shards", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -209,6 +211,7 @@ def main() -> None:
     base = statistics.median(times["lmforge AdamW"])
     for name, ts in times.items():
         print(f"| {name} | {spread(ts, '.2f')} | {statistics.median(ts) / base:.2f}x |")
+    write_json(a.json, {"runs": results, "optimizer_step_ms": times})
 
 
 if __name__ == "__main__":
