@@ -10,8 +10,9 @@
   Reported per implementation: median, range and best step; the ratio of medians and of bests.
 * Memory: each implementation runs a few steps alone in a child process that reports its peak RSS, and
   the growth of RSS over the state right before the model was built ("step RSS").
-* MFU = tokens/s · FLOPs/token / measured 4096² matmul peak; FLOPs/token = 6·N + 12·L·d·T for both. The
-  script also prints the ceiling this sets: no implementation can beat HF by more than 1 / HF's MFU.
+* MFU = tokens/s · FLOPs/token / the 4096² matmul peak measured in the step's dtype (``--dtype``); FLOPs/token =
+  6·N + 12·L·d·T for both. The script also prints the ceiling this sets: no implementation can beat HF by more
+  than 1 / HF's MFU.
 
     python benchmarks/bench_train_step.py            # d_model 512, 4 layers, 16 heads, d_ff 1344, T 256, B 8, V 10k
     python benchmarks/bench_train_step.py --shape gpt2s   # near GPT-2 small: d 768, 12 layers, 12 heads, d_ff 2048,
@@ -223,8 +224,8 @@ def main() -> None:
           f"FLOPs/token {fpt / 1e6:.1f} M")
 
     print(f"\n{a.steps} interleaved steps each after {max(a.warmup, 2)} warm-up steps\n")
-    print("| impl | tokens/s (median step) | tokens/s range | tokens/s (best step) | GFLOP/s (best) | MFU (best) "
-          "| peak RSS MiB | step RSS MiB |")
+    print("| impl | tokens/s (median step) | tokens/s range | tokens/s (best step) | GFLOP/s (best) "
+          f"| MFU (best) vs measured {a.dtype} matmul peak | peak RSS MiB | step RSS MiB |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for impl in impls:
         med, best = tokens / statistics.median(times[impl]), tokens / min(times[impl])
@@ -241,8 +242,8 @@ def main() -> None:
             line += f"; training-step memory {mem['lmforge']['step_rss_mb'] / mem['hf']['step_rss_mb']:.2f}x"
         print(line)
         hf_mfu = tokens / min(times["hf"]) * fpt / 1e9 / peak
-        print(f"ceiling: HF's best step runs at {100 * hf_mfu:.0f}% of the matmul peak, so no implementation can be "
-              f"more than {1 / hf_mfu:.2f}x HF on this shape")
+        print(f"ceiling: HF's best step runs at {100 * hf_mfu:.0f}% of the measured {a.dtype} matmul peak, so no "
+              f"implementation can be more than {1 / hf_mfu:.2f}x HF on this shape")
 
 
 if __name__ == "__main__":

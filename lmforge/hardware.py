@@ -17,8 +17,8 @@ import torch
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["GPU_PEAK_BF16", "datasheet_peak", "peak_flops_for", "matmul_peak_flops", "train_peak_flops",
-           "fit_matmul_size", "native_bf16", "resolve_train_dtype"]
+__all__ = ["GPU_PEAK_BF16", "datasheet_peak", "mfu_denominator", "peak_flops_for", "matmul_peak_flops",
+           "train_peak_flops", "fit_matmul_size", "native_bf16", "resolve_train_dtype"]
 
 # Dense bf16 tensor-core peak FLOP/s (no sparsity) by GPU model, from the vendors' datasheets, for MFU when not
 # configured. A name is matched as whole words in ``torch.cuda.get_device_name`` ("L4" is not "L40", "A10" not
@@ -43,20 +43,28 @@ def datasheet_peak(name: str) -> float | None:
     return None
 
 
-def peak_flops_for(device: Any, configured: float | None) -> float | None:
-    """Peak FLOP/s to divide by for MFU: ``configured`` if set, else a known GPU's bf16 peak, else None."""
+def mfu_denominator(device: Any, configured: float | None) -> tuple[float | None, str | None]:
+    """Peak FLOP/s to divide by for MFU and its name, for the log line and ``metrics.jsonl`` (``mfu_basis``):
+    ``configured`` if set ("vs training.peak_flops"), else a known GPU's datasheet bf16 peak ("vs datasheet bf16
+    peak of <GPU>"), else ``(None, None)`` (no MFU). A measured peak reaches training as ``training.peak_flops``."""
     if configured:
         logger.info("MFU against training.peak_flops: %.1f TFLOP/s", configured / 1e12)
-        return float(configured)
+        return float(configured), "vs training.peak_flops"
     if getattr(device, "type", None) == "cuda":
         name = torch.cuda.get_device_name(device)
         flops = datasheet_peak(name)
         if flops is None:
             logger.info("unknown GPU %r: set training.peak_flops to report MFU", name)
-        else:
-            logger.info("MFU against the datasheet bf16 peak of %s: %.0f TFLOP/s", name, flops / 1e12)
-        return flops
-    return None
+            return None, None
+        logger.info("MFU against the datasheet bf16 peak of %s: %.0f TFLOP/s", name, flops / 1e12)
+        return flops, f"vs datasheet bf16 peak of {name}"
+    return None, None
+
+
+def peak_flops_for(device: Any, configured: float | None) -> float | None:
+    """Peak FLOP/s to divide by for MFU: ``configured`` if set, else a known GPU's bf16 peak, else None (the figure
+    of :func:`mfu_denominator`, which also names it)."""
+    return mfu_denominator(device, configured)[0]
 
 
 def _sync(device: torch.device) -> None:

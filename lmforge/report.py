@@ -111,6 +111,10 @@ def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[s
     tps = tps_logged[len(tps_logged) // 2] if tps_logged else float("nan")
     peak = plan.get("peak_flops") or cfg.training.peak_flops  # the matmul peak measured by the plan stage
     mfu = tps * flops_per_token(cfg.model, cfg.context_length) / peak if peak else None
+    from lmforge.hardware import resolve_train_dtype
+
+    # the precision the plan measured in (a plan recorded before it named one: the run's, ``auto`` resolved)
+    peak_dtype = plan.get("peak_dtype") or resolve_train_dtype(cfg.training.dtype, device)
     report = RunReport("lmforge speedrun report").paragraph(
         f"Corpus `{settings['corpus']}`, model size `{settings['model_size']}`, training budget "
         f"{settings['budget'][1]:g} {settings['budget'][0]}, {environment(device)}.",
@@ -122,8 +126,8 @@ def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[s
         ("last training loss", _num(tr.get("loss"))),
         ("steps / tokens seen", f"{tr['step']:,} / {tr['tokens']:,}"),
         ("training throughput", f"{tps:,.0f} tokens/s (median of logged intervals)"),
-        ("MFU", f"{100 * mfu:.1f}% of {peak / 1e9:,.0f} GFLOP/s, the {cfg.training.dtype} matmul peak measured "
-                "before training" if mfu else "n/a"),
+        ("MFU", f"{100 * mfu:.1f}% vs the measured {peak_dtype} matmul peak ({peak / 1e9:,.0f} GFLOP/s, measured "
+                "before training)" if mfu else "n/a"),
         ("parameters (matmul weights)", f"{matmul_params_per_token(cfg.model):,}"),
         ("generation", f"{smp['generation_tokens_per_s']:,.0f} tokens/s (batch {smp['generation_batch']}, KV cache)"),
     ])
@@ -323,11 +327,12 @@ def collect_run_card(run_dir: str | Path, samples: int = 2) -> dict[str, Any]:
     }
     card["training"]["mfu"] = mfu_logged if mfu_logged is not None else (
         tps * flops_per_token(mcfg, ctx) / peak if tps and peak else None)
-    card["training"]["mfu_basis"] = (("as logged in training, against the run's training.peak_flops"
+    card["training"]["mfu_basis"] = ((f"as logged in training, vs the run's training.peak_flops ({peak_dtype} "
+                                      "training; a speedrun sets it to the matmul peak it measured in that precision)"
                                       if (config.get("training") or {}).get("peak_flops") else
-                                      "as logged in training, against the GPU's datasheet bf16 peak")
+                                      "as logged in training, vs the GPU's datasheet bf16 peak")
                                      if mfu_logged is not None else
-                                     f"median logged tokens/s against the {peak_dtype} matmul peak below")
+                                     f"median logged tokens/s vs the measured {peak_dtype} matmul peak below")
     if (run / "tokenizer.json").is_file():
         tok = Tokenizer.load(run / "tokenizer.json")
         card["tokenizer"] = {"fingerprint": tok.fingerprint(), "vocab_size": tok.vocab_size}

@@ -259,14 +259,15 @@ def _plan(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, devi
     quick = {} if kind == "minutes" else {"repeats": 5}
     # elsewhere the matmul peak measured in the precision the run trains in (bf16 where native: auto)
     dtype = _run_config(preset, vocab_size, data_dir, tokenizer, device, 10, None).training.dtype
-    peak = None if device.type == "cuda" else float(f"{train_peak_flops(dtype, device, **quick)[0]:.4g}")
+    peak, peak_dtype = (None, None) if device.type == "cuda" else train_peak_flops(dtype, device, **quick)
+    peak = None if peak is None else float(f"{peak:.4g}")
     if kind == "steps":
         logger.info("plan: %d steps as asked", int(amount))
-        return {"max_steps": int(amount), "step_seconds": None, "peak_flops": peak}
+        return {"max_steps": int(amount), "step_seconds": None, "peak_flops": peak, "peak_dtype": peak_dtype}
     step_s = _step_seconds(_run_config(preset, vocab_size, data_dir, tokenizer, device, 10, peak), device)
     max_steps = max(10, int(0.9 * amount * 60 / step_s))  # ~10% of the budget left for evaluations and checkpoints
     logger.info("plan: %.3f s/step measured -> %d steps (~%.1f min)", step_s, max_steps, max_steps * step_s / 60)
-    return {"max_steps": max_steps, "step_seconds": step_s, "peak_flops": peak}
+    return {"max_steps": max_steps, "step_seconds": step_s, "peak_flops": peak, "peak_dtype": peak_dtype}
 
 
 def _evaluate(run_dir: Path, device: Any, max_batches: int = 64) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmforge.hardware import datasheet_peak, fit_matmul_size, matmul_peak_flops, peak_flops_for
+from lmforge.hardware import datasheet_peak, fit_matmul_size, matmul_peak_flops, mfu_denominator, peak_flops_for
 
 
 def test_fit_size_keeps_n_within_budget_and_shrinks_past_it():
@@ -45,6 +45,16 @@ def test_peak_flops_for_a_cuda_device_reads_its_name(monkeypatch):
     assert peak_flops_for(torch.device("cuda"), 1e12) == 1e12
 
 
+def test_the_mfu_denominator_is_named(monkeypatch):
+    """The training log and metrics.jsonl say what MFU divides by (the datasheet bf16 peak, or the configured one)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert mfu_denominator(torch.device("cuda"), None) == (989e12, "vs datasheet bf16 peak of NVIDIA H100 80GB HBM3")
+    assert mfu_denominator(torch.device("cuda"), 2e14) == (2e14, "vs training.peak_flops")
+    assert mfu_denominator(torch.device("cpu"), None) == (None, None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
+    assert mfu_denominator(torch.device("cuda"), None) == (None, None)  # unknown: no MFU, no name
+
+
 @pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, torch.float32)])
 def test_the_mfu_denominator_is_measured_in_the_precision_the_run_trains_in(monkeypatch, native, expected):
     """training.dtype auto trains in bf16 where bf16 is native: its MFU must divide by the bf16 matmul peak (the
@@ -59,8 +69,8 @@ def test_the_mfu_denominator_is_measured_in_the_precision_the_run_trains_in(monk
     assert hw.train_peak_flops("auto", "cpu") == (1e11, "bf16" if native else "fp32")
     preset = next(iter(speedrun.PRESETS.values()))
     plan = speedrun._plan(preset, 512, Path("data"), Path("tokenizer.json"), torch.device("cpu"), ("steps", 3))
-    assert plan["peak_flops"] == 1e11
     name = "bf16" if native else "fp32"
+    assert plan["peak_flops"] == 1e11 and plan["peak_dtype"] == name  # the speedrun report names it
     peak, source, dtype = report._peak({}, {"training": {"dtype": name}})  # a run card's fallback measurement
     assert (peak, dtype) == (1e11, name) and source.startswith(f"{name} matmul peak measured")
     old_card = {"hardware": {"host": platform.node(), "matmul_peak_flops": 5e10, "matmul_peak_dtype": "fp32",

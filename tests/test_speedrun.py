@@ -53,6 +53,9 @@ def test_speedrun_end_to_end_then_reuse_and_resume(tmp_path, corpus, caplog):
     for section in SECTIONS:
         assert section in report, section
     assert f"{ev['val_loss']:.4f}" in report
+    # MFU names its denominator: the matmul peak measured in the precision the run trained in (auto resolved)
+    dtype = stages["plan"]["peak_dtype"]
+    assert dtype in ("fp32", "bf16") and f"vs the measured {dtype} matmul peak (" in report
 
     # Same command again: every stage is reused and the report says so.
     report_before = json.loads((out / "speedrun.json").read_text())
