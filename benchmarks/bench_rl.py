@@ -29,9 +29,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import EOT, child_report, median, run_child, spread, synthetic_documents  # noqa: E402
+from _common import (EOT, add_json_flag, child_report, median, run_child, spread, synthetic_documents,  # noqa: E402
+                     write_json)
 
 TASKS = ("arithmetic", "calculator")
 
@@ -75,7 +77,7 @@ def _tasks(root: Path, split: str) -> Path:
 # ----------------------------------------------------------------------------------------------------
 # 1. Rollouts
 # ----------------------------------------------------------------------------------------------------
-def bench_rollouts(base: Path, root: Path, args: argparse.Namespace) -> None:
+def bench_rollouts(base: Path, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from lmforge.chat import ChatFormat, ToolUse
@@ -142,6 +144,7 @@ def bench_rollouts(base: Path, root: Path, args: argparse.Namespace) -> None:
           f"({1000 * min(pack):.1f}..{1000 * max(pack):.1f})\n")
     if not same:
         sys.exit("the sides sampled different replies: the comparison is void")
+    return {"rollout_seconds": times, "reply_tokens": n_tokens, "same_replies": same}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -175,7 +178,7 @@ def child(side: str, base: str, root: str, run_dir: str, steps: int, args: argpa
                  reply_tokens=median([r["reply_tokens"] for r in recs]), steps=m["step"])
 
 
-def bench_step(base: Path, root: Path, args: argparse.Namespace) -> None:
+def bench_step(base: Path, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, list[dict]] = {"full": [], "lora": []}
     for r in range(args.rounds):
         for side in res:  # alternating: full, lora, full, lora, ...
@@ -196,6 +199,7 @@ def bench_step(base: Path, root: Path, args: argparse.Namespace) -> None:
           f"peak RSS {median([x['rss_mb'] for x in lo]) / median([x['rss_mb'] for x in f]):.2f}x, trainable "
           f"parameters {lo[0]['trainable'] / f[0]['trainable']:.1%}, optimizer state "
           f"{lo[0]['optimizer_bytes'] / f[0]['optimizer_bytes']:.1%}")
+    return {"steps": res}
 
 
 def _flags(args: argparse.Namespace) -> list[str]:
@@ -213,6 +217,7 @@ def main() -> None:
     p.add_argument("--per-decode", type=int, default=None, help="prompts decoded together; default 4 (quick 2)")
     p.add_argument("--rounds", type=int, default=None, help="rounds; default 3 (quick 1)")
     p.add_argument("--steps", type=int, default=None, help="RL steps per run; default 4 (quick 2)")
+    add_json_flag(p)
     p.add_argument("--child", nargs=5, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     q = args.quick
@@ -237,8 +242,9 @@ def main() -> None:
         load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "n/a"
         peak = matmul_peak_flops("cpu", repeats=3 if q else 30)  # --quick: a smoke run, not a figure
         print(f"Measured fp32 matmul peak {peak / 1e9:,.0f} GFLOP/s; load average {load}\n")
-        bench_rollouts(base, root, args)
-        bench_step(base, root, args)
+        figures = bench_rollouts(base, root, args)
+        figures.update(bench_step(base, root, args))
+    write_json(args.json, figures)
 
 
 if __name__ == "__main__":

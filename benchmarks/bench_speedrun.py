@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import default_cache_dir, synthetic_documents  # noqa: E402
+from _common import default_cache_dir, spread, synthetic_documents  # noqa: E402
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     "baseline": (),
@@ -165,7 +165,7 @@ def time_mode(a: argparse.Namespace) -> None:
     print("| variant | step time (s): median (range) | / baseline |\n|---|---:|---:|")
     base = statistics.median(next(iter(times.values())))
     for n, ts in times.items():
-        print(f"| {n} | {statistics.median(ts):.3f} ({min(ts):.3f}..{max(ts):.3f}) | "
+        print(f"| {n} | {spread(ts)} | "
               f"{statistics.median(ts) / base:.2f}x |")
 
 
