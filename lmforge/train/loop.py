@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.checkpoint import CheckpointManager, unwrap_model
-from lmforge.hardware import peak_flops_for, resolve_train_dtype
+from lmforge.hardware import mfu_denominator, resolve_train_dtype
 from lmforge.common import cuda_matmul_defaults, remove_stale_temporaries, seed_everything
 from lmforge.config import diff_dicts, dump_yaml, load_yaml, to_dict
 from lmforge.data import BlockLoader, TokenDataset, val_batches
@@ -219,6 +219,7 @@ class _Run:
     tokens: int = 0  # input positions run through forward and backward since step 0 (every rank)
     flops_per_token: float = 0.0  # for MFU, with ``peak`` (None: unknown, MFU not reported)
     peak: float | None = None
+    peak_basis: str | None = None  # what MFU divides by, named ("vs datasheet bf16 peak of <GPU>", ...)
     reached_target: bool = False  # an evaluation reached ``training.target_val_bpb``: save and stop
 
     @property
@@ -397,7 +398,7 @@ def _wrap(run: _Run, pending: Any) -> None:
     elif run.fsdp and pending is not None:
         load_full_optimizer_state(run.raw_model, run.optimizer, pending)
     run.flops_per_token = flops_per_token(run.cfg.model, run.cfg.context_length)
-    run.peak = peak_flops_for(info.device, tc.peak_flops)
+    run.peak, run.peak_basis = mfu_denominator(info.device, tc.peak_flops)
     if tc.wandb:
         run.log.start_wandb(tc.wandb_project, tc.wandb_mode, to_dict(run.cfg))
     logger.info("training %s params for %d steps (%d tokens/step) on %s, run dir %s",
@@ -465,12 +466,13 @@ def _log(run: _Run, loss: float, lr: float, grad_norm: float) -> dict[str, str]:
     tps = run.interval_tokens / max(run.interval_time, 1e-9)
     mfu = tps / info.world_size * run.flops_per_token / run.peak if run.peak else None
     extra = run.loader.step_metrics() if hasattr(run.loader, "step_metrics") else {}  # RL: reward, lengths
+    basis = {"mfu_basis": run.peak_basis} if mfu is not None else {}
     run.log.log({"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "mfu": mfu,
-                 "tokens": run.tokens, **extra})
+                 **basis, "tokens": run.tokens, **extra})
     run.interval_time, run.interval_tokens = 0.0, 0
     shown = {"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"}
     if mfu is not None:
-        shown["mfu"] = f"{100 * mfu:.1f}%"
+        shown["mfu"] = f"{100 * mfu:.1f}% ({'datasheet' if 'datasheet' in (run.peak_basis or '') else 'peak_flops'})"
     return shown
 
 

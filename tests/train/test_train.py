@@ -129,6 +129,9 @@ def test_run_dir_contents_and_metrics(shards, tmp_path) -> None:
     assert m["step"] == 8 and m["tokens"] == 8 * 4 * 32 * 2
     assert m["val_loss"] < 6.0 and m["val_bpb"] > 0 and m["best_val_loss"] <= m["val_loss"] + 1e-12
     assert 0 < m["mfu"] < 1 and m["tokens_per_s"] > 0
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["mfu_basis"] == "vs training.peak_flops" for r in logged if r.get("mfu"))  # MFU names its peak
+    assert any(r.get("mfu") for r in logged)
     assert load_run_config(run / "config.yaml") == cfg  # resolved config saved, loads back
     from lmforge.tokenizer import Tokenizer
     assert Tokenizer.load(run / "tokenizer.json").fingerprint() == Tokenizer.load(shards / "tokenizer.json").fingerprint()
