@@ -370,6 +370,7 @@ def _refuse_unsupported(data: dict[str, Any], chat: bool) -> None:
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SCHEMA_FIELD = re.compile(r"(tools\.\d+\.function\.parameters|response_format\.json_schema\.schema)(?=\.|$)")
 
 
 def _encodes(text: str) -> bool:
@@ -381,9 +382,9 @@ def _encodes(text: str) -> bool:
 
 
 def _unencodable(data: Any) -> str | None:
-    """The field (``tools.0.function.description``; a list of strings is named, not its item: ``stop``) of the
-    first string in ``data``, key or value, that UTF-8 cannot encode (JSON may spell a lone surrogate,
-    ``"\\ud800"``); None if every string encodes."""
+    """The field (``tools.0.function.description``; a list of strings is named, not its item: ``stop``; a
+    schema as a whole: ``tools.0.function.parameters``) of the first string in ``data``, key or value, that
+    UTF-8 cannot encode (JSON may spell a lone surrogate, ``"\\ud800"``); None if every string encodes."""
     stack: list[tuple[Any, str]] = [(data, "")]
     while stack:
         node, path = stack.pop()
@@ -396,7 +397,8 @@ def _unencodable(data: Any) -> str | None:
         elif isinstance(node, str) and not _encodes(node):
             bad = node
         if bad is not None:
-            return shown(re.sub(r"(\.\d+)+$", "", path), 100, quote=False) or "body"
+            field = _SCHEMA_FIELD.match(path)  # (a schema is one field: its inner keys are not named)
+            return shown(field.group() if field else re.sub(r"(\.\d+)+$", "", path), 100, quote=False) or "body"
     return None
 
 
@@ -410,11 +412,6 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
         raise APIError(400, f"the request body is not valid JSON ({str(e)[:200]}); send a JSON object") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    if _SURROGATE_ESCAPE.search(body):  # (else no string in it can hold a lone surrogate: Python decoded it)
-        bad = _unencodable(data)
-        if bad is not None:
-            raise APIError(400, f"{bad}: the text is not valid Unicode (it holds a lone surrogate, which UTF-8 "
-                                "cannot encode); send valid text", bad)
     if cls in (ChatCompletionRequest, CompletionRequest):
         _refuse_unsupported(data, cls is ChatCompletionRequest)
     try:
@@ -430,6 +427,11 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
         param = ".".join(parts) or None
         got = "" if err["type"] == "missing" else f" (got {shown(err.get('input'))})"
         raise APIError(400, f"{param}: {err['msg']}{got}", param) from None
+    if _SURROGATE_ESCAPE.search(body):  # (else no string in it can hold a lone surrogate: Python decoded it)
+        bad = _unencodable(req.model_dump(by_alias=True))  # the fields read, not those ignored (user, metadata)
+        if bad is not None:
+            raise APIError(400, f"{bad}: the text is not valid Unicode (it holds a lone surrogate, which UTF-8 "
+                                "cannot encode); send valid text", bad)
     req.check_supported()
     return req
 
