@@ -20,6 +20,8 @@ SMALL = ("training.max_steps=6", "rl.prompts_per_step=4", "rl.samples_per_prompt
          "rl.eval_samples=4", "training.num_threads=1", "optimizer.lr=1e-2", "training.checkpoint_every=2",
          "rl.prompts_per_decode=2")
 _TIMING = ("tokens_per_s", "rollout_seconds", "mfu")
+# LoRA with dropout and a KL penalty: the reference model is built after the resume restored the RNG
+LORA_KL = ("lora.rank=4", "lora.alpha=8", "lora.dropout=0.1", "rl.kl_coef=0.5")
 
 
 def _steps(run: Path) -> list[dict]:
@@ -98,7 +100,7 @@ def test_resume_in_process_equals_uninterrupted(small_run, chat_run, rl_tasks, t
 def test_lora_rl_trains_adapters_only_and_resumes_exactly(chat_run, rl_tasks, tmp_path) -> None:
     """With LoRA dropout (the one consumer of torch's RNG while training) and the KL penalty (whose reference model
     is built after the resume restored the RNG): the resumed run draws the same dropout masks as the full run."""
-    lora = SMALL + ("lora.rank=4", "lora.alpha=8", "lora.dropout=0.1", "rl.kl_coef=0.5", "training.max_steps=4")
+    lora = SMALL + LORA_KL + ("training.max_steps=4",)
     full, split = tmp_path / "full", tmp_path / "split"
     rl(chat_run, rl_tasks["train"], full, overrides=lora, progress=False)
     rl(chat_run, rl_tasks["train"], split, overrides=lora + ("training.max_steps=2",), progress=False)
@@ -144,19 +146,25 @@ def _rl_cmd(chat_run: Path, rl_tasks: dict, run_dir: Path, *sets: str) -> list[s
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_sigkill_and_restart_equals_uninterrupted(small_run, chat_run, rl_tasks, tmp_path) -> None:
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("extra", [(), LORA_KL], ids=["full", "lora-dropout-kl"])
+def test_sigkill_and_restart_equals_uninterrupted(small_run, chat_run, rl_tasks, tmp_path, extra) -> None:
     """Killed between checkpoints (after step 3 was logged, checkpoints every 2), restarted: the same rollouts,
-    rewards, losses and weights as a run that never stopped (``small_run``, the same settings in this process)."""
+    rewards, losses and weights as a run that never stopped (``small_run``, or the same settings in this
+    process)."""
     import signal
     import subprocess
     import sys
     import time
 
+    sets = SMALL + extra
+    if extra:
+        small_run = tmp_path / "full"
+        rl(chat_run, rl_tasks["train"], small_run, overrides=sets, progress=False)
     script = tmp_path / "slow_main.py"
     script.write_text(_SLOW_MAIN)
     start = lambda run, delay: subprocess.Popen(  # noqa: E731
-        [sys.executable, str(script), str(delay), *_rl_cmd(chat_run, rl_tasks, run, *SMALL)],
+        [sys.executable, str(script), str(delay), *_rl_cmd(chat_run, rl_tasks, run, *sets)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     killed = tmp_path / "killed"
     proc = start(killed, 0.3)
