@@ -387,6 +387,7 @@ class Grammars:
         self._shifts = torch.arange(32, dtype=torch.int32)
         self._cache: collections.OrderedDict[str, tuple[Any, int]] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._compiling = threading.Lock()
         self.max_cache_bytes = max_cache_bytes
         self.cached_bytes = 0  # the cache's entries, as entry_bytes counts them
         self.compiled = 0  # grammars compiled (cache misses), for tests and benchmarks
@@ -411,7 +412,8 @@ class Grammars:
             err = self.check.check(grammar.text)
             if err is not None:
                 raise _refusal(grammar, err)
-        m = _llg().LLMatcher(self.lltokenizer, grammar.text, log_level=0, limits=self.limits)
+        with self._compiling:  # one compile at a time: several at once starve the server's event loop of a core
+            m = _llg().LLMatcher(self.lltokenizer, grammar.text, log_level=0, limits=self.limits)
         if m.is_error():
             raise _refusal(grammar, m.get_error())
         size = self.entry_bytes(grammar)
