@@ -162,6 +162,16 @@ def check_input_file(path: str | os.PathLike) -> Path:
     return p
 
 
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` is valid Unicode: no lone surrogate (which JSON can spell, ``"\\ud800"``, and no UTF-8
+    text holds)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 # --------------------------------------------------------------------------------------------------
 # Token ids
 # --------------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from typing import Any, Collection, Sequence
 
 import torch
 
+from lmforge.common import is_unicode
 from lmforge.generate.grammar_check import LIMITS, GrammarCheck, one_line
 from lmforge.tokenizer import Tokenizer
 
@@ -126,7 +127,7 @@ def _escape(name: str) -> str:
     return name.replace("~", "~0").replace("/", "~1")
 
 
-def _pointer(ref: Any) -> str | None:
+def local_pointer(ref: Any) -> str | None:
     """A local ``$ref``'s JSON pointer (``#/$defs/a`` -> ``/$defs/a``), None for any other reference."""
     if not isinstance(ref, str) or not ref.startswith("#") or (len(ref) > 1 and ref[1] != "/"):
         return None
@@ -160,7 +161,7 @@ def check_schema(schema: dict[str, Any], limits: SchemaLimits) -> None:
         k += 1
     edges = [[index[pointers[i] + suffix] for suffix, _ in subschemas(n)] if isinstance(n, dict) else []
              for i, n in enumerate(nodes)]
-    targets = [_pointer(n.get("$ref")) if isinstance(n, dict) else None for n in nodes]
+    targets = [local_pointer(n.get("$ref")) if isinstance(n, dict) else None for n in nodes]
     refs = [None if t is None else index.get(t) for t in targets]
     for i, r in enumerate(refs):
         if r is not None:
@@ -293,15 +294,6 @@ def _refusal(grammar: Grammar, err: str) -> ConstraintError:
     return ConstraintError(f"the {grammar.what} cannot be used: {one_line(err)}")
 
 
-def _encodable(text: str) -> bool:
-    """Whether ``text`` is valid Unicode (no lone surrogate, which no UTF-8 text holds)."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def json_grammar(schema: Any, limits: SchemaLimits | None = None) -> Grammar:
     """The grammar of JSON documents valid under ``schema`` (a JSON Schema as a dict; ``True``/``{}``: any JSON),
     laid out as :data:`JSON_SEPARATORS`. ``ConstraintError`` for a schema that is not an object, is over
@@ -326,7 +318,7 @@ def json_grammar(schema: Any, limits: SchemaLimits | None = None) -> Grammar:
 
 def regex_grammar(pattern: str) -> Grammar:
     """The grammar of texts matching ``pattern`` as a whole (Rust ``regex`` syntax, no look-around)."""
-    if not isinstance(pattern, str) or not pattern or not _encodable(pattern):
+    if not isinstance(pattern, str) or not pattern or not is_unicode(pattern):
         raise ConstraintError(f"a regular expression must be a non-empty string of valid Unicode, got {pattern!r:.60}")
     return Grammar(_llg().LLMatcher.grammar_from_regex(pattern), "regular expression")
 
@@ -336,7 +328,7 @@ def choice_grammar(choices: Sequence[str]) -> Grammar:
     if (not isinstance(choices, (list, tuple)) or not choices
             or any(not isinstance(c, str) or not c for c in choices)):
         raise ConstraintError(f"a choice list must be a non-empty list of non-empty strings, got {choices!r:.60}")
-    bad = next((c for c in choices if not _encodable(c)), None)
+    bad = next((c for c in choices if not is_unicode(c)), None)
     if bad is not None:
         raise ConstraintError(f"choice {bad!r:.60} is not valid Unicode text (a lone surrogate); send UTF-8 text")
     alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from lmforge.common import is_unicode
 from lmforge.generate.sampling import SEED_MAX, SEED_MIN
 from lmforge.generate.scheduler import MAX_LOGPROBS
 
@@ -262,7 +263,6 @@ class CompletionRequest(_Request):
 
     prompt: str | list[str]
     max_tokens: int | None = Field(default=16, ge=1, le=TOKENS_MAX)  # the OpenAI default for completions
-    echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("logprobs", mode="before")
@@ -283,11 +283,6 @@ class CompletionRequest(_Request):
                                     "prompts as separate requests", "prompt")
             return self.prompt[0]
         return self.prompt
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported by lmforge serve", "echo")
 
     def limit(self) -> int | None:
         return self.max_tokens
@@ -373,14 +368,6 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _SCHEMA_FIELD = re.compile(r"(tools\.\d+\.function\.parameters|response_format\.json_schema\.schema)(?=\.|$)")
 
 
-def _encodes(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _unencodable(data: Any) -> str | None:
     """The field (``tools.0.function.description``; a list of strings is named, not its item: ``stop``; a
     schema as a whole: ``tools.0.function.parameters``) of the first string in ``data``, key or value, that
@@ -390,11 +377,11 @@ def _unencodable(data: Any) -> str | None:
         node, path = stack.pop()
         bad = None
         if isinstance(node, dict):
-            bad = next((k for k in node if not _encodes(k)), None)
+            bad = next((k for k in node if not is_unicode(k)), None)
             stack += [(v, f"{path}.{k}" if path else k) for k, v in reversed(node.items())]
         elif isinstance(node, list):
             stack += [(v, f"{path}.{i}") for i, v in reversed(list(enumerate(node)))]
-        elif isinstance(node, str) and not _encodes(node):
+        elif isinstance(node, str) and not is_unicode(node):
             bad = node
         if bad is not None:
             field = _SCHEMA_FIELD.match(path)  # (a schema is one field: its inner keys are not named)

@@ -20,7 +20,7 @@ from typing import Any
 
 from lmforge.chat.format import ChatFormat
 from lmforge.generate.constraints import (ConstraintError, Grammars, RowConstraint, choice_grammar, json_grammar,
-                                          regex_grammar, subschemas)
+                                          local_pointer, regex_grammar, subschemas)
 from lmforge.serve.api import APIError, ChatCompletionRequest, NamedToolChoice
 
 __all__ = ["call_schema", "constraint_failure", "cut_call", "parse_call", "request_constraint"]
@@ -49,8 +49,7 @@ def _local_refs(schema: Any) -> list[dict[str, Any]]:
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            if local_pointer(node.get("$ref")) is not None:
                 out.append(node)
             stack += [sub for _, sub in subschemas(node)]
     return out
