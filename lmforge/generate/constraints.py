@@ -39,13 +39,14 @@ import json
 import re
 import threading
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Collection, Sequence
 
 import torch
 
 from lmforge.common import is_unicode
-from lmforge.generate.grammar_check import LIMITS, GrammarCheck, one_line
+from lmforge.generate.grammar_check import LIMITS, GrammarCheck, lower_priority, one_line
 from lmforge.tokenizer import Tokenizer
 
 __all__ = ["ConstraintError", "Grammar", "Grammars", "RowConstraint", "SchemaLimits", "check_schema", "choice_grammar",
@@ -344,8 +345,9 @@ class Grammars:
     Each new grammar is compiled first in a sacrificial process (:class:`~lmforge.generate.grammar_check.
     GrammarCheck`, ``check_timeout`` seconds at most; ``isolate=False``: no such process), so one that would
     crash llguidance or run long is refused instead. Compiled grammars are cached by their text, least
-    recently used dropped first, within ``max_cache_bytes`` (each entry counted at :meth:`entry_bytes`).
-    Thread-safe.
+    recently used dropped first, within ``max_cache_bytes`` (each entry counted at :meth:`entry_bytes`). Compiles
+    run one at a time, in the check process and then on this object's own thread, both at a scheduling priority
+    :data:`~lmforge.generate.grammar_check.NICE` below the caller's. Thread-safe.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_cache_bytes: int = 256 << 20, check_timeout: float = 10.0,
@@ -379,7 +381,8 @@ class Grammars:
         self._shifts = torch.arange(32, dtype=torch.int32)
         self._cache: collections.OrderedDict[str, tuple[Any, int]] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._compiling = threading.Lock()
+        # one compile at a time, on a thread of lower priority: compiles never starve the event loop of a core
+        self._compiler = ThreadPoolExecutor(1, "lmforge-grammar", initializer=lower_priority, initargs=(True,))
         self.max_cache_bytes = max_cache_bytes
         self.cached_bytes = 0  # the cache's entries, as entry_bytes counts them
         self.compiled = 0  # grammars compiled (cache misses), for tests and benchmarks
@@ -404,8 +407,8 @@ class Grammars:
             err = self.check.check(grammar.text)
             if err is not None:
                 raise _refusal(grammar, err)
-        with self._compiling:  # one compile at a time: several at once starve the server's event loop of a core
-            m = _llg().LLMatcher(self.lltokenizer, grammar.text, log_level=0, limits=self.limits)
+        m = self._compiler.submit(_llg().LLMatcher, self.lltokenizer, grammar.text, log_level=0,
+                                  limits=self.limits).result()
         if m.is_error():
             raise _refusal(grammar, m.get_error())
         size = self.entry_bytes(grammar)

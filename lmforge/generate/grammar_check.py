@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["GrammarCheck", "LIMITS", "STACK_BYTES"]
+__all__ = ["GrammarCheck", "LIMITS", "NICE", "STACK_BYTES", "lower_priority"]
 
 LIMITS: dict[str, Any] = {"verbose_errors": False}
 """``llguidance.LLParserLimits`` arguments for every compile (here and in the server): errors name the problem
@@ -35,8 +35,26 @@ STACK_BYTES = 1 << 20
 """The child's compile thread stack: 1 MiB (llguidance's recursive compile overflows ~8 MiB at a chain of
 ~2,500 ``$ref``s, 1 MiB at ~300; the schema limits stop far below either)."""
 
+NICE = 10
+"""How much lower than the server's the scheduling priority of every grammar compile is (the child process and
+the server's own compile thread): on a busy machine a long compile yields the cores to the event loop and the
+decoding threads instead of taking them (a compile only delays its own request)."""
+
 START_TIMEOUT_S = 60.0
 MAX_MESSAGE = 300  # characters of an error kept (one line)
+
+
+def lower_priority(thread: bool = False) -> None:
+    """Lower this process's scheduling priority by :data:`NICE` (``thread=True``: only the calling thread's, which
+    Linux allows; elsewhere nothing). Best effort: where the system refuses, priorities stay as they were."""
+    try:
+        if not thread:
+            os.nice(NICE)
+        elif sys.platform.startswith("linux"):
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + NICE)
+    except OSError:
+        pass
 
 
 def one_line(message: str, limit: int = MAX_MESSAGE) -> str:
@@ -160,6 +178,7 @@ def _probe(llg: Any, lltok: Any, grammar: str, steps: int, end: int) -> dict[str
 def _main() -> None:
     import llguidance as llg
 
+    lower_priority()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     init = json.loads(stdin.readline())
     tokens = [bytes.fromhex(h) for h in init["tokens"]]

@@ -5,7 +5,9 @@ its deadline, the cache bounded by bytes, a grammar that fails while decoding, a
 from __future__ import annotations
 
 import json
+import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 
 llguidance = pytest.importorskip("llguidance")
 
+from lmforge.generate import constraints  # noqa: E402
 from lmforge.generate.constraints import (JSON_SEPARATORS, ConstraintError, Grammar, Grammars,  # noqa: E402
                                           RowConstraint, SchemaLimits, check_schema, choice_grammar, json_grammar,
                                           regex_grammar)
@@ -104,6 +107,32 @@ def test_a_compile_past_the_deadline_is_refused():
         assert not g.compile(json_grammar({"type": "boolean"})).is_error()  # a new check process
     finally:
         g.check.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
+def test_compiles_run_below_the_callers_priority(grammars, monkeypatch):
+    """A long compile must yield the cores to the server's event loop and decoding threads: the check process
+    and the in-process compile thread run NICE below the caller (the caller's own priority unchanged)."""
+    from lmforge.generate.grammar_check import NICE
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = []
+
+    class Spy:  # llguidance, recording the priority of the thread each compile runs on
+        def __getattr__(self, name):
+            return getattr(llguidance, name)
+
+        def LLMatcher(self, *args, **kwargs):  # noqa: N802
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            return llguidance.LLMatcher(*args, **kwargs)
+
+    grammar = json_grammar({"type": "array", "items": {"type": "integer", "maximum": 7}})
+    monkeypatch.setattr(constraints, "_llg", lambda: Spy())
+    grammars.compile(grammar)
+    assert seen == [min(mine + NICE, 19)]
+    assert os.getpriority(os.PRIO_PROCESS, grammars.check._proc.pid) == min(os.getpriority(os.PRIO_PROCESS, 0)
+                                                                           + NICE, 19)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
 
 def test_errors_are_one_bounded_line(grammars):
