@@ -29,7 +29,8 @@ import torch
 from lmforge._native import core
 from lmforge.checkpoint import unwrap_model
 from lmforge.generate.graphs import StepGraphs
-from lmforge.generate.packed import INT4, PackedLinear, Q8Linear, activations_of, kernel_available, weight_dtype_of
+from lmforge.generate.packed import (INT4, PackedLinear, Q8Linear, activations_of, kernel_available, kernel_unsupported,
+                                     weight_dtype_of)
 from lmforge.model import KVCache, cached_projections
 from lmforge.model.lora import has_lora, merged_copy
 
@@ -95,6 +96,11 @@ class Engine:
         self.device, self.dtype = p.device, p.dtype
         wd = weight_dtype_of(weight_dtype)
         can = self.device.type == "cpu" and self.dtype == torch.float32 and kernel_available()
+        unsupported = kernel_unsupported(cfg)
+        if use_kernel and unsupported:
+            raise ValueError(f"use_kernel=True: the C++ decode step does not implement this model's "
+                             f"{', '.join(unsupported)}; leave use_kernel unset (the model's forward decodes it)")
+        can = can and not unsupported
         if use_kernel and not can:
             raise ValueError(f"use_kernel=True needs a float32 model on CPU and lmforge's C++ extension "
                              f"(this model is {self.dtype} on {self.device})")

@@ -18,6 +18,7 @@ follow a model whose matrices were rounded that way (:meth:`PackedLinear.weight`
 from __future__ import annotations
 
 import mmap
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ import torch
 from lmforge._native import available, core
 
 __all__ = ["PackedLinear", "WEIGHT_DTYPES", "INT4", "GROUP", "ACTIVATIONS", "weight_dtype_of", "activations_of",
-           "kernel_available", "quantize_q4_0", "quantize_rows_q8", "q8_products", "Q8Linear"]
+           "kernel_available", "kernel_unsupported", "quantize_q4_0", "quantize_rows_q8", "q8_products", "Q8Linear"]
 
 HUGE_PAGE = 2 << 20  # bytes in one of Linux's transparent huge pages on x86-64 and most arm64 kernels
 PANEL = 8  # output rows per panel of a packed weight (one AVX2 vector of float32 outputs)
@@ -45,6 +46,12 @@ WEIGHT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": to
 def kernel_available() -> bool:
     """Whether the C++ decode kernels (``lmforge._core.linear_rows`` and friends) are built."""
     return available("linear_rows")
+
+
+def kernel_unsupported(cfg: Any) -> list[str]:
+    """The options of model config ``cfg`` that the C++ decode step does not implement (empty: it decodes this
+    model exactly as the model's forward does). The engine decodes such a model through its forward instead."""
+    return []
 
 
 def weight_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:

@@ -136,3 +136,16 @@ def test_decode_model_refuses_head_counts_whose_products_wrap() -> None:
         make(*args, 2**60 + 4, 4, F, 1e-5, [layer], np.ones(C, f32), spec(V, C), V)
     with pytest.raises(ValueError, match="must not be empty"):
         make(*args, 4, 4, 0, 1e-5, [], np.ones(C, f32), spec(V, C), V)
+
+
+def test_a_model_option_the_kernel_lacks_decodes_through_the_forward(monkeypatch):
+    """``kernel_unsupported`` routes a model the C++ step cannot run exactly to the model's forward (the same
+    logits), and ``use_kernel=True`` on such a model is refused naming the option."""
+    import lmforge.generate.engine as engine_module
+
+    model = tiny_lm().eval()
+    assert Engine(model)._kernel
+    monkeypatch.setattr(engine_module, "kernel_unsupported", lambda cfg: ["model.example_option"])
+    assert not Engine(model)._kernel
+    with pytest.raises(ValueError, match="does not implement this model's model.example_option"):
+        Engine(model, use_kernel=True)
