@@ -8,7 +8,7 @@ PIP    := $(BIN)/python -m pip
 # torch==2.13.0 is pinned so that pip picks the CPU wheel available locally instead of a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test sanitize install install-test bench gpu-check gpu-check-dry gpu-check-prepare clean
+.PHONY: demo test sanitize install install-test bench gpu-check gpu-check-dry gpu-check-prepare reference clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ gpu-check-dry: install-test
 
 gpu-check-prepare: install-test
 	PYTHON=$(BIN)/python bash tools/gpu_check.sh --prepare
+
+# docs/reference/ (every config key and CLI flag) regenerated from the code; tests/test_docs_reference.py
+# fails while the committed files differ from what this writes (needs the installed package: make install).
+reference:
+	$(BIN)/python tools/gen_reference.py
 
 clean:
 	rm -rf build $(VENV) *.egg-info
