@@ -11,6 +11,11 @@ Two ways to size a step (``training`` section):
   ``grad_accum_steps`` micro-batches, so the global batch is ``batch_size x grad_accum_steps x world_size``
   and changes with the number of processes.
 
+Batch-size warm-up (``training.batch_warmup_steps``): the first steps train on fewer rows of each micro-batch
+(:func:`warmup_rows`), so the global batch grows from ``batch_warmup_start`` of its rows to all of them. The loader
+still hands every step its whole share of blocks; the rows a warm-up step leaves out are skipped, not postponed,
+so the data order, and with it exact resume, is the same as without the warm-up.
+
 Example: ``G = 16`` at world 2 with ``micro_batch_size: 4`` gives 2 micro-batches of 4 per rank; at world 1,
 4 micro-batches of 4. The data loader hands step ``s`` the global blocks ``[s*G, (s+1)*G)`` of its epoch
 order whatever the split (see :class:`lmforge.data.BlockLoader`), so both runs see the same samples.
@@ -19,9 +24,10 @@ order whatever the split (see :class:`lmforge.data.BlockLoader`), so both runs s
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
-__all__ = ["BatchPlan", "plan_batch"]
+__all__ = ["BatchPlan", "plan_batch", "warmup_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,3 +72,15 @@ def plan_batch(tc: Any, world_size: int) -> BatchPlan:
                          f"rank, not a multiple of training.micro_batch_size={micro}; set micro_batch_size to one "
                          f"of {ok}")
     return BatchPlan(G, micro, per_rank // micro, world_size)
+
+
+def warmup_rows(step: int, rows: int, warmup_steps: int, start: float) -> int:
+    """Rows of each ``rows``-row micro-batch that the optimizer step with 0-based index ``step`` trains on.
+
+    Linear from ``start`` x ``rows`` at step 0 to ``rows`` at step ``warmup_steps`` (and after), rounded up, at
+    least 1. Example: ``rows=16, warmup_steps=4, start=0.25`` gives 4, 7, 10, 13, 16, 16, ...
+    """
+    if step >= warmup_steps:
+        return rows
+    frac = start + (1.0 - start) * step / warmup_steps
+    return max(1, min(rows, math.ceil(round(frac * rows, 9))))

@@ -53,6 +53,14 @@ class OptimConfig:
     """AdamW denominator epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient L2 norm to this value; 0 disables clipping."""
+    embed_lr: float | None = None
+    """Peak learning rate of the embeddings (the token embedding, value embeddings; AdamW); ``null`` = ``lr``. The
+    schedule scales every group alike."""
+    head_lr: float | None = None
+    """Peak learning rate of the LM head (AdamW); ``null`` = ``lr``."""
+    scalar_lr: float | None = None
+    """Peak learning rate of the vectors and scalars (norm gains, biases, gates, skip weights; AdamW, never decayed);
+    ``null`` = ``lr``."""
     muon_lr: float = 0.02
     """Muon's peak learning rate; the schedule scales it like ``lr`` (its floor is ``min_lr * muon_lr / lr``)."""
     muon_momentum: float = 0.95
@@ -92,6 +100,11 @@ class OptimConfig:
             raise ValueError(f"optimizer.eps must be > 0, got {self.eps}")
         if self.grad_clip < 0:
             raise ValueError(f"optimizer.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        for name in ("embed_lr", "head_lr", "scalar_lr"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"optimizer.{name} must be > 0 (or null for optimizer.lr), got {getattr(self, name)}")
+        if self.name == "sgd" and (self.embed_lr, self.head_lr, self.scalar_lr) != (None, None, None):
+            raise ValueError("optimizer.embed_lr/head_lr/scalar_lr apply to adamw and muon; with sgd set them to null")
         if not self.muon_lr > 0:
             raise ValueError(f"optimizer.muon_lr must be > 0, got {self.muon_lr}; typical: 0.02 (muon_adjust_lr: "
                              "original) or near optimizer.lr (match_rms_adamw)")
@@ -146,6 +159,12 @@ class TrainingConfig:
     micro_batch_size: int | None = None
     """With ``global_batch_size``: sequences per forward/backward on one rank (a memory cap; the rest is gradient
     accumulation); ``null`` = ``global_batch_size / ranks``."""
+    batch_warmup_steps: int = 0
+    """Batch-size warm-up: over the first this many steps the global batch grows linearly from
+    ``batch_warmup_start`` of its rows to all of them (each micro-batch trains on its first rows; the rest of
+    those blocks are skipped). 0 = off. Pretraining (``data.kind: tokens``) only."""
+    batch_warmup_start: float = 0.25
+    """With ``batch_warmup_steps``: the share of each micro-batch's rows the first step trains on, in (0, 1]."""
     activation_checkpointing: bool = False
     """Recompute each Transformer block's activations in the backward pass instead of storing them (less memory,
     ~1/3 more compute; the same losses)."""
@@ -198,6 +217,11 @@ class TrainingConfig:
                      "checkpoint_every", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_warmup_steps < 0:
+            raise ValueError(f"training.batch_warmup_steps must be >= 0 (0 = off), got {self.batch_warmup_steps}")
+        if not 0 < self.batch_warmup_start <= 1:
+            raise ValueError(f"training.batch_warmup_start must be in (0, 1] (a share of the batch's rows), got "
+                             f"{self.batch_warmup_start}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"training.context_length must be >= 1 (or null), got {self.context_length}")
         for name in ("global_batch_size", "micro_batch_size"):
@@ -342,6 +366,9 @@ class RunConfig:
                              "batches from prompts); start such a run with `lmforge rl --base RUN`")
         if self.rl is not None and self.sft is None:
             raise ValueError("an rl section needs a base model to start from; start it with `lmforge rl --base RUN`")
+        if self.training.batch_warmup_steps and self.data.kind != "tokens":
+            raise ValueError(f"training.batch_warmup_steps applies to pretraining (data.kind: tokens), not to "
+                             f"data.kind: {self.data.kind}; set it to 0")
         T = self.training.context_length
         if T is not None and T > self.model.context_length:
             raise ValueError(f"training.context_length={T} is longer than model.context_length="
@@ -369,8 +396,8 @@ def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = (
 
 # Changing these between runs in one directory would make the checkpoints meaningless.
 _INCOMPATIBLE = ("model.", "data.dir", "data.train_split", "data.bos_aligned", "training.batch_size",
-                 "training.grad_accum_steps", "training.global_batch_size", "training.context_length",
-                 "training.seed", "data.kind", "sft.", "lora.", "rl.")
+                 "training.batch_warmup", "training.grad_accum_steps", "training.global_batch_size",
+                 "training.context_length", "training.seed", "data.kind", "sft.", "lora.", "rl.")
 # the fast path computes the same function with the same weights; evaluation settings change no step
 _HARMLESS = ("model.fast", "rl.eval_samples", "rl.eval_prompts")
 # data.tokenizer may move (its fingerprint must still match the shards); data.val_split only changes evaluation.

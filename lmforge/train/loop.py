@@ -41,7 +41,7 @@ from lmforge.progress import progress as progress_bar
 from lmforge.run import MARKER, check_new_or_run
 from lmforge.run import mark as mark_run_dir
 from lmforge.tokenizer import Tokenizer, load_tokenizer
-from lmforge.train.batching import BatchPlan, plan_batch
+from lmforge.train.batching import BatchPlan, plan_batch, warmup_rows
 from lmforge.train.config import _HARMLESS, _INCOMPATIBLE, DataConfig, OptimConfig, RunConfig
 from lmforge.train.dcp import load_dcp, read_dcp_extra, read_dcp_meta, save_dcp
 from lmforge.train.distributed import (all_reduce_sum, barrier, cleanup_distributed, full_state_dicts,
@@ -51,8 +51,8 @@ from lmforge.train.evaluate import evaluate
 from lmforge.train.finetune import (build_model, conversation_data, global_target_count, load_trained_state,
                                     loss_scale, masked, trained_state)
 from lmforge.train.metrics import MetricsLog, require_wandb
-from lmforge.train.optim import (SGD, AdamW, Muon, clip_grad_norm, cosine_lr, describe_groups, global_grad_norm,
-                                 muon_param_groups, param_groups_for, wsd_lr)
+from lmforge.train.optim import (SGD, AdamW, Muon, adamw_param_groups, clip_grad_norm, cosine_lr, describe_groups,
+                                 global_grad_norm, muon_param_groups, param_groups_for, wsd_lr)
 
 logger = logging.getLogger("lmforge")
 
@@ -159,14 +159,21 @@ def _lr_at(step: int, oc: OptimConfig, max_steps: int) -> float:
 
 def _build_optimizer(model: Any, oc: OptimConfig) -> Any:
     """The configured optimizer over ``model``'s parameter groups (matrices decay, vectors and norms don't;
-    with ``muon``: the blocks' matrices to Muon, the rest to AdamW, see :func:`muon_param_groups`)."""
+    with ``muon``: the blocks' matrices to Muon, the rest to AdamW, see :func:`muon_param_groups`; with a per-role
+    rate ``embed_lr``/``head_lr``/``scalar_lr``: one AdamW group per role, see :func:`adamw_param_groups`)."""
+    rates = dict(embed_lr=oc.embed_lr, head_lr=oc.head_lr, scalar_lr=oc.scalar_lr)
     if oc.name == "muon":
-        groups = muon_param_groups(model, oc.lr, oc.muon_lr, oc.weight_decay, oc.muon_weight_decay)
+        groups = muon_param_groups(model, oc.lr, oc.muon_lr, oc.weight_decay, oc.muon_weight_decay, **rates)
         if is_main_process():
             logger.info("optimizer groups: %s", describe_groups(groups))
         return Muon(groups, lr=oc.muon_lr, momentum=oc.muon_momentum, nesterov=oc.muon_nesterov,
                     ns_coefficients=tuple(oc.muon_ns_coefficients), ns_steps=oc.muon_ns_steps,
                     ns_dtype=oc.muon_ns_dtype, adjust_lr=oc.muon_adjust_lr, betas=tuple(oc.betas), eps=oc.eps)
+    if any(v is not None for v in rates.values()):  # per-role learning rates (the loop scales each by lr_scale)
+        groups = adamw_param_groups(model, oc.lr, oc.weight_decay, **rates)
+        if is_main_process():
+            logger.info("optimizer groups: %s", describe_groups(groups))
+        return AdamW(groups, lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
     groups = param_groups_for(model, oc.weight_decay)
     if oc.name == "sgd":
         return SGD(groups, lr=oc.lr)
@@ -420,6 +427,9 @@ def _train_step(run: _Run) -> tuple[float, float, float]:
     for group in run.optimizer.param_groups:  # every group follows the schedule; Muon's at muon_lr / lr times it
         group["lr"] = lr * group.get("lr_scale", 1.0)
     batches = [run.loader.next_batch() for _ in range(run.batch.accum_steps)]
+    rows = warmup_rows(run.step, run.batch.micro_batch, tc.batch_warmup_steps, tc.batch_warmup_start)
+    if rows < run.batch.micro_batch:  # batch-size warm-up: the first rows of each micro-batch (train/batching.py)
+        batches = [tuple(t[:rows] for t in b) for b in batches]
     n_targets = global_target_count(batches, device)  # trained targets of the whole step, over every rank
     denom = loss_scale(n_targets, run.info.world_size)
     ignore = IGNORE_INDEX if masked(run.loader) else None

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from lmforge.hardware import native_bf16
 
-__all__ = ["SGD", "AdamW", "Muon", "newton_schulz", "newton_schulz_batched", "muon_lr_ratio", "muon_param_groups", "describe_groups", "cosine_lr", "wsd_lr", "clip_grad_norm", "param_groups_for", "global_grad_norm"]
+__all__ = ["SGD", "AdamW", "Muon", "newton_schulz", "newton_schulz_batched", "muon_lr_ratio", "muon_param_groups", "adamw_param_groups", "param_roles", "describe_groups", "cosine_lr", "wsd_lr", "clip_grad_norm", "param_groups_for", "global_grad_norm"]
 
 
 def _buckets(tensors_by_param: list[tuple[Tensor, ...]], key) -> dict[Any, list[tuple[Tensor, ...]]]:
@@ -445,36 +445,81 @@ def param_groups_for(model: nn.Module, weight_decay: float) -> list[dict[str, An
             {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
 
 
-def muon_param_groups(model: nn.Module, lr: float, muon_lr: float, weight_decay: float,
-                      muon_weight_decay: float = 0.0) -> list[dict[str, Any]]:
-    """Three groups for :class:`Muon` from one rule (nanochat's split): the 2-D matrices inside the Transformer
-    blocks (``model.layers``: attention q/k/v/output, FFN w1/w2/w3) go to Muon at ``muon_lr``; everything else
-    goes to AdamW at ``lr``: the embeddings and LM head (matrices that map tokens, not hidden states) with
-    ``weight_decay``, and 1-D tensors (norm gains, biases) and any block tensor that is not 2-D without decay.
+def param_roles(model: nn.Module) -> dict[str, list[Tensor]]:
+    """Every trainable tensor (tied ones once) by its role, from one rule, in ``named_parameters`` order:
 
-    Each group carries a ``name`` and ``lr_scale`` (its learning rate over ``lr``), which the
-    training loop multiplies with the scheduled ``lr``. Every parameter (tied ones once) lands in exactly one group.
+    * ``embeddings``: the tables that map token ids to vectors: the weights of ``Embedding`` modules and any
+      tensor whose name says ``embed`` (the token embedding, value embeddings);
+    * ``hidden``: the other 2-D matrices inside the Transformer blocks (``model.layers``: attention q/k/v/output,
+      FFN w1/w2/w3), which map hidden states to hidden states;
+    * ``head``: the other tensors of 2+ dims whose first dimension is the vocabulary (the LM head);
+    * ``scalars``: everything else: norm gains, biases, gates, skip and mixing weights (vectors, scalars and
+      small matrices outside the blocks).
     """
+    embed_ids = {id(m.weight) for m in model.modules()
+                 if isinstance(m, nn.Embedding) or type(m).__name__ == "Embedding" and hasattr(m, "weight")}
     hidden = {id(p) for p in model.layers.parameters()} if hasattr(model, "layers") else set()
-    muon, embed_head, other, seen = [], [], [], set()
-    for _, p in model.named_parameters():
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    roles: dict[str, list[Tensor]] = {"hidden": [], "embeddings": [], "head": [], "scalars": []}
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        if id(p) in hidden and p.dim() == 2:
-            muon.append(p)
-        elif id(p) not in hidden and p.dim() >= 2:
-            embed_head.append(p)
+        if id(p) in embed_ids or "embed" in name.lower():
+            roles["embeddings"].append(p)
+        elif id(p) in hidden and p.dim() == 2:
+            roles["hidden"].append(p)
+        elif id(p) not in hidden and p.dim() >= 2 and (vocab is None or p.shape[0] == vocab):
+            roles["head"].append(p)
         else:
-            other.append(p)
-    grouped = [id(p) for p in muon + embed_head + other]
+            roles["scalars"].append(p)
+    grouped = [id(p) for ps in roles.values() for p in ps]
     assert len(grouped) == len(set(grouped)) == len(seen), "a parameter landed in zero or two groups"
-    return [{"params": muon, "use_muon": True, "lr": muon_lr, "lr_scale": muon_lr / lr,
-             "weight_decay": muon_weight_decay, "name": "muon"},
-            {"params": embed_head, "use_muon": False, "lr": lr, "lr_scale": 1.0, "weight_decay": weight_decay,
-             "name": "adamw_embeddings_head"},
-            {"params": other, "use_muon": False, "lr": lr, "lr_scale": 1.0, "weight_decay": 0.0,
-             "name": "adamw_norms_biases"}]
+    return roles
+
+
+def muon_param_groups(model: nn.Module, lr: float, muon_lr: float, weight_decay: float,
+                      muon_weight_decay: float = 0.0, embed_lr: float | None = None, head_lr: float | None = None,
+                      scalar_lr: float | None = None) -> list[dict[str, Any]]:
+    """Groups for :class:`Muon` from :func:`param_roles` (nanochat's split): the blocks' hidden matrices go to Muon
+    at ``muon_lr``; everything else to AdamW: the embeddings and LM head (matrices that map tokens, not hidden
+    states) with ``weight_decay``, the scalars (norm gains, biases, gates, skip weights) without decay.
+
+    With neither ``embed_lr`` nor ``head_lr`` given, embeddings and head share one group at ``lr`` (three groups:
+    ``muon``, ``adamw_embeddings_head``, ``adamw_norms_biases``); with either, they get a group each at their own
+    learning rate (``None`` = ``lr``): four groups. ``scalar_lr`` (``None`` = ``lr``) is the scalars' rate.
+
+    Each group carries a ``name`` and ``lr_scale`` (its learning rate over ``lr``), which the training loop
+    multiplies with the scheduled ``lr``. Every parameter (tied ones once) lands in exactly one group.
+    """
+    roles = param_roles(model)
+    groups = [{"params": roles["hidden"], "use_muon": True, "lr": muon_lr, "weight_decay": muon_weight_decay,
+               "name": "muon"}]
+    if embed_lr is None and head_lr is None:
+        groups.append({"params": roles["embeddings"] + roles["head"], "lr": lr, "weight_decay": weight_decay,
+                       "name": "adamw_embeddings_head"})
+    else:
+        groups += [{"params": roles["embeddings"], "lr": embed_lr or lr, "weight_decay": weight_decay,
+                    "name": "adamw_embeddings"},
+                   {"params": roles["head"], "lr": head_lr or lr, "weight_decay": weight_decay, "name": "adamw_head"}]
+    groups.append({"params": roles["scalars"], "lr": scalar_lr or lr, "weight_decay": 0.0,
+                   "name": "adamw_norms_biases"})
+    for g in groups:
+        g.setdefault("use_muon", False)
+        g["lr_scale"] = g["lr"] / lr
+    return groups
+
+
+def adamw_param_groups(model: nn.Module, lr: float, weight_decay: float, embed_lr: float | None = None,
+                       head_lr: float | None = None, scalar_lr: float | None = None) -> list[dict[str, Any]]:
+    """Four AdamW groups from :func:`param_roles`, each at its own learning rate (``None`` = ``lr``): the blocks'
+    hidden matrices (``hidden``, at ``lr``), ``embeddings`` (``embed_lr``), ``head`` (``head_lr``), all three with
+    ``weight_decay``, and ``scalars`` (``scalar_lr``) without decay. Each group carries ``name`` and ``lr_scale``."""
+    roles = param_roles(model)
+    rates = {"hidden": lr, "embeddings": embed_lr or lr, "head": head_lr or lr, "scalars": scalar_lr or lr}
+    return [{"params": roles[r], "lr": rates[r], "lr_scale": rates[r] / lr, "name": r,
+             "weight_decay": 0.0 if r == "scalars" else weight_decay} for r in roles]
 
 
 def describe_groups(groups: list[dict[str, Any]]) -> str:

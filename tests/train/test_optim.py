@@ -9,7 +9,8 @@ import torch
 
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.train.optim import (SGD, AdamW, Muon, clip_grad_norm, cosine_lr, wsd_lr, describe_groups, muon_lr_ratio,
-                                 muon_param_groups, newton_schulz, newton_schulz_batched, param_groups_for)
+                                 muon_param_groups, newton_schulz, newton_schulz_batched, param_groups_for,
+                                 adamw_param_groups, param_roles)
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -333,3 +334,60 @@ def test_muon_state_dict_round_trip_is_exact():
         o.step()
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
+
+
+class _Extras(torch.nn.Module):
+    """A model with the tensors the recipe's model options add, for the role rule: a value embedding inside a
+    block, a gate matrix and a skip weight outside the blocks, a per-block scalar."""
+
+    def __init__(self, tie: bool = False) -> None:
+        super().__init__()
+        self.inner = TransformerLM(ModelConfig(vocab_size=50, context_length=8, d_model=16, n_layers=2, n_heads=2,
+                                               tie_embeddings=tie))
+        self.cfg, self.layers = self.inner.cfg, self.inner.layers
+        self.value_embeds = torch.nn.ModuleList(torch.nn.Embedding(50, 16) for _ in range(2))
+        self.smear_gate = torch.nn.Parameter(torch.zeros(1, 12))
+        self.skip_weights = torch.nn.Parameter(torch.ones(1))
+        self.layers[0].lam = torch.nn.Parameter(torch.ones(()))
+
+
+def test_param_roles_put_every_option_tensor_in_a_sensible_group():
+    for tie in (False, True):
+        model = _Extras(tie)
+        roles = param_roles(model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        named = {r: {names[id(p)] for p in ps} for r, ps in roles.items()}
+        assert named["embeddings"] == {"inner.token_embeddings.weight", "value_embeds.0.weight", "value_embeds.1.weight"}
+        assert named["head"] == (set() if tie else {"inner.lm_head.weight"})
+        assert {"smear_gate", "skip_weights", "inner.layers.0.lam"} <= named["scalars"]
+        assert all(p.dim() == 2 for p in roles["hidden"]) and len(roles["hidden"]) == 14
+        ids = [id(p) for ps in roles.values() for p in ps]
+        assert len(ids) == len(set(ids)) == len({id(p) for p in model.parameters()})
+
+
+def test_per_group_learning_rates_muon_and_adamw():
+    model = _Extras()
+    muon, emb, head, scal = groups = muon_param_groups(model, 1e-3, 0.02, 0.1, embed_lr=0.05, head_lr=0.004,
+                                                       scalar_lr=0.01)
+    assert [g["name"] for g in groups] == ["muon", "adamw_embeddings", "adamw_head", "adamw_norms_biases"]
+    assert [g["lr_scale"] for g in groups] == pytest.approx([20.0, 50.0, 4.0, 10.0])
+    assert [g["weight_decay"] for g in groups] == [0.0, 0.1, 0.1, 0.0] and len(emb["params"]) == 3
+    Muon(groups)  # accepted: only 2-D matrices in the Muon group
+    # without embed_lr/head_lr: the three groups of before (old checkpoints still load), scalars at scalar_lr
+    three = muon_param_groups(model, 1e-3, 0.02, 0.1, scalar_lr=0.01)
+    assert [g["name"] for g in three] == ["muon", "adamw_embeddings_head", "adamw_norms_biases"]
+    assert [g["lr"] for g in three] == [0.02, 1e-3, 0.01]
+    adamw = adamw_param_groups(model, 1e-3, 0.1, head_lr=0.004)
+    assert [(g["name"], g["lr"], g["weight_decay"]) for g in adamw] == [
+        ("hidden", 1e-3, 0.1), ("embeddings", 1e-3, 0.1), ("head", 0.004, 0.1), ("scalars", 1e-3, 0.0)]
+    # each group steps at its own rate: one AdamW step moves a parameter by ~lr (sign of the gradient)
+    x = torch.randint(0, 50, (2, 8))
+    before = {id(p): p.detach().clone() for p in model.parameters()}
+    opt = AdamW(adamw, lr=1e-3, weight_decay=0.0)
+    for g in opt.param_groups:
+        g["weight_decay"] = 0.0
+    model.inner(x, targets=x).backward()
+    opt.step()
+    moved = {g["name"]: max((p - before[id(p)]).abs().max().item() for p in g["params"] if p.grad is not None)
+             for g in opt.param_groups}
+    assert moved["head"] == pytest.approx(0.004, rel=1e-3) and moved["hidden"] == pytest.approx(1e-3, rel=1e-3)

@@ -85,6 +85,10 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
     (["data.dir="], r"data\.dir is empty"),
     (["optimizer.name=lion"], r"'optimizer\.name' must be one of 'adamw', 'sgd', 'muon', got 'lion'"),
     (["optimizer.muon_lr=0"], r"optimizer\.muon_lr must be > 0"),
+    (["optimizer.head_lr=0"], r"optimizer\.head_lr must be > 0 \(or null for optimizer\.lr\)"),
+    (["optimizer.name=sgd", "optimizer.embed_lr=0.1"], r"embed_lr/head_lr/scalar_lr apply to adamw and muon"),
+    (["training.batch_warmup_steps=-1"], r"training\.batch_warmup_steps must be >= 0"),
+    (["training.batch_warmup_start=0"], r"training\.batch_warmup_start must be in \(0, 1\]"),
     (["optimizer.muon_momentum=1.0"], r"optimizer\.muon_momentum must be in \[0, 1\)"),
     (["optimizer.muon_ns_steps=0"], r"optimizer\.muon_ns_steps must be in \[1, 100\)"),
     (["optimizer.muon_adjust_lr=spectral"], r"'optimizer\.muon_adjust_lr' must be one of 'original', 'match_rms_adamw'"),
@@ -185,6 +189,33 @@ def test_muon_resume_in_process_equals_uninterrupted(shards, tmp_path, caplog) -
     groups = read_checkpoint(full / "checkpoints" / "step_00000008.safetensors").optimizer["param_groups"]
     lrs = {g["name"]: g["lr"] for g in groups}  # the schedule scaled every group by the same factor
     assert lrs["muon"] == pytest.approx(lrs["adamw_norms_biases"] * 0.02 / 3e-3) and lrs["adamw_norms_biases"] < 3e-3
+
+
+def test_batch_warmup_grows_the_batch_and_resumes_exactly(shards, tmp_path) -> None:
+    warm = {"max_steps": 8, "batch_warmup_steps": 4}  # rows of each 4-row micro-batch: 1, 2, 3, 4, 4, ...
+    full, split, plain = tmp_path / "full", tmp_path / "split", tmp_path / "plain"
+    train(_cfg(shards, training=warm), full, progress=False)
+    tokens = [e["tokens"] for e in _events(full) if "loss" in e]
+    assert [b - a for a, b in zip([0] + tokens, tokens)] == [r * 32 * 2 for r in (1, 2, 3, 4, 4, 4, 4, 4)]
+    train(_cfg(shards, training={**warm, "max_steps": 5}), split, progress=False)  # checkpoints at 3 and 5
+    train(_cfg(shards, training=warm), split, progress=False)
+    assert _losses(split) == _losses(full)  # float equality, every step
+    train(_cfg(shards, training={"max_steps": 8}), plain, progress=False)
+    assert _losses(plain)[0] != _losses(full)[0]  # the warm-up trained on fewer rows
+
+
+def test_per_group_learning_rates_reach_the_optimizer(shards, tmp_path, caplog) -> None:
+    rates = {"embed_lr": 0.01, "head_lr": 0.001, "scalar_lr": 0.006}
+    for name, groups in (("adamw", ("hidden", "embeddings", "head", "scalars")),
+                         ("muon", ("muon", "adamw_embeddings", "adamw_head", "adamw_norms_biases"))):
+        run = tmp_path / name
+        train(_cfg(shards, optimizer={"name": name, **rates}, training={"max_steps": 3}), run, progress=False)
+        from lmforge.checkpoint import read_checkpoint
+        saved = read_checkpoint(run / "checkpoints" / "step_00000003.safetensors").optimizer["param_groups"]
+        lrs = {g["name"]: g["lr"] for g in saved}
+        assert tuple(lrs) == groups
+        base = lrs[groups[0]] / (0.02 / 3e-3 if name == "muon" else 1.0)  # the scheduled lr at step 3
+        assert [lrs[g] / base for g in groups[1:]] == pytest.approx([0.01 / 3e-3, 0.001 / 3e-3, 0.006 / 3e-3])
 
 
 def _draw() -> tuple[list[float], float, list[float]]:
@@ -393,9 +424,13 @@ def _start(cfg_path: Path, run_dir: Path, delay: float = 0.0) -> subprocess.Pope
 @pytest.mark.slow
 @pytest.mark.timeout(180)  # 15-55 s measured on 2 shared cores; a hang must fail, not wait out the 300 s default
 def test_sigkill_and_restart_equals_uninterrupted(shards, tmp_path) -> None:
-    """Each wait has its own bound, so a run that hangs (say, a loader resume that never yields a batch) fails
+    """The run grows its batch over the first 20 steps and is killed at step 13, inside the warm-up.
+
+    Each wait has its own bound, so a run that hangs (say, a loader resume that never yields a batch) fails
     within 75 s, naming the process, with its stderr; every child is killed on the way out."""
-    cfg = _cfg_dict(shards, training={"max_steps": 30, "checkpoint_every": 5, "eval_every": 10})
+    # with a batch-size warm-up over the first 20 steps: killed inside it (rows per micro-batch 1 -> 4)
+    cfg = _cfg_dict(shards, training={"max_steps": 30, "checkpoint_every": 5, "eval_every": 10,
+                                      "batch_warmup_steps": 20})
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     full, killed = tmp_path / "full", tmp_path / "killed"
