@@ -48,10 +48,18 @@ def kernel_available() -> bool:
     return available("linear_rows")
 
 
+# Model options that change the forward pass and what the C++ step computes for each when off. Options that only
+# initialise (model.zero_init, model.head_init_std) leave a Llama the step runs as it is.
+_KERNEL_COMPUTES = {"smear": False, "value_embeds": 0, "unet_skips": False, "mlp": "swiglu", "logit_softcap": None,
+                    "qk_norm": False}
+
+
 def kernel_unsupported(cfg: Any) -> list[str]:
-    """The options of model config ``cfg`` that the C++ decode step does not implement (empty: it decodes this
-    model exactly as the model's forward does). The engine decodes such a model through its forward instead."""
-    return []
+    """The options of model config ``cfg`` that the C++ decode step does not implement, as ``model.<name>=<value>``
+    (empty: it decodes this model exactly as the model's forward does). The engine decodes such a model through
+    its forward instead."""
+    return [f"model.{name}={getattr(cfg, name)!r}" for name, off in _KERNEL_COMPUTES.items()
+            if getattr(cfg, name, off) != off]
 
 
 def weight_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:

@@ -130,12 +130,14 @@ LLAMA_EXPRESSES: dict[str, str] = {
 """``ModelConfig`` field -> the ``config.json`` key (HF ``LlamaConfig``) that holds it."""
 NUMERICS_ONLY = ("fast",)
 """``ModelConfig`` fields that choose how the same function is computed, not which: nothing to export."""
+INIT_ONLY = ("zero_init", "head_init_std")
+"""``ModelConfig`` fields that choose only how training starts (the trained model is a Llama): nothing to export."""
 
 
 def check_llama_expressible(cfg: ModelConfig) -> None:
     """``ValueError`` naming the first option of ``cfg`` that a Llama model (HF or GGUF) cannot express."""
     for f in dataclasses.fields(cfg):
-        if f.name in LLAMA_EXPRESSES or f.name in NUMERICS_ONLY:
+        if f.name in LLAMA_EXPRESSES or f.name in NUMERICS_ONLY or f.name in INIT_ONLY:
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         value = getattr(cfg, f.name)

@@ -1,8 +1,9 @@
 """Stage 3, token ids -> logits: the Llama-style Transformer, its reference primitives, losses and KV cache.
 
-``layers`` holds the reference building blocks written from tensor primitives (the spec); ``losses`` the fast
-cross-entropy and the fused LM-head loss; ``transformer`` the ``ModelConfig`` and ``TransformerLM`` with its
-reference and fast paths; ``lora`` the LoRA adapters (import ``lmforge.model.lora``). The model sees token ids
+``layers`` holds the reference building blocks written from tensor primitives (the spec); ``fused`` their fast
+forms; ``losses`` the fast cross-entropy and the fused LM-head loss; ``blocks`` attention, feed-forward and the
+block; ``recipe`` the training-recipe pieces (smear, soft-capping, QK-norm's norm); ``transformer`` the
+``ModelConfig`` and ``TransformerLM`` with its reference and fast paths; ``lora`` the LoRA adapters (import ``lmforge.model.lora``). The model sees token ids
 only, never text.
 """
 

@@ -31,6 +31,12 @@ class KVCache:
     A row can be emptied (:meth:`reset`) and refilled alone through a view of it (:meth:`rows`), which shares
     the storage: that is how a row slides past the context or a finished request frees its slot.
 
+    ``token_ids (B, capacity)`` int64: the token id in each cached column, written by models whose next token
+    reads the previous one (``model.smear``: :meth:`write_ids`, read back by :meth:`last_ids`). Stored per
+    column, not per row, so right-padded prompts need nothing more than their lengths set (the last real token
+    is column ``lengths[b] - 1``). A row's whole state is therefore its columns ``0 .. lengths[b]-1`` of ``k``,
+    ``v`` and ``token_ids`` and ``lengths[b]``: whoever copies a row copies all four (:meth:`copy_row`).
+
     ``static = True`` (a view's setting, for decode steps captured as CUDA graphs) plans every pass with fixed
     shapes and no host sync: new tokens go to each row's own columns and every query attends over all ``capacity``
     columns under a mask. The caller keeps room in every row (the engine slides full rows first): nothing checks.
@@ -46,6 +52,7 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype or torch.float32)
         self.v = torch.zeros_like(self.k)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.k.device)
+        self.token_ids = torch.zeros(batch_size, capacity, dtype=torch.long, device=self.k.device)
         self.capacity = capacity
         self.static = False
         self._plan: tuple[int, int | None, Tensor, int] | None = None
@@ -63,9 +70,10 @@ class KVCache:
                    device=device or p.device, dtype=dtype or p.dtype)
 
     @classmethod
-    def _view(cls, k: Tensor, v: Tensor, lengths: Tensor) -> "KVCache":
+    def _view(cls, k: Tensor, v: Tensor, lengths: Tensor, token_ids: Tensor) -> "KVCache":
         view = cls.__new__(cls)
         view.k, view.v, view.lengths, view.capacity, view.static, view._plan = k, v, lengths, k.shape[3], False, None
+        view.token_ids = token_ids
         return view
 
     @property
@@ -75,7 +83,16 @@ class KVCache:
     def rows(self, rows: slice | int) -> "KVCache":
         """A cache over rows ``rows`` that shares this one's storage (writes and lengths are seen by both)."""
         sl = slice(rows, rows + 1) if isinstance(rows, int) else rows
-        return KVCache._view(self.k[:, sl], self.v[:, sl], self.lengths[sl])
+        return KVCache._view(self.k[:, sl], self.v[:, sl], self.lengths[sl], self.token_ids[sl])
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Make row ``dst`` hold what row ``src`` holds (its keys, values, token ids and length): a fork of a
+        row, e.g. several samples of one prefilled prompt."""
+        n = int(self.lengths[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        self.lengths[dst] = n
 
     def reset(self) -> None:
         """Forget every row's tokens (the storage is kept; stale columns are never attended to)."""
@@ -126,6 +143,21 @@ class KVCache:
         if ks.dtype != k.dtype:  # e.g. a float32 cache under bf16 autocast
             ks, vs = ks.to(k.dtype), vs.to(k.dtype)
         return ks, vs
+
+    def write_ids(self, idx: Tensor) -> None:
+        """Store the ids ``idx (B, T)`` of the new tokens in their columns of :attr:`token_ids` (after :meth:`begin`)."""
+        start, cols, end = self._planned(idx.shape[1])
+        if start is not None:
+            self.token_ids[:, start:end] = idx
+        else:
+            self.token_ids.scatter_(1, cols, idx)
+
+    def last_ids(self) -> tuple[Tensor, Tensor]:
+        """``(ids (B,), held (B,) bool)``: each row's last cached token id (column ``lengths[b] - 1``) and whether
+        the row holds a token at all (``ids`` is then 0). No host sync: CUDA graphs may read it."""
+        held = self.lengths > 0
+        col = (self.lengths - 1).clamp(min=0)[:, None]  # (B, 1)
+        return self.token_ids.gather(1, col).squeeze(1) * held, held
 
     def mask(self, T: int) -> Tensor | None:
         """Which cached columns each of the next ``T`` queries attends to (``True`` = attend).

@@ -11,7 +11,7 @@ nothing). State-dict names: the base weight keeps its key (``layers.0.attn.q_pro
 
 Every path sees the adapters: the reference path calls the module; the fast path (``ModelConfig.fast``)
 projects through the base weights and adds :meth:`LoraLinear.adapter` of each wrapped projection
-(``transformer._project_modules``), and the fused LM-head loss is skipped when ``lm_head`` is wrapped. The
+(``fused._project_modules``), and the fused LM-head loss is skipped when ``lm_head`` is wrapped. The
 decode engine packs plain weights from the state dict, so decode a merged model: :func:`merge_lora` in place
 or :func:`merged_copy`; :func:`has_lora` tells whether a model still carries adapters.
 
@@ -175,6 +175,8 @@ def _targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
     selects nothing or a selected weight is shared (tied embeddings: merging would change the embeddings)."""
     linears = [n for n, m in model.named_modules() if type(m) is Linear]
     unmatched = [p for p in cfg.targets if not any(target_matches(n, p) for n in linears)]
+    if list(cfg.targets) == list(DEFAULT_TARGETS):  # the default means every projection the model has (no w3 in
+        unmatched = []                                # a ReLU² feed-forward, model.mlp: relu2)
     if unmatched:
         raise ValueError(f"LoRA target pattern(s) {unmatched} match no Linear module; available: {linears}")
     names = [n for n in linears if any(target_matches(n, p) for p in cfg.targets)]

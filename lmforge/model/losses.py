@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lmforge.model.layers import cross_entropy as cross_entropy_reference
+from lmforge.model.recipe import softcap as softcap_logits
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "cross_entropy_reference", "softmax_grad", "compiled_softmax_grad"]
 
@@ -62,13 +63,13 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, valid: Tensor | None, chunk: int, cdtype,
-                scale: float, chunk_fn: Any = None) -> Tensor:
+                scale: float, chunk_fn: Any = None, softcap: float | None = None) -> Tensor:
         N = h.shape[0]
         f32 = cdtype == torch.float32
         if not _sync_ok(h):
             with torch.autocast(h.device.type, enabled=False):
                 loss, grad_h, grad_w = _chunk_sync_free(h.to(cdtype), w.to(cdtype), targets, valid, chunk, scale,
-                                                        ctx.needs_input_grad[1], chunk_fn)
+                                                        ctx.needs_input_grad[1], chunk_fn, softcap)
             ctx.save_for_backward(grad_h, grad_w)
             ctx.dtypes = (h.dtype, w.dtype)
             ctx.used = False
@@ -87,6 +88,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 e = min(N, s + chunk)
                 t = targets[s:e, None]  # (n, 1)
                 logits = torch.mm(hc[s:e], wc.T, out=logits_buf[:e - s])  # (n, V)
+                if softcap is not None:  # the capped logits cap·tanh(l/cap), float32; tanh kept for the chain rule
+                    th = torch.tanh(logits.float() / softcap)
+                    logits = th * softcap
                 if f32:
                     p = torch.ops.aten._softmax.out(logits, -1, False, out=p_buf[:e - s])  # (n, V)
                 else:
@@ -99,6 +103,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                     lg = logits[rows].float()
                     nll[rows] = torch.logsumexp(lg, -1) - lg.gather(1, t[rows]).squeeze(1)
                 p.scatter_add_(1, t, torch.full_like(t, -1.0, dtype=p.dtype))  # d(sum nll)/d logits = p - onehot
+                if softcap is not None:  # through the cap: d/dl cap·tanh(l/cap) = 1 - tanh²
+                    p.mul_(th.square_().neg_().add_(1.0))
                 if valid is not None:
                     nll = nll * valid[s:e]
                     p.mul_(valid[s:e, None])
@@ -127,7 +133,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         if not _sync_ok(g):  # a GPU or a compiled graph: scale out of place (x * 1.0 == x), no host read of g
             return ((grad_h * g).to(h_dtype), None if grad_w is None else (grad_w * g).to(w_dtype),
-                    None, None, None, None, None, None)
+                    None, None, None, None, None, None, None)
         if ctx.used:  # the saved gradients are scaled in place below, so a second pass would be wrong
             raise RuntimeError("linear_cross_entropy: backward through the same loss twice is not supported; "
                                "recompute the loss instead of retain_graph=True")
@@ -136,7 +142,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_h.mul_(g)
             if grad_w is not None:
                 grad_w.mul_(g)
-        return grad_h.to(h_dtype), None if grad_w is None else grad_w.to(w_dtype), None, None, None, None, None, None
+        return (grad_h.to(h_dtype), None if grad_w is None else grad_w.to(w_dtype), None, None, None, None, None, None,
+                None)
 
 
 def _sync_ok(t: Tensor) -> bool:
@@ -145,7 +152,7 @@ def _sync_ok(t: Tensor) -> bool:
 
 
 def softmax_grad(logits: Tensor, t: Tensor, valid: Tensor | None, scale: float,
-                 inplace: bool = False) -> tuple[Tensor, Tensor]:
+                 inplace: bool = False, softcap: float | None = None) -> tuple[Tensor, Tensor]:
     """``(Σ nll, d(scale · Σ nll)/d logits)`` of one chunk of logits ``(n, V)`` against targets ``t (n, 1)`` (rows
     weighted by ``valid (n,)``), the gradient in the logits' dtype: :func:`_chunk_sync_free`'s elementwise part.
 
@@ -153,15 +160,22 @@ def softmax_grad(logits: Tensor, t: Tensor, valid: Tensor | None, scale: float,
     which becomes ``p - onehot``. ``inplace`` reuses the float32 buffer for that (eagerly: less memory);
     without it there is no in-place op, so that a compiler fuses the whole into a pass or two over the chunk
     (``training.compile`` runs it so off the CPU: eagerly it is ~6 passes over a float32 chunk). Both give the
-    same numbers.
+    same numbers. ``softcap``: the loss is that of the capped logits ``cap·tanh(l/cap)``, the gradient the
+    capped one's times ``1 - tanh²``.
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
+    z = logits.float()
+    if softcap is not None:
+        th = torch.tanh(z / softcap)
+        z = th * softcap
+    logp = torch.log_softmax(z, dim=-1)  # (n, V)
     nll = logp.gather(1, t).squeeze(1).neg()  # (n,)
     minus = torch.full_like(t, -1.0, dtype=logp.dtype)
     p = logp.exp_().scatter_add_(1, t, minus) if inplace else logp.exp().scatter_add(1, t, minus)  # p - onehot
     if valid is not None:
         nll = nll * valid
         p = p.mul_(valid[:, None]) if inplace else p * valid[:, None]
+    if softcap is not None:
+        p = p.mul_(1.0 - th * th) if inplace else p * (1.0 - th * th)
     if scale != 1.0:
         p = p.mul_(scale) if inplace else p * scale
     return nll.sum(), p.to(logits.dtype)
@@ -179,7 +193,8 @@ def compiled_softmax_grad(**options: Any) -> Any:
 
 
 def _chunk_sync_free(hc: Tensor, wc: Tensor, targets: Tensor, valid: Tensor | None, chunk: int, scale: float,
-                     want_w: bool, chunk_fn: Any = None) -> tuple[Tensor, Tensor, Tensor | None]:
+                     want_w: bool, chunk_fn: Any = None,
+                     softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(scale · summed loss, its gradient for h, for w or None)`` of ``hc wcᵀ``, ``chunk`` rows at a time,
     with no host sync and no data-dependent branch (the GPU and compiled form of :class:`_LinearCrossEntropySum`).
 
@@ -193,7 +208,8 @@ def _chunk_sync_free(hc: Tensor, wc: Tensor, targets: Tensor, valid: Tensor | No
     losses, grads_h = [], []
     for s in range(0, N, chunk):
         e = min(N, s + chunk)
-        nll_sum, pc = fn(hc[s:e] @ wc.T, targets[s:e, None], None if valid is None else valid[s:e], scale)
+        nll_sum, pc = fn(hc[s:e] @ wc.T, targets[s:e, None], None if valid is None else valid[s:e], scale,
+                         softcap=softcap)
         losses.append(nll_sum)
         grads_h.append(pc @ wc)  # (n, d)
         if grad_w is not None:
@@ -263,14 +279,15 @@ def _chunk_rows(n_rows: int, vocab_size: int, device_type: str = "cpu") -> int:
 
 def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, ignore_index: int | None = None,
                          reduction: str = "mean", chunk_rows: int | None = None,
-                         weights: Tensor | None = None, chunk_fn: Any = None) -> Tensor:
-    """``cross_entropy(h @ weight.T, targets, weights=weights)`` without materialising the ``(N, V)`` logits.
+                         weights: Tensor | None = None, chunk_fn: Any = None, softcap: float | None = None) -> Tensor:
+    """``cross_entropy(h @ weight.T, targets, weights=weights)`` without materialising the ``(N, V)`` logits; with
+    ``softcap`` the loss of the capped logits ``softcap·tanh(h @ weight.T / softcap)`` (``model.logit_softcap``).
 
     ``h (..., d)``, ``weight (V, d)``. Under autocast the matmuls run in the autocast dtype and the
     softmax in float32, like the unfused path. ``chunk_fn`` (off the CPU): a compiled :func:`softmax_grad`.
     """
     if reduction == "none":
-        return cross_entropy_reference(h @ weight.T, targets, ignore_index, "none", weights)
+        return cross_entropy_reference(softcap_logits(h @ weight.T, softcap), targets, ignore_index, "none", weights)
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     h2 = h.reshape(-1, h.shape[-1])  # (N, d)
@@ -281,12 +298,13 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, ignore_inde
     chunk = chunk_rows or _chunk_rows(h2.shape[0], weight.shape[0], dev)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         if reduction == "mean" and valid is None and h2.shape[0]:  # the 1/N rides in the GEMMs (see _LinearCrossEntropySum)
-            return _LinearCrossEntropySum.apply(h2, weight, safe, valid, chunk, cdtype, 1.0 / h2.shape[0], chunk_fn)
-        total = _LinearCrossEntropySum.apply(h2, weight, safe, valid, chunk, cdtype, 1.0, chunk_fn)
+            return _LinearCrossEntropySum.apply(h2, weight, safe, valid, chunk, cdtype, 1.0 / h2.shape[0], chunk_fn,
+                                                softcap)
+        total = _LinearCrossEntropySum.apply(h2, weight, safe, valid, chunk, cdtype, 1.0, chunk_fn, softcap)
     else:  # evaluation: chunked loss only
         parts = []
         for s in range(0, h2.shape[0], chunk):
-            logits = (h2[s:s + chunk].to(cdtype) @ weight.to(cdtype).T).float()  # (n, V)
+            logits = softcap_logits((h2[s:s + chunk].to(cdtype) @ weight.to(cdtype).T).float(), softcap)  # (n, V)
             nll = torch.logsumexp(logits, -1) - logits.gather(1, safe[s:s + chunk, None]).squeeze(1)
             parts.append((nll * valid[s:s + chunk]).sum() if valid is not None else nll.sum())
         total = torch.stack(parts).sum()

@@ -21,6 +21,7 @@ Parameter names follow the CS336 convention in both paths, so checkpoints are in
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,16 +30,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmforge.checkpoint import grow_rows
-from lmforge.model.layers import (Device, DType, Embedding, Linear, RMSNorm, RotaryPositionalEmbedding, SwiGLU, default_d_ff,
-                            scaled_dot_product_attention, silu, softmax)
+from lmforge.model.blocks import MLPS, CausalSelfAttention, TransformerBlock
 from lmforge.model.cache import KVCache, check_context
+from lmforge.model.fused import Norm, cached_projections
+from lmforge.model.layers import (Device, DType, Embedding, Linear, RMSNorm, RotaryPositionalEmbedding, SwiGLU,
+                                  _trunc_normal_, default_d_ff, scaled_dot_product_attention, silu, softmax)
 from lmforge.model.losses import compiled_softmax_grad, cross_entropy, linear_cross_entropy
+from lmforge.model.recipe import Smear, softcap
 
 __all__ = ["ModelConfig", "MAX_CONTEXT_LENGTH", "TransformerLM", "TransformerBlock", "CausalSelfAttention", "KVCache",
            "Linear", "Embedding", "RMSNorm", "SwiGLU", "RotaryPositionalEmbedding", "softmax", "silu",
            "scaled_dot_product_attention", "cross_entropy", "linear_cross_entropy", "num_params",
-           "flops_per_token", "matmul_params_per_token", "cached_projections"]
+           "flops_per_token", "matmul_params_per_token", "cached_projections", "Norm", "RECIPE_OPTIONS"]
 
+
+RECIPE_OPTIONS = ("smear", "value_embeds", "unet_skips", "mlp", "logit_softcap", "qk_norm", "zero_init",
+                  "head_init_std")
+"""The training-recipe options of :class:`ModelConfig` (all off by default)."""
 
 MAX_CONTEXT_LENGTH = 1 << 20
 """The longest ``context_length`` a model may have (1,048,576 tokens): the RoPE tables are built for every
@@ -72,6 +80,29 @@ class ModelConfig:
     """Epsilon inside every RMSNorm."""
     fast: bool = True
     """Use the fused fast path (same numbers as the reference path within float tolerance)."""
+    smear: bool = False
+    """Previous-token mixing: each token's embedding gets a learned, gated share of the previous token's
+    (:class:`~lmforge.model.recipe.Smear`; starts at zero), so in-context copying (induction) can form early."""
+    value_embeds: int = 0
+    """Value embeddings (modded-nanogpt): this many extra token-embedding tables of width ``n_kv_heads·head_dim``;
+    table ``j`` is added (times a learned per-layer scalar) to the attention values of layer ``j`` and of layer
+    ``n_layers - value_embeds + j``. 0 = none; at most ``n_layers // 2``."""
+    unet_skips: bool = False
+    """U-net skip connections: layer ``n_layers-1-j`` (for ``j < n_layers // 2``) adds ``skip_weights[j]`` (learned,
+    starts at 1) times the output of layer ``j`` to its input."""
+    mlp: str = "swiglu"
+    """The feed-forward: ``swiglu`` (Llama's) or ``relu2`` (``w2(relu(w1 x)²)``; its ``d_ff`` default is
+    ``4·d_model``, which matches SwiGLU's 3·d_model·(8/3·d_model) parameters)."""
+    logit_softcap: float | None = None
+    """Soft-cap the logits at ``cap·tanh(logits/cap)`` (e.g. 15; in the loss too); ``null`` = off."""
+    qk_norm: bool = False
+    """RMS-normalise (no gain) every query and key head before RoPE."""
+    zero_init: bool = False
+    """Initialise the attention output and feed-forward down projections (``output_proj``, ``ffn.w2``) to zero,
+    so every block starts as the identity (init only: the trained model is the same architecture)."""
+    head_init_std: float | None = None
+    """The untied LM head's init std (truncated normal; 0 = zeros, e.g. 0.001 as nanochat); ``null`` = the
+    default ``sqrt(2/(d_model+vocab))``. Init only."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
@@ -84,8 +115,10 @@ class ModelConfig:
                              "context")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        if self.mlp not in MLPS:
+            raise ValueError(f"model.mlp must be one of {', '.join(MLPS)}, got {self.mlp!r}")
         if self.d_ff is None:
-            self.d_ff = default_d_ff(self.d_model)
+            self.d_ff = 4 * self.d_model if self.mlp == "relu2" else default_d_ff(self.d_model)
         for name in ("n_kv_heads", "d_ff"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -104,9 +137,28 @@ class ModelConfig:
             raise ValueError(f"model.rope_theta must be a positive number, got {self.rope_theta!r}")
         if not (isinstance(self.norm_eps, (int, float)) and self.norm_eps > 0):
             raise ValueError(f"model.norm_eps must be a positive number, got {self.norm_eps!r}")
-        for name in ("tie_embeddings", "fast"):
+        self._check_recipe()
+        for name in ("tie_embeddings", "fast", "smear", "unet_skips", "qk_norm", "zero_init"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
+
+    def _check_recipe(self) -> None:
+        ve = self.value_embeds
+        if isinstance(ve, bool) or not isinstance(ve, int) or not 0 <= ve <= self.n_layers // 2:
+            raise ValueError(f"model.value_embeds must be an integer in [0, n_layers // 2 = {self.n_layers // 2}] "
+                             f"(table j serves layer j and layer n_layers - value_embeds + j), got {ve!r}")
+        if self.unet_skips is True and self.n_layers < 2:
+            raise ValueError("model.unet_skips needs at least 2 layers (it joins layer j to layer n_layers-1-j)")
+        for name in ("logit_softcap", "head_init_std"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (
+                    v == 0 and name == "logit_softcap"):
+                raise ValueError(f"model.{name} must be a positive number (or null for off), got {v!r}")
+        if self.head_init_std is not None and self.tie_embeddings is True:
+            raise ValueError("model.head_init_std sets the untied LM head's init; with tie_embeddings the head is the "
+                             "embedding matrix: drop one of them")
 
     @property
     def head_dim(self) -> int:
@@ -119,274 +171,6 @@ def _divisors(n: int) -> list[int]:
 
 def _divisors_near(n: int, k: int) -> list[int]:
     return sorted(_divisors(n), key=lambda d: abs(d - k))[:3]
-
-
-# --------------------------------------------------------------------------------------------------
-# Fast-path helpers
-# --------------------------------------------------------------------------------------------------
-class _Projections(torch.autograd.Function):
-    """``x @ W_i.T`` for several weights reading the same ``x`` (Q, K, V; or W1, W3).
-
-    Backward accumulates ``dx = Σ g_i W_i`` inside the GEMMs (``addmm_`` with beta 1), so neither the
-    ``torch.cat`` of the output gradients that a fused-weight matmul needs nor autograd's sum of separate
-    ``dx`` tensors is ever materialised. Under autocast the matmuls run in the autocast dtype, as
-    ``x @ W.T`` would.
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, *weights: Tensor) -> tuple[Tensor, ...]:
-        dev = x.device.type
-        cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        with torch.autocast(dev, enabled=False):
-            xc = x.to(cdtype)
-            outs = tuple(xc @ w.to(cdtype).T for w in weights)  # (..., out_i)
-        ctx.save_for_backward(xc, *weights)
-        ctx.x_dtype, ctx.cdtype = x.dtype, cdtype
-        return outs
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor):
-        xc, *weights = ctx.saved_tensors
-        x2 = xc.reshape(-1, xc.shape[-1])  # (N, d_in)
-        grad_x = None
-        grad_ws = []
-        with torch.autocast(xc.device.type, enabled=False):
-            for i, (g, w) in enumerate(zip(grads, weights)):
-                if g is None:
-                    grad_ws.append(None)
-                    continue
-                g2 = g.reshape(-1, g.shape[-1]).to(ctx.cdtype)  # (N, out_i)
-                wc = w.to(ctx.cdtype)
-                if grad_x is None:
-                    grad_x = g2 @ wc  # (N, d_in)
-                else:
-                    grad_x.addmm_(g2, wc)
-                # a frozen weight (LoRA's base) gets no gradient: skip the (out_i, d_in) GEMM
-                grad_ws.append((g2.T @ x2).to(w.dtype) if ctx.needs_input_grad[1 + i] else None)
-        if grad_x is not None:
-            grad_x = grad_x.reshape(xc.shape).to(ctx.x_dtype)
-        return (grad_x, *grad_ws)
-
-
-def _project(module: nn.Module, x: Tensor, weights: list[Tensor]) -> tuple[Tensor, ...]:
-    """``tuple(x @ w.T for w in weights)``, the fastest way for training or for decoding.
-
-    Training: :class:`_Projections` (lean backward). Without autograd (decoding) one matmul over the
-    concatenated weights, whose concatenation is cached on ``module`` until a weight changes (tracked
-    through data pointers and in-place version counters) or autograd is needed again; a compiled decode step
-    multiplies by each weight (the compiler schedules them).
-    """
-    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-        if not torch.compiler.is_compiling():  # torch 2.11's dynamo breaks the graph on a __dict__.pop
-            module.__dict__.pop("_fused_cache", None)
-        return _Projections.apply(x, *weights)
-    if torch.compiler.is_compiling():  # a traced decode step: no data pointers there; one product per weight
-        return tuple(x @ w.T for w in weights)
-    key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
-    hit = module.__dict__.get("_fused_cache")
-    if hit is None or hit[0] != key:
-        hit = (key, torch.cat(weights, dim=0))
-        module.__dict__["_fused_cache"] = hit
-    return (x @ hit[1].T).split([w.shape[0] for w in weights], dim=-1)
-
-
-def cached_projections(model: nn.Module) -> list[Tensor]:
-    """The concatenated weights :func:`_project` caches on ``model``'s modules for decoding. A CUDA graph that
-    reads them holds these references, so a later concatenation cannot free the memory the graph replays on."""
-    return [hit[1] for m in model.modules() if (hit := m.__dict__.get("_fused_cache")) is not None]
-
-
-def _project_modules(owner: nn.Module, x: Tensor, modules: tuple[nn.Module, ...]) -> tuple[Tensor, ...]:
-    """``tuple(m(x) for m in modules)`` through :func:`_project` on their weights; a projection that is not a
-    plain :class:`Linear` (a LoRA-wrapped one, :mod:`lmforge.model.lora`) adds its ``adapter(x)``."""
-    outs = _project(owner, x, [m.weight for m in modules])
-    return tuple(o if type(m) is Linear else o + m.adapter(x) for o, m in zip(outs, modules))
-
-
-def _rope_fast(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on adjacent pairs as a complex multiply: ``(x0 + i·x1) · (cos + i·sin)``.
-
-    ``x (B, T, H, D)``; ``cos, sin`` broadcastable to ``(B, T, 1, D/2)``.
-    """
-    if torch.compiler.is_compiling():  # inductor cannot generate code for complex ops; it fuses this form
-        x0, x1 = x[..., 0::2].float(), x[..., 1::2].float()  # (B, T, H, D/2)
-        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
-    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, T, H, D/2) complex
-    return torch.view_as_real(xc * torch.complex(cos, sin)).flatten(-2).to(x.dtype)  # (B, T, H, D)
-
-
-class _RMSNormFn(torch.autograd.Function):
-    """RMSNorm with a hand-written backward: about half the passes over memory of autograd's."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        x32 = x.float()
-        d = x.shape[-1]
-        inv = torch.rsqrt(torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_().div_(d).add_(eps))  # (..., 1)
-        xn = x32 * inv  # (..., d)
-        ctx.save_for_backward(xn, inv, weight)
-        ctx.x_dtype = x.dtype
-        y = xn * weight
-        # No ``.to`` that returns ``y`` itself: torch 2.11's dynamo then routes the gradient wrongly when compiled
-        # (every gradient before a norm came out wrong on an H100 and on the CPU: tests/model/test_compile.py fails
-        # there without this; the aliased-output bug class of pytorch/pytorch#180642, fixed for 2.12).
-        return y if y.dtype == x.dtype else y.to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        xn, inv, weight = ctx.saved_tensors
-        g = g.float()
-        grad_w = (g * xn).flatten(0, -2).sum(0).to(weight.dtype)  # (d,)
-        gxn = g * weight  # (..., d)
-        # d/dx of x·inv: inv · (gxn - xn · mean(gxn · xn))
-        dot = torch.linalg.vecdot(gxn, xn, dim=-1).unsqueeze(-1).div_(xn.shape[-1])  # (..., 1)
-        grad_x = gxn.addcmul_(xn, dot, value=-1.0).mul_(inv)
-        return grad_x.to(ctx.x_dtype), grad_w, None
-
-
-class Norm(RMSNorm):
-    """:class:`RMSNorm` with a fast path (:class:`_RMSNormFn`); same parameter, same numbers."""
-
-    def __init__(self, d_model: int, eps: float = 1e-5, fast: bool = False, device: Device = None,
-                 dtype: DType = None) -> None:
-        super().__init__(d_model, eps, device=device, dtype=dtype)
-        self.fast = fast
-
-    def forward(self, x: Tensor) -> Tensor:
-        return _RMSNormFn.apply(x, self.weight, self.eps) if self.fast else super().forward(x)
-
-
-# --------------------------------------------------------------------------------------------------
-# Blocks
-# --------------------------------------------------------------------------------------------------
-class CausalSelfAttention(nn.Module):
-    """Causal multi-head self-attention with RoPE on queries and keys and optional grouped-query attention.
-
-    ``num_kv_heads < num_heads`` shares each key/value head among ``num_heads / num_kv_heads`` query heads
-    (query head ``h`` reads kv head ``h // group``). Without ``theta`` no RoPE is applied.
-    """
-
-    def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None, theta: float | None = None,
-                 num_kv_heads: int | None = None, rope: RotaryPositionalEmbedding | None = None, fast: bool = False,
-                 device: Device = None, dtype: DType = None) -> None:
-        super().__init__()
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if d_model % num_heads or num_heads % num_kv_heads:
-            raise ValueError(f"need d_model ({d_model}) divisible by num_heads ({num_heads}) and num_heads "
-                             f"divisible by num_kv_heads ({num_kv_heads})")
-        self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
-        self.head_dim = d_model // num_heads
-        self.fast = fast
-        self.q_proj = Linear(d_model, num_heads * self.head_dim, device=device, dtype=dtype)
-        self.k_proj = Linear(d_model, num_kv_heads * self.head_dim, device=device, dtype=dtype)
-        self.v_proj = Linear(d_model, num_kv_heads * self.head_dim, device=device, dtype=dtype)
-        self.output_proj = Linear(num_heads * self.head_dim, d_model, device=device, dtype=dtype)
-        if rope is None and theta is not None:
-            if max_seq_len is None:
-                raise ValueError("RoPE needs max_seq_len together with theta")
-            rope = RotaryPositionalEmbedding(theta, self.head_dim, max_seq_len, device=device)
-        self.rope = rope
-
-    def forward(self, x: Tensor, token_positions: Tensor | None = None, cache: KVCache | None = None,
-                layer_idx: int = 0) -> Tensor:
-        """``x (B, T, d_model) -> (B, T, d_model)``; positions default to ``0 .. T-1``.
-
-        With ``cache`` (planned by :meth:`KVCache.begin`, whose positions the model passes as
-        ``token_positions``) the new keys/values are stored in layer ``layer_idx`` and each row attends over
-        its cached prefix.
-        """
-        if self.fast:
-            return self._forward_fast(x, token_positions, cache, layer_idx)
-        return self._forward_reference(x, token_positions, cache, layer_idx)
-
-    def _forward_reference(self, x: Tensor, token_positions: Tensor | None, cache: KVCache | None,
-                           layer_idx: int) -> Tensor:
-        *lead, T, _ = x.shape
-        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).unflatten(-1, (H, D)).transpose(-3, -2)  # (..., H, T, D)
-        k = self.k_proj(x).unflatten(-1, (KV, D)).transpose(-3, -2)  # (..., KV, T, D)
-        v = self.v_proj(x).unflatten(-1, (KV, D)).transpose(-3, -2)  # (..., KV, T, D)
-        if self.rope is not None:
-            pos = token_positions
-            pos = pos.unsqueeze(-2) if pos is not None and pos.dim() >= 2 else pos  # (B, 1, T): broadcast over heads
-            q, k = self.rope(q, pos), self.rope(k, pos)
-        if cache is not None:
-            k, v = cache.write(layer_idx, k, v)  # (B, KV, S, D) with S = cached + T
-            mask = cache.mask(T)  # None, (T, S) or (B, 1, T, S)
-            if mask is None:  # plain causal over the last T of S columns (S == T, or one query that sees all)
-                S = k.shape[-2]
-                mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
-        else:
-            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
-        if KV != H:
-            k = k.repeat_interleave(H // KV, dim=-3)  # (..., H, S, D)
-            v = v.repeat_interleave(H // KV, dim=-3)
-        y = scaled_dot_product_attention(q, k, v, mask)  # (..., H, T, D)
-        return self.output_proj(y.transpose(-3, -2).flatten(-2))  # (..., T, H*D) -> (..., T, d_model)
-
-    def _forward_fast(self, x: Tensor, token_positions: Tensor | None, cache: KVCache | None,
-                      layer_idx: int) -> Tensor:
-        B, T, _ = x.shape
-        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = _project_modules(self, x, (self.q_proj, self.k_proj, self.v_proj))  # (B, T, h·D)
-        q, k, v = q.unflatten(-1, (H, D)), k.unflatten(-1, (KV, D)), v.unflatten(-1, (KV, D))  # (B, T, h, D)
-        if self.rope is not None:
-            if token_positions is None:
-                check_context(T, self.rope.max_seq_len)
-                cos, sin = self.rope.cos[:T, None, :], self.rope.sin[:T, None, :]  # (T, 1, D/2)
-            else:
-                if cache is None:  # the cache checked its columns already
-                    self.rope.check_positions(token_positions)
-                cos = self.rope.cos[token_positions].unsqueeze(-2)  # (B|1, T, 1, D/2)
-                sin = self.rope.sin[token_positions].unsqueeze(-2)
-            q, k = _rope_fast(q, cos, sin), _rope_fast(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, h, T, D)
-        if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KV != H)
-        else:
-            k, v = cache.write(layer_idx, k, v)  # (B, KV, S, D)
-            mask = cache.mask(T)
-            if mask is None:
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=KV != H)
-            else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=KV != H)
-        y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
-        return self.output_proj(y)  # (B, T, d_model)
-
-
-class FeedForward(SwiGLU):
-    """:class:`SwiGLU` with a fast path that projects through ``w1`` and ``w3`` together (:func:`_project`)."""
-
-    def __init__(self, d_model: int, d_ff: int | None = None, fast: bool = False, device: Device = None,
-                 dtype: DType = None) -> None:
-        super().__init__(d_model, d_ff, device=device, dtype=dtype)
-        self.fast = fast
-
-    def forward(self, x: Tensor) -> Tensor:
-        if not self.fast:
-            return super().forward(x)
-        a, b = _project_modules(self, x, (self.w1, self.w3))  # (B, T, d_ff) each
-        return self.w2(F.silu(a) * b)  # (B, T, d_model)
-
-
-class TransformerBlock(nn.Module):
-    """Pre-norm block: ``x + attn(ln1(x))`` then ``x + ffn(ln2(x))``."""
-
-    def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, max_seq_len: int | None = None,
-                 theta: float | None = None, num_kv_heads: int | None = None, eps: float = 1e-5,
-                 rope: RotaryPositionalEmbedding | None = None, fast: bool = False, device: Device = None,
-                 dtype: DType = None) -> None:
-        super().__init__()
-        self.attn = CausalSelfAttention(d_model, num_heads, max_seq_len, theta, num_kv_heads, rope=rope, fast=fast,
-                                        device=device, dtype=dtype)
-        self.ln1 = Norm(d_model, eps, fast=fast, device=device, dtype=dtype)
-        self.ffn = FeedForward(d_model, d_ff, fast=fast, device=device, dtype=dtype)
-        self.ln2 = Norm(d_model, eps, fast=fast, device=device, dtype=dtype)
-
-    def forward(self, x: Tensor, token_positions: Tensor | None = None, cache: KVCache | None = None,
-                layer_idx: int = 0) -> Tensor:
-        x = x + self.attn(self.ln1(x), token_positions, cache, layer_idx)
-        return x + self.ffn(self.ln2(x))
 
 
 class TransformerLM(nn.Module):
@@ -414,10 +198,18 @@ class TransformerLM(nn.Module):
         self.cfg = cfg
         self.token_embeddings = Embedding(cfg.vocab_size, cfg.d_model, device=device, dtype=dtype)
         rope = RotaryPositionalEmbedding(cfg.rope_theta, cfg.head_dim, cfg.context_length, device=device)
+        n, ve = cfg.n_layers, cfg.value_embeds
         self.layers = nn.ModuleList(
             TransformerBlock(cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.context_length, num_kv_heads=cfg.n_kv_heads,
-                             eps=cfg.norm_eps, rope=rope, fast=cfg.fast, device=device, dtype=dtype)
-            for _ in range(cfg.n_layers))
+                             eps=cfg.norm_eps, rope=rope, fast=cfg.fast, device=device, dtype=dtype, mlp=cfg.mlp,
+                             qk_norm=cfg.qk_norm, value_embed=i < ve or i >= n - ve)
+            for i in range(n))
+        # recipe options (None when off, so a default model's state dict is unchanged)
+        self.smear = Smear(cfg.d_model, device=device, dtype=dtype) if cfg.smear else None
+        self.value_embeddings = nn.ModuleList(Embedding(cfg.vocab_size, cfg.n_kv_heads * cfg.head_dim, device=device,
+                                                        dtype=dtype) for _ in range(ve)) if ve else None
+        self.skip_weights = (nn.Parameter(torch.ones(n // 2, device=device, dtype=dtype)) if cfg.unet_skips
+                             else None)
         self.ln_final = Norm(cfg.d_model, cfg.norm_eps, fast=cfg.fast, device=device, dtype=dtype)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, device=device, dtype=dtype)
         # torch.compile options for the fused loss's elementwise part off the CPU (training.compile sets them:
@@ -454,12 +246,27 @@ class TransformerLM(nn.Module):
         * every RMSNorm weight (``ln1``, ``ln2``, ``ln_final``): ones.
         * tied embeddings: the shared matrix gets the ``lm_head`` init (std ``sqrt(2 / (d_model + vocab))``),
           since std-1 logits would saturate the softmax at the start of training.
+        * ``model.zero_init``: ``output_proj`` and ``ffn.w2`` of every block: zeros.
+        * ``model.head_init_std``: ``lm_head``: truncated normal with that std (zeros for 0).
+        * value embeddings (``value_embeddings.{j}``): as the token embeddings; their per-layer scales
+          (``layers.{i}.attn.ve_lambda``): 0.5; ``smear.gate``, ``smear.lam``: zeros; ``skip_weights``: ones.
         """
         for module in self.modules():
             if module is not self and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
         if self.cfg.tie_embeddings:
             self.lm_head.reset_parameters()
+        with torch.no_grad():
+            if self.skip_weights is not None:
+                self.skip_weights.fill_(1.0)
+            if self.cfg.zero_init:
+                for layer in self.layers:
+                    layer.attn.output_proj.weight.zero_()
+                    layer.ffn.w2.weight.zero_()
+            if self.cfg.head_init_std == 0:
+                self.lm_head.weight.zero_()
+            elif self.cfg.head_init_std is not None:
+                _trunc_normal_(self.lm_head.weight, self.cfg.head_init_std)
 
     def resize_vocab(self, vocab_size: int) -> TransformerLM:
         """Grow the token embeddings and the LM head to ``vocab_size`` rows (for special tokens appended to
@@ -522,17 +329,42 @@ class TransformerLM(nn.Module):
             token_positions = cache.begin(T)  # checks the context
         elif token_positions is None:
             check_context(T, self.cfg.context_length)
-        # (B, T, d_model). The fast path looks rows up with F.embedding: its backward sums each row's gradients
-        # in index order, where indexing's (index_put_ with accumulate) adds them with atomics from parallel
-        # threads, so its sums depended on thread timing and training was bit for bit only at one thread.
-        x = F.embedding(idx, self.token_embeddings.weight) if self.cfg.fast else self.token_embeddings(idx)
+        x = self._embed(idx, self.token_embeddings)
+        if self.smear is not None:
+            x = self.smear(x, self._previous_embedding(x, cache))
+        if cache is not None and self.smear is not None:
+            cache.write_ids(idx)
+        ves = [self._embed(idx, table) for table in self.value_embeddings] if self.value_embeddings else []
+        n, half = len(self.layers), len(self.layers) // 2
+        skips: list[Tensor] = []
         for i, layer in enumerate(self.layers):
+            if self.skip_weights is not None and i >= n - half:  # U-net: layer n-1-j reads layer j's output
+                x = x + self.skip_weights[n - 1 - i] * skips[n - 1 - i]
+            # table j serves layer j and layer n - len(ves) + j (None: the layer has none)
+            ve = ves[i] if i < len(ves) else ves[i - n + len(ves)] if i >= n - len(ves) else None
             # the layer index only with a cache: an int argument that differs per block would make torch 2.11
             # compile a second graph for the blocks (2.13 shares one; tests/train/test_distributed.py)
-            x = layer(x, token_positions) if cache is None else layer(x, token_positions, cache, i)
+            x = layer(x, token_positions, ve=ve) if cache is None else layer(x, token_positions, cache, i, ve)
+            if self.skip_weights is not None and i < half:
+                skips.append(x)
         if cache is not None:
             cache.advance(T)
         return self.ln_final(x)  # (B, T, d_model)
+
+    def _embed(self, idx: Tensor, table: Embedding) -> Tensor:
+        # The fast path looks rows up with F.embedding: its backward sums each row's gradients in index order,
+        # where indexing's (index_put_ with accumulate) adds them with atomics from parallel threads, so its sums
+        # depended on thread timing and training was bit for bit only at one thread.
+        return F.embedding(idx, table.weight) if self.cfg.fast else table(idx)  # (..., width)
+
+    def _previous_embedding(self, x: Tensor, cache: KVCache | None) -> Tensor:
+        """The embedding of the token before each row's first new token ``(B, 1, d_model)``: zeros without a cache
+        (a sequence's first token has none), else that of the row's last cached token (zeros for an empty row)."""
+        if cache is None:
+            return x.new_zeros(x.shape[0], 1, x.shape[2])
+        ids, held = cache.last_ids()  # (B,), (B,)
+        prev = self._embed(ids[:, None], self.token_embeddings)  # (B, 1, d_model)
+        return prev * held[:, None, None].to(prev.dtype)
 
     def forward(self, idx: Tensor, token_positions: Tensor | None = None, cache: KVCache | None = None, *,
                 targets: Tensor | None = None, ignore_index: int | None = None, reduction: str = "mean",
@@ -544,16 +376,17 @@ class TransformerLM(nn.Module):
         multiply each target's loss (a policy gradient's per-token advantages).
         """
         x = self.hidden(idx, token_positions, cache)
+        cap = self.cfg.logit_softcap
         if targets is None:
-            return self.lm_head(x)  # (B, T, V)
+            return softcap(self.lm_head(x), cap)  # (B, T, V)
         if self.cfg.fast and type(self.lm_head) is Linear:  # a LoRA-wrapped head goes through its module
             # (inside a whole-model compile the chunk is traced with the rest, and torch 2.11 cannot pass a compiled
             # function through an autograd.Function there)
             chunk_fn = (None if self.loss_compile is None or torch.compiler.is_compiling() else
                         compiled_softmax_grad(**self.loss_compile))
             return linear_cross_entropy(x, self.lm_head.weight, targets, ignore_index, reduction, weights=weights,
-                                        chunk_fn=chunk_fn)
-        return cross_entropy(self.lm_head(x), targets, ignore_index, reduction, weights)
+                                        chunk_fn=chunk_fn, softcap=cap)
+        return cross_entropy(softcap(self.lm_head(x), cap), targets, ignore_index, reduction, weights)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -579,7 +412,8 @@ def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
 def matmul_params_per_token(cfg: ModelConfig) -> int:
     """Weights each token multiplies through in one forward pass (all projections + the LM head)."""
     D, H, KV = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-    per_layer = cfg.d_model * (H * D + 2 * KV * D) + H * D * cfg.d_model + 3 * cfg.d_model * cfg.d_ff
+    ffn_mats = 2 if cfg.mlp == "relu2" else 3
+    per_layer = cfg.d_model * (H * D + 2 * KV * D) + H * D * cfg.d_model + ffn_mats * cfg.d_model * cfg.d_ff
     return cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size
 
 

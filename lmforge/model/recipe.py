@@ -1,0 +1,64 @@
+"""Training-recipe pieces of the model (modded-nanogpt and nanochat), each behind a :class:`ModelConfig` option
+that is off by default: previous-token mixing of the embeddings (``smear``), logit soft-capping, and the
+parameter-free RMS norm that QK-norm applies to each head. Pure tensor ops: the reference and the fast path
+share them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lmforge.model.layers import Device, DType
+
+__all__ = ["Smear", "SMEAR_GATE_CHANNELS", "softcap", "rms_norm_heads"]
+
+SMEAR_GATE_CHANNELS = 24
+"""How many leading channels of a token's embedding its smear gate reads (nanochat's choice; fewer when
+``d_model`` is smaller)."""
+
+
+class Smear(nn.Module):
+    """Previous-token mixing ("smear"): ``e'_t = e_t + lam · sigmoid(gate · e_t[:G]) · e_{t-1}``.
+
+    ``e`` are the token embeddings ``(B, T, d_model)``, ``G`` = :data:`SMEAR_GATE_CHANNELS` (at most ``d_model``);
+    before a sequence's first token ``e_{-1} = 0``. Each position then sees the token before it from the first
+    block on, which is what an induction head needs (Olsson et al. 2022 smear the keys for the same reason):
+    in-context copying forms early. Parameters: ``gate (G,)`` and ``lam (1,)``, both 1-D (optimizer groups put
+    them with the norms: no weight decay, AdamW), both initialised to zero, so the model starts as if without
+    it and ``lam`` grows from its gradient ``Σ_t sigmoid(0)·<dL/de'_t, e_{t-1}>``.
+    """
+
+    def __init__(self, d_model: int, device: Device = None, dtype: DType = None) -> None:
+        super().__init__()
+        self.channels = min(SMEAR_GATE_CHANNELS, d_model)
+        self.gate = nn.Parameter(torch.zeros(self.channels, device=device, dtype=dtype))
+        self.lam = nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.gate.zero_()
+            self.lam.zero_()
+
+    def forward(self, x: Tensor, prev: Tensor) -> Tensor:
+        """``x (B, T, d)`` the embeddings, ``prev (B, 1, d)`` the embedding before ``x[:, 0]`` (zeros when there
+        is none, e.g. in training or for a row's first token) -> ``(B, T, d)``."""
+        before = torch.cat([prev.to(x.dtype), x[:, :-1]], dim=1)  # (B, T, d): e_{t-1}
+        g = self.lam * torch.sigmoid(x[..., :self.channels] @ self.gate)  # (B, T)
+        return x + g.unsqueeze(-1) * before
+
+    def extra_repr(self) -> str:
+        return f"gate_channels={self.channels}"
+
+
+def softcap(logits: Tensor, cap: float | None) -> Tensor:
+    """Logit soft-capping: ``cap · tanh(logits / cap)`` (identity for ``cap=None``); keeps every logit inside
+    ``(-cap, cap)`` while leaving small ones almost unchanged (Gemma 2; modded-nanogpt)."""
+    return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
+def rms_norm_heads(x: Tensor, eps: float) -> Tensor:
+    """``x / sqrt(mean(x²) + eps)`` over the last (head) dimension, no gain, in float32 and cast back: QK-norm's
+    normalisation of each query and key head."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)

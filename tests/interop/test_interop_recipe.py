@@ -1,0 +1,45 @@
+"""Export of runs with the model's training-recipe options: what Llama cannot express is refused naming the option
+(HF and GGUF alike, before anything is written); init-only options export as the plain Llama they train into."""
+
+from __future__ import annotations
+
+import pytest
+
+from interop_helpers import make_run, make_tokenizer
+from lmforge.interop.gguf import export_gguf
+from lmforge.interop.hf import check_llama_expressible, hf_config_dict
+from lmforge.interop.hf_export import export_hf
+from lmforge.model import ModelConfig
+
+BASE = dict(vocab_size=300, context_length=16, d_model=32, n_layers=2, n_heads=2)
+REFUSED = [("smear", True), ("value_embeds", 1), ("unet_skips", True), ("mlp", "relu2"), ("logit_softcap", 15.0),
+           ("qk_norm", True)]
+
+
+@pytest.mark.parametrize("name, value", REFUSED)
+def test_each_option_llama_cannot_express_is_refused_by_name(name, value):
+    cfg = ModelConfig(**BASE, **{name: value})
+    with pytest.raises(ValueError, match=rf"^model\.{name}={value!r} has no counterpart in a Llama model"):
+        check_llama_expressible(cfg)
+
+
+def test_init_only_options_export_as_llama():
+    cfg = ModelConfig(**BASE, zero_init=True, head_init_std=0.001)
+    check_llama_expressible(cfg)
+    assert hf_config_dict(cfg)["architectures"] == ["LlamaForCausalLM"]
+
+
+@pytest.fixture(scope="module")
+def smear_run(tmp_path_factory):
+    tok = make_tokenizer()
+    path, _ = make_run(tmp_path_factory.mktemp("recipe") / "run", tok,
+                       ModelConfig(**{**BASE, "vocab_size": tok.vocab_size}, smear=True))
+    return path
+
+
+def test_hf_and_gguf_export_refuse_a_smear_run_before_writing(smear_run, tmp_path):
+    with pytest.raises(ValueError, match=r"model\.smear=True has no counterpart"):
+        export_hf(smear_run, tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"model\.smear=True has no counterpart"):
+        export_gguf(smear_run, tmp_path / "m.gguf")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "m.gguf").exists()
