@@ -80,7 +80,7 @@ def _build(impl: str, a: argparse.Namespace, hf_state: dict | None = None):
         model = LlamaForCausalLM(hcfg)
         if hf_state is not None:
             model.load_state_dict(hf_state)
-        # torch's defaults: on CPU that is the per-tensor loop; --hf-fused gives HF the fused kernel too
+        # HF at its fastest: torch's fused AdamW kernel (--hf-unfused: torch's default per-tensor loop, weaker)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                 fused=True if a.hf_fused else None)
 
@@ -155,8 +155,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the loss function of both")
     ap.add_argument("--reference", action="store_true", help="lmforge's reference path instead of the fast one")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--hf-fused", dest="hf_fused", action="store_true",
-                    help="give HF torch.optim.AdamW(fused=True) (default: torch's default AdamW)")
+    ap.add_argument("--hf-unfused", dest="hf_fused", action="store_false",
+                    help="a weaker HF variant: torch's default AdamW (the per-tensor loop) instead of "
+                         "torch.optim.AdamW(fused=True)")
     ap.add_argument("--shape", choices=("d512", "gpt2s"), default=None,
                     help="a preset for the shape flags: d512 (the defaults) or gpt2s (near GPT-2 small)")
     ap.add_argument("--impls", default="lmforge,hf")
@@ -186,7 +187,7 @@ def main() -> None:
     tokens = a.batch * a.context
     print(f"shapes: d_model {a.d_model}, {a.layers} layers, {a.heads} heads, d_ff {a.d_ff}, T {a.context}, "
           f"B {a.batch}, V {a.vocab}, {a.dtype}{', compiled' if a.compile else ''}; threads {torch.get_num_threads()}; "
-          f"HF optimizer: torch.optim.AdamW({'fused=True' if a.hf_fused else 'defaults'})")
+          f"HF optimizer: torch.optim.AdamW({'fused=True' if a.hf_fused else 'defaults: a weaker variant'})")
 
     # ---- memory: each implementation alone in a child process ----------------------------------------
     mem: dict[str, dict] = {}

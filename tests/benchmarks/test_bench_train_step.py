@@ -26,3 +26,4 @@ def test_bench_train_step_quick_same_first_loss(tmp_path):
     diff = float(line.split("|diff| ")[1].split(",")[0])
     assert diff <= LOSS_TOL
     assert "lmforge / HF speed:" in out.stdout
+    assert "HF optimizer: torch.optim.AdamW(fused=True)" in out.stdout  # the peer at its fastest unless told
