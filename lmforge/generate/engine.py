@@ -124,6 +124,10 @@ class Engine:
         self.cache: KVCache | None = None
         self.tokens: torch.Tensor | None = None  # (B, capacity): each row's tokens, as in its cache
         self.active = 0  # live rows (0 .. active-1); all of them after prefill
+        self.batched_verify = not self._kernel
+        """Whether :meth:`verify` runs its tokens in one pass (the PyTorch path): the C++ step returns only a row's
+        last logits, so on the kernel path :meth:`verify` runs one step per token (exact, no faster) and the
+        scheduler does not draft; set it True to draft anyway (tests of the kernel path's exactness)."""
         self._threads: int | None = None  # the kernel's threads inside serial_torch
         static = self.device.type == "cuda" and not self._kernel if static_steps is None else bool(static_steps)
         if static and self._kernel:
@@ -243,29 +247,33 @@ class Engine:
         h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
         return self.model.lm_head(h)  # (B, V)
 
-    def _fill(self, cache: KVCache, buf: torch.Tensor, rows: Sequence[Sequence[int]], first: int = 0) -> torch.Tensor:
-        """Run the prompts ``rows`` into the empty ``cache`` (its rows' token buffer ``buf``; on the kernel path
-        they are rows ``first ..`` of ``self.cache``); next-token logits."""
+    def _fill(self, cache: KVCache, buf: torch.Tensor, rows: Sequence[Sequence[int]], first: int = 0,
+              start: int = 0) -> torch.Tensor:
+        """Run the prompts ``rows`` into ``cache`` (its rows' token buffer ``buf``; on the kernel path they are rows
+        ``first ..`` of ``self.cache``), whose rows already hold their first ``start`` tokens (0: empty);
+        next-token logits."""
         T = max(len(r) for r in rows)
-        assert 0 < T <= cache.capacity, (T, cache.capacity)
+        assert 0 <= start < min(len(r) for r in rows) and T <= cache.capacity, (start, T, cache.capacity)
         lengths = torch.tensor([len(r) for r in rows], device=self.device)  # (B,)
-        buf[:, :T] = 0  # right-padded prompts
+        buf[:, start:T] = 0  # right-padded prompts
         for b, r in enumerate(rows):
-            buf[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+            buf[b, start: len(r)] = torch.as_tensor(list(r[start:]), dtype=torch.long)
         if self._kernel:
-            return torch.cat([self._prompt_kernel(first + b, buf[b, : len(r)]) for b, r in enumerate(rows)])
+            return torch.cat([self._prompt_kernel(first + b, buf[b, start: len(r)], start)
+                              for b, r in enumerate(rows)])
         # Right padding: a row's real tokens never see its pads under causal attention (pads come after).
-        logits = self._run(buf[:, :T], cache, None if bool((lengths == T).all()) else lengths - 1)
+        cache.lengths.fill_(start)
+        logits = self._run(buf[:, start:T], cache, None if bool((lengths == T).all()) else lengths - 1 - start)
         cache.lengths.copy_(lengths)  # the pads are forgotten: their columns are overwritten next
         return logits
 
     @_serial_torch
-    def _prompt_kernel(self, row: int, ids: torch.Tensor) -> torch.Tensor:
-        """Kernel path: the tokens ``ids (T,)`` into the empty cache row ``row`` of ``self.cache``, as one call of
-        the C++ step with the prompt's tokens as rows (the same kernels and numbers as T single steps); the next
-        token's logits ``(1, V)``."""
+    def _prompt_kernel(self, row: int, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Kernel path: the tokens ``ids (T,)`` into cache row ``row`` of ``self.cache`` after its first ``start``
+        columns, as one call of the C++ step with the prompt's tokens as rows (the same kernels and numbers as T
+        single steps); the next token's logits ``(1, V)``."""
         k, v, lengths, _ = self._arrays
-        lengths[row] = 0
+        lengths[row] = start
         logits = torch.empty(1, self._vocab)
         self._decoder.step(np.ascontiguousarray(ids.numpy(), dtype=np.int64), k, v, lengths[row: row + 1],
                            logits.numpy(), self._threads, row)
@@ -312,17 +320,20 @@ class Engine:
         return 0 if self.cache is None else self.cache.batch_size - self.active
 
     @torch.inference_mode()
-    def admit(self, prompt: Sequence[int]) -> tuple[int, torch.Tensor]:
+    def admit(self, prompt: Sequence[int], start: int = 0) -> tuple[int, torch.Tensor]:
         """Prefill ``prompt`` into the next free row; returns ``(row, next-token logits (V,))``.
 
         The prompt runs alone through the model's forward into a view of its row, so its numbers do not
-        depend on which other rows are live.
+        depend on which other rows are live. ``start > 0``: the row's cache columns ``0 .. start-1`` already hold
+        the keys and values of ``prompt[:start]`` (a prefix cache restored them); only the rest runs.
         """
         assert self.cache is not None and self.active < self.cache.batch_size, "no free row: release one first"
         row = self.active
         view = self.cache.rows(row)
         view.reset()
-        logits = self._fill(view, self.tokens[row: row + 1], [prompt], first=row)
+        if start:
+            self.tokens[row, :start] = torch.as_tensor(list(prompt[:start]), dtype=torch.long)
+        logits = self._fill(view, self.tokens[row: row + 1], [prompt], first=row, start=start)
         self.active += 1
         return row, logits[0]
 
@@ -429,3 +440,31 @@ class Engine:
         logits = torch.empty(B, self._vocab)  # (B, V)
         self._decoder.step(ids, k, v, lengths, logits.numpy(), self._threads)
         return logits
+
+    # ---------------------------------------------------------------------------------------------
+    # Speculative decoding: several tokens of one row in one pass, and taking back the rejected ones
+    # ---------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    @_serial_torch
+    def verify(self, row: int, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed ``tokens (T,)`` to live row ``row`` after its cached tokens; returns the logits after each
+        ``(T, V)``. The row must have room for them (no sliding here); :meth:`rollback` takes back the tail."""
+        assert self.cache is not None and 0 <= row < self.active, (row, self.active)
+        n, T = int(self.cache.lengths[row]), len(tokens)
+        assert 0 < T and n + T <= self.cache.capacity, (n, T, self.cache.capacity)
+        ids = torch.as_tensor(list(tokens), dtype=torch.long, device=self.device)
+        self.tokens[row, n: n + T] = ids
+        if not self._kernel:
+            h = self.model.hidden(ids[None], cache=self.cache.rows(row))  # (1, T, C)
+            return self.model.lm_head(h[0])  # (T, V)
+        k, v, lengths, _ = self._arrays
+        logits = torch.empty(T, self._vocab)
+        out, flat = logits.numpy(), np.ascontiguousarray(ids.numpy(), dtype=np.int64)
+        for j in range(T):  # single steps: the bits a plain step gives (see batched_verify)
+            self._decoder.step(flat[j: j + 1], k, v, lengths[row: row + 1], out[j: j + 1], self._threads, row)
+        return logits
+
+    def rollback(self, row: int, n: int) -> None:
+        """Forget the last ``n`` tokens of live row ``row`` (rejected drafts: their columns are overwritten next)."""
+        assert self.cache is not None and 0 <= row < self.active and 0 <= n <= int(self.cache.lengths[row])
+        self.cache.lengths[row] -= n

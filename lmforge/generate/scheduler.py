@@ -30,6 +30,17 @@ top-k and top-p; at a greedy temperature: the masked logits' softmax; a forced t
 
 Several samples of one prompt: :meth:`Scheduler.submit_many` queues requests with the same prompt as one entry;
 they join together, the prompt prefilled once and its cache row copied (``Engine.fork``) into the others.
+
+Prefix cache (``prefix_cache``, a :class:`~lmforge.generate.prefix_cache.PrefixCache`): a joining prompt's longest
+cached prefix of whole blocks is copied into its row and only the rest is prefilled; the prompt's blocks are kept
+once prefilled, and a row's prompt and reply when it leaves (the next turn of a conversation starts with them).
+
+Speculative decoding (``speculative``; a request's ``speculative=False`` opts out): while one row decodes alone, it
+may feed prompt-lookup drafts with its next token in one pass and take every draft it would have sampled anyway
+(:mod:`lmforge.generate.speculative`): the same tokens, fewer passes. Constrained, tool and log-probability rows
+draft too: each drafted position's token is taken through the same path as a plain step's (mask, tool, log-prob),
+and a pass stops at the first token that is not the draft or that ends the row (a forced token is checked like
+any other: the pass goes on only while what was fed is what the row took).
 """
 
 from __future__ import annotations
@@ -46,6 +57,8 @@ import torch
 from lmforge.generate.constraints import RowConstraint
 from lmforge.generate.engine import Engine
 from lmforge.generate.generator import _TextStream
+from lmforge.generate.prefix_cache import PrefixCache, positional_fields
+from lmforge.generate.speculative import DraftPolicy, NgramDrafter, SpecStats
 from lmforge.generate.sampling import check_sampling, check_seed, is_greedy, sample_next, sampling_logits
 from lmforge.model.cache import check_context
 from lmforge.tokenizer import Tokenizer
@@ -95,7 +108,7 @@ class Request:
     occurrence in the text (not emitted). ``tool(token_id) -> list[int] | None``: see the module docstring.
     ``token_text`` maps token ids to the text emitted for them instead of their own (a server showing the
     special tokens of a tool call in its own markup); ``seed`` is a signed 64-bit integer. ``constraint``,
-    ``capture_regions`` and ``logprobs``: see the module docstring.
+    ``capture_regions``, ``logprobs`` and ``speculative`` (False: never draft): see the module docstring.
     """
 
     prompt: list[int]
@@ -112,6 +125,7 @@ class Request:
     constraint: RowConstraint | None = None
     capture_regions: bool = False
     logprobs: int | None = None
+    speculative: bool = True
     cancelled: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -136,8 +150,10 @@ class QueueFull(RuntimeError):
 class _Row:
     """A live request: its sampler, text stream, forced tokens and the token to feed next."""
 
-    def __init__(self, req: Request, device: torch.device) -> None:
+    def __init__(self, req: Request, device: torch.device, speculative: bool = False) -> None:
         self.req = req
+        self.drafter = NgramDrafter(req.prompt) if speculative and req.speculative else None
+        self.policy = DraftPolicy()
         self.gen = torch.Generator(device=device)
         if req.seed is None:
             self.gen.seed()
@@ -164,7 +180,8 @@ class Scheduler:
     Thread-safe: :meth:`submit` and :meth:`cancel` may be called from any thread while the loop runs.
     """
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch: int = 8, max_queue: int = 64) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch: int = 8, max_queue: int = 64,
+                 prefix_cache: PrefixCache | None = None, speculative: bool = True) -> None:
         for name, v in (("max_batch", max_batch), ("max_queue", max_queue)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer (got {v!r})")
@@ -177,6 +194,10 @@ class Scheduler:
         self.vocab_limit = tokenizer.vocab_size  # never sample the model's padding ids
         self._bytes = [tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)]
         engine.open_slots(max_batch)
+        self.prefix_cache = prefix_cache
+        self._fields = positional_fields(engine.cache) if prefix_cache is not None and prefix_cache.budget else None
+        self.speculative = bool(speculative)
+        self.spec_stats = SpecStats()
         self._rows: list[_Row] = []  # _rows[i] is the request in engine row i
         self._waiting: collections.deque[list[Request]] = collections.deque()  # entries: requests joining together
         self._cv = threading.Condition()
@@ -238,10 +259,16 @@ class Scheduler:
             self._cv.notify()
 
     def load(self) -> dict[str, int]:
-        """``{"active", "waiting", "max_batch", "max_queue"}`` right now (``waiting``: queued requests)."""
+        """``{"active", "waiting", "max_batch", "max_queue"}`` right now (``waiting``: queued requests), the prefix
+        cache's counts (``prefix_queries``, ``prefix_hits``, ``prefix_query_tokens``, ``prefix_hit_tokens``,
+        ``prefix_bytes``) and speculative decoding's (``spec_passes``, ``spec_drafted``, ``spec_accepted``)."""
         with self._cv:
-            return {"active": len(self._rows), "waiting": sum(len(e) for e in self._waiting),
-                    "max_batch": self.max_batch, "max_queue": self.max_queue}
+            now = {"active": len(self._rows), "waiting": sum(len(e) for e in self._waiting),
+                   "max_batch": self.max_batch, "max_queue": self.max_queue}
+        p = self.prefix_cache.stats if self.prefix_cache is not None else None
+        for name in ("queries", "hits", "query_tokens", "hit_tokens", "bytes"):
+            now["prefix_" + name] = getattr(p, name) if p is not None else 0
+        return now | self.spec_stats.as_dict()
 
     def start(self) -> None:
         """Run the loop in a daemon thread until :meth:`stop`, called at the latest when the interpreter exits:
@@ -313,8 +340,8 @@ class Scheduler:
             if not entry:
                 continue
             try:  # everything about these requests joining: their rows' state, the prefill, the copies
-                rows = [_Row(req, self.engine.device) for req in entry]
-                first, logits = self.engine.admit(entry[0].prompt)  # once it returns, the engine row is taken
+                rows = [_Row(req, self.engine.device, self.speculative) for req in entry]
+                first, logits = self._admit(entry[0].prompt)  # once it returns, the engine row is taken
                 try:
                     for _ in entry[1:]:
                         self.engine.fork(first)
@@ -337,6 +364,9 @@ class Scheduler:
         self._finish_rows()
         if not self._rows:
             return True
+        if len(self._rows) == 1 and self._speculate(self._rows[0]):
+            self._finish_rows()
+            return True
         feed = torch.tensor([r.next for r in self._rows], dtype=torch.long, device=self.engine.device)
         with torch.inference_mode(), self.engine.serial_torch():  # sampling too: see Engine.serial_torch
             logits = self.engine.step(feed)
@@ -344,6 +374,42 @@ class Scheduler:
             for i, r in enumerate(self._rows):
                 self._advance(r, logits[i], greedy[i])
         self._finish_rows()
+        return True
+
+    def _admit(self, prompt: list[int]) -> tuple[int, torch.Tensor]:
+        """Prefill ``prompt`` into the next free row, from its longest cached prefix (then keep its blocks)."""
+        pc, fields = self.prefix_cache, self._fields
+        if pc is None or fields is None:
+            return self.engine.admit(prompt)
+        with torch.inference_mode():  # the cache's tensors are inference tensors
+            start = pc.restore(pc.lookup(prompt), self.engine.cache, self.engine.active, fields)
+            row, logits = self.engine.admit(prompt, start)
+            pc.store(prompt, self.engine.cache, row, fields)
+        return row, logits
+
+    def _speculate(self, r: _Row) -> bool:
+        """One pass of row 0 (alone) with its next token and its drafts, if it has any (module docstring); False
+        when it drafted nothing (the caller steps it plainly)."""
+        eng = self.engine
+        n = eng.lengths[0]
+        k = 0 if r.drafter is None or r.forced or not eng.batched_verify else r.policy.draft_length(r.n)
+        k = min(k, r.req.max_tokens - r.n - 1, eng.cache.capacity - n - 1)
+        drafts = r.drafter.propose(k) if k > 0 else []
+        if not drafts:
+            return False
+        with torch.inference_mode(), eng.serial_torch():
+            logits = eng.verify(0, [r.next] + drafts)  # (1 + k, V)
+            greedy = logits[:, : self.vocab_limit].argmax(dim=-1).tolist()
+            kept = 0
+            for j in range(len(drafts) + 1):
+                self._advance(r, logits[j], greedy[j])
+                if j == len(drafts) or r.finish is not None or r.next != drafts[j]:
+                    break
+                kept += 1
+            eng.rollback(0, len(drafts) - kept)
+        r.policy.record(r.n, len(drafts), kept)
+        st = self.spec_stats
+        st.passes, st.drafted, st.accepted = st.passes + 1, st.drafted + len(drafts), st.accepted + kept
         return True
 
     def _advance(self, r: _Row, logits: torch.Tensor, argmax: int | None = None) -> None:
@@ -406,6 +472,8 @@ class Scheduler:
         """Token ``t`` is the row's next completion token: its text, and whether it ends the row."""
         r.n += 1
         r.next = t
+        if r.drafter is not None:
+            r.drafter.append(t)
         c = r.req.constraint
         captured = False
         if c is not None:
@@ -443,8 +511,20 @@ class Scheduler:
     def _release(self, rows: list[int]) -> None:
         """Free engine rows ``rows`` (highest first, so the row moved into a freed one is always live)."""
         for i in sorted(rows, reverse=True):
+            self._keep(i)
             moved = self.engine.release(i)
             with self._cv:
                 if moved is not None:
                     self._rows[i] = self._rows[moved]
                 self._rows.pop()
+
+    def _keep(self, i: int) -> None:
+        """Keep engine row ``i``'s tokens (prompt and reply) in the prefix cache before it is freed."""
+        if self.prefix_cache is None or self._fields is None:
+            return
+        n = self.engine.lengths[i]
+        try:
+            with torch.inference_mode():
+                self.prefix_cache.store(self.engine.tokens[i, :n].tolist(), self.engine.cache, i, self._fields)
+        except Exception:  # noqa: BLE001  (a cache that cannot keep a row must not end the others)
+            logger.exception("the prefix cache failed to keep a row")

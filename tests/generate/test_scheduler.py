@@ -83,7 +83,8 @@ def test_staggered_greedy_requests_equal_each_alone(kernel):
             s.run_once()
         assert s.engine.active <= 3
     drain(s)
-    assert s.engine.active == 0 and s.load() == {"active": 0, "waiting": 0, "max_batch": 3, "max_queue": 64}
+    load = {"active": 0, "waiting": 0, "max_batch": 3, "max_queue": 64}
+    assert s.engine.active == 0 and s.load().items() >= load.items()
     for p, n, out in zip(PROMPTS, lengths, outs):
         assert out.text == alone(model, tok, p, n, temperature=0)
         assert out.last.finish_reason == "length" and out.last.prompt_tokens == len(p)
@@ -245,10 +246,10 @@ def test_a_failure_while_joining_ends_that_request_only(monkeypatch):
     model, tok = tiny_model(), byte_tokenizer()
     real_row = scheduler_module._Row
 
-    def row(req, device):
+    def row(req, device, *args):
         if req.seed == 666:
             raise RuntimeError("injected fault while joining")
-        return real_row(req, device)
+        return real_row(req, device, *args)
 
     monkeypatch.setattr(scheduler_module, "_Row", row)
     s = Scheduler(Engine(model), tok, max_batch=3)

@@ -1,0 +1,173 @@
+"""A prefix cache across requests: the keys and values of token prefixes kept after a request, reused by the next.
+
+Every chat client re-sends the whole conversation each turn, and many clients share one system prompt. The
+:class:`PrefixCache` keeps the KV of token prefixes in blocks of ``block`` tokens, each keyed by its parent block and
+its own tokens (a radix tree of blocks: a key is exact, never a hash that could collide). A new prompt walks the tree
+from its first token; the longest chain of whole cached blocks is copied into its cache row, and only the rest of the
+prompt is prefilled. At least one prompt token is always left to prefill (its logits start the reply).
+
+Blocks are read-only once stored (a row gets copies), and evicted least recently used under a byte budget: a lookup
+touches its chain leaf first, so a parent is always more recent than its children and eviction takes leaves first.
+
+Why the replies do not change: row ``b``'s column ``i`` holds the keys and values of token ``i`` given tokens
+``0 .. i`` (RoPE positions are columns), which is what the stored block holds for the same tokens; on the CPU
+kernels' path a prompt's tokens get the bits single steps would, wherever the prompt starts
+(``tests/generate/test_prefix_cache.py`` holds replies with the cache on and off equal).
+
+Every positional tensor of the :class:`~lmforge.model.KVCache` is copied, whatever its name: each tensor field
+shaped ``(layers, rows, heads, capacity, dim)`` (``k``, ``v``) or ``(rows, capacity)`` (per-column ids). A cache
+holding other per-row state (anything that is not one entry per column) cannot be cut at a block boundary, so
+:func:`positional_fields` returns None and the scheduler runs without the prefix cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["DEFAULT_BLOCK", "PrefixCache", "PrefixStats", "positional_fields"]
+
+DEFAULT_BLOCK = 16
+"""Tokens per cached block: a prefix is reused up to the last whole block it shares."""
+
+
+def positional_fields(cache: Any) -> list[str] | None:
+    """The names of ``cache``'s tensors that hold one entry per column of each row (``(L, B, H, capacity, D)`` or
+    ``(B, capacity)``), or None when it holds other tensors as well (then a prefix cannot be cut out of a row)."""
+    names, other = [], []
+    for name, value in vars(cache).items():
+        if not isinstance(value, torch.Tensor) or name == "lengths":
+            continue
+        B, S = cache.batch_size, cache.capacity
+        if (value.dim() == 5 and value.shape[1] == B and value.shape[3] == S) or value.shape == (B, S):
+            names.append(name)
+        else:
+            other.append(name)
+    return None if other or not names else sorted(names)
+
+
+def _columns(t: torch.Tensor, row: int, start: int, end: int) -> torch.Tensor:
+    """Columns ``start .. end-1`` of row ``row`` of a positional tensor (a view)."""
+    return t[row, start:end] if t.dim() == 2 else t[:, row, :, start:end]
+
+
+@dataclass
+class PrefixStats:
+    """Counts since the cache was made: lookups (``queries``) and those that reused a block (``hits``); the prompt
+    tokens looked up and those reused; blocks stored and evicted; bytes held now."""
+
+    queries: int = 0
+    hits: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    stored_blocks: int = 0
+    evicted_blocks: int = 0
+    bytes: int = 0
+
+
+class _Block:
+    __slots__ = ("key", "id", "tensors", "nbytes")
+
+    def __init__(self, key: tuple[int, tuple[int, ...]], id_: int, tensors: list[torch.Tensor]) -> None:
+        self.key, self.id, self.tensors = key, id_, tensors
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+
+class PrefixCache:
+    """KV blocks of token prefixes under ``budget_bytes`` (module docstring). Thread-safe.
+
+    ``lookup(prompt)`` gives the cached blocks a prompt starts with; ``restore`` copies them into a cache row;
+    ``store(tokens, cache, row)`` keeps the whole blocks of a row's tokens not yet kept.
+    """
+
+    def __init__(self, budget_bytes: int, block: int = DEFAULT_BLOCK) -> None:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"the prefix cache's budget must be a non-negative number of bytes (got {budget_bytes!r})")
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"the prefix cache's block must be a positive number of tokens (got {block!r})")
+        self.budget, self.block = budget_bytes, block
+        self._blocks: collections.OrderedDict[tuple[int, tuple[int, ...]], _Block] = collections.OrderedDict()
+        self._next_id = 1  # 0 is the root (the empty prefix)
+        self._lock = threading.Lock()
+        self.stats = PrefixStats()
+
+    def _chain(self, tokens: Sequence[int], limit: int) -> list[_Block]:
+        """The cached blocks ``tokens[:limit]`` starts with (whole blocks only), root first."""
+        chain: list[_Block] = []
+        parent = 0
+        for start in range(0, limit - self.block + 1, self.block):
+            found = self._blocks.get((parent, tuple(tokens[start: start + self.block])))
+            if found is None:
+                break
+            chain.append(found)
+            parent = found.id
+        return chain
+
+    def lookup(self, prompt: Sequence[int]) -> list[_Block]:
+        """The longest chain of cached blocks ``prompt`` starts with, leaving at least its last token out; counted
+        in :attr:`stats` and touched (most recently used)."""
+        with self._lock:
+            chain = self._chain(prompt, len(prompt) - 1)
+            for b in reversed(chain):  # the leaf first: a parent always ends more recent than its children
+                self._blocks.move_to_end(b.key)
+            s = self.stats
+            s.queries += 1
+            s.query_tokens += len(prompt)
+            s.hits += bool(chain)
+            s.hit_tokens += len(chain) * self.block
+            return chain
+
+    def restore(self, chain: Sequence[_Block], cache: Any, row: int, fields: Sequence[str]) -> int:
+        """Copy ``chain``'s blocks into columns ``0 ..`` of ``cache`` row ``row`` (its ``fields``); returns the
+        columns written. The caller sets the row's length and tokens."""
+        n = 0
+        for b in chain:
+            for name, t in zip(fields, b.tensors):
+                _columns(getattr(cache, name), row, n, n + self.block).copy_(t)
+            n += self.block
+        return n
+
+    def store(self, tokens: Sequence[int], cache: Any, row: int, fields: Sequence[str]) -> int:
+        """Keep the whole blocks of ``tokens`` (what ``cache`` row ``row`` holds in columns ``0 .. len(tokens)-1``)
+        not already kept, evicting the least recently used beyond the budget; returns blocks added."""
+        if self.budget == 0:
+            return 0
+        with self._lock:
+            chain = self._chain(tokens, len(tokens))
+            parent = chain[-1].id if chain else 0
+            added: list[_Block] = []
+            for start in range(len(chain) * self.block, len(tokens) - self.block + 1, self.block):
+                key = (parent, tuple(int(t) for t in tokens[start: start + self.block]))
+                end = start + self.block
+                block = _Block(key, self._next_id, [_columns(getattr(cache, f), row, start, end).clone() for f in fields])
+                if block.nbytes > self.budget:
+                    break
+                self._next_id += 1
+                self._blocks[key] = block
+                self.stats.bytes += block.nbytes
+                self.stats.stored_blocks += 1
+                added.append(block)
+                parent = block.id
+            for b in reversed(chain + added):  # the leaf first, as in lookup
+                self._blocks.move_to_end(b.key)
+            self._evict()
+            return len(added)
+
+    def _evict(self) -> None:
+        while self.stats.bytes > self.budget:
+            _, b = self._blocks.popitem(last=False)
+            self.stats.bytes -= b.nbytes
+            self.stats.evicted_blocks += 1
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def clear(self) -> None:
+        """Forget every block (a new model's weights make them stale)."""
+        with self._lock:
+            self._blocks.clear()
+            self.stats.bytes = 0
