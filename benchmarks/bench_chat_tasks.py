@@ -6,7 +6,7 @@ time), fine-tunes ``--steps`` steps exactly as the speedrun's ``sft`` stage does
 and scores the first ``--items`` validation items of each task (``_chat_eval``: greedy, tools run). Steps, not
 minutes, so the comparison does not depend on the machine's load; fine-tuning and scoring are deterministic.
 
-Before fine-tuning, the base's **in-context copying** is probed (:func:`copy_probe`): every task but counting
+Before fine-tuning, the base's **in-context copying** is probed (``lmforge.evals.probes.copy_probe``): every task but counting
 asks the model to copy a token of the question it has never copied in training (a name, a word, the digits of a
 tool call), which is what an induction head does; a base that has one predicts the second occurrence of a random
 sequence far better than the first.
@@ -32,25 +32,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import synthetic_documents  # noqa: E402
 
+from lmforge.evals.probes import copy_probe  # noqa: E402  (the speedrun's report and bench_recipe use it too)
+
 VARIANTS = {"plain": False, "teach": True}
-
-
-def copy_probe(model, vocab_size: int, rows: int = 8, length: int = 60, seed: int = 0) -> tuple[float, float]:
-    """Mean cross-entropy (nats) of ``model`` on the first and on the second occurrence of ``rows`` random
-    sequences of ``length`` token ids (drawn from the upper nine tenths of the vocabulary, seeded), each given
-    twice in a row. Without in-context copying the two are equal; a perfect copier scores 0 on the second."""
-    import torch
-    import torch.nn.functional as F
-
-    g = torch.Generator().manual_seed(seed)
-    seq = torch.randint(vocab_size // 10, vocab_size, (rows, length), generator=g)
-    seq = torch.cat([seq, seq], 1)  # (rows, 2 length)
-    with torch.no_grad():
-        logits = model(seq[:, :-1]).float()  # (rows, 2 length - 1, V)
-    loss = F.cross_entropy(logits.transpose(1, 2), seq[:, 1:], reduction="none")  # (rows, 2 length - 1)
-    # target t+1 is in the first occurrence for t < length - 1, in the second from t = length on (t = length - 1
-    # predicts the second occurrence's first id, which nothing before it announces)
-    return loss[:, :length - 1].mean().item(), loss[:, length:].mean().item()
 
 
 def main() -> int:

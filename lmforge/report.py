@@ -96,6 +96,13 @@ def _budget_text(budget: Sequence[Any]) -> str:
     return f"{int(amount)}steps" if kind == "steps" else f"{amount:g}min"
 
 
+def _copy_probe_text(ev: dict[str, Any]) -> str:
+    """The eval stage's copy probe as a table cell."""
+    a, b = ev["copy_first"], ev["copy_second"]
+    return (f"{b:.2f} nats on the second occurrence of a random sequence vs {a:.2f} on its first "
+            f"({b / a:.0%}; 100%: no copying, 0%: perfect)")
+
+
 def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[str], wall: float, device: Any,
                           stages: Sequence[str]) -> Path:
     """Write ``out/report.md`` from a speedrun's records ``data`` (``speedrun.json``), its stages in order.
@@ -123,6 +130,7 @@ def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[s
     report.section("Results").table(("metric", "value"), [
         ("final validation loss", f"{ev['val_loss']:.4f} nats/token (perplexity {ev['val_ppl']:.1f})"),
         ("bits per byte (validation)", f"{ev['val_bpb']:.4f}"),
+        ("in-context copying (copy probe)", _copy_probe_text(ev)),
         ("last training loss", _num(tr.get("loss"))),
         ("steps / tokens seen", f"{tr['step']:,} / {tr['tokens']:,}"),
         ("training throughput", f"{tps:,.0f} tokens/s (median of logged intervals)"),

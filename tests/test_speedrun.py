@@ -53,6 +53,10 @@ def test_speedrun_end_to_end_then_reuse_and_resume(tmp_path, corpus, caplog):
     for section in SECTIONS:
         assert section in report, section
     assert f"{ev['val_loss']:.4f}" in report
+    # the copy probe beside bits per byte: the final model's loss on a random sequence's first and second occurrence
+    assert 0 < ev["copy_first"] < 2 * math.log(300) and 0 < ev["copy_second"] < 2 * math.log(300)
+    assert (f"| in-context copying (copy probe) | {ev['copy_second']:.2f} nats on the second occurrence of a random "
+            f"sequence vs {ev['copy_first']:.2f} on its first") in report
     # MFU names its denominator: the matmul peak measured in the precision the run trained in (auto resolved)
     dtype = stages["plan"]["peak_dtype"]
     assert dtype in ("fp32", "bf16") and f"vs the measured {dtype} matmul peak (" in report

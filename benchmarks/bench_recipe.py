@@ -1,0 +1,268 @@
+"""The training-recipe ablation: tokens to a validation bits/byte, each technique alone and combined.
+
+Every variant is the speedrun's run config at the demo's model size (``lmforge.speedrun._run_config``, the
+``small`` preset, the schedule fitted to ``--steps``) on the speedrun's Shakespeare shards, with the **old recipe
+pinned** (:data:`BASELINE`: AdamW at the preset's learning rate, whatever the speedrun's defaults are now) and
+the variant's ``section.key=value`` settings on top. A ``+`` joins variants (``muon+smear``).
+
+* ``train`` (load-independent, deterministic): each (variant, seed) trains until the validation bits/byte (the
+  loop's fixed validation batches, every ``--eval-every`` steps) reaches the lowest ``--targets`` or ``--steps``
+  end; recorded: the **tokens to reach each target**, the curve, the final bits/byte over the whole validation
+  split, and the **copy probe** of the last model (``lmforge.evals.probes.copy_probe``, as the speedrun's eval
+  stage runs it: loss on the second occurrence of a random 60-id sequence against the first). One training process at a time.
+* ``time`` (needs a quiet machine): the variants' full-batch training steps timed in alternating rounds
+  (``lmforge.speedrun._step_seconds``: forward, backward, the run's optimizer) with the fp32 matmul peak measured
+  before and after in the same run; median and range over rounds.
+* ``table``: both joined; wall time to a target = tokens to it / the variant's quiet tokens per second.
+
+Results append to ``OUT/results.jsonl``, so an ablation can run in pieces.
+
+    python benchmarks/bench_recipe.py train --variants baseline muon --seeds 1337 1338
+    python benchmarks/bench_recipe.py time --variants baseline muon --rounds 5
+    python benchmarks/bench_recipe.py table --json recipe.json
+    python benchmarks/bench_recipe.py --quick      # seconds: train, time and table on a synthetic corpus
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_json_flag, default_cache_dir, figure, spread, write_json  # noqa: E402
+from bench_speedrun import prepared  # noqa: E402  (the speedrun's own tokenizer and shards, made once)
+
+BASELINE: tuple[str, ...] = ("optimizer.name=adamw", "optimizer.weight_decay=0.1", "optimizer.betas=[0.9, 0.95]")
+"""Today's recipe before this ablation (the demo's AdamW), pinned so that it stays the reference; with
+:data:`BASELINE_SHAPE`: the preset's learning rate and batch as they were."""
+BASELINE_SHAPE = {"tiny": (3e-3, 8), "small": (2e-3, 16), "medium": (1.5e-3, 32)}
+"""Per ``--size``: the preset's AdamW learning rate (min_lr a tenth of it) and batch size before this ablation."""
+
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "baseline": (),
+    "muon": ("optimizer.name=muon",),
+    "muon-lr": ("optimizer.name=muon", "optimizer.embed_lr=0.02", "optimizer.head_lr=0.004",
+                "optimizer.scalar_lr=0.02"),
+    "muon-lr-hi": ("optimizer.name=muon", "optimizer.muon_lr=0.04", "optimizer.embed_lr=0.02",
+                   "optimizer.head_lr=0.004", "optimizer.scalar_lr=0.02"),
+    "batch-warmup": ("training.batch_warmup_steps=50",),
+    "wsd": ("optimizer.schedule=wsd", "optimizer.cooldown_frac=0.4"),
+    "smear": ("model.smear=true",),
+    "value-embeds": ("model.value_embeds=1",),
+    "unet": ("model.unet_skips=true",),
+    "relu2": ("model.mlp=relu2",),
+    "softcap": ("model.logit_softcap=15.0",),
+    "zero-init": ("model.zero_init=true", "model.head_init_std=0.001"),
+    "qk-norm": ("model.qk_norm=true",),
+}
+"""Each technique on top of :data:`BASELINE`. The model options' keys are the model's ``ModelConfig`` fields."""
+
+
+def settings_of(name: str) -> tuple[str, ...]:
+    """The ``section.key=value`` settings of a variant (``a+b``: both, later ones win)."""
+    out: list[str] = []
+    for part in name.split("+"):
+        if part not in VARIANTS:
+            raise SystemExit(f"bench_recipe: unknown variant {part!r}; have {', '.join(VARIANTS)} (a+b joins)")
+        out.extend(VARIANTS[part])
+    return tuple(out)
+
+
+def config_for(name: str, prep: Path, steps: int, seed: int, eval_every: int, size: str, stop: float | None,
+               threads: int | None = None):
+    """The run config of variant ``name`` at preset ``size``: the speedrun's, with :data:`BASELINE` (and the
+    preset's old learning rate and batch) and the variant's settings."""
+    import torch
+
+    from lmforge.config import to_dict
+    from lmforge.speedrun import PRESETS, _run_config
+    from lmforge.tokenizer import Tokenizer
+    from lmforge.train import load_run_config
+
+    vocab = Tokenizer.load(prep / "tokenizer.json").vocab_size
+    lr, batch = BASELINE_SHAPE[size]
+    pinned = (*BASELINE, f"optimizer.lr={lr}", f"optimizer.min_lr={lr / 10:.3g}", f"training.batch_size={batch}")
+    cfg = _run_config(PRESETS[size], vocab, prep / "data", prep / "tokenizer.json", torch.device("cpu"), steps, None,
+                      recipe=(*pinned, *settings_of(name)), target_bpb=stop)
+    return load_run_config(base=to_dict(cfg), overrides=[
+        f"training.seed={seed}", f"training.eval_every={eval_every}", f"training.checkpoint_every={steps}",
+        f"training.log_every={eval_every // 5 if eval_every % 5 == 0 else 1}", "training.keep_last=1",
+        f"training.num_threads={'null' if threads is None else threads}"])
+
+
+def bpb_curve(run_dir: Path) -> list[tuple[int, float, int]]:
+    """``(step, validation bits/byte, tokens trained by then)`` at every evaluation of a run's metrics.jsonl."""
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tokens = {e["step"]: e["tokens"] for e in events if "tokens" in e}  # train events (eval steps are logged ones)
+    return [(e["step"], e["val_bpb"], tokens[e["step"]]) for e in events if "val_bpb" in e]
+
+
+def tokens_to(curve: list[tuple[int, float, int]], target: float) -> int | None:
+    """Tokens trained when the curve ``(step, bpb, tokens)`` first reached ``target`` (None: never)."""
+    return next((tok for _, bpb, tok in curve if bpb <= target), None)
+
+
+def train_mode(a: argparse.Namespace) -> None:
+    from lmforge.speedrun import _evaluate
+    from lmforge.train import train
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prep = prepared(Path(a.cache), a.vocab, a.quick)
+    for seed in a.seeds:
+        for name in a.variants:
+            stop = None if a.full else min(a.targets)
+            cfg = config_for(name, prep, a.steps, seed, a.eval_every, a.size, stop, a.threads)
+            with tempfile.TemporaryDirectory(dir=out) as tmp:
+                run_dir = out / "runs" / f"{name}-s{seed}-{a.steps}" if a.keep else Path(tmp) / "run"
+                t0 = time.perf_counter()
+                res = train(cfg, run_dir, progress=False)
+                wall = time.perf_counter() - t0
+                curve = bpb_curve(run_dir)
+                final = _evaluate(run_dir, "cpu")  # the speedrun's eval stage: whole-split bits/byte, copy probe
+                first, second = final["copy_first"], final["copy_second"]
+            row = {"variant": name, "size": a.size, "settings": list(settings_of(name)), "baseline": list(BASELINE), "seed": seed,
+                   "steps": a.steps, "threads": a.threads, "stopped_at": res["step"], "targets": a.targets,
+                   "tokens_to": {str(t): tokens_to(curve, t) for t in a.targets},
+                   "tokens_per_step": cfg.training.batch_size * cfg.context_length, "final_bpb": final["val_bpb"],
+                   "copy_first": first, "copy_second": second, "curve": curve,
+                   "train_seconds": res["train_seconds"], "wall_seconds": wall, "load": os.getloadavg()[0],
+                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            with open(out / "results.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{name} seed {seed}: tokens to {row['tokens_to']}, stopped at step {res['step']}, final "
+                  f"{final['val_bpb']:.4f} bpb, copy probe {first:.2f} -> {second:.2f} nats "
+                  f"({wall:.0f} s, load {row['load']:.1f})", flush=True)
+
+
+def time_mode(a: argparse.Namespace) -> None:
+    import torch
+
+    from lmforge.hardware import matmul_peak_flops
+    from lmforge.speedrun import _step_seconds
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prep = prepared(Path(a.cache), a.vocab, a.quick)
+    cfgs = {n: config_for(n, prep, a.steps, 1337, a.eval_every, a.size, None) for n in a.variants}
+    repeats = 3 if a.quick else 30
+    peak_before, load_before = matmul_peak_flops("cpu", repeats=repeats), os.getloadavg()[0]
+    times: dict[str, list[float]] = {n: [] for n in cfgs}
+    for _ in range(a.rounds):  # alternating: a, b, a, b, ... (drifts in the machine's speed hit every variant)
+        for n, cfg in cfgs.items():
+            times[n].append(_step_seconds(cfg, torch.device("cpu"), steps=a.step_repeats))
+    peak_after, load_after = matmul_peak_flops("cpu", repeats=repeats), os.getloadavg()[0]
+    tokens = {n: c.training.batch_size * c.context_length for n, c in cfgs.items()}
+    row = {"mode": "time", "times": times, "tokens_per_step": tokens, "peak_flops": [peak_before, peak_after],
+           "load": [load_before, load_after], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    with open(out / "results.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+    print(f"fp32 matmul peak {peak_before / 1e9:.0f} / {peak_after / 1e9:.0f} GFLOP/s (before / after); load average "
+          f"{load_before:.1f} / {load_after:.1f}; best of {a.step_repeats} steps per round, {a.rounds} rounds\n")
+    print("| variant | step time (s): median (range) |\n|---|---:|")
+    for n, ts in times.items():
+        print(f"| {n} | {spread(ts)} |")
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per variant: seeds, tokens to each target (every seed), final bits/byte, copy probe, and with a timing
+    row the quiet step time and the wall time to each target."""
+    timed: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r.get("mode") == "time":
+            for n, ts in r["times"].items():
+                t = timed.setdefault(n, {"times": [], "tokens_per_step": r["tokens_per_step"][n], "peaks": []})
+                t["times"] += ts
+                t["peaks"] += r["peak_flops"]
+    out: dict[str, Any] = {}
+    for r in rows:
+        if r.get("mode") == "time":
+            continue
+        v = out.setdefault(r["variant"], {"settings": r["settings"], "seeds": [], "tokens_to": {}, "final_bpb": [],
+                                          "copy_first": [], "copy_second": []})
+        v["seeds"].append(r["seed"])
+        for t, tok in r["tokens_to"].items():
+            v["tokens_to"].setdefault(t, []).append(tok)
+        for k in ("final_bpb", "copy_first", "copy_second"):
+            v[k].append(r[k])
+    for name, v in out.items():
+        if name in timed:
+            t = timed[name]
+            v["step_seconds"] = t["times"]
+            v["peak_flops"] = t["peaks"]
+            tps = t["tokens_per_step"] / statistics.median(t["times"])
+            v["seconds_to"] = {k: [tok / tps if tok is not None else None for tok in toks]
+                               for k, toks in v["tokens_to"].items()}
+    return out
+
+
+def table_mode(a: argparse.Namespace) -> None:
+    rows = [json.loads(x) for x in (Path(a.out) / "results.jsonl").read_text().splitlines() if x.strip()]
+    summary = summarise(rows)
+    write_json(a.json, {"variants": summary, "baseline": list(BASELINE)})
+    targets = sorted({t for v in summary.values() for t in v["tokens_to"]}, key=float, reverse=True)
+    base = summary.get("baseline")
+
+    def toks(v: dict[str, Any], t: str) -> str:
+        xs = v["tokens_to"][t]
+        shown = ", ".join("never" if x is None else f"{x:,}" for x in xs)
+        if base and t in base["tokens_to"] and None not in xs and None not in base["tokens_to"][t]:
+            shown += f" ({statistics.mean(xs) / statistics.mean(base['tokens_to'][t]):.0%})"
+        return shown
+
+    print("| variant | seeds | " + " | ".join(f"tokens to {t} bpb (vs baseline)" for t in targets) +
+          " | final bpb | copy probe 1st -> 2nd (nats) | step time (s) | " +
+          " | ".join(f"wall to {t} (s)" for t in targets) + " |")
+    print("|---|---:|" + "---:|" * (2 * len(targets) + 3))
+    for name, v in summary.items():
+        copy = ", ".join(f"{f:.2f} -> {s:.2f}" for f, s in zip(v["copy_first"], v["copy_second"]))
+        st = spread(v["step_seconds"]) if "step_seconds" in v else "-"
+        walls = [", ".join("never" if s is None else figure(s, ".0f") for s in v["seconds_to"][t])
+                 if "seconds_to" in v else "-" for t in targets]
+        print(f"| {name} | {len(v['seeds'])} | " + " | ".join(toks(v, t) for t in targets) +
+              f" | {', '.join(f'{b:.4f}' for b in v['final_bpb'])} | {copy} | {st} | " + " | ".join(walls) + " |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", nargs="?", choices=["train", "time", "table"], help="omit with --quick: all three")
+    ap.add_argument("--variants", nargs="+", default=["baseline"], help=f"of {', '.join(VARIANTS)}; a+b")
+    ap.add_argument("--size", default="small", choices=list(BASELINE_SHAPE),
+                    help="the speedrun preset (small: the demo's model); --quick uses tiny")
+    ap.add_argument("--steps", type=int, default=500, help="training steps (the schedule is fitted to them)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1337])
+    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--targets", type=float, nargs="+", default=[2.10, 2.00], help="bits/byte to reach")
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=5, help="time mode: alternating rounds")
+    ap.add_argument("--step-repeats", type=int, default=3, help="time mode: steps per round (the best counts)")
+    ap.add_argument("--out", default=str(default_cache_dir() / "recipe-ablation"))
+    ap.add_argument("--cache", default=str(default_cache_dir() / "speedrun-data"))
+    ap.add_argument("--full", action="store_true",
+                    help="train mode: every run to --steps (no stop at the lowest target): copy probes at one step")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="train mode: torch threads per run (1 on a shared machine: no thread waits on a busy core)")
+    ap.add_argument("--keep", action="store_true", help="train mode: keep each run in OUT/runs/ (else deleted)")
+    ap.add_argument("--quick", action="store_true", help="a synthetic corpus and the tiny preset: a smoke run")
+    add_json_flag(ap)
+    a = ap.parse_args()
+    if a.quick:
+        a.steps, a.eval_every, a.rounds, a.step_repeats, a.vocab = min(a.steps, 6), 3, min(a.rounds, 2), 1, 300
+        a.size = "tiny"
+        a.targets = [100.0, 50.0] if a.targets == [2.10, 2.00] else a.targets
+    elif a.mode is None:
+        ap.error("give a mode (train, time, table) or --quick")
+    for mode in [a.mode] if a.mode else ["train", "time", "table"]:
+        {"train": train_mode, "time": time_mode, "table": table_mode}[mode](a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
