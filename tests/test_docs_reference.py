@@ -62,8 +62,11 @@ def test_commands_and_flags_come_from_the_parsers():
     leaf.add_argument("--size", type=int, default=4, metavar="N", help="how big (default %(default)s)")
     leaf.add_argument("--mode", choices=["a", "b"], help="which mode")
     leaf.add_argument("--bare")
+    both = subs.add_parser("both")  # runs itself (--run) and has a subcommand
+    both.add_argument("--run", help="a run")
+    both.add_subparsers().add_parser("render")
     found = gen_reference.commands(root, "tool")
-    assert [name for name, _ in found] == ["tool grp leaf"]
+    assert [name for name, _ in found] == ["tool grp leaf", "tool both", "tool both render"]
     actions = {a.dest: a for a in leaf._actions}
     assert gen_reference._flag_name(actions["size"]) == "`--size N`"
     assert gen_reference._flag_default(actions["size"]) == "`4`"

@@ -148,9 +148,10 @@ def commands(parser: argparse.ArgumentParser | None = None, prefix: str = "lmfor
 
         parser = build_parser()
     subs = _subparsers(parser)
-    if not subs:
-        return [(prefix, parser)]
-    return [c for name, p in subs.items() for c in commands(p, f"{prefix} {name}")]
+    own = [a for a in parser._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
+    runs_itself = not subs or (own and prefix != "lmforge")  # `lmforge chat --run` beside `lmforge chat render`
+    return ([(prefix, parser)] if runs_itself else []) + \
+        [c for name, p in subs.items() for c in commands(p, f"{prefix} {name}")]
 
 
 def _flag_name(action: argparse.Action) -> str:
@@ -197,7 +198,7 @@ def cli_markdown() -> str:
         out.append(f"\n## {name}\n\n{' '.join((p.description or '').split())}\n\n")
         out.append("| flag | default | meaning |\n|---|---|---|\n")
         for action in p._actions:
-            if isinstance(action, argparse._HelpAction):
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
                 continue
             out.append(f"| {_cell(_flag_name(action))} | {_cell(_flag_default(action))} | "
                        f"{_cell(_flag_help(p, action))} |\n")
@@ -208,7 +209,7 @@ def undocumented_flags() -> list[str]:
     """``command --flag`` for every flag without help text."""
     return [f"{name} {action.option_strings[0] if action.option_strings else action.dest}"
             for name, p in commands() for action in p._actions
-            if not isinstance(action, argparse._HelpAction) and not action.help]
+            if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) and not action.help]
 
 
 # --------------------------------------------------------------------------------------------------
