@@ -37,6 +37,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
     p.add_argument("--weight-dtype", default=None, choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "int8"],
                    help="CPU only: store the decoder's weights as bf16/fp16/int8 (faster, rounded; default float32)")
+    p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
+                   help="keep the KV of prompts and replies across requests within MB MiB, so a conversation's next "
+                        "turn or a shared system prompt is prefilled once (default 512; 0 = off)")
+    p.add_argument("--speculative", choices=["auto", "off"], default="auto",
+                   help="auto (default): a request decoding alone drafts its next tokens from its own context and "
+                        "checks them in one pass where that pays (same replies); off: one token per step")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -62,9 +68,15 @@ def _serve(args: argparse.Namespace) -> int:
         AllowedHosts(allowed)
     except ValueError as e:
         raise CLIError(f"--allowed-hosts: {e}") from None
+    from lmforge.serve.server import DEFAULT_PREFIX_CACHE_MB
+
+    prefix_mb = DEFAULT_PREFIX_CACHE_MB if args.prefix_cache_mb is None else args.prefix_cache_mb
+    if not prefix_mb >= 0 or prefix_mb == float("inf"):
+        raise CLIError(f"--prefix-cache-mb must be a non-negative number of MiB, got {args.prefix_cache_mb}")
     served = ServedModel.from_run(args.run, args.checkpoint, device=args.device, weight_dtype=args.weight_dtype,
                                   max_batch=args.max_batch, max_queue=args.max_queue,
-                                  max_tokens_cap=args.max_tokens_cap)
+                                  max_tokens_cap=args.max_tokens_cap, prefix_cache_mb=prefix_mb,
+                                  speculative=args.speculative == "auto")
 
     def ready(url: str) -> None:
         print(f"lmforge serve: {served.model_id} on {url}  (chat page: {url}/  API: {url}/v1)", flush=True)

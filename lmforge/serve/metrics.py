@@ -1,7 +1,8 @@
 """The server's Prometheus metrics (``GET /metrics``), kept and written by ``prometheus_client``.
 
 Counters: requests by endpoint and status, prompt and generated tokens; gauges: rows decoding and requests waiting
-(read from the scheduler when scraped); histograms: time to first token and inter-token latency (seconds), each
+(read from the scheduler when scraped); the prefix cache's lookups, hits, prompt tokens looked up and served from it,
+and the bytes it holds; speculative decoding's passes, drafted and accepted tokens (read from the scheduler too); histograms: time to first token and inter-token latency (seconds), each
 observed per request from the updates the engine thread sends. Each app has its own registry (several apps in
 one process do not share counts). The ``endpoint`` label is a route's path template (``/v1/models/{name}``) or
 ``other``, never a path a client wrote: the number of series is bounded whatever clients send, and the
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 __all__ = ["CONTENT_TYPE", "ITL_BUCKETS", "Metrics", "TTFT_BUCKETS"]
@@ -35,6 +36,23 @@ class _Load:
         yield GaugeMetricFamily("lmforge_requests_running", "Requests decoding now (one cache row each).",
                                 value=now["active"])
         yield GaugeMetricFamily("lmforge_requests_waiting", "Requests queued for a free row.", value=now["waiting"])
+        for key, name, text in _COUNTS:
+            if key in now:
+                yield CounterMetricFamily(name, text, value=now[key])
+        if "prefix_bytes" in now:
+            yield GaugeMetricFamily("lmforge_prefix_cache_bytes", "Bytes of keys and values the prefix cache holds.",
+                                    value=now["prefix_bytes"])
+
+
+_COUNTS = (("prefix_queries", "lmforge_prefix_cache_queries", "Prompts looked up in the prefix cache."),
+           ("prefix_hits", "lmforge_prefix_cache_hits", "Prompts that started with a cached prefix."),
+           ("prefix_query_tokens", "lmforge_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache."),
+           ("prefix_hit_tokens", "lmforge_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache "
+            "(not prefilled)."),
+           ("spec_passes", "lmforge_speculative_passes", "Passes that checked drafted tokens."),
+           ("spec_drafted", "lmforge_speculative_drafted_tokens", "Tokens drafted from a request's own context."),
+           ("spec_accepted", "lmforge_speculative_accepted_tokens", "Drafted tokens kept (decoded without a step of "
+            "their own)."))
 
 
 class Metrics:

@@ -29,7 +29,10 @@ from serve_helpers import ThreadServer, openai_client, random_chat_run  # noqa: 
 MSG = [{"role": "user", "content": "Hi"}]
 KEY = {"Authorization": "Bearer sekrit"}
 METRICS = {"lmforge_requests", "lmforge_prompt_tokens", "lmforge_generation_tokens", "lmforge_requests_running",
-           "lmforge_requests_waiting", "lmforge_time_to_first_token_seconds", "lmforge_inter_token_latency_seconds"}
+           "lmforge_requests_waiting", "lmforge_time_to_first_token_seconds", "lmforge_inter_token_latency_seconds",
+           "lmforge_prefix_cache_queries", "lmforge_prefix_cache_hits", "lmforge_prefix_cache_query_tokens",
+           "lmforge_prefix_cache_hit_tokens", "lmforge_prefix_cache_bytes", "lmforge_speculative_passes",
+           "lmforge_speculative_drafted_tokens", "lmforge_speculative_accepted_tokens"}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,64 @@
+"""The prefix cache and speculative decoding through the real server and the official ``openai`` client: the same
+replies with them on and off, and their counts on ``/metrics``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("openai")
+import httpx  # noqa: E402
+
+from lmforge.serve import ServedModel  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from serve_helpers import ThreadServer, openai_client, random_chat_run  # noqa: E402
+
+
+def conversation(url: str, **sampling) -> list[str]:
+    """Three turns, each re-sending the whole history (as every chat client does); the replies."""
+    client = openai_client(url)
+    messages = [{"role": "system", "content": "You are terse. Say little, and say it plainly, every time."},
+                {"role": "user", "content": "Hello there"}]
+    replies = []
+    for turn in ("And then?", "Say it again."):
+        r = client.chat.completions.create(model="chat", messages=messages, max_tokens=10, **sampling)
+        replies.append(r.choices[0].message.content)
+        messages += [{"role": "assistant", "content": replies[-1]}, {"role": "user", "content": turn}]
+    r = client.chat.completions.create(model="chat", messages=messages, max_tokens=10, **sampling)
+    return replies + [r.choices[0].message.content]
+
+
+def families(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_replies_are_the_same_with_the_prefix_cache_on_and_off_and_metrics_count_it(tmp_path):
+    run = random_chat_run(tmp_path / "chat", context_length=256)
+    got = {}
+    for mb in (0, 8):
+        s = ThreadServer(ServedModel.from_run(run, max_batch=2, prefix_cache_mb=mb))
+        try:
+            got[mb] = (conversation(s.url, temperature=0), conversation(s.url, temperature=0.9, seed=7))
+            got[mb, "metrics"] = families(httpx.get(s.url + "/metrics", trust_env=False).text)
+        finally:
+            s.close()
+    assert got[0] == got[8]
+    on, off = got[8, "metrics"], got[0, "metrics"]
+    assert off["lmforge_prefix_cache_queries_total"] == 0 and off["lmforge_prefix_cache_bytes"] == 0
+    assert on["lmforge_prefix_cache_queries_total"] == 6 and on["lmforge_prefix_cache_hits_total"] >= 5
+    assert 0 < on["lmforge_prefix_cache_hit_tokens_total"] < on["lmforge_prefix_cache_query_tokens_total"]
+    assert 0 < on["lmforge_prefix_cache_bytes"] <= 8 * 2**20
+    assert "lmforge_speculative_accepted_tokens_total" in on
+
+
+def test_served_model_refuses_a_negative_budget(tmp_path):
+    run = random_chat_run(tmp_path / "chat")
+    with pytest.raises(ValueError, match="prefix_cache_mb"):
+        ServedModel.from_run(run, prefix_cache_mb=-1)
