@@ -365,7 +365,8 @@ def _refuse_unsupported(data: dict[str, Any], chat: bool) -> None:
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_SCHEMA_FIELD = re.compile(r"(tools\.\d+\.function\.parameters|response_format\.json_schema\.schema)(?=\.|$)")
+_SCHEMA_FIELD = re.compile(r"(tools\.\d+\.(function\.)?parameters|response_format\.json_schema\.schema"
+                           r"|text\.format\.schema)(?=\.|$)")
 
 
 def _unencodable(data: Any) -> str | None:
@@ -401,12 +402,16 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     if cls in (ChatCompletionRequest, CompletionRequest):
         _refuse_unsupported(data, cls is ChatCompletionRequest)
+    elif hasattr(cls, "refuse_unsupported"):  # (a request with its own table: /v1/responses)
+        cls.refuse_unsupported(data)
     try:
         req = cls.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         parts = []
         for x in err["loc"]:  # field names and indices; stop at pydantic's union tags ("str", "list[str]")
+            if isinstance(x, str) and x.startswith("type="):  # (a tagged union's member: named by its "type")
+                continue
             if isinstance(x, int) or (x.isidentifier() and x not in _TYPE_TAGS):
                 parts.append(str(x))
             else:

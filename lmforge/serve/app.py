@@ -1,7 +1,8 @@
 """The HTTP layer: a FastAPI app over a :class:`~lmforge.serve.server.ServedModel`. It only calls the scheduler.
 
 Routes: ``GET /`` (the web chat page, static files shipped in the package), ``GET /health``, ``GET /v1/models``,
-``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``, ``POST /tokenize``,
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (the Responses API, answered
+through the chat path; ``GET``/``DELETE /v1/responses/{id}``), ``POST /v1/embeddings``, ``POST /tokenize``,
 ``POST /detokenize`` and ``GET /metrics`` (Prometheus text). A request is turned into prompt ids, submitted to the
 scheduler (which runs the engine in its own thread) and answered from the updates the engine thread hands to
 this event loop (``call_soon_threadsafe``): as one JSON object, or streamed as server-sent events
@@ -29,8 +30,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmforge.generate.scheduler import QueueFull, Update
 from lmforge.generate.scheduler import Request as Job
-from lmforge.serve import api, structured
+from lmforge.serve import api, response_events, responses, structured
 from lmforge.serve.api import APIError, ChatCompletionRequest, CompletionRequest, shown
+from lmforge.serve.choices import Choice, Timing
+from lmforge.serve.response_events import ResponseBuilder
+from lmforge.serve.response_store import ResponseStore, Stored
 from lmforge.serve.access import AllowedHosts, HostCheck, check_api_key, key_matches
 from lmforge.serve.metrics import CONTENT_TYPE, Metrics
 
@@ -50,7 +54,8 @@ def _error(e: APIError) -> JSONResponse:
 
 
 def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
-               body_timeout: float = BODY_TIMEOUT_S, allowed_hosts: AllowedHosts | Sequence[str] = ()) -> FastAPI:
+               body_timeout: float = BODY_TIMEOUT_S, allowed_hosts: AllowedHosts | Sequence[str] = (),
+               response_store: ResponseStore | None = None) -> FastAPI:
     """The app serving ``served`` (a :class:`~lmforge.serve.server.ServedModel`).
 
     ``api_key``: required as ``Authorization: Bearer KEY`` on ``/v1/*`` (the page and ``/health`` stay open);
@@ -59,8 +64,9 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
     (beyond: 408, connection closed). ``allowed_hosts``: the host names a request's ``Host`` may carry besides
     ``localhost`` and IP addresses (others: 400; ``*``: any; :class:`~lmforge.serve.access.AllowedHosts`).
     API POST bodies must come as ``Content-Type: application/json`` (else 415), which a cross-site page cannot
-    send without the CORS preflight this server never grants. The app's lifespan starts and stops the
-    scheduler's engine thread.
+    send without the CORS preflight this server never grants. ``response_store``: where ``/v1/responses`` keeps
+    stored responses (default: a :class:`~lmforge.serve.response_store.ResponseStore` with its default bounds).
+    The app's lifespan starts and stops the scheduler's engine thread.
     """
     if api_key is not None:
         check_api_key(api_key)
@@ -79,6 +85,7 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
     app.add_middleware(HostCheck, hosts=hosts)
     sched = served.scheduler
     metrics = Metrics(sched.load)
+    store = response_store if response_store is not None else ResponseStore()
 
     def _bytes(t: int) -> bytes:
         return served.tokenizer.decode_bytes([t])
@@ -170,23 +177,57 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
         await authorize(request)
         req = api.parse(ChatCompletionRequest, await body(request))
         check_model(req.model)
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        constrained = (req.tools or req.response_format is not None or req.structured_outputs is not None) \
-            and not (req.response_format is not None and req.response_format.type == "text" and not req.tools)
-        constraints = [None] * req.n
-        if constrained and served.chat is not None:  # schemas first: their errors name the parameter at fault
-            def build() -> list[Any]:  # compiles (bounded by a deadline in a child process) run off the event loop
-                return [structured.request_constraint(req, served.chat, served.grammars) for _ in range(req.n)]
+        return await _answer(request, await _chat_jobs(req), req, "chat")
 
-            constraints = await asyncio.to_thread(build)
-        prompt = served.chat_prompt([_message(m) for m in req.messages], tools)
-        limit = served.max_tokens(req.limit(), len(prompt), "messages", req.n)
-        token_text = dict(served.tool_text)
-        if served.chat is not None and served.chat.has_tools:
-            token_text.update({served.chat.ids[t]: "" for t in ("<|call_start|>", "<|call_end|>")})
-        jobs = [_job(req, prompt, limit, served.chat_stops(), served.chat_tool, token_text, k, c)
-                for k, c in enumerate(constraints)]
-        return await _answer(request, jobs, req, "chat")
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        await authorize(request)
+        req = api.parse(responses.ResponseRequest, await body(request))
+        check_model(req.model)
+        previous = _stored(req.previous_response_id, "previous_response_id") if req.previous_response_id else None
+        messages = responses.conversation(req, previous.history if previous is not None else [])
+        with responses.renamed_errors():  # (the chat path's errors, with the Responses names)
+            jobs = await _chat_jobs(responses.chat_request(req, messages))
+        builder = ResponseBuilder(response_events.new_id("resp"), served.model_id, req)
+        updates, timing = _submit(jobs)
+        endpoint, job = _endpoint(request), jobs[0]
+
+        def take(u: Update) -> list[Any]:
+            failed = structured.constraint_failure(job) if u.finish_reason == "error" else None
+            if failed is not None:
+                raise responses.renamed(failed)
+            return builder.add(u, lambda: structured.cut_call(job))
+
+        def done(b: ResponseBuilder) -> None:
+            metrics.request(endpoint, 200 if b.status != "failed" else 500)
+            if b.usage is not None:
+                metrics.tokens(b.usage["input_tokens"], b.usage["output_tokens"])
+            if req.store and b.status != "failed":
+                reply = {"role": "assistant", "content": b.text(), **({"tool_calls": b.calls()} if b.calls() else {})}
+                store.put(b.rid, b.resource(), [*messages, reply])
+
+        if req.stream:
+            events = response_events.stream(builder, updates, lambda u: (timing.update(0, u), take(u))[1],
+                                            lambda: sched.cancel(job), done)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        if not await _collect(request, jobs, updates, timing, lambda k, u: take(u)):
+            return Response(status_code=499)
+        if builder.status == "failed":
+            raise APIError(500, builder.error["message"] if builder.error else "failed", type="server_error")
+        done(builder)
+        return JSONResponse(builder.resource())
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        await authorize(request)
+        return _stored(response_id, "response_id").resource
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        await authorize(request)
+        if not store.delete(response_id):
+            _stored(response_id, "response_id")  # (raises its 404)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -250,6 +291,33 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
         return Response(metrics.text(), headers={"Content-Type": CONTENT_TYPE})
 
     # ---------------------------------------------------------------------------------------------
+    def _stored(rid: str, param: str) -> Stored:
+        found = store.get(rid)
+        if found is None:
+            raise APIError(404, f"no stored response has id {shown(rid)} (responses are kept in memory for "
+                                f"{store.ttl:g} s, {store.max_items} at most, and only with store: true)",
+                           param, "previous_response_not_found" if param == "previous_response_id" else "not_found")
+        return found
+
+    async def _chat_jobs(req: ChatCompletionRequest) -> list[Job]:
+        """The scheduler requests of a chat request: its constraints, prompt, limit and stops."""
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        constrained = (req.tools or req.response_format is not None or req.structured_outputs is not None) \
+            and not (req.response_format is not None and req.response_format.type == "text" and not req.tools)
+        constraints = [None] * req.n
+        if constrained and served.chat is not None:  # schemas first: their errors name the parameter at fault
+            def build() -> list[Any]:  # compiles (bounded by a deadline in a child process) run off the event loop
+                return [structured.request_constraint(req, served.chat, served.grammars) for _ in range(req.n)]
+
+            constraints = await asyncio.to_thread(build)
+        prompt = served.chat_prompt([_message(m) for m in req.messages], tools)
+        limit = served.max_tokens(req.limit(), len(prompt), "messages", req.n)
+        token_text = dict(served.tool_text)
+        if served.chat is not None and served.chat.has_tools:
+            token_text.update({served.chat.ids[t]: "" for t in ("<|call_start|>", "<|call_end|>")})
+        return [_job(req, prompt, limit, served.chat_stops(), served.chat_tool, token_text, k, c)
+                for k, c in enumerate(constraints)]
+
     def _job(req: Any, prompt: list[int], limit: int, stop_ids: list[int],
              tool: Callable[[], Callable[[int], list[int] | None]] | None, token_text: dict[int, str] | None,
              k: int, constraint: Any = None) -> Job:
@@ -262,9 +330,11 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
         except ValueError as e:  # a value the schema let through but the engine refuses
             raise APIError(400, str(e)) from None
 
-    async def _answer(request: Request, jobs: list[Job], req: Any, kind: str) -> Response:
+    def _submit(jobs: list[Job]) -> tuple["asyncio.Queue[tuple[int, Update] | None]", Timing]:
+        """Hand ``jobs`` to the scheduler: the queue their updates arrive on (``(k, update)``; None: the client
+        went away) and their timing; APIError 400/429/503 if the scheduler refuses them."""
         loop = asyncio.get_running_loop()
-        updates: asyncio.Queue[tuple[int, Update] | None] = asyncio.Queue()  # None: the client went away
+        updates: asyncio.Queue[tuple[int, Update] | None] = asyncio.Queue()
         for k, job in enumerate(jobs):
             job.emit = (lambda k: lambda u: loop.call_soon_threadsafe(updates.put_nowait, (k, u)))(k)
         try:
@@ -276,27 +346,40 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except RuntimeError as e:  # stopping
             raise APIError(503, f"the server is shutting down ({e})", type="server_error") from None
+        return updates, Timing(metrics, len(jobs))
+
+    async def _collect(request: Request, jobs: list[Job], updates: asyncio.Queue[Any], timing: Timing,
+                       take: Callable[[int, Update], Any]) -> bool:
+        """Feed each update of ``jobs`` to ``take(k, update)`` until all have ended; False if the client went
+        away first (its jobs cancelled). Jobs still running when ``take`` raises are cancelled."""
+        running = set(range(len(jobs)))
+        watcher = asyncio.create_task(_watch(request, jobs, updates))
+        try:
+            while running:
+                got = await updates.get()
+                if got is None:  # cancelled by the watcher
+                    return False
+                k, u = got
+                timing.update(k, u)
+                take(k, u)
+                if u.finish_reason is not None:
+                    running.discard(k)
+        finally:
+            watcher.cancel()
+            for k in running:
+                sched.cancel(jobs[k])
+        return True
+
+    async def _answer(request: Request, jobs: list[Job], req: Any, kind: str) -> Response:
+        updates, timing = _submit(jobs)
         rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
-        timing = _Timing(metrics, len(jobs))
         endpoint = _endpoint(request)
         if req.stream:
             return StreamingResponse(_stream(jobs, updates, rid, kind, req, timing, endpoint),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        choices = [_Choice(job) for job in jobs]
-        watcher = asyncio.create_task(_watch(request, jobs, updates))
-        try:
-            while any(c.last is None for c in choices):
-                got = await updates.get()
-                if got is None:  # cancelled by the watcher
-                    return Response(status_code=499)
-                k, u = got
-                timing.update(k, u)
-                choices[k].add(u)
-        finally:
-            watcher.cancel()
-            for c, job in zip(choices, jobs):
-                if c.last is None:
-                    sched.cancel(job)
+        choices = [Choice(job) for job in jobs]
+        if not await _collect(request, jobs, updates, timing, lambda k, u: choices[k].add(u)):
+            return Response(status_code=499)
         for c in choices:
             if c.last.finish_reason in ("error", "cancelled"):
                 raise APIError(500, c.last.error or "the request was cancelled: the server is stopping",
@@ -329,7 +412,7 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
         updates.put_nowait(None)
 
     async def _stream(jobs: list[Job], updates: asyncio.Queue[Any], rid: str, kind: str, req: Any,
-                      timing: "_Timing", endpoint: str) -> AsyncIterator[bytes]:
+                      timing: Timing, endpoint: str) -> AsyncIterator[bytes]:
         model_id, failed = served.model_id, False
         open_rows = set(range(len(jobs)))
         calls = [0] * len(jobs)  # tool calls sent per choice
@@ -450,56 +533,6 @@ def _base64(vector: list[float]) -> str:
     import struct
 
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-
-
-class _Choice:
-    """One choice of a plain (non-streamed) answer to ``job``, as its updates arrive."""
-
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        self.parts: list[str] = []
-        self.lps: list[Any] = []
-        self.calls: list[dict[str, Any]] = []
-        self.last: Update | None = None
-
-    def add(self, u: Update) -> None:
-        """Take ``u``; APIError 400 if the request's grammar failed while decoding (the schema's fault)."""
-        self.parts.append(u.text)
-        self.lps.extend(u.logprobs)
-        self.calls.extend(structured.parse_call(t) for t in u.regions)
-        if u.finish_reason == "length":  # a call cut by max_tokens: what was generated, as text
-            self.parts.append(structured.cut_call(self.job))
-        failed = structured.constraint_failure(self.job) if u.finish_reason == "error" else None
-        if failed is not None:
-            raise failed
-        if u.finish_reason is not None:
-            self.last = u
-
-    def text(self) -> str:
-        return "".join(self.parts)
-
-    def finish(self) -> str:
-        assert self.last is not None
-        return "tool_calls" if self.calls and self.last.finish_reason == "stop" else str(self.last.finish_reason)
-
-
-class _Timing:
-    """Time to first token and inter-token latency of one request's choices, into ``metrics``."""
-
-    def __init__(self, metrics: Metrics, n: int) -> None:
-        self.metrics, self.t0 = metrics, time.perf_counter()
-        self.seen = [0] * n
-        self.at = [self.t0] * n
-
-    def update(self, k: int, u: Update) -> None:
-        now, new = time.perf_counter(), u.completion_tokens - self.seen[k]
-        if new <= 0:
-            return
-        if self.seen[k] == 0:
-            self.metrics.first_token(now - self.t0)
-            new -= 1
-        self.metrics.between_tokens(now - self.at[k], new)
-        self.seen[k], self.at[k] = u.completion_tokens, now
 
 
 def _model_card(name: str) -> dict[str, Any]:

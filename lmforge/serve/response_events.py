@@ -1,0 +1,210 @@
+"""The Responses API's answer: the ``response`` object and its streamed events, built from the scheduler's updates.
+
+One :class:`ResponseBuilder` turns a request's updates into output items, a plain answer and a stream alike (a
+plain answer is the stream's last ``response`` object): text opens a ``message`` item (``output_text`` part),
+each captured function call is a ``function_call`` item (``call_id``, ``name``, ``arguments``), and the end sets
+the ``status`` (``completed``; ``incomplete`` with ``incomplete_details.reason: max_output_tokens``; ``failed``
+with ``error``) and the ``usage``. The stream's events, each numbered by ``sequence_number``, are those the
+``openai`` client's stream helper accumulates::
+
+    response.created, response.in_progress
+    response.output_item.added (message), response.content_part.added, response.output_text.delta ...,
+    response.output_text.done, response.content_part.done, response.output_item.done
+    response.output_item.added (function_call), response.function_call_arguments.delta,
+    response.function_call_arguments.done, response.output_item.done
+    response.completed | response.incomplete | response.failed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from lmforge.generate.scheduler import Update
+from lmforge.serve import structured
+from lmforge.serve.responses import ResponseRequest
+
+__all__ = ["ResponseBuilder", "new_id", "stream"]
+
+
+def new_id(prefix: str) -> str:
+    """An id as OpenAI writes them: ``resp_...``, ``msg_...``, ``fc_...``."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _event(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"type": kind, **fields}
+
+
+class ResponseBuilder:
+    """The response to ``req`` (id ``rid``, served as ``model``), item by item as its updates come."""
+
+    def __init__(self, rid: str, model: str, req: ResponseRequest) -> None:
+        self.rid, self.model, self.req = rid, model, req
+        self.created = time.time()
+        self.output: list[dict[str, Any]] = []
+        self.status = "in_progress"
+        self.usage: dict[str, Any] | None = None
+        self.incomplete: dict[str, str] | None = None
+        self.error: dict[str, Any] | None = None
+        self.sequence = 0
+        self._message: dict[str, Any] | None = None  # the message item open for text, if any
+
+    # ---------------------------------------------------------------------------------------------
+    def resource(self) -> dict[str, Any]:
+        """The ``response`` object as it stands."""
+        req = self.req
+        fmt = req.text.format if req.text is not None and req.text.format is not None else None
+        return {
+            "id": self.rid, "object": "response", "created_at": self.created, "status": self.status,
+            "completed_at": time.time() if self.status == "completed" else None,
+            "error": self.error, "incomplete_details": self.incomplete, "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens, "model": self.model, "output": self.output,
+            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+            "tool_choice": req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump")
+            else req.tool_choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+            "truncation": "disabled", "store": req.store, "usage": self.usage, "user": req.user,
+            "metadata": req.metadata or {},
+        }
+
+    def text(self) -> str:
+        """The reply's text (every ``output_text`` part)."""
+        return "".join(c["text"] for item in self.output if item["type"] == "message" for c in item["content"])
+
+    def calls(self) -> list[dict[str, Any]]:
+        """The reply's function calls as chat ``tool_calls`` (ids: the ``call_id``\\ s)."""
+        return [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+                for i in self.output if i["type"] == "function_call"]
+
+    def _numbered(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for e in events:
+            e["sequence_number"] = self.sequence
+            self.sequence += 1
+        return events
+
+    # ---------------------------------------------------------------------------------------------
+    def start(self) -> list[dict[str, Any]]:
+        """``response.created`` and ``response.in_progress``."""
+        return self._numbered([_event("response.created", response=self.resource()),
+                               _event("response.in_progress", response=self.resource())])
+
+    def add(self, u: Update, cut: Callable[[], str] = lambda: "") -> list[dict[str, Any]]:
+        """The events of update ``u`` (``cut()``: the text of a call ``max_output_tokens`` cut short, read when
+        the reply ends by length)."""
+        events: list[dict[str, Any]] = []
+        text = u.text + (cut() if u.finish_reason == "length" else "")
+        if text:
+            events += self._text(text)
+        for region in u.regions:
+            events += self._call(structured.parse_call(region))
+        if u.finish_reason is not None:
+            events += self._end(u)
+        return self._numbered(events)
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self._message is None:
+            self._message = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+                             "content": []}
+            self.output.append(self._message)
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events += [_event("response.output_item.added", output_index=len(self.output) - 1,
+                              item=_copy(self._message)),
+                       _event("response.content_part.added", item_id=self._message["id"],
+                              output_index=len(self.output) - 1, content_index=0, part=_copy(part))]
+            self._message["content"].append(part)
+        self._message["content"][0]["text"] += text
+        return events + [_event("response.output_text.delta", item_id=self._message["id"],
+                                output_index=len(self.output) - 1, content_index=0, delta=text, logprobs=[])]
+
+    def _close_message(self, status: str) -> list[dict[str, Any]]:
+        m, self._message = self._message, None
+        if m is None:
+            return []
+        index = self.output.index(m)
+        part = m["content"][0]
+        m["status"] = status
+        return [_event("response.output_text.done", item_id=m["id"], output_index=index, content_index=0,
+                       text=part["text"], logprobs=[]),
+                _event("response.content_part.done", item_id=m["id"], output_index=index, content_index=0,
+                       part=_copy(part)),
+                _event("response.output_item.done", output_index=index, item=_copy(m))]
+
+    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        events = self._close_message("completed")
+        fn = call["function"]
+        item = {"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": call["id"],
+                "name": fn["name"], "arguments": fn["arguments"]}
+        self.output.append(item)
+        index = len(self.output) - 1
+        return events + [
+            _event("response.output_item.added", output_index=index,
+                   item={**item, "status": "in_progress", "arguments": ""}),
+            _event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                   delta=item["arguments"]),
+            _event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                   name=item["name"], arguments=item["arguments"]),
+            _event("response.output_item.done", output_index=index, item=_copy(item))]
+
+    def _end(self, u: Update) -> list[dict[str, Any]]:
+        if u.finish_reason in ("error", "cancelled"):
+            return self.fail(u.error or "the request was cancelled: the server is stopping", numbered=False)
+        self.status = "incomplete" if u.finish_reason == "length" else "completed"
+        if u.finish_reason == "length":
+            self.incomplete = {"reason": "max_output_tokens"}
+        self.usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": u.prompt_tokens + u.completion_tokens}
+        events = self._close_message(self.status)
+        return events + [_event(f"response.{self.status}", response=self.resource())]
+
+    def fail(self, message: str, code: str = "server_error", numbered: bool = True) -> list[dict[str, Any]]:
+        """``response.failed`` (status ``failed``, ``error`` set): the reply stopped on an error."""
+        self._close_message("incomplete")
+        self.status, self.error = "failed", {"code": code, "message": message}
+        events = [_event("response.failed", response=self.resource())]
+        return self._numbered(events) if numbered else events
+
+
+def _copy(obj: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot of an item as sent now (the builder goes on changing its own)."""
+    return json.loads(json.dumps(obj))
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    """One Responses server-sent event: ``event: TYPE`` and ``data: {json}``."""
+    return (f"event: {event['type']}\ndata: " + json.dumps(event, ensure_ascii=False) + "\n\n").encode()
+
+
+async def stream(builder: ResponseBuilder, updates: "asyncio.Queue[Any]", take: Callable[[Update], list[Any]],
+                 cancel: Callable[[], None], done: Callable[[ResponseBuilder], None]) -> AsyncIterator[bytes]:
+    """The server-sent events of one response: ``take(u)`` turns each update into events (and may raise the
+    request's own APIError, sent as ``response.failed``); ``done(builder)`` runs once the response ended (any
+    status); ``cancel()`` frees the request's row if the stream stops first (the client went away)."""
+    finished = False
+    try:
+        for e in builder.start():
+            yield sse(e)
+        while not finished:
+            if not updates.empty():  # a burst: let the loop notice a client that left before writing again
+                await asyncio.sleep(0)
+            _, u = await updates.get()
+            try:
+                events = take(u)
+            except Exception as e:  # noqa: BLE001  (the request's grammar failed: its error, as the event)
+                events = builder.fail(getattr(e, "message", str(e)), getattr(e, "code", None) or "server_error")
+                finished = True
+            finished = finished or u.finish_reason is not None
+            for event in events:
+                yield sse(event)
+        done(builder)
+    finally:
+        if not finished:
+            cancel()

@@ -1,0 +1,306 @@
+"""``POST /v1/responses``, the OpenAI Responses API: its request schema and the request read as a chat request.
+
+A Responses request is answered through the chat endpoint's own path: :func:`chat_request` turns it into a
+:class:`~lmforge.serve.api.ChatCompletionRequest` (the conversation as chat messages, function ``tools`` as chat
+tools, ``text.format`` as ``response_format``, ``max_output_tokens`` as ``max_completion_tokens``), so the prompt,
+the constraint (:mod:`~lmforge.serve.structured`), the checks and the sampled tokens are the chat endpoint's: a
+greedy or seeded reply is the one ``/v1/chat/completions`` gives for the same conversation. Errors raised on that
+path name the chat parameter; :func:`renamed` names the Responses one instead (``text.format.schema``,
+``tools.0.parameters``, ``input``, ``max_output_tokens``).
+
+The conversation: ``instructions`` (never carried to the next response), then the stored conversation of
+``previous_response_id``, then ``input`` (a string: one user message; or a list of items: messages with role
+``user``/``system``/``developer``/``assistant`` whose content is a string or ``input_text``/``output_text``
+parts, ``function_call`` items, which join the assistant message before them as its ``tool_calls``, and
+``function_call_output`` items, which become ``tool`` messages). The chat format has one system message, first:
+``instructions`` and the system/developer messages that open the conversation are joined into it.
+
+Fields that would change the answer and lmforge does not implement are refused naming them (:data:`UNSUPPORTED`,
+built-in tools, input items and content parts other than text); ``metadata``, ``user``, ``store`` and other
+bookkeeping fields are accepted (``metadata`` and ``user`` are echoed in the response).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Annotated, Any, Iterator, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+
+from lmforge.generate.sampling import SEED_MAX, SEED_MIN
+from lmforge.serve.api import TOKENS_MAX, APIError, ChatCompletionRequest, shown
+
+__all__ = ["ResponseRequest", "UNSUPPORTED", "chat_request", "conversation", "renamed", "renamed_errors"]
+
+TEXT_PARTS = ("input_text", "output_text")
+ITEM_TYPES = ("message", "function_call", "function_call_output")
+
+UNSUPPORTED: dict[str, str] = {
+    "reasoning": "reasoning is not supported by lmforge serve (its models do not reason in hidden tokens); remove it",
+    "background": "background responses are not supported by lmforge serve; send the request and wait (or stream)",
+    "conversation": "conversation objects are not supported by lmforge serve; continue a conversation with "
+                    "previous_response_id",
+    "prompt": "prompt templates are not supported by lmforge serve; send the text as input",
+    "include": "include is not supported by lmforge serve (no log-probabilities or tool outputs to add); remove it",
+    "top_logprobs": "top_logprobs is not supported on /v1/responses; use /v1/chat/completions with logprobs",
+    "context_management": "context_management is not supported by lmforge serve; remove it",
+    "truncation": "truncation 'auto' is not supported by lmforge serve: a conversation over the context is refused, "
+                  "never cut; send truncation 'disabled' or shorten it",
+}
+"""Fields of the Responses API that change the answer and lmforge does not implement: refused when set to anything
+but their neutral value (null, false, 0, {}, [], ``truncation: "disabled"``), with these messages."""
+_NEUTRAL = (None, False, 0, {}, [], "", "disabled")
+
+
+class TextPart(BaseModel):
+    """A message's content part: ``input_text`` (or ``output_text``, a previous reply's text; annotations ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    """A message item (``type`` may be left out, as the client's ``EasyInputMessage``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(BaseModel):
+    """A function call the model made (a previous response's ``function_call`` output item, sent back)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+
+
+class FunctionCallOutputItem(BaseModel):
+    """The result of the call ``call_id``, computed by the client."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=256)
+    output: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+def _item_kind(item: Any) -> str:
+    """An input item's type (``message`` when left out)."""
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+
+
+def _item_tag(item: Any) -> str:
+    """The union tag of an input item (a ``type=`` tag, which :func:`~lmforge.serve.api.parse` leaves out of the
+    parameter it names: ``input.0.content``)."""
+    return "type=" + str(_item_kind(item))
+
+
+InputItem = Annotated[Union[Annotated[InputMessage, Tag("type=message")],
+                            Annotated[FunctionCallItem, Tag("type=function_call")],
+                            Annotated[FunctionCallOutputItem, Tag("type=function_call_output")]],
+                      Discriminator(_item_tag)]
+
+
+class FunctionTool(BaseModel):
+    """``{"type": "function", "name", "description", "parameters", "strict"}``: the Responses form of a chat tool."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    """``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema", "name",
+    "schema", "description", "strict"}``."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponseRequest(BaseModel):
+    """``POST /v1/responses``."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    input: list[InputItem]  # a string is one user message
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _one_message(cls, v: Any) -> Any:
+        return [{"role": "user", "content": v}] if isinstance(v, str) else v
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1, le=TOKENS_MAX)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # lmforge's extension, as on chat
+    stream: bool = False
+    store: bool = True
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    user: str | None = None
+    parallel_tool_calls: bool = True
+    tools: list[FunctionTool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    text: TextConfig | None = None
+    previous_response_id: str | None = Field(default=None, min_length=1, max_length=256)
+
+    @classmethod
+    def refuse_unsupported(cls, data: dict[str, Any]) -> None:
+        """400 naming a field, tool, item or content part lmforge does not implement (before the schema's own
+        checks, so the refusal names what is unsupported rather than a failed union)."""
+        for name, message in UNSUPPORTED.items():
+            if data.get(name) not in _NEUTRAL:
+                raise APIError(400, message, name, "unsupported_parameter")
+        text = data.get("text")
+        if isinstance(text, dict) and text.get("verbosity") not in (None, "medium"):
+            raise APIError(400, "text.verbosity is not supported by lmforge serve; remove it (or send 'medium')",
+                           "text.verbosity", "unsupported_parameter")
+        for k, tool in enumerate(data.get("tools") or () if isinstance(data.get("tools"), list) else ()):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if isinstance(kind, str) and kind != "function":
+                raise APIError(400, f"tools.{k}: tools of type {shown(kind, 40)} (built-in tools) are not supported by "
+                                    "lmforge serve; give function tools {\"type\": \"function\", \"name\", "
+                                    "\"parameters\"}", f"tools.{k}.type", "unsupported_parameter")
+        choice = data.get("tool_choice")
+        if isinstance(choice, dict) and isinstance(choice.get("type"), str) and choice["type"] != "function":
+            raise APIError(400, f"tool_choice of type {shown(choice['type'], 40)} is not supported by lmforge serve; "
+                                "send none, auto, required or {\"type\": \"function\", \"name\"}", "tool_choice",
+                           "unsupported_parameter")
+        items = data.get("input")
+        for k, item in enumerate(items if isinstance(items, list) else ()):
+            kind = _item_kind(item) if isinstance(item, dict) else None
+            if isinstance(kind, str) and kind not in ITEM_TYPES:
+                raise APIError(400, f"input.{k}: items of type {shown(kind, 40)} are not supported by lmforge serve; "
+                                    f"send {', '.join(ITEM_TYPES)} items", f"input.{k}.type", "unsupported_parameter")
+            parts = item.get(kind == "message" and "content" or "output") if isinstance(item, dict) else None
+            for j, part in enumerate(parts if isinstance(parts, list) else ()):
+                what = part.get("type") if isinstance(part, dict) else None
+                if isinstance(what, str) and what not in TEXT_PARTS:
+                    field = f"input.{k}.{'content' if kind == 'message' else 'output'}.{j}"
+                    raise APIError(400, f"{field}: content of type {shown(what, 40)} is not supported by lmforge "
+                                        "serve (its models read text only); send input_text parts",
+                                   f"{field}.type", "unsupported_parameter")
+
+    def check_supported(self) -> None:
+        """400 for what the schema cannot say: an empty input, a json_schema format without its schema."""
+        if not self.input:
+            raise APIError(400, "input is empty; give a string or a list of items", "input")
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
+            raise APIError(400, "text.format of type json_schema needs schema (and a name)", "text.format.schema")
+
+
+def conversation(req: ResponseRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``history`` (the stored conversation of ``previous_response_id``) followed by ``req.input`` as chat messages
+    (``{"role", "content", "tool_calls", "tool_call_id"}``, as a chat request sends them); no instructions."""
+    out = [dict(m) for m in history]
+    for item in req.input:
+        if isinstance(item, InputMessage):
+            out.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if out and out[-1]["role"] == "assistant":  # the reply's text and its calls are one chat message
+                out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", ()), call]}
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        else:
+            out.append({"role": "tool", "content": item.text(), "tool_call_id": item.call_id})
+    return out
+
+
+def chat_request(req: ResponseRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request that answers ``req`` over ``messages`` (:func:`conversation`): ``instructions`` and
+    the opening system messages joined into the first; APIError 400 (Responses names) when it is not valid."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system":
+        lead += 1
+    if any(m["role"] == "system" for m in messages[lead:]):
+        raise APIError(400, "input: a system or developer message may only open the conversation (the chat format "
+                            "has one system message, first); move its text into instructions", "input")
+    system = ([req.instructions] if req.instructions else []) + [m["content"] for m in messages[:lead]]
+    chat: dict[str, Any] = {
+        "model": req.model, "stream": req.stream, "seed": req.seed, "parallel_tool_calls": req.parallel_tool_calls,
+        "messages": ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + messages[lead:],
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "max_completion_tokens": req.max_output_tokens,
+    }
+    if req.tools:
+        chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                         for t in req.tools]
+    if req.tool_choice is not None:
+        chat["tool_choice"] = req.tool_choice if isinstance(req.tool_choice, str) else \
+            {"type": "function", "function": {"name": req.tool_choice.name}}
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type != "text":
+        chat["response_format"] = {"type": fmt.type}
+        if fmt.type == "json_schema":
+            chat["response_format"]["json_schema"] = {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}
+    with renamed_errors():
+        try:
+            out = ChatCompletionRequest.model_validate(chat)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err["loc"][:3])
+            raise APIError(400, f"{where}: {err['msg']}", where.partition(".")[0]) from None
+        out.check_supported()
+    return out
+
+
+_RENAMES = [
+    (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
+    (re.compile(r"\bresponse_format(\.json_schema)?\b"), "text.format"),
+    (re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
+    (re.compile(r"\bmessages(\.\d+)?(\.[a-z_]+)?\b"), "input"),
+]
+
+
+def _rename(text: str) -> str:
+    for pattern, new in _RENAMES:
+        text = pattern.sub(new, text)
+    return text
+
+
+def renamed(e: APIError) -> APIError:
+    """``e`` (raised on the chat path) with the Responses names of its parameter, in its message too."""
+    return APIError(e.status, _rename(e.message), _rename(e.param) if e.param else e.param, e.code, e.type,
+                    e.headers)
+
+
+@contextlib.contextmanager
+def renamed_errors() -> Iterator[None]:
+    """Re-raise any :class:`APIError` of the enclosed chat-path code :func:`renamed`."""
+    try:
+        yield
+    except APIError as e:
+        raise renamed(e) from None

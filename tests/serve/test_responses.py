@@ -1,0 +1,289 @@
+"""``POST /v1/responses`` through the official ``openai`` client (``client.responses.create``, its stream helper
+``client.responses.stream``, ``retrieve``, ``delete``) against a real server: replies equal to the chat endpoint's
+for the same conversation, the streamed events, function calls and their outputs, ``text.format``, stored
+conversations, and hostile requests answered with OpenAI-shaped 4xx."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+openai = pytest.importorskip("openai")
+import httpx  # noqa: E402
+
+from lmforge.serve import ServedModel  # noqa: E402
+from lmforge.serve.response_store import ResponseStore  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from serve_helpers import (ThreadServer, chain_run, openai_client, random_chat_run, recorded_prompts,  # noqa: E402
+                           zero_run)
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False}}
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
+                                           "temp": {"type": "integer", "minimum": -9, "maximum": 40}},
+          "required": ["city", "temp"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("responses")
+    return {"chatty": random_chat_run(d / "chatty", context_length=512),
+            "hi": chain_run(d / "hi", ["<|assistant_start|>", ord("H"), ord("i"), "<|assistant_end|>"])}
+
+
+@pytest.fixture(scope="module")
+def srv(runs):
+    s = ThreadServer(ServedModel.from_run(runs["chatty"], max_batch=4), max_body=64 << 10)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def hi(runs):
+    """The model that answers ``Hi`` and ends its turn, with a store of two responses."""
+    s = ThreadServer(ServedModel.from_run(runs["hi"]), response_store=ResponseStore(max_items=2))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai_client(srv.url)
+
+
+def _post(server: ThreadServer, body: dict | bytes, **kw) -> httpx.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url + "/v1/responses", content=data, trust_env=False, timeout=60,
+                      headers={"Content-Type": "application/json", **kw.pop("headers", {})}, **kw)
+
+
+def test_greedy_and_seeded_replies_equal_the_chat_endpoints(client):
+    """Instructions, system, developer, user and assistant items (string and part contents) as one chat."""
+    items = [{"role": "system", "content": "Terse."},
+             {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "No lists."}]},
+             {"role": "user", "content": "Hi"},
+             {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Yo", "annotations": []}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "Wh"}, {"type": "input_text", "text": "y?"}]}]
+    messages = [{"role": "system", "content": "Be kind.\n\nTerse.\n\nNo lists."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Yo"}, {"role": "user", "content": "Why?"}]
+    for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
+        chat = client.chat.completions.create(model="chatty", messages=messages, max_tokens=24, **kw)
+        extra = {"extra_body": {"seed": kw["seed"]}} if "seed" in kw else {}
+        r = client.responses.create(model="chatty", instructions="Be kind.", input=items, max_output_tokens=24,
+                                    temperature=kw["temperature"], **extra)
+        assert r.output_text == chat.choices[0].message.content and r.output_text
+        assert r.object == "response" and r.id.startswith("resp_") and r.model == "chatty"
+        assert (r.status, r.incomplete_details.reason) == ("incomplete", "max_output_tokens")  # 24 tokens, no end
+        assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 24)
+        assert r.usage.total_tokens == r.usage.input_tokens + 24
+        streamed = "".join(e.delta for e in client.responses.create(
+            model="chatty", instructions="Be kind.", input=items, max_output_tokens=24, stream=True,
+            temperature=kw["temperature"], **extra) if e.type == "response.output_text.delta")
+        assert streamed == r.output_text
+    one = client.responses.create(model="chatty", input="Why?", max_output_tokens=8, temperature=0)
+    chat = client.chat.completions.create(model="chatty", messages=[{"role": "user", "content": "Why?"}],
+                                          max_tokens=8, temperature=0)
+    assert one.output_text == chat.choices[0].message.content  # a string input: one user message
+
+
+def test_stream_events_in_order_and_the_stream_helper_accepts_them(client, hi):
+    events = list(client.responses.create(model="chatty", input="Hello", max_output_tokens=6, temperature=0,
+                                          stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * (len(kinds) - 8),
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.incomplete"]
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    last = events[-1].response
+    assert events[-4].text == last.output_text == "".join(e.delta for e in events if hasattr(e, "delta"))
+    assert len({events[0].response.id, last.id}) == 1 and last.usage.output_tokens == 6
+    assert events[2].item.id == events[-2].item.id == last.output[0].id and events[-2].item.status == "incomplete"
+
+    c = openai_client(hi.url)
+    with c.responses.stream(model="hi", input="Hello", temperature=0) as s:
+        deltas = [e.delta for e in s if e.type == "response.output_text.delta"]
+        final = s.get_final_response()
+    assert final.output_text == "".join(deltas) == "Hi" and final.status == "completed"
+    assert final.incomplete_details is None and final.usage.output_tokens == 2 and final.completed_at
+
+
+def test_function_call_and_its_output_round_trip(client, srv, monkeypatch):
+    tools = [WEATHER]
+    r = client.responses.create(model="chatty", input="Weather?", tools=tools, tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=120, temperature=1.0,
+                                extra_body={"seed": 1})
+    assert r.status == "completed" and [o.type for o in r.output] == ["function_call"]
+    call = r.output[0]
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_") and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    assert r.tools[0].name == "get_weather" and r.tool_choice == "required"
+    # the chat endpoint makes the same call for the same request (call ids aside)
+    chat_tool = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+    chat = client.chat.completions.create(model="chatty", messages=[{"role": "user", "content": "Weather?"}],
+                                          tools=[chat_tool], tool_choice="required", parallel_tool_calls=False,
+                                          max_tokens=120, temperature=1.0, seed=1)
+    assert chat.choices[0].message.tool_calls[0].function.arguments == call.arguments
+
+    # the call's output, sent after previous_response_id or with the call itself: the chat's prompt either way
+    seen = recorded_prompts(srv.served, monkeypatch)
+    out = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    r2 = client.responses.create(model="chatty", previous_response_id=r.id, input=[out], tools=tools,
+                                 max_output_tokens=5, temperature=0)
+    r3 = client.responses.create(model="chatty", tools=tools, max_output_tokens=5, temperature=0, input=[
+        {"role": "user", "content": "Weather?"}, call.model_dump(exclude_none=True), out])
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": call.call_id, "type": "function",
+                     "function": {"name": "get_weather", "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
+    chat = client.chat.completions.create(model="chatty", messages=messages, tools=[chat_tool], max_tokens=5,
+                                          temperature=0)
+    assert seen[0] == seen[1] == seen[2] and r2.output_text == r3.output_text == chat.choices[0].message.content
+    # a reply's text and its calls are one assistant message
+    client.responses.create(model="chatty", tools=tools, max_output_tokens=1, temperature=0, input=[
+        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Let me see."},
+        call.model_dump(exclude_none=True), out])
+    client.chat.completions.create(model="chatty", tools=[chat_tool], max_tokens=1, temperature=0, messages=[
+        messages[0], {**messages[1], "content": "Let me see."}, messages[2]])
+    assert seen[3] == seen[4]
+
+    # streamed: the call's item and its arguments' events, and the helper's final response
+    with client.responses.stream(model="chatty", input="Weather?", tools=tools, tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=120, temperature=1.0,
+                                 extra_body={"seed": 1}) as s:
+        events = list(s)
+        final = s.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[2:-1] == ["response.output_item.added", "response.function_call_arguments.delta",
+                           "response.function_call_arguments.done", "response.output_item.done"]
+    assert events[2].item.arguments == "" and events[4].arguments == call.arguments
+    assert final.output[0].arguments == call.arguments and final.output[0].name == "get_weather"
+
+
+def test_text_format_json_schema_and_json_object(client):
+    fmt = {"type": "json_schema", "name": "weather", "schema": SCHEMA, "strict": True}
+    r = client.responses.create(model="chatty", input="Weather?", text={"format": fmt}, max_output_tokens=80,
+                                temperature=1.0, extra_body={"seed": 3})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), SCHEMA)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "weather"
+    chat = client.chat.completions.create(
+        model="chatty", messages=[{"role": "user", "content": "Weather?"}], max_tokens=80, temperature=1.0, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}})
+    assert chat.choices[0].message.content == r.output_text
+    r = client.responses.create(model="chatty", input="Weather?", text={"format": {"type": "json_object"}},
+                                max_output_tokens=200, temperature=1.0, extra_body={"seed": 4})
+    assert r.status == "completed" and isinstance(json.loads(r.output_text), dict)
+
+
+def test_previous_response_id_continues_the_stored_conversation(hi, monkeypatch):
+    c = openai_client(hi.url)
+    seen = recorded_prompts(hi.served, monkeypatch)
+    r1 = c.responses.create(model="hi", instructions="Rule one.", input="A", temperature=0)
+    r2 = c.responses.create(model="hi", instructions="Rule two.", input="B", previous_response_id=r1.id,
+                            temperature=0)
+    assert r1.output_text == r2.output_text == "Hi" and r2.previous_response_id == r1.id
+    # the instructions are not carried over; the first turn and its reply are
+    assert seen[1] == hi.served.chat_prompt([{"role": "system", "content": "Rule two."},
+                                             {"role": "user", "content": "A"}, {"role": "assistant", "content": "Hi"},
+                                             {"role": "user", "content": "B"}])
+    got = c.responses.retrieve(r2.id)
+    assert got.output_text == "Hi" and got.id == r2.id and got.usage.input_tokens == len(seen[1])
+    c.responses.delete(r2.id)
+    for call in (lambda: c.responses.retrieve(r2.id), lambda: c.responses.delete(r2.id)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.body["code"] == "not_found"
+    # store: false keeps nothing; the store holds two entries, the oldest leaves first
+    r = c.responses.create(model="hi", input="C", store=False, temperature=0)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(r.id)
+    ids = [c.responses.create(model="hi", input=x, temperature=0).id for x in "DEF"]
+    with pytest.raises(openai.NotFoundError) as e:
+        c.responses.create(model="hi", input="G", previous_response_id=ids[0])
+    assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "previous_response_not_found"
+    assert c.responses.retrieve(ids[2]).output_text == "Hi"
+
+
+def test_hostile_requests_get_openai_shaped_4xx(srv, client):
+    base = {"model": "chatty", "input": "Hi", "max_output_tokens": 4}
+    cases = [
+        ({**base, "input": 5}, 400, "input"),
+        ({**base, "input": [{"role": "robot", "content": "x"}]}, 400, "input.0.role"),
+        ({**base, "input": [{"role": "user", "content": [{"type": "input_text"}]}]}, 400, "input.0.content"),
+        ({**base, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
+         "input.0.content.0.type"),
+        ({**base, "input": [{"type": "web_search_call", "id": "x"}]}, 400, "input.0.type"),
+        ({**base, "input": []}, 400, "input"),
+        ({**base, "input": [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]}, 400, "input"),
+        ({**base, "input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, 400, "input"),
+        ({**base, "temperature": "hot"}, 400, "temperature"),
+        ({**base, "max_output_tokens": 0}, 400, "max_output_tokens"),
+        ({**base, "max_output_tokens": 10 ** 6}, 400, "max_output_tokens"),
+        ({**base, "tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
+        ({**base, "tools": [{**WEATHER, "parameters": {"type": "array"}}]}, 400, "tools.0.parameters"),
+        ({**base, "tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, 400, "tool_choice"),
+        ({**base, "tool_choice": {"type": "file_search"}}, 400, "tool_choice"),
+        ({**base, "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema"),
+        ({**base, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, 400,
+         "text.format.schema"),
+        ({**base, "text": {"format": {"type": "yaml"}}}, 400, "text.format.type"),
+        ({**base, "reasoning": {"effort": "high"}}, 400, "reasoning"),
+        ({**base, "include": ["message.output_text.logprobs"]}, 400, "include"),
+        ({**base, "truncation": "auto"}, 400, "truncation"),
+        ({**base, "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
+        ({**base, "model": "gpt-9"}, 404, "model"),
+        ({**base, "input": "x" * 600}, 400, "input"),  # over the 512-token context
+        ({**base, "metadata": {"k": "\ud800"}}, 400, "metadata.k"),
+        ({**base, "input": [{"role": "user", "content": "\ud800"}]}, 400, "input.0.content"),
+        ({**base, "tools": [{**WEATHER, "parameters": {"type": "object", "title": "\ud800"}}]}, 400,
+         "tools.0.parameters"),
+    ]
+    for body, status, param in cases:
+        r = _post(srv, body)
+        err = r.json()["error"]
+        assert (r.status_code, err["param"]) == (status, param), (body, r.text)
+        assert set(err) == {"message", "type", "param", "code"} and len(err["message"]) < 900
+    assert _post(srv, {**base, "input": "y" * (70 << 10)}).status_code == 413  # over the body limit
+    assert _post(srv, b"{not json").status_code == 400
+    assert _post(srv, json.dumps(base).encode(), headers={"Content-Type": "text/plain"}).status_code == 415
+    for rid in ("resp_nope", "x" * 300):
+        assert httpx.get(f"{srv.url}/v1/responses/{rid}", trust_env=False).status_code == 404
+    with pytest.raises(openai.BadRequestError):  # the client's own error type
+        client.responses.create(model="chatty", input=[{"role": "user", "content": "a"}],
+                                tools=[{"type": "code_interpreter", "container": {"type": "auto"}}])
+    metrics = httpx.get(srv.url + "/metrics", trust_env=False).text
+    assert 'endpoint="/v1/responses",status="400"' in metrics
+    assert 'endpoint="/v1/responses/{response_id}",status="404"' in metrics
+    assert "resp_nope" not in metrics  # a route template, never a client's path
+
+
+def test_a_stream_left_early_frees_its_row(tmp_path):
+    s = ThreadServer(ServedModel.from_run(zero_run(tmp_path / "zero"), max_batch=2))
+    try:
+        c = openai_client(s.url)
+        stream = c.responses.create(model="zero", input="go", max_output_tokens=4000, stream=True, temperature=0)
+        for e in stream:
+            if e.type == "response.output_text.delta":
+                break
+        stream.close()
+        deadline = time.monotonic() + 5
+        while s.served.scheduler.load()["active"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert s.served.scheduler.load()["active"] == 0
+        r = c.responses.create(model="zero", input="go", max_output_tokens=3, temperature=0)
+        assert r.output_text == "\0\0\0"  # and the server goes on answering
+    finally:
+        s.close()
