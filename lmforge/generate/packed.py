@@ -50,7 +50,7 @@ def kernel_available() -> bool:
 
 # Model options that change the forward pass and what the C++ step computes for each when off. Options that only
 # initialise (model.zero_init, model.head_init_std) leave a Llama the step runs as it is.
-_KERNEL_COMPUTES = {"smear": False, "value_embeds": 0, "unet_skips": False, "mlp": "swiglu", "logit_softcap": None,
+_KERNEL_COMPUTES = {"smear": False, "smear_keys": False, "value_embeds": 0, "unet_skips": False, "mlp": "swiglu", "logit_softcap": None,
                     "qk_norm": False}
 
 

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from lmforge.model.cache import KVCache, check_context
 from lmforge.model.fused import Norm, _project_modules, _rope_fast
 from lmforge.model.layers import (Device, DType, Linear, RotaryPositionalEmbedding, SwiGLU, scaled_dot_product_attention)
-from lmforge.model.recipe import rms_norm_heads
+from lmforge.model.recipe import key_smear_init, rms_norm_heads, smear_keys
 
 __all__ = ["CausalSelfAttention", "FeedForward", "ReluSquared", "MLPS", "TransformerBlock"]
 
@@ -25,12 +25,14 @@ class CausalSelfAttention(nn.Module):
     ``qk_norm``: each query and key head is RMS-normalised (no gain) before RoPE (``model.qk_norm``).
     ``value_embed``: the forward takes ``ve (B, T, num_kv_heads·head_dim)``, the token's value embedding, and
     adds ``ve_lambda · ve`` to the values (``model.value_embeds``); ``ve_lambda (1,)`` starts at 0.5.
+    ``smear_keys``: each key head mixes in the previous column's key (:func:`~lmforge.model.recipe.smear_keys`,
+    ``model.smear_keys``) with the learned logits ``key_smear (num_kv_heads,)`` (init: ``key_smear_init``).
     """
 
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None, theta: float | None = None,
                  num_kv_heads: int | None = None, rope: RotaryPositionalEmbedding | None = None, fast: bool = False,
                  device: Device = None, dtype: DType = None, *, qk_norm: bool = False, value_embed: bool = False,
-                 eps: float = 1e-5) -> None:
+                 smear_keys: bool = False, eps: float = 1e-5) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if d_model % num_heads or num_heads % num_kv_heads:
@@ -41,6 +43,8 @@ class CausalSelfAttention(nn.Module):
         self.fast = fast
         self.qk_norm, self.eps = qk_norm, eps
         self.ve_lambda = nn.Parameter(torch.full((1,), 0.5, device=device, dtype=dtype)) if value_embed else None
+        self.key_smear = (nn.Parameter(key_smear_init(num_kv_heads).to(device=device, dtype=dtype)) if smear_keys
+                          else None)
         self.q_proj = Linear(d_model, num_heads * self.head_dim, device=device, dtype=dtype)
         self.k_proj = Linear(d_model, num_kv_heads * self.head_dim, device=device, dtype=dtype)
         self.v_proj = Linear(d_model, num_kv_heads * self.head_dim, device=device, dtype=dtype)
@@ -52,9 +56,11 @@ class CausalSelfAttention(nn.Module):
         self.rope = rope
 
     def reset_parameters(self) -> None:
-        if self.ve_lambda is not None:
-            with torch.no_grad():
+        with torch.no_grad():
+            if self.ve_lambda is not None:
                 self.ve_lambda.fill_(0.5)
+            if self.key_smear is not None:
+                self.key_smear.copy_(key_smear_init(self.num_kv_heads))
 
     def forward(self, x: Tensor, token_positions: Tensor | None = None, cache: KVCache | None = None,
                 layer_idx: int = 0, ve: Tensor | None = None) -> Tensor:
@@ -89,11 +95,13 @@ class CausalSelfAttention(nn.Module):
             q, k = self.rope(q, pos), self.rope(k, pos)
         if cache is not None:
             k, v = cache.write(layer_idx, k, v)  # (B, KV, S, D) with S = cached + T
+            k = k if self.key_smear is None else smear_keys(k, self.key_smear)
             mask = cache.mask(T)  # None, (T, S) or (B, 1, T, S)
             if mask is None:  # plain causal over the last T of S columns (S == T, or one query that sees all)
                 S = k.shape[-2]
                 mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
         else:
+            k = k if self.key_smear is None else smear_keys(k, self.key_smear)
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
         if KV != H:
             k = k.repeat_interleave(H // KV, dim=-3)  # (..., H, S, D)
@@ -123,9 +131,11 @@ class CausalSelfAttention(nn.Module):
             q, k = _rope_fast(q, cos, sin), _rope_fast(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, h, T, D)
         if cache is None:
+            k = k if self.key_smear is None else smear_keys(k, self.key_smear)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KV != H)
         else:
             k, v = cache.write(layer_idx, k, v)  # (B, KV, S, D)
+            k = k if self.key_smear is None else smear_keys(k, self.key_smear)
             mask = cache.mask(T)
             if mask is None:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=KV != H)
@@ -174,17 +184,19 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(ln1(x))`` then ``x + ffn(ln2(x))``.
 
     ``mlp``: the feed-forward, ``"swiglu"`` (:class:`FeedForward`) or ``"relu2"`` (:class:`ReluSquared`);
-    ``qk_norm`` and ``value_embed`` go to :class:`CausalSelfAttention`."""
+    ``qk_norm``, ``value_embed`` and ``smear_keys`` go to :class:`CausalSelfAttention`."""
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, max_seq_len: int | None = None,
                  theta: float | None = None, num_kv_heads: int | None = None, eps: float = 1e-5,
                  rope: RotaryPositionalEmbedding | None = None, fast: bool = False, device: Device = None,
-                 dtype: DType = None, *, mlp: str = "swiglu", qk_norm: bool = False, value_embed: bool = False) -> None:
+                 dtype: DType = None, *, mlp: str = "swiglu", qk_norm: bool = False, value_embed: bool = False,
+                 smear_keys: bool = False) -> None:
         super().__init__()
         if mlp not in MLPS:
             raise ValueError(f"unknown feed-forward {mlp!r}; use one of {', '.join(MLPS)}")
         self.attn = CausalSelfAttention(d_model, num_heads, max_seq_len, theta, num_kv_heads, rope=rope, fast=fast,
-                                        device=device, dtype=dtype, qk_norm=qk_norm, value_embed=value_embed, eps=eps)
+                                        device=device, dtype=dtype, qk_norm=qk_norm, value_embed=value_embed,
+                                        smear_keys=smear_keys, eps=eps)
         self.ln1 = Norm(d_model, eps, fast=fast, device=device, dtype=dtype)
         if mlp == "relu2":
             self.ffn: nn.Module = ReluSquared(d_model, d_ff or 4 * d_model, fast=fast, device=device, dtype=dtype)

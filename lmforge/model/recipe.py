@@ -7,11 +7,12 @@ share them.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmforge.model.layers import Device, DType
 
-__all__ = ["Smear", "SMEAR_GATE_CHANNELS", "softcap", "rms_norm_heads"]
+__all__ = ["Smear", "SMEAR_GATE_CHANNELS", "softcap", "rms_norm_heads", "smear_keys", "key_smear_init"]
 
 SMEAR_GATE_CHANNELS = 24
 """How many leading channels of a token's embedding its smear gate reads (nanochat's choice; fewer when
@@ -62,3 +63,20 @@ def rms_norm_heads(x: Tensor, eps: float) -> Tensor:
     normalisation of each query and key head."""
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def key_smear_init(n_kv_heads: int) -> Tensor:
+    """The key-smear logits at init, ``(n_kv_heads,)``: spread evenly over ``[-2, 2]`` (one head: 0), so that the
+    heads start between mostly their own key (``sigmoid(-2) = 0.12`` of the previous one) and mostly the previous
+    token's (0.88): some heads can match previous tokens, an induction head's first half, from the first step."""
+    return torch.linspace(-2.0, 2.0, n_kv_heads) if n_kv_heads > 1 else torch.zeros(1)
+
+
+def smear_keys(k: Tensor, logits: Tensor) -> Tensor:
+    """Smeared keys (Olsson et al. 2022): ``k'_j = k_j + sigmoid(a_h)·(k_{j-1} - k_j)`` per key head ``h``, with
+    ``k_{-1} = 0``. ``k (B, KV, S, D)``: the keys of columns ``0 .. S-1`` (after RoPE), ``logits (KV,)`` the
+    parameters ``a``. The cache holds the keys before smearing, so a step smears every cached column again (no
+    per-row state: copying or padding rows needs nothing more)."""
+    prev = F.pad(k, (0, 0, 1, 0))[..., :-1, :]  # (B, KV, S, D): column j-1's key, zeros before column 0
+    share = torch.sigmoid(logits.float()).to(k.dtype)[:, None, None]  # (KV, 1, 1)
+    return k + share * (prev - k)

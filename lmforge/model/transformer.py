@@ -44,7 +44,7 @@ __all__ = ["ModelConfig", "MAX_CONTEXT_LENGTH", "TransformerLM", "TransformerBlo
            "flops_per_token", "matmul_params_per_token", "cached_projections", "Norm", "RECIPE_OPTIONS"]
 
 
-RECIPE_OPTIONS = ("smear", "value_embeds", "unet_skips", "mlp", "logit_softcap", "qk_norm", "zero_init",
+RECIPE_OPTIONS = ("smear", "smear_keys", "value_embeds", "unet_skips", "mlp", "logit_softcap", "qk_norm", "zero_init",
                   "head_init_std")
 """The training-recipe options of :class:`ModelConfig` (all off by default)."""
 
@@ -83,6 +83,10 @@ class ModelConfig:
     smear: bool = False
     """Previous-token mixing: each token's embedding gets a learned, gated share of the previous token's
     (:class:`~lmforge.model.recipe.Smear`; starts at zero), so in-context copying (induction) can form early."""
+    smear_keys: bool = False
+    """Smeared keys (Olsson et al. 2022): each key head mixes in the previous token's key with a learned share
+    (heads start spread from 0.12 to 0.88), so a head matching the current token against previous ones -- half of
+    an induction head -- exists from the start."""
     value_embeds: int = 0
     """Value embeddings (modded-nanogpt): this many extra token-embedding tables of width ``n_kv_heads·head_dim``;
     table ``j`` is added (times a learned per-layer scalar) to the attention values of layer ``j`` and of layer
@@ -138,7 +142,7 @@ class ModelConfig:
         if not (isinstance(self.norm_eps, (int, float)) and self.norm_eps > 0):
             raise ValueError(f"model.norm_eps must be a positive number, got {self.norm_eps!r}")
         self._check_recipe()
-        for name in ("tie_embeddings", "fast", "smear", "unet_skips", "qk_norm", "zero_init"):
+        for name in ("tie_embeddings", "fast", "smear", "smear_keys", "unet_skips", "qk_norm", "zero_init"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
 
@@ -202,7 +206,7 @@ class TransformerLM(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.context_length, num_kv_heads=cfg.n_kv_heads,
                              eps=cfg.norm_eps, rope=rope, fast=cfg.fast, device=device, dtype=dtype, mlp=cfg.mlp,
-                             qk_norm=cfg.qk_norm, value_embed=i < ve or i >= n - ve)
+                             qk_norm=cfg.qk_norm, value_embed=i < ve or i >= n - ve, smear_keys=cfg.smear_keys)
             for i in range(n))
         # recipe options (None when off, so a default model's state dict is unchanged)
         self.smear = Smear(cfg.d_model, device=device, dtype=dtype) if cfg.smear else None
@@ -249,7 +253,8 @@ class TransformerLM(nn.Module):
         * ``model.zero_init``: ``output_proj`` and ``ffn.w2`` of every block: zeros.
         * ``model.head_init_std``: ``lm_head``: truncated normal with that std (zeros for 0).
         * value embeddings (``value_embeddings.{j}``): as the token embeddings; their per-layer scales
-          (``layers.{i}.attn.ve_lambda``): 0.5; ``smear.gate``, ``smear.lam``: zeros; ``skip_weights``: ones.
+          (``layers.{i}.attn.ve_lambda``): 0.5; ``smear.gate``, ``smear.lam``: zeros; ``skip_weights``: ones;
+          the key-smear logits (``layers.{i}.attn.key_smear``): evenly from -2 to 2 over the key heads.
         """
         for module in self.modules():
             if module is not self and hasattr(module, "reset_parameters"):

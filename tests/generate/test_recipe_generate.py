@@ -17,7 +17,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 32))]
 def recipe_model(**kw) -> TransformerLM:
     """A tiny model with the options on, its parameters moved off their init (the smear starts at zero)."""
     torch.manual_seed(0)
-    cfg = dict(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, smear=True,
+    cfg = dict(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, smear=True, smear_keys=True,
                value_embeds=1, unet_skips=True, mlp="relu2", logit_softcap=6.0, qk_norm=True)
     cfg.update(kw)
     model = TransformerLM(ModelConfig(**cfg)).eval()
@@ -28,7 +28,8 @@ def recipe_model(**kw) -> TransformerLM:
 
 
 @pytest.mark.parametrize("kw", [{}, {"fast": False}, {"value_embeds": 0, "unet_skips": False, "mlp": "swiglu",
-                                                      "logit_softcap": None, "qk_norm": False}])
+                                                      "logit_softcap": None, "qk_norm": False,
+                                                      "smear_keys": False}])
 def test_cached_greedy_equals_naive_recompute(kw):
     model = recipe_model(**kw)
     assert not Engine(model)._kernel

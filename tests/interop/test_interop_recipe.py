@@ -12,7 +12,7 @@ from lmforge.interop.hf_export import export_hf
 from lmforge.model import ModelConfig
 
 BASE = dict(vocab_size=300, context_length=16, d_model=32, n_layers=2, n_heads=2)
-REFUSED = [("smear", True), ("value_embeds", 1), ("unet_skips", True), ("mlp", "relu2"), ("logit_softcap", 15.0),
+REFUSED = [("smear", True), ("smear_keys", True), ("value_embeds", 1), ("unet_skips", True), ("mlp", "relu2"), ("logit_softcap", 15.0),
            ("qk_norm", True)]
 
 

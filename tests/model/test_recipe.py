@@ -15,10 +15,10 @@ from lmforge.generate.packed import kernel_unsupported
 from lmforge.model import KVCache, ModelConfig, TransformerLM, linear_cross_entropy, matmul_params_per_token, num_params
 from lmforge.model.layers import cross_entropy as cross_entropy_reference
 from lmforge.model.lora import LoraConfig, apply_lora
-from lmforge.model.recipe import Smear, softcap
+from lmforge.model.recipe import Smear, smear_keys, softcap
 from lmforge.model.transformer import RECIPE_OPTIONS
 
-OPTIONS = {"smear": {"smear": True}, "value_embeds": {"value_embeds": 1}, "unet_skips": {"unet_skips": True},
+OPTIONS = {"smear": {"smear": True}, "smear_keys": {"smear_keys": True}, "value_embeds": {"value_embeds": 1}, "unet_skips": {"unet_skips": True},
            "relu2": {"mlp": "relu2"}, "softcap": {"logit_softcap": 3.0}, "qk_norm": {"qk_norm": True},
            "zero_init": {"zero_init": True}, "head_init_std": {"head_init_std": 0.01}}
 ALL = {k: v for kw in OPTIONS.values() for k, v in kw.items()}
@@ -124,6 +124,30 @@ def test_smear_formula():
     assert torch.equal(Smear(64)(x, prev), x)  # starts as the identity
 
 
+def test_smeared_keys_formula_and_cached_rows():
+    """Key head h at column j: k_j + sigmoid(a_h)(k_{j-1} - k_j), k_{-1} = 0; the cache keeps raw keys, so a row
+    copied or right-padded continues exactly (no other state)."""
+    k, a = torch.randn(2, 3, 5, 4), torch.tensor([-1.0, 0.0, 2.0])
+    out = smear_keys(k, a)
+    for h in range(3):
+        s = torch.sigmoid(a[h])
+        for j in range(5):
+            prev = k[:, h, j - 1] if j else torch.zeros(2, 4)
+            torch.testing.assert_close(out[:, h, j], (1 - s) * k[:, h, j] + s * prev)
+    model = model_pair(smear_keys=True, n_kv_heads=2)[0]
+    assert model.layers[0].attn.key_smear.shape == (2,)
+    a, b = torch.randint(0, 97, (1, 9)), torch.randint(0, 97, (1, 5))
+    with torch.no_grad():
+        cache = KVCache.for_model(model, 2)
+        model(torch.cat([a, torch.cat([b, torch.full((1, 4), 7)], 1)]), cache=cache)
+        cache.lengths[1] = 5
+        cache.copy_row(1, 0)
+        nxt = torch.randint(0, 97, (2, 2))
+        got = model(nxt, cache=cache)
+        for r in (0, 1):
+            torch.testing.assert_close(got[r], model(torch.cat([b, nxt[r:r + 1]], 1))[0, 5:], atol=1e-4, rtol=1e-4)
+
+
 def test_value_embeddings_and_unet_skips_follow_their_formulas():
     """Rebuild ``hidden`` by hand from the blocks: table j feeds layers j and n-k+j; layer n-1-j adds
     skip_weights[j] times layer j's output."""
@@ -210,6 +234,7 @@ def test_init_follows_the_docstring():
     assert not m.smear.gate.any() and not m.smear.lam.any()
     assert m.skip_weights.tolist() == [1.0]
     assert [float(layer.attn.ve_lambda.detach()) for layer in (m.layers[0], m.layers[2])] == [0.5, 0.5]
+    assert m.layers[1].attn.key_smear.tolist() == pytest.approx([-2.0, -2 / 3, 2 / 3, 2.0])
     assert 0.9 < m.value_embeddings[0].weight.std() < 1.1
     assert not TransformerLM(cfg_of(head_init_std=0)).lm_head.weight.any()
 
@@ -252,4 +277,4 @@ def test_the_decode_kernel_names_the_options_it_lacks():
     assert kernel_unsupported(cfg_of()) == []
     assert kernel_unsupported(cfg_of(zero_init=True, head_init_std=0.0)) == []
     assert kernel_unsupported(cfg_of(smear=True, mlp="relu2")) == ["model.smear=True", "model.mlp='relu2'"]
-    assert len(kernel_unsupported(cfg_of(**ALL))) == 6
+    assert len(kernel_unsupported(cfg_of(**ALL))) == 7
