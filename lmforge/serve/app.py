@@ -207,8 +207,11 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
                 store.put(b.rid, b.resource(), [*messages, reply])
 
         if req.stream:
-            events = response_events.stream(builder, updates, lambda u: (timing.update(0, u), take(u))[1],
-                                            lambda: sched.cancel(job), done)
+            def timed(u: Update) -> list[Any]:
+                timing.update(0, u)
+                return take(u)
+
+            events = response_events.stream(builder, updates, timed, lambda: sched.cancel(job), done)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         if not await _collect(request, jobs, updates, timing, lambda k, u: take(u)):
             return Response(status_code=499)

@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Callable
 
 from lmforge.generate.scheduler import Update
 from lmforge.serve import structured
+from lmforge.serve.api import APIError
 from lmforge.serve.responses import ResponseRequest
 
 __all__ = ["ResponseBuilder", "new_id", "stream"]
@@ -44,7 +45,8 @@ class ResponseBuilder:
 
     def __init__(self, rid: str, model: str, req: ResponseRequest) -> None:
         self.rid, self.model, self.req = rid, model, req
-        self.created = time.time()
+        self.created = int(time.time())
+        self.completed_at: int | None = None
         self.output: list[dict[str, Any]] = []
         self.status = "in_progress"
         self.usage: dict[str, Any] | None = None
@@ -60,13 +62,14 @@ class ResponseBuilder:
         fmt = req.text.format if req.text is not None and req.text.format is not None else None
         return {
             "id": self.rid, "object": "response", "created_at": self.created, "status": self.status,
-            "completed_at": time.time() if self.status == "completed" else None,
+            "completed_at": self.completed_at,
             "error": self.error, "incomplete_details": self.incomplete, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "model": self.model, "output": self.output,
             "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p,
-            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None and
+                     fmt.type == "json_schema" else {"type": fmt.type if fmt is not None else "text"}},
             "tool_choice": req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump")
             else req.tool_choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
@@ -157,6 +160,7 @@ class ResponseBuilder:
         if u.finish_reason in ("error", "cancelled"):
             return self.fail(u.error or "the request was cancelled: the server is stopping", numbered=False)
         self.status = "incomplete" if u.finish_reason == "length" else "completed"
+        self.completed_at = int(time.time()) if self.status == "completed" else None
         if u.finish_reason == "length":
             self.incomplete = {"reason": "max_output_tokens"}
         self.usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
@@ -198,8 +202,8 @@ async def stream(builder: ResponseBuilder, updates: "asyncio.Queue[Any]", take: 
             _, u = await updates.get()
             try:
                 events = take(u)
-            except Exception as e:  # noqa: BLE001  (the request's grammar failed: its error, as the event)
-                events = builder.fail(getattr(e, "message", str(e)), getattr(e, "code", None) or "server_error")
+            except APIError as e:  # (the request's grammar failed while decoding: its error, as the event)
+                events = builder.fail(e.message, e.code or "invalid_request_error")
                 finished = True
             finished = finished or u.finish_reason is not None
             for event in events:

@@ -178,7 +178,7 @@ def test_text_format_json_schema_and_json_object(client):
                                 temperature=1.0, extra_body={"seed": 3})
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), SCHEMA)
-    assert r.text.format.type == "json_schema" and r.text.format.name == "weather"
+    assert r.text.format.type == "json_schema" and r.text.format.name == "weather" and r.text.format.schema_ == SCHEMA
     chat = client.chat.completions.create(
         model="chatty", messages=[{"role": "user", "content": "Weather?"}], max_tokens=80, temperature=1.0, seed=3,
         response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}})
@@ -186,6 +186,7 @@ def test_text_format_json_schema_and_json_object(client):
     r = client.responses.create(model="chatty", input="Weather?", text={"format": {"type": "json_object"}},
                                 max_output_tokens=200, temperature=1.0, extra_body={"seed": 4})
     assert r.status == "completed" and isinstance(json.loads(r.output_text), dict)
+    assert r.text.format.type == "json_object" and not hasattr(r.text.format, "schema_")
 
 
 def test_previous_response_id_continues_the_stored_conversation(hi, monkeypatch):
