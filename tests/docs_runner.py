@@ -191,9 +191,9 @@ class Page:
         self.log.append(r.stdout)
 
     def run_command(self, command: str, where: str) -> None:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         self._run_command(command, where)
-        self.times.append((time.perf_counter() - start, command[:90]))
+        self.times.append((time.perf_counter() - start, f"(cpu {time.process_time() - cpu:5.1f} s) {command[:90]}"))
 
     def _run_command(self, command: str, where: str) -> None:
         words = shlex.split(command, comments=True)
