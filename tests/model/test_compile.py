@@ -17,6 +17,9 @@ import torch
 
 from lmforge.model import ModelConfig, TransformerLM
 
+RECIPE = dict(smear=True, smear_keys=True, value_embeds=1, unet_skips=True, mlp="relu2", logit_softcap=5.0,
+              qk_norm=True, zero_init=True)
+
 
 @pytest.mark.parametrize("backend", [
     "aot_eager",
@@ -25,10 +28,15 @@ from lmforge.model import ModelConfig, TransformerLM
         pytest.mark.skipif(not os.environ.get("LMFORGE_TEST_INDUCTOR"), reason="set LMFORGE_TEST_INDUCTOR=1"),
         pytest.mark.skipif(shutil.which("c++") is None, reason="inductor needs a C++ compiler on CPU")]),
 ])
-def test_compiled_model_matches_eager_forward_and_backward(backend):
+@pytest.mark.parametrize("recipe", [{}, RECIPE], ids=["llama", "recipe"])
+def test_compiled_model_matches_eager_forward_and_backward(backend, recipe):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=96, context_length=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
+    cfg = ModelConfig(vocab_size=96, context_length=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+                      **recipe)
     model = TransformerLM(cfg)
+    with torch.no_grad():  # off the init: the smear and the zero-initialised projections take part
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
     x = torch.randint(0, cfg.vocab_size, (2, 32))
     y = torch.randint(0, cfg.vocab_size, (2, 32))
 
