@@ -8,6 +8,7 @@ A page's fenced blocks run in order, in one working directory:
   which replaces the page's port (``8000``) in every later command and snippet, until the page ends; anything
   else runs under ``bash -c`` with the venv's ``bin/`` first on ``PATH``. Every command must exit with 0.
 * ``python`` blocks: executed in one namespace per page.
+* ``yaml`` blocks holding run-config sections: a valid run config (over a tiny base for the sections left out).
 * ``bash notest`` / ``python notest`` blocks (a GPU, torchrun, the network, or minutes of work): not run, but
   every ``lmforge`` command in them must parse (its subcommand and flags exist), ``make`` targets must exist in
   the Makefile, repository paths they name must exist, and Python must compile.
@@ -113,6 +114,27 @@ def check_parses(command: str, where: str) -> None:
             assert t in targets, f"{where}: `make {t}`: no such target in the Makefile"
     for p in _REPO_PATH.findall(command):
         assert (ROOT / p).exists(), f"{where}: `{command}` names {p}, which does not exist"
+
+
+_BASE_CONFIG = {"model": {"vocab_size": 512, "context_length": 128, "d_model": 64, "n_layers": 2, "n_heads": 4},
+                "data": {"dir": "data"}}
+
+
+def check_config(block: Block) -> None:
+    """A ``yaml`` block holding run-config sections: every key exists and every value is valid (sections it
+    leaves out come from a tiny base config)."""
+    import yaml
+
+    from lmforge.train.config import load_run_config
+
+    d = yaml.safe_load(block.text)
+    if not isinstance(d, dict) or not {"model", "data", "optimizer", "training"} & set(d):
+        return
+    merged = {k: {**_BASE_CONFIG.get(k, {}), **v} if isinstance(v, dict) else v for k, v in d.items()}
+    try:
+        load_run_config(base={**_BASE_CONFIG, **merged})
+    except ValueError as e:
+        raise AssertionError(f"{block.where}: the config block is not a valid run config: {e}") from None
 
 
 def free_port() -> int:
@@ -262,6 +284,8 @@ def run_page(path: Path, cwd: Path, env: dict[str, str], skip: tuple[str, ...] =
             elif b.lang in ("bash", "sh", "shell"):
                 for c in commands(b.text):
                     page.run_command(c, b.where)
+            elif b.lang == "yaml":
+                check_config(b)
             elif b.lang == "python":
                 start = time.perf_counter()
                 page.run_python(b)

@@ -93,6 +93,7 @@ def test_guide_commands_run(guide, workspace, tmp_path):
     ("```bash notest\nmake no-such-target\n```", "no such target"),
     ("```bash notest\npython benchmarks/bench_nothing.py\n```", "does not exist"),
     ("```python\nraise ValueError('snippet broke')\n```", "snippet broke"),
+    ("```yaml\ntraining: {max_step: 10}\n```", "did you mean 'training.max_steps'"),
 ])
 def test_runner_fails_on_what_a_reader_would_stumble_over(block, error, tmp_path):
     page = tmp_path / "page.md"
