@@ -278,9 +278,9 @@ class TransformerLM(nn.Module):
         the tokenizer, e.g. the chat tokens); call it before building the optimizer, since it makes new tensors.
 
         The existing rows are kept, so the logits of the old ids do not change. Each new embedding row is the
-        mean of the old embedding rows, and each new head row the mean of the old head rows: a new token's
-        logit is then the mean of the old logits, below the top ones, so the distribution over old tokens
-        moves little (Hewitt 2021, "Initializing new word embeddings"); a zero head row would give logit 0,
+        mean of the old embedding rows (each value-embedding table's likewise), and each new head row the mean of
+        the old head rows: a new token's logit is then the mean of the old logits, below the top ones, so the
+        distribution over old tokens moves little (Hewitt 2021, "Initializing new word embeddings"); a zero head row would give logit 0,
         which can beat every old token. Tied embeddings stay one matrix (the mean row serves both).
         """
         old = self.cfg.vocab_size
@@ -299,6 +299,8 @@ class TransformerLM(nn.Module):
         self.token_embeddings.weight, self.token_embeddings.num_embeddings = emb, vocab_size
         self.lm_head.weight = emb if self.cfg.tie_embeddings else grown(self.lm_head.weight)
         self.lm_head.out_features = vocab_size
+        for table in self.value_embeddings or ():  # value embeddings: a token's table rows, grown the same way
+            table.weight, table.num_embeddings = grown(table.weight), vocab_size
         self.cfg = dataclasses.replace(self.cfg, vocab_size=vocab_size)
         return self
 

@@ -262,6 +262,18 @@ def test_checkpoint_round_trip_with_every_option_on():
     assert torch.equal(loaded(x), fast(x))
 
 
+def test_resize_vocab_grows_the_value_embeddings_too():
+    model = model_pair(value_embeds=1)[0]
+    x = torch.randint(0, 97, (1, 6))
+    before = model(x)
+    model.resize_vocab(100)
+    for table in model.value_embeddings:
+        assert table.weight.shape == (100, 64)
+        torch.testing.assert_close(table.weight[99], table.weight[:97].mean(0))
+    torch.testing.assert_close(model(x)[..., :97], before)
+    model(torch.tensor([[98, 99]]))  # the new ids run
+
+
 def test_lora_wraps_the_new_linears():
     model = model_pair(**ALL)[0]
     names = apply_lora(model, LoraConfig(rank=2, alpha=4.0))
