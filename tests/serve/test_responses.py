@@ -288,3 +288,77 @@ def test_a_stream_left_early_frees_its_row(tmp_path):
         assert r.output_text == "\0\0\0"  # and the server goes on answering
     finally:
         s.close()
+
+
+HOSTILE_VALUES = [None, True, -1, 0, 2 ** 70, 1e308, "", "x" * 3000, "\0", [], {}, [[[]]], {"type": "x"},
+                  [{"type": "function_call"}], {"role": "user"}, "resp_nope", [None], {"format": None}]
+
+
+def _paths(node, path=()):
+    """Every (path, value) in a JSON document, the root's children first."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield path + (k,), v
+            yield from _paths(v, path + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield path + (i,), v
+            yield from _paths(v, path + (i,))
+
+
+def _mutated(body: dict, rng) -> dict:
+    body = json.loads(json.dumps(body))
+    for _ in range(1 if rng.random() < 0.6 else 2):
+        paths = list(_paths(body))
+        path, _ = rng.choice(paths)
+        parent = body
+        for p in path[:-1]:
+            parent = parent[p]
+        roll = rng.random()
+        if roll < 0.15 and isinstance(parent, dict):
+            del parent[path[-1]]
+        elif roll < 0.25 and isinstance(parent, dict):
+            parent[rng.choice(["extra", "type", "role", "content", "call_id", "stream", "store"])] = \
+                rng.choice(HOSTILE_VALUES)
+        else:
+            parent[path[-1]] = rng.choice(HOSTILE_VALUES)
+    return body
+
+
+def test_mutated_requests_never_get_a_5xx(srv):
+    """Seeded random mutations of valid requests (values of every kind in every field, keys removed and added):
+    each is answered with a 200 (a response object, or a stream ending in completed/incomplete) or an
+    OpenAI-shaped 4xx, and the server goes on answering."""
+    import random
+
+    stored = _post(srv, {"model": "chatty", "input": "Hi", "max_output_tokens": 2}).json()["id"]
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    bases = [
+        {"model": "chatty", "input": "Hi", "max_output_tokens": 3, "temperature": 0},
+        {"model": "chatty", "instructions": "Be brief.", "max_output_tokens": 3, "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]}, call,
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}], "tools": [WEATHER]},
+        {"model": "chatty", "input": "Hi", "max_output_tokens": 3, "tools": [WEATHER], "tool_choice": "auto",
+         "stream": True},
+        {"model": "chatty", "input": "Hi", "max_output_tokens": 3, "previous_response_id": stored,
+         "text": {"format": {"type": "json_schema", "name": "w", "schema": SCHEMA}}},
+    ]
+    rng = random.Random(0)
+    statuses = []
+    for k in range(80):
+        body = _mutated(bases[k % len(bases)], rng)
+        if isinstance(body.get("max_output_tokens"), int) and not isinstance(body["max_output_tokens"], bool):
+            body["max_output_tokens"] = min(body["max_output_tokens"], 3)  # (a fast test: short replies)
+        r = _post(srv, body)
+        statuses.append(r.status_code)
+        assert r.status_code == 200 or 400 <= r.status_code < 500, (body, r.text)
+        if r.status_code != 200:
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and len(err["message"]) < 900, r.text
+        elif r.headers["content-type"].startswith("text/event-stream"):
+            last = json.loads(r.text.strip().split("\n")[-1].removeprefix("data: "))
+            assert last["type"] in ("response.completed", "response.incomplete"), r.text[-300:]
+        else:
+            assert r.json()["object"] == "response" and r.json()["status"] in ("completed", "incomplete")
+    assert statuses.count(200) >= 5 and 400 in statuses  # (the mutations reach both sides)
+    assert _post(srv, bases[0]).status_code == 200
