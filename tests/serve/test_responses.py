@@ -28,6 +28,7 @@ from serve_helpers import (ThreadServer, chain_run, openai_client, random_chat_r
 WEATHER = {"type": "function", "name": "get_weather", "description": "weather", "strict": True, "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
     "additionalProperties": False}}
+KEY = "sekrit-key"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
                                            "temp": {"type": "integer", "minimum": -9, "maximum": 40}},
           "required": ["city", "temp"], "additionalProperties": False}
@@ -49,8 +50,8 @@ def srv(runs):
 
 @pytest.fixture(scope="module")
 def hi(runs):
-    """The model that answers ``Hi`` and ends its turn, with a store of two responses."""
-    s = ThreadServer(ServedModel.from_run(runs["hi"]), response_store=ResponseStore(max_items=2))
+    """The model that answers ``Hi`` and ends its turn, with a store of two responses, behind an API key."""
+    s = ThreadServer(ServedModel.from_run(runs["hi"]), response_store=ResponseStore(max_items=2), api_key=KEY)
     yield s
     s.close()
 
@@ -111,7 +112,7 @@ def test_stream_events_in_order_and_the_stream_helper_accepts_them(client, hi):
     assert len({events[0].response.id, last.id}) == 1 and last.usage.output_tokens == 6
     assert events[2].item.id == events[-2].item.id == last.output[0].id and events[-2].item.status == "incomplete"
 
-    c = openai_client(hi.url)
+    c = openai_client(hi.url, api_key=KEY)
     with c.responses.stream(model="hi", input="Hello", temperature=0) as s:
         deltas = [e.delta for e in s if e.type == "response.output_text.delta"]
         final = s.get_final_response()
@@ -190,7 +191,7 @@ def test_text_format_json_schema_and_json_object(client):
 
 
 def test_previous_response_id_continues_the_stored_conversation(hi, monkeypatch):
-    c = openai_client(hi.url)
+    c = openai_client(hi.url, api_key=KEY)
     seen = recorded_prompts(hi.served, monkeypatch)
     r1 = c.responses.create(model="hi", instructions="Rule one.", input="A", temperature=0)
     r2 = c.responses.create(model="hi", instructions="Rule two.", input="B", previous_response_id=r1.id,
@@ -216,6 +217,12 @@ def test_previous_response_id_continues_the_stored_conversation(hi, monkeypatch)
         c.responses.create(model="hi", input="G", previous_response_id=ids[0])
     assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "previous_response_not_found"
     assert c.responses.retrieve(ids[2]).output_text == "Hi"
+    # the API key guards every route of it
+    for call in (lambda o: o.responses.create(model="hi", input="A"), lambda o: o.responses.retrieve(ids[2]),
+                 lambda o: o.responses.delete(ids[2])):
+        with pytest.raises(openai.AuthenticationError):
+            call(openai_client(hi.url, api_key="wrong"))
+    assert c.responses.retrieve(ids[2]).id == ids[2]
 
 
 def test_hostile_requests_get_openai_shaped_4xx(srv, client):
