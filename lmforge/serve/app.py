@@ -199,11 +199,13 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
             return builder.add(u, lambda: structured.cut_call(job))
 
         def done(b: ResponseBuilder) -> None:
-            metrics.request(endpoint, 200 if b.status != "failed" else 500)
+            failed = b.error["code"] if b.error is not None else None
+            metrics.request(endpoint, 200 if failed is None else 500 if failed == "server_error" else 400)
             if b.usage is not None:
                 metrics.tokens(b.usage["input_tokens"], b.usage["output_tokens"])
             if req.store and b.status != "failed":
-                reply = {"role": "assistant", "content": b.text(), **({"tool_calls": b.calls()} if b.calls() else {})}
+                calls = b.calls()
+                reply = {"role": "assistant", "content": b.text(), **({"tool_calls": calls} if calls else {})}
                 store.put(b.rid, b.resource(), [*messages, reply])
 
         if req.stream:
