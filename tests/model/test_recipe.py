@@ -251,6 +251,23 @@ def test_config_validation(kw, match):
         cfg_of(**kw)
 
 
+def test_bf16_autocast_and_a_pure_bf16_model_with_every_option_on():
+    fast, ref = model_pair(**ALL)
+    x, y = torch.randint(0, 97, (2, 12)), torch.randint(0, 97, (2, 12))
+    base = ref(x, targets=y)
+    for model in (fast, ref):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, targets=y)
+        assert loss.dtype == torch.float32 and abs(loss.item() - base.item()) < 0.05 * base.item()
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    half = TransformerLM(cfg_of(**ALL), dtype=torch.bfloat16)
+    half(x, targets=y).backward()
+    with torch.no_grad():
+        cache = KVCache.for_model(half, 2)
+        assert half(x, cache=cache).dtype == torch.bfloat16
+
+
 def test_checkpoint_round_trip_with_every_option_on():
     fast, _ = model_pair(**ALL)
     buf = io.BytesIO()
