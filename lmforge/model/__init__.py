@@ -2,7 +2,7 @@
 
 ``layers`` holds the reference building blocks written from tensor primitives (the spec); ``fused`` their fast
 forms; ``losses`` the fast cross-entropy and the fused LM-head loss; ``blocks`` attention, feed-forward and the
-block; ``recipe`` the training-recipe pieces (smear, soft-capping, QK-norm's norm); ``transformer`` the
+block; ``recipe`` the training-recipe pieces (smear, smeared keys, soft-capping, QK-norm's norm); ``transformer`` the
 ``ModelConfig`` and ``TransformerLM`` with its reference and fast paths; ``lora`` the LoRA adapters (import ``lmforge.model.lora``). The model sees token ids
 only, never text.
 """
