@@ -2,7 +2,7 @@
 between the pages resolves.
 
 One module-scoped workspace runs the README's ``bash setup`` blocks once (download, tokenizer, shards, a tiny
-pretraining run ``runs/shk``, chat tasks, a fine-tuned ``runs/shk-chat``); each page then runs in its own copy of
+pretraining run ``runs/shk``, chat tasks, a fine-tuned ``runs/shk-chat`` and a LoRA ``runs/shk-lora``); each page then runs in its own copy of
 it. ``make demo``'s output is stood in for by those runs (``runs/speedrun/{run,sft,rl}``): the demo itself is
 ``lmforge speedrun``, which tests/test_speedrun.py runs end to end. The Shakespeare download is stood in for by a
 synthetic corpus placed in the download cache (``$LMFORGE_CACHE``), so nothing touches the network.
@@ -26,7 +26,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def pseudo_corpus(n_docs: int = 300, seed: int = 0) -> str:
-    """Documents of ~1,500 pseudo-words (Zipf-distributed, 3-9 letters) joined by ``<|endoftext|>``: enough
+    """Documents of ~1,500 pseudo-words (Zipf-distributed, 4-8 letters) joined by ``<|endoftext|>``: enough
     distinct words for the chat tasks, which draw theirs from the corpus."""
     rng = random.Random(seed)
     syllables = [c + v for c in "bcdfghklmnprstvw" for v in "aeiou"]
