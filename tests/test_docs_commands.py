@@ -2,8 +2,8 @@
 between the pages resolves.
 
 One module-scoped workspace runs the README's ``bash setup`` blocks once (download, tokenizer, shards, a tiny
-pretraining run ``runs/shk``, chat tasks, a fine-tuned ``runs/shk-chat`` and a LoRA ``runs/shk-lora``); each page then runs in its own copy of
-it. ``make demo``'s output is stood in for by those runs (``runs/speedrun/{run,sft,rl}``): the demo itself is
+pretraining run ``runs/shk``, chat tasks, a fine-tuned ``runs/shk-chat`` and a LoRA ``runs/shk-lora``); each page
+then runs in its own copy of it. ``make demo``'s output is stood in for by those runs (``runs/speedrun/{run,sft,rl}``): the demo itself is
 ``lmforge speedrun``, which tests/test_speedrun.py runs end to end. The Shakespeare download is stood in for by a
 synthetic corpus placed in the download cache (``$LMFORGE_CACHE``), so nothing touches the network.
 """
