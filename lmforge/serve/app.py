@@ -188,7 +188,7 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
         messages = responses.conversation(req, previous.history if previous is not None else [])
         with responses.renamed_errors():  # (the chat path's errors, with the Responses names)
             jobs = await _chat_jobs(responses.chat_request(req, messages))
-        builder = ResponseBuilder(response_events.new_id("resp"), served.model_id, req)
+        builder = ResponseBuilder(response_events.new_id("resp"), served.model_id, req, _bytes)
         updates, timing = _submit(jobs)
         endpoint, job = _endpoint(request), jobs[0]
 

@@ -24,7 +24,7 @@ import uuid
 from typing import Any, AsyncIterator, Callable
 
 from lmforge.generate.scheduler import Update
-from lmforge.serve import structured
+from lmforge.serve import api, structured
 from lmforge.serve.api import APIError
 from lmforge.serve.responses import ResponseRequest
 
@@ -43,8 +43,9 @@ def _event(kind: str, **fields: Any) -> dict[str, Any]:
 class ResponseBuilder:
     """The response to ``req`` (id ``rid``, served as ``model``), item by item as its updates come."""
 
-    def __init__(self, rid: str, model: str, req: ResponseRequest) -> None:
-        self.rid, self.model, self.req = rid, model, req
+    def __init__(self, rid: str, model: str, req: ResponseRequest,
+                 token_bytes: Callable[[int], bytes] = lambda t: b"") -> None:
+        self.rid, self.model, self.req, self.token_bytes = rid, model, req, token_bytes
         self.created = int(time.time())
         self.completed_at: int | None = None
         self.output: list[dict[str, Any]] = []
@@ -103,15 +104,16 @@ class ResponseBuilder:
         the reply ends by length)."""
         events: list[dict[str, Any]] = []
         text = u.text + (cut() if u.finish_reason == "length" else "")
-        if text:
-            events += self._text(text)
+        lps = api.chat_logprobs(u.logprobs, self.token_bytes)["content"] if self.req.logprobs() else []
+        if text or lps:
+            events += self._text(text, lps)
         for region in u.regions:
             events += self._call(structured.parse_call(region))
         if u.finish_reason is not None:
             events += self._end(u)
         return self._numbered(events)
 
-    def _text(self, text: str) -> list[dict[str, Any]]:
+    def _text(self, text: str, lps: list[dict[str, Any]]) -> list[dict[str, Any]]:
         events = []
         if self._message is None:
             self._message = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
@@ -124,8 +126,10 @@ class ResponseBuilder:
                               output_index=len(self.output) - 1, content_index=0, part=_copy(part))]
             self._message["content"].append(part)
         self._message["content"][0]["text"] += text
+        self._message["content"][0]["logprobs"] += lps
         return events + [_event("response.output_text.delta", item_id=self._message["id"],
-                                output_index=len(self.output) - 1, content_index=0, delta=text, logprobs=[])]
+                                output_index=len(self.output) - 1, content_index=0, delta=text,
+                                logprobs=[_brief(x) for x in lps])]
 
     def _close_message(self, status: str) -> list[dict[str, Any]]:
         m, self._message = self._message, None
@@ -135,7 +139,7 @@ class ResponseBuilder:
         part = m["content"][0]
         m["status"] = status
         return [_event("response.output_text.done", item_id=m["id"], output_index=index, content_index=0,
-                       text=part["text"], logprobs=[]),
+                       text=part["text"], logprobs=[_brief(x) for x in part["logprobs"]]),
                 _event("response.content_part.done", item_id=m["id"], output_index=index, content_index=0,
                        part=_copy(part)),
                 _event("response.output_item.done", output_index=index, item=_copy(m))]
@@ -175,6 +179,12 @@ class ResponseBuilder:
         self.status, self.error = "failed", {"code": code, "message": message}
         events = [_event("response.failed", response=self.resource())]
         return self._numbered(events) if numbered else events
+
+
+def _brief(lp: dict[str, Any]) -> dict[str, Any]:
+    """A token's log-probability as the text events carry it (no bytes)."""
+    return {"token": lp["token"], "logprob": lp["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in lp["top_logprobs"]]}
 
 
 def _copy(obj: dict[str, Any]) -> dict[str, Any]:

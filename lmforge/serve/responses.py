@@ -16,7 +16,8 @@ parts, ``function_call`` items, which join the assistant message before them as 
 ``instructions`` and the system/developer messages that open the conversation are joined into it.
 
 Fields that would change the answer and lmforge does not implement are refused naming them (:data:`UNSUPPORTED`,
-built-in tools, input items and content parts other than text); ``metadata``, ``user``, ``store`` and other
+built-in tools, input items and content parts other than text, ``include`` values but the output's log-probabilities);
+``metadata``, ``user``, ``store`` and other
 bookkeeping fields are accepted (``metadata`` and ``user`` are echoed in the response).
 """
 
@@ -29,11 +30,14 @@ from typing import Annotated, Any, Iterator, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
 from lmforge.generate.sampling import SEED_MAX, SEED_MIN
+from lmforge.generate.scheduler import MAX_LOGPROBS
 from lmforge.serve.api import TOKENS_MAX, APIError, ChatCompletionRequest, shown
 
 __all__ = ["ResponseRequest", "UNSUPPORTED", "chat_request", "conversation", "renamed", "renamed_errors"]
 
 TEXT_PARTS = ("input_text", "output_text")
+LOGPROBS = "message.output_text.logprobs"
+"""The one ``include`` value served: each output token's log-probability (and ``top_logprobs`` alternatives)."""
 ITEM_TYPES = ("message", "function_call", "function_call_output")
 
 UNSUPPORTED: dict[str, str] = {
@@ -42,8 +46,6 @@ UNSUPPORTED: dict[str, str] = {
     "conversation": "conversation objects are not supported by lmforge serve; continue a conversation with "
                     "previous_response_id",
     "prompt": "prompt templates are not supported by lmforge serve; send the text as input",
-    "include": "include is not supported by lmforge serve (no log-probabilities or tool outputs to add); remove it",
-    "top_logprobs": "top_logprobs is not supported on /v1/responses; use /v1/chat/completions with logprobs",
     "context_management": "context_management is not supported by lmforge serve; remove it",
     "truncation": "truncation 'auto' is not supported by lmforge serve: a conversation over the context is refused, "
                   "never cut; send truncation 'disabled' or shorten it",
@@ -172,6 +174,12 @@ class ResponseRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     text: TextConfig | None = None
     previous_response_id: str | None = Field(default=None, min_length=1, max_length=256)
+    include: list[str] | None = Field(default=None, max_length=16)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs(self) -> bool:
+        """Whether the output text carries log-probabilities (``include`` names :data:`LOGPROBS`)."""
+        return LOGPROBS in (self.include or ())
 
     @classmethod
     def refuse_unsupported(cls, data: dict[str, Any]) -> None:
@@ -214,6 +222,11 @@ class ResponseRequest(BaseModel):
         """400 for what the schema cannot say: an empty input, a json_schema format without its schema."""
         if not self.input:
             raise APIError(400, "input is empty; give a string or a list of items", "input")
+        for k, name in enumerate(self.include or ()):
+            if name != LOGPROBS:
+                raise APIError(400, f"include.{k}: {shown(name)} is not supported by lmforge serve (it has no tools or "
+                                    f"reasoning to add); the one value served is {LOGPROBS!r}", f"include.{k}",
+                               "unsupported_parameter")
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
             raise APIError(400, "text.format of type json_schema needs schema (and a name)", "text.format.schema")
@@ -254,6 +267,7 @@ def chat_request(req: ResponseRequest, messages: list[dict[str, Any]]) -> ChatCo
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "max_completion_tokens": req.max_output_tokens,
+        "logprobs": req.logprobs(), "top_logprobs": req.top_logprobs if req.logprobs() else None,
     }
     if req.tools:
         chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}

@@ -97,6 +97,24 @@ def test_greedy_and_seeded_replies_equal_the_chat_endpoints(client):
     assert one.output_text == chat.choices[0].message.content  # a string input: one user message
 
 
+def test_logprobs_equal_the_chat_endpoints(client):
+    chat = client.chat.completions.create(model="chatty", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    want = [t.model_dump() for t in chat.choices[0].logprobs.content]
+    kw = dict(model="chatty", input="Hi", max_output_tokens=6, temperature=0, top_logprobs=3,
+              include=["message.output_text.logprobs"])
+    r = client.responses.create(**kw)
+    assert [t.model_dump() for t in r.output[0].content[0].logprobs] == want and len(want) == 6
+    assert all(len(t["top_logprobs"]) == 3 for t in want)
+    events = list(client.responses.create(**kw, stream=True))
+    brief = [{"token": t["token"], "logprob": t["logprob"],
+              "top_logprobs": [{"token": x["token"], "logprob": x["logprob"]} for x in t["top_logprobs"]]}
+             for t in want]
+    assert [x.model_dump() for e in events if e.type == "response.output_text.delta" for x in e.logprobs] == brief
+    assert [x.model_dump() for x in next(e for e in events if e.type == "response.output_text.done").logprobs] == brief
+    assert client.responses.create(**{**kw, "include": None}).output[0].content[0].logprobs == []
+
+
 def test_stream_events_in_order_and_the_stream_helper_accepts_them(client, hi):
     events = list(client.responses.create(model="chatty", input="Hello", max_output_tokens=6, temperature=0,
                                           stream=True))
@@ -249,7 +267,8 @@ def test_hostile_requests_get_openai_shaped_4xx(srv, client):
          "text.format.schema"),
         ({**base, "text": {"format": {"type": "yaml"}}}, 400, "text.format.type"),
         ({**base, "reasoning": {"effort": "high"}}, 400, "reasoning"),
-        ({**base, "include": ["message.output_text.logprobs"]}, 400, "include"),
+        ({**base, "include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}, 400, "include.1"),
+        ({**base, "top_logprobs": 99}, 400, "top_logprobs"),
         ({**base, "truncation": "auto"}, 400, "truncation"),
         ({**base, "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
         ({**base, "model": "gpt-9"}, 404, "model"),
