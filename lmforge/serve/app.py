@@ -2,8 +2,8 @@
 
 Routes: ``GET /`` (the web chat page, static files shipped in the package), ``GET /health``, ``GET /v1/models``,
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (the Responses API, answered
-through the chat path; ``GET``/``DELETE /v1/responses/{id}``), ``POST /v1/embeddings``, ``POST /tokenize``,
-``POST /detokenize`` and ``GET /metrics`` (Prometheus text). A request is turned into prompt ids, submitted to the
+through the chat path; ``GET``/``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``),
+``POST /v1/embeddings``, ``POST /tokenize``, ``POST /detokenize`` and ``GET /metrics`` (Prometheus text). A request is turned into prompt ids, submitted to the
 scheduler (which runs the engine in its own thread) and answered from the updates the engine thread hands to
 this event loop (``call_soon_threadsafe``): as one JSON object, or streamed as server-sent events
 (``data: {chunk}`` lines, then ``data: [DONE]``). A client that goes away cancels its request, which frees
@@ -188,7 +188,7 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
         messages = responses.conversation(req, previous.history if previous is not None else [])
         with responses.renamed_errors():  # (the chat path's errors, with the Responses names)
             jobs = await _chat_jobs(responses.chat_request(req, messages))
-        builder = ResponseBuilder(response_events.new_id("resp"), served.model_id, req, _bytes)
+        builder = ResponseBuilder(responses.new_id("resp"), served.model_id, req, _bytes)
         updates, timing = _submit(jobs)
         endpoint, job = _endpoint(request), jobs[0]
 
@@ -206,7 +206,7 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
             if req.store and b.status != "failed":
                 calls = b.calls()
                 reply = {"role": "assistant", "content": b.text(), **({"tool_calls": calls} if calls else {})}
-                store.put(b.rid, b.resource(), [*messages, reply])
+                store.put(b.rid, b.resource(), [*messages, reply], responses.input_items(req))
 
         if req.stream:
             def timed(u: Update) -> list[Any]:
@@ -226,6 +226,11 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
         await authorize(request)
         return _stored(response_id, "response_id").resource
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, request: Request) -> dict[str, Any]:
+        await authorize(request)
+        return responses.items_page(_stored(response_id, "response_id").inputs, request.query_params)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:

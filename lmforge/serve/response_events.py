@@ -20,20 +20,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from typing import Any, AsyncIterator, Callable
 
 from lmforge.generate.scheduler import Update
 from lmforge.serve import api, structured
 from lmforge.serve.api import APIError
-from lmforge.serve.responses import ResponseRequest
+from lmforge.serve.responses import ResponseRequest, new_id
 
-__all__ = ["ResponseBuilder", "new_id", "stream"]
-
-
-def new_id(prefix: str) -> str:
-    """An id as OpenAI writes them: ``resp_...``, ``msg_...``, ``fc_...``."""
-    return f"{prefix}_{uuid.uuid4().hex}"
+__all__ = ["ResponseBuilder", "stream"]
 
 
 def _event(kind: str, **fields: Any) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """The Responses API's stored responses: what ``previous_response_id`` continues and ``GET /v1/responses/{id}``
 returns, kept in memory, bounded and expiring.
 
-Each entry holds a response object (the JSON the client got) and its conversation so far (chat messages: the
+Each entry holds a response object (the JSON the client got), its conversation so far (chat messages: the
 inputs of every turn of the chain and the model's replies, without the ``instructions``, which are never carried
-over), so one entry alone continues its chain. The store keeps at most ``max_items`` entries and ``max_bytes``
+over), so one entry alone continues its chain, and the request's own input items (``GET
+/v1/responses/{id}/input_items``). The store keeps at most ``max_items`` entries and ``max_bytes``
 bytes (the entries' JSON sizes); a new entry drops the oldest until it fits, and an entry expires ``ttl`` seconds
 after it was stored. An entry larger than the whole budget is not kept. The store lives on the server's event loop
 (one thread): no locks.
@@ -23,10 +24,11 @@ __all__ = ["ResponseStore", "Stored"]
 @dataclass(frozen=True)
 class Stored:
     """One stored response: its ``resource`` (the response object), its ``history`` (chat messages, the reply
-    included), when it expires and its size in bytes."""
+    included), its ``inputs`` (the request's input items, with ids), when it expires and its size in bytes."""
 
     resource: dict[str, Any]
     history: list[dict[str, Any]]
+    inputs: list[dict[str, Any]]
     expires: float
     size: int
 
@@ -48,17 +50,19 @@ class ResponseStore:
         self._expire()
         return len(self._entries)
 
-    def put(self, rid: str, resource: dict[str, Any], history: list[dict[str, Any]]) -> bool:
-        """Store ``resource`` and ``history`` under ``rid``, dropping the oldest entries until both bounds hold;
-        False (nothing stored) if this entry alone is over ``max_bytes``."""
+    def put(self, rid: str, resource: dict[str, Any], history: list[dict[str, Any]],
+            inputs: list[dict[str, Any]] | None = None) -> bool:
+        """Store ``resource``, ``history`` and ``inputs`` under ``rid``, dropping the oldest entries until both
+        bounds hold; False (nothing stored) if this entry alone is over ``max_bytes``."""
         self.delete(rid)
-        size = len(json.dumps([resource, history], ensure_ascii=False).encode())
+        inputs = inputs or []
+        size = len(json.dumps([resource, history, inputs], ensure_ascii=False).encode())
         if size > self.max_bytes:
             return False
         self._expire()
         while self._entries and (len(self._entries) >= self.max_items or self.bytes + size > self.max_bytes):
             self._drop(next(iter(self._entries)))
-        self._entries[rid] = Stored(resource, history, self.clock() + self.ttl, size)
+        self._entries[rid] = Stored(resource, history, inputs, self.clock() + self.ttl, size)
         self.bytes += size
         return True
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import uuid
 from typing import Annotated, Any, Iterator, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
@@ -33,7 +34,8 @@ from lmforge.generate.sampling import SEED_MAX, SEED_MIN
 from lmforge.generate.scheduler import MAX_LOGPROBS
 from lmforge.serve.api import TOKENS_MAX, APIError, ChatCompletionRequest, shown
 
-__all__ = ["ResponseRequest", "UNSUPPORTED", "chat_request", "conversation", "renamed", "renamed_errors"]
+__all__ = ["ResponseRequest", "UNSUPPORTED", "chat_request", "conversation", "input_items", "items_page", "new_id",
+           "renamed", "renamed_errors"]
 
 TEXT_PARTS = ("input_text", "output_text")
 LOGPROBS = "message.output_text.logprobs"
@@ -230,6 +232,48 @@ class ResponseRequest(BaseModel):
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
             raise APIError(400, "text.format of type json_schema needs schema (and a name)", "text.format.schema")
+
+
+def new_id(prefix: str) -> str:
+    """An id as OpenAI writes them: ``resp_...``, ``msg_...``, ``fc_...``."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def input_items(req: ResponseRequest) -> list[dict[str, Any]]:
+    """The request's input items as ``GET /v1/responses/{id}/input_items`` lists them: each with a new id and
+    ``status: completed``, a message's content as one ``input_text`` part (``output_text`` for an assistant's)."""
+    out: list[dict[str, Any]] = []
+    for item in req.input:
+        if isinstance(item, InputMessage):
+            part = {"type": "output_text", "text": item.text(), "annotations": []} if item.role == "assistant" \
+                else {"type": "input_text", "text": item.text()}
+            out.append({"id": new_id("msg"), "type": "message", "role": item.role, "status": "completed",
+                        "content": [part]})
+        elif isinstance(item, FunctionCallItem):
+            out.append({"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": item.call_id,
+                        "name": item.name, "arguments": item.arguments})
+        else:
+            out.append({"id": new_id("fco"), "type": "function_call_output", "status": "completed",
+                        "call_id": item.call_id, "output": item.text()})
+    return out
+
+
+def items_page(items: list[dict[str, Any]], query: Any) -> dict[str, Any]:
+    """One page of ``items`` as the list endpoint answers (``query``: ``order`` ``asc``/``desc``, the default;
+    ``limit`` 1 to 100, default 20; ``after``: an item id); APIError 400 naming a bad query parameter."""
+    order, after, limit = query.get("order", "desc"), query.get("after"), query.get("limit", "20")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', got {shown(order)}", "order")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise APIError(400, f"limit must be an integer from 1 to 100, got {shown(limit)}", "limit")
+    items = items if order == "asc" else items[::-1]
+    ids = [i["id"] for i in items]
+    if after is not None and after not in ids:
+        raise APIError(400, f"after names item {shown(after)}, which is not an input item of this response", "after")
+    start = ids.index(after) + 1 if after is not None else 0
+    data = items[start:start + int(limit)]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": start + len(data) < len(items)}
 
 
 def conversation(req: ResponseRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ class Clock:
 
 
 def _size(resource: dict, history: list) -> int:
-    return len(json.dumps([resource, history], ensure_ascii=False).encode())
+    return len(json.dumps([resource, history, []], ensure_ascii=False).encode())
 
 
 def test_count_bound_drops_the_oldest_and_get_delete():

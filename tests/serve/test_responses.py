@@ -170,6 +170,17 @@ def test_function_call_and_its_output_round_trip(client, srv, monkeypatch):
     chat = client.chat.completions.create(model="chatty", messages=messages, tools=[chat_tool], max_tokens=5,
                                           temperature=0)
     assert seen[0] == seen[1] == seen[2] and r2.output_text == r3.output_text == chat.choices[0].message.content
+    # the stored input items, newest first by default, a page at a time
+    assert [i.type for i in client.responses.input_items.list(r2.id)] == ["function_call_output"]
+    items = list(client.responses.input_items.list(r3.id, limit=1))  # (the client follows the pages)
+    assert [i.type for i in items] == ["function_call_output", "function_call", "message"]
+    assert (items[0].call_id, items[0].output, items[1].arguments) == (call.call_id, "sunny", call.arguments)
+    assert items[2].content[0].text == "Weather?" and len({i.id for i in items}) == 3
+    page = client.responses.input_items.list(r3.id, order="asc", limit=2)
+    assert [i.type for i in page.data] == ["message", "function_call"] and page.has_more
+    for query in ("order=up", "limit=0", "limit=x", "after=nope"):
+        got = httpx.get(f"{srv.url}/v1/responses/{r3.id}/input_items?{query}", trust_env=False)
+        assert (got.status_code, got.json()["error"]["param"]) == (400, query.partition("=")[0])
     # a reply's text and its calls are one assistant message
     client.responses.create(model="chatty", tools=tools, max_output_tokens=1, temperature=0, input=[
         {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Let me see."},
