@@ -399,3 +399,22 @@ def test_mutated_requests_never_get_a_5xx(srv):
             assert r.json()["object"] == "response" and r.json()["status"] in ("completed", "incomplete")
     assert statuses.count(200) >= 5 and 400 in statuses  # (the mutations reach both sides)
     assert _post(srv, bases[0]).status_code == 200
+
+
+def test_a_continued_conversation_starts_from_the_prefix_cache(hi, monkeypatch):
+    """The next turn's prompt is the previous prompt and reply plus the new input, so the server's prefix cache
+    holds its whole blocks up to the end of the previous reply; the reply is the one a fresh chat request gets."""
+    c = openai_client(hi.url, api_key=KEY)
+    seen = recorded_prompts(hi.served, monkeypatch)
+    load = hi.served.scheduler.load
+    kw = dict(model="hi", instructions="You answer in one short sentence, politely, and never more.", temperature=0)
+    r1 = c.responses.create(**kw, input="Where is Oslo?")
+    before = load()["prefix_hit_tokens"]
+    r2 = c.responses.create(**kw, input="And Bergen?", previous_response_id=r1.id)
+    block = hi.served.scheduler.prefix_cache.block
+    assert seen[1][:len(seen[0])] == seen[0] and len(seen[0]) >= 4 * block
+    assert load()["prefix_hit_tokens"] - before >= (len(seen[0]) + len("Hi")) // block * block
+    chat = c.chat.completions.create(model="hi", temperature=0, messages=[
+        {"role": "system", "content": kw["instructions"]}, {"role": "user", "content": "Where is Oslo?"},
+        {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "And Bergen?"}])
+    assert r2.output_text == chat.choices[0].message.content == "Hi"
