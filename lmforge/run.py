@@ -171,7 +171,8 @@ def _with_base(run_dir: Path, config: dict[str, Any], adapters: Checkpoint, reco
     state = dict(base.model)
     vocab = int(config["model"]["vocab_size"])
     with torch.no_grad():
-        for name in ("token_embeddings.weight", "lm_head.weight"):
+        tables = [k for k in state if k.startswith("value_embeddings.") and k.endswith(".weight")]
+        for name in ("token_embeddings.weight", "lm_head.weight", *tables):  # every table indexed by token id
             w = state.get(name)
             if w is not None and w.shape[0] < vocab:
                 state[name] = grow_rows(w, vocab)

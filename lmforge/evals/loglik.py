@@ -92,6 +92,7 @@ def _score_batch(model: Any, pairs: list[tuple[list[int], list[int]]]) -> list[t
         width = cache.capacity
         big.k[:, :, :, :width] = cache.k[:, idx]
         big.v[:, :, :, :width] = cache.v[:, idx]
+        big.token_ids[:, :width] = cache.token_ids[idx]  # the previous token a smearing model reads
         big.lengths.copy_(lens[idx])
         logits = model.lm_head(model.hidden(_pad([c[:-1] if len(c) > 1 else c[:1] for c in conts], device),
                                             cache=big))  # (R, Cmax-1, V)

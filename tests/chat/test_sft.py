@@ -391,6 +391,43 @@ def test_lora_run_saves_adapters_only_and_every_reader_sees_base_plus_adapters(b
     assert cli.main(["-q", "generate", "--run", str(out), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
 
 
+def test_a_lora_run_on_a_base_with_value_embeddings_loads_with_the_chat_tokens(tmp_path, convs) -> None:
+    """The chat tokens grow every table indexed by token id (the value embeddings too) when a LoRA run's
+    adapters are folded into its base: the run opens, with the logits of the base grown + its adapters."""
+    from lmforge.checkpoint import read_checkpoint
+    from lmforge.config import from_dict
+    from lmforge.data import prepare
+    from lmforge.model import ModelConfig, TransformerLM
+    from lmforge.model.lora import LoraConfig, apply_lora, load_lora_state_dict
+    from lmforge.run import open_run
+    from lmforge.tokenizer import train_bpe
+    from lmforge.train import load_run_config, train
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(EOT.join(make_documents(200, seed=4)), encoding="utf-8")
+    tok = Tokenizer(*train_bpe(corpus, 300, [EOT], progress=False), [EOT])
+    prepare(tok, corpus, tmp_path / "shards", val_fraction=0.1, progress=False)
+    train(load_run_config(base={
+        "model": {"vocab_size": 300, "context_length": 48, "d_model": 32, "n_layers": 2, "n_heads": 2,
+                  "value_embeds": 1},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 1},
+        "training": {"max_steps": 2, "batch_size": 4, "device": "cpu", "eval_every": 2, "eval_batches": 1,
+                     "checkpoint_every": 2, "num_threads": 1},
+        "data": {"dir": str(tmp_path / "shards")}}), tmp_path / "base", progress=False)
+    out = tmp_path / "lora"
+    sft(tmp_path / "base", convs["train"], out, overrides=LORA + ("training.max_steps=2",), progress=False)
+    run, b = open_run(out), open_run(tmp_path / "base")
+    ref = TransformerLM(from_dict(ModelConfig, b.config["model"]))
+    ref.load_state_dict(b.checkpoint.model)
+    ref.resize_vocab(int(run.config["model"]["vocab_size"]))
+    apply_lora(ref, LoraConfig(rank=4, alpha=8))
+    load_lora_state_dict(ref, read_checkpoint(sorted((out / "checkpoints").glob("step_*"))[-1]).model)
+    plain = TransformerLM(from_dict(ModelConfig, run.config["model"]))
+    plain.load_state_dict(run.checkpoint.model)
+    idx = torch.randint(0, 310, (2, 12))
+    torch.testing.assert_close(_logits(plain, idx), _logits(ref, idx), rtol=1e-5, atol=1e-5)
+
+
 def test_lora_resume_in_process_equals_uninterrupted(base_run, convs, tmp_path) -> None:
     drop = LORA + ("lora.dropout=0.1",)  # dropout draws from torch's RNG: restored with the checkpoint
     full, split = tmp_path / "full", tmp_path / "split"

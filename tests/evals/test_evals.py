@@ -26,10 +26,15 @@ from lmforge.model import ModelConfig, TransformerLM
 from tests.conftest import make_documents, torch_threads
 
 
-def _model(vocab: int, ctx: int = 48, seed: int = 0) -> TransformerLM:
+def _model(vocab: int, ctx: int = 48, seed: int = 0, **options) -> TransformerLM:
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=vocab, context_length=ctx, d_model=32, n_layers=2, n_heads=4, d_ff=64)
-    return TransformerLM(cfg).eval()
+    cfg = ModelConfig(vocab_size=vocab, context_length=ctx, d_model=32, n_layers=2, n_heads=4, d_ff=64, **options)
+    model = TransformerLM(cfg).eval()
+    with torch.no_grad():  # the smear's gate starts at zero (the model unchanged): give it a real share
+        for name, p in model.named_parameters():
+            if name.startswith("smear"):
+                p.normal_(0, 0.5)
+    return model
 
 
 def _naive_ll(model: TransformerLM, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
@@ -117,9 +122,11 @@ def test_encode_request_follows_lm_eval(tiny_tokenizer):
     assert tiny_tokenizer.decode(cont) == " on the mat"
 
 
-@pytest.mark.parametrize("batch_size", [1, 3, 16])
-def test_cached_scores_equal_a_plain_forward(tiny_tokenizer, batch_size):
-    model = _model(tiny_tokenizer.vocab_size)
+@pytest.mark.parametrize("batch_size,options", [(1, {}), (3, {}), (16, {}), (3, {"smear": True})])
+def test_cached_scores_equal_a_plain_forward(tiny_tokenizer, batch_size, options):
+    """Each context's cache row copied under its continuations: all of the row (a smearing model reads the
+    previous column's token id from it)."""
+    model = _model(tiny_tokenizer.vocab_size, **options)
     requests = [("The cat sat on the", " mat"), ("The cat sat on the", " big happy tree and ran"),
                 ("The cat sat on the", " dog"), ("A girl", " said it's ok!"), ("héllo 世界", " naïve"),
                 ("The dog ran to the house, ", "and the sun was big.")]
