@@ -52,6 +52,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
                 "optimizer.scalar_lr=0.02"),
     "muon-lr-hi": ("optimizer.name=muon", "optimizer.muon_lr=0.04", "optimizer.embed_lr=0.02",
                    "optimizer.head_lr=0.004", "optimizer.scalar_lr=0.02"),
+    "muon-nanochat": ("optimizer.name=muon", "optimizer.embed_lr=0.2", "optimizer.head_lr=0.004",
+                      "optimizer.scalar_lr=0.02"),
+    "scalar-lr": ("optimizer.scalar_lr=0.03",),
     "batch-warmup": ("training.batch_warmup_steps=50",),
     "wsd": ("optimizer.schedule=wsd", "optimizer.cooldown_frac=0.4"),
     "smear": ("model.smear=true",),
@@ -160,7 +163,7 @@ def time_mode(a: argparse.Namespace) -> None:
             times[n].append(_step_seconds(cfg, torch.device("cpu"), steps=a.step_repeats))
     peak_after, load_after = matmul_peak_flops("cpu", repeats=repeats), os.getloadavg()[0]
     tokens = {n: c.training.batch_size * c.context_length for n, c in cfgs.items()}
-    row = {"mode": "time", "times": times, "tokens_per_step": tokens, "peak_flops": [peak_before, peak_after],
+    row = {"mode": "time", "size": a.size, "times": times, "tokens_per_step": tokens, "peak_flops": [peak_before, peak_after],
            "load": [load_before, load_after], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     with open(out / "results.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
@@ -171,6 +174,12 @@ def time_mode(a: argparse.Namespace) -> None:
         print(f"| {n} | {spread(ts)} |")
 
 
+def _key(variant: str, row: dict[str, Any]) -> str:
+    """A variant's name in the summary: ``muon`` at the demo's size, ``muon @tiny`` at another preset."""
+    size = row.get("size", "small")
+    return variant if size == "small" else f"{variant} @{size}"
+
+
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per variant: seeds, tokens to each target (every seed), final bits/byte, copy probe, and with a timing
     row the quiet step time and the wall time to each target."""
@@ -178,14 +187,14 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
         if r.get("mode") == "time":
             for n, ts in r["times"].items():
-                t = timed.setdefault(n, {"times": [], "tokens_per_step": r["tokens_per_step"][n], "peaks": []})
+                t = timed.setdefault(_key(n, r), {"times": [], "tokens_per_step": r["tokens_per_step"][n], "peaks": []})
                 t["times"] += ts
                 t["peaks"] += r["peak_flops"]
     out: dict[str, Any] = {}
     for r in rows:
         if r.get("mode") == "time":
             continue
-        v = out.setdefault(r["variant"], {"settings": r["settings"], "seeds": [], "tokens_to": {}, "final_bpb": [],
+        v = out.setdefault(_key(r["variant"], r), {"settings": r["settings"], "seeds": [], "tokens_to": {}, "final_bpb": [],
                                           "copy_first": [], "copy_second": []})
         v["seeds"].append(r["seed"])
         for t, tok in r["tokens_to"].items():
@@ -208,10 +217,10 @@ def table_mode(a: argparse.Namespace) -> None:
     summary = summarise(rows)
     write_json(a.json, {"variants": summary, "baseline": list(BASELINE)})
     targets = sorted({t for v in summary.values() for t in v["tokens_to"]}, key=float, reverse=True)
-    base = summary.get("baseline")
+    bases = {k.partition(" @")[2]: v for k, v in summary.items() if k.partition(" @")[0] == "baseline"}
 
-    def toks(v: dict[str, Any], t: str) -> str:
-        xs = v["tokens_to"][t]
+    def toks(name: str, v: dict[str, Any], t: str) -> str:
+        xs, base = v["tokens_to"][t], bases.get(name.partition(" @")[2])
         shown = ", ".join("never" if x is None else f"{x:,}" for x in xs)
         if base and t in base["tokens_to"] and None not in xs and None not in base["tokens_to"][t]:
             shown += f" ({statistics.mean(xs) / statistics.mean(base['tokens_to'][t]):.0%})"
@@ -224,9 +233,10 @@ def table_mode(a: argparse.Namespace) -> None:
     for name, v in summary.items():
         copy = ", ".join(f"{f:.2f} -> {s:.2f}" for f, s in zip(v["copy_first"], v["copy_second"]))
         st = spread(v["step_seconds"]) if "step_seconds" in v else "-"
-        walls = [", ".join("never" if s is None else figure(s, ".0f") for s in v["seconds_to"][t])
-                 if "seconds_to" in v else "-" for t in targets]
-        print(f"| {name} | {len(v['seeds'])} | " + " | ".join(toks(v, t) for t in targets) +
+        walls = [", ".join("never" if s is None else figure(s, ".0f") for s in v.get("seconds_to", {}).get(t, []))
+                 or "-" for t in targets]
+        cells = [toks(name, v, t) if t in v["tokens_to"] else "-" for t in targets]
+        print(f"| {name} | {len(v['seeds'])} | " + " | ".join(cells) +
               f" | {', '.join(f'{b:.4f}' for b in v['final_bpb'])} | {copy} | {st} | " + " | ".join(walls) + " |")
 
 

@@ -29,8 +29,8 @@ def test_bench_recipe_quick(tmp_path):
     assert trained["batch-warmup"]["tokens_to"]["50.0"] == 8 * 64 and trained["baseline"]["tokens_to"]["50.0"] == 3 * 8 * 64
     assert trained["baseline"]["final_bpb"] != trained["batch-warmup"]["final_bpb"]
     summary = json.loads((tmp_path / "recipe.json").read_text())["variants"]
-    for name in trained:  # two alternating rounds of unrounded step times, the peak of the same run
+    for name in (f"{n} @tiny" for n in trained):  # two alternating rounds of unrounded step times, the peak of the same run
         assert len(summary[name]["step_seconds"]) == 2 and all(t > 0 for t in summary[name]["step_seconds"])
         assert all(p > 0 for p in summary[name]["peak_flops"]) and summary[name]["seconds_to"]["50.0"][0] > 0
-    assert "fp32 matmul peak" in out.stdout and "| batch-warmup | 1 | 512 (33%)" in out.stdout.replace(",", "")
+    assert "fp32 matmul peak" in out.stdout and "| batch-warmup @tiny | 1 | 512 (33%)" in out.stdout.replace(",", "")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "out", "recipe.json"]
