@@ -73,6 +73,9 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-tools", action="store_true", help="do not run calculator calls (the model's "
                    "<|python_start|>...<|python_end|> stays text)")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (default)")
+    p.add_argument("--prefix-cache-mb", type=float, default=256, metavar="MB",
+                   help="keep each turn's keys and values (prompt and reply) within MB MiB, so the next turn prefills "
+                        "only its new messages (default 256; 0 = off)")
     sub = p.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", parser_class=type(p))
     rp = sub.add_parser("render", help="show a JSONL file's conversations as tokens, the trained ones highlighted",
                         description="show a JSONL file's conversations as tokens, the trained ones highlighted")
@@ -89,9 +92,15 @@ def _chat(args: argparse.Namespace) -> int:
     from lmforge.generate.sampling import check_seed
 
     check_seed(args.seed)  # before loading the model
+    if not 0 <= args.prefix_cache_mb < float("inf"):
+        raise CLIError(f"--prefix-cache-mb must be a non-negative number of MiB, got {args.prefix_cache_mb}")
     session = ChatSession.from_run(args.run, args.checkpoint, device=args.device, system=args.system,
                                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, tools=not args.no_tools)
+    if args.prefix_cache_mb > 0:
+        from lmforge.generate.prefix_cache import PrefixCache
+
+        session.generator.prefix_cache = PrefixCache(int(args.prefix_cache_mb * 2**20))
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"chatting with {args.run} (context {session.context_length} tokens). /help for commands, "

@@ -34,6 +34,7 @@ from lmforge.common import resolve_device, token_ids
 from lmforge.config import from_dict
 from lmforge.generate.engine import Engine
 from lmforge.generate.packed import weight_dtype_of
+from lmforge.generate.prefix_cache import PrefixCache, admit_cached, keep_row
 from lmforge.generate.sampling import check_sampling, check_seed, sample_next
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.run import open_run
@@ -138,6 +139,8 @@ class Generator:
                                  "load the tokenizer the model was trained with (the run's tokenizer.json)")
             self.vocab_limit = tokenizer.vocab_size  # never sample the model's padding ids
         self.engine = Engine(model, window_drop, weight_dtype, activations=activations)
+        self.prefix_cache: PrefixCache | None = None
+        """Set to keep the KV of each :meth:`turn`'s prompt and reply for the next (a chat re-sends its history)."""
 
     @classmethod
     def from_run(cls, run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
@@ -158,7 +161,10 @@ class Generator:
         return cls(model, tokenizer, weight_dtype=weight_dtype, activations=activations)
 
     def refresh(self) -> None:
-        """Re-read the model's weights (call after changing them; the decoder packs a copy)."""
+        """Re-read the model's weights (call after changing them; the decoder packs a copy; the prefix cache, whose
+        keys and values are the old weights', is emptied)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         self.engine = Engine(self.model, self.engine.window_drop, self.engine.weight_dtype,
                              activations=self.engine.activations)
 
@@ -410,8 +416,22 @@ class Turn:
             return int(gen._pick(logits, *self._sampling)[0])
 
         with torch.inference_mode():
-            nxt = pick(engine.prefill([self._prompt], ctx))
+            if gen.prefix_cache is None:
+                nxt = pick(engine.prefill([self._prompt], ctx))
+            else:  # one row, from the longest prefix a previous turn left in the cache
+                engine.open_slots(1, ctx)
+                nxt = pick(admit_cached(engine, gen.prefix_cache, self._prompt)[1][None])
         used, sampled = len(self._prompt), 0  # tokens in the cache, tokens sampled
+        try:
+            yield from self._replies(nxt, used, sampled, pick, text)
+        finally:
+            if gen.prefix_cache is not None and engine.active:
+                keep_row(engine, gen.prefix_cache, 0)  # this turn's prompt and reply, for the next turn
+
+    def _replies(self, nxt: int, used: int, sampled: int, pick: Callable[[torch.Tensor], int],
+                 text: _TextStream) -> Iterator[tuple[int, str, bool]]:
+        gen, engine = self._gen, self._gen.engine
+        ctx = gen.cfg.context_length
         while True:
             if nxt in self._stop:
                 self.finish_reason = "stop"

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["DEFAULT_BLOCK", "PrefixCache", "PrefixStats", "positional_fields"]
+__all__ = ["DEFAULT_BLOCK", "PrefixCache", "PrefixStats", "admit_cached", "keep_row", "positional_fields"]
 
 DEFAULT_BLOCK = 16
 """Tokens per cached block: a prefix is reused up to the last whole block it shares."""
@@ -171,3 +171,26 @@ class PrefixCache:
         with self._lock:
             self._blocks.clear()
             self.stats.bytes = 0
+
+
+def admit_cached(engine: Any, cache: PrefixCache | None, prompt: Sequence[int]) -> tuple[int, torch.Tensor]:
+    """``engine.admit(prompt)`` from the longest prefix ``cache`` holds (then its blocks kept): ``(row, logits)``.
+    Without a cache, or with a KV cache that cannot be cut (:func:`positional_fields`), a plain admit."""
+    fields = positional_fields(engine.cache) if cache is not None and cache.budget else None
+    if fields is None:
+        return engine.admit(prompt)
+    # inference tensors; PyTorch on one thread (serial_torch: its idle OpenMP workers spin on the cores the copies
+    # and the kernel need, measured: 279 block copies 2.16 s on a busy 2-core machine, 7 ms on one thread)
+    with torch.inference_mode(), engine.serial_torch():
+        start = cache.restore(cache.lookup(prompt), engine.cache, engine.active, fields)
+        row, logits = engine.admit(prompt, start)
+        cache.store(prompt, engine.cache, row, fields)
+    return row, logits
+
+
+def keep_row(engine: Any, cache: PrefixCache | None, row: int) -> None:
+    """Keep live ``row``'s tokens (prompt and reply, what its cache holds) in ``cache`` before it is freed."""
+    fields = positional_fields(engine.cache) if cache is not None and cache.budget else None
+    if fields is not None:
+        with torch.inference_mode(), engine.serial_torch():
+            cache.store(engine.tokens[row, : engine.lengths[row]].tolist(), engine.cache, row, fields)

@@ -57,7 +57,7 @@ import torch
 from lmforge.generate.constraints import RowConstraint
 from lmforge.generate.engine import Engine
 from lmforge.generate.generator import _TextStream
-from lmforge.generate.prefix_cache import PrefixCache, positional_fields
+from lmforge.generate.prefix_cache import PrefixCache, admit_cached, keep_row
 from lmforge.generate.speculative import DraftPolicy, NgramDrafter, SpecStats
 from lmforge.generate.sampling import check_sampling, check_seed, is_greedy, sample_next, sampling_logits
 from lmforge.model.cache import check_context
@@ -195,7 +195,6 @@ class Scheduler:
         self._bytes = [tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)]
         engine.open_slots(max_batch)
         self.prefix_cache = prefix_cache
-        self._fields = positional_fields(engine.cache) if prefix_cache is not None and prefix_cache.budget else None
         self.speculative = bool(speculative)
         self.spec_stats = SpecStats()
         self._rows: list[_Row] = []  # _rows[i] is the request in engine row i
@@ -341,7 +340,7 @@ class Scheduler:
                 continue
             try:  # everything about these requests joining: their rows' state, the prefill, the copies
                 rows = [_Row(req, self.engine.device, self.speculative) for req in entry]
-                first, logits = self._admit(entry[0].prompt)  # once it returns, the engine row is taken
+                first, logits = admit_cached(self.engine, self.prefix_cache, entry[0].prompt)  # the row is taken
                 try:
                     for _ in entry[1:]:
                         self.engine.fork(first)
@@ -375,17 +374,6 @@ class Scheduler:
                 self._advance(r, logits[i], greedy[i])
         self._finish_rows()
         return True
-
-    def _admit(self, prompt: list[int]) -> tuple[int, torch.Tensor]:
-        """Prefill ``prompt`` into the next free row, from its longest cached prefix (then keep its blocks)."""
-        pc, fields = self.prefix_cache, self._fields
-        if pc is None or fields is None:
-            return self.engine.admit(prompt)
-        with torch.inference_mode():  # the cache's tensors are inference tensors
-            start = pc.restore(pc.lookup(prompt), self.engine.cache, self.engine.active, fields)
-            row, logits = self.engine.admit(prompt, start)
-            pc.store(prompt, self.engine.cache, row, fields)
-        return row, logits
 
     def _speculate(self, r: _Row) -> bool:
         """One pass of row 0 (alone) with its next token and its drafts, if it has any (module docstring); False
@@ -520,11 +508,7 @@ class Scheduler:
 
     def _keep(self, i: int) -> None:
         """Keep engine row ``i``'s tokens (prompt and reply) in the prefix cache before it is freed."""
-        if self.prefix_cache is None or self._fields is None:
-            return
-        n = self.engine.lengths[i]
         try:
-            with torch.inference_mode():
-                self.prefix_cache.store(self.engine.tokens[i, :n].tolist(), self.engine.cache, i, self._fields)
+            keep_row(self.engine, self.prefix_cache, i)
         except Exception:  # noqa: BLE001  (a cache that cannot keep a row must not end the others)
             logger.exception("the prefix cache failed to keep a row")

@@ -1,0 +1,39 @@
+"""Generator.turn with a prefix cache (what ``lmforge chat`` runs): each turn prefills only what the previous turn
+did not leave in the cache, and the replies do not change."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmforge.generate import Generator
+from lmforge.generate.prefix_cache import PrefixCache
+from tests.generate.test_prefix_cache import SYSTEM, model
+from tests.generate.test_scheduler import byte_tokenizer
+
+
+def conversation(gen: Generator, temperature: float) -> list[list[int]]:
+    prompt, replies = SYSTEM + list(b"Q: hi"), []
+    for k, more in enumerate((b" Q: and?", b" Q: ok")):
+        turn = gen.turn(prompt, 10, temperature=temperature, rng=gen.rng(k))
+        for _ in turn:
+            pass
+        replies.append(turn.ids)
+        prompt = prompt + turn.ids + list(more)
+    turn = gen.turn(prompt, 10, temperature=temperature, rng=gen.rng(9))
+    replies.append([t for t, _, _ in turn])
+    return replies
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_turns_are_the_same_with_the_cache_and_prefill_less(temperature):
+    m = model()
+    plain = Generator(m, byte_tokenizer())
+    cached = Generator(m, byte_tokenizer())
+    cached.prefix_cache = PrefixCache(1 << 20, block=8)
+    assert conversation(cached, temperature) == conversation(plain, temperature)
+    st = cached.prefix_cache.stats
+    # blocks of 8; turn 2 (68 tokens) reuses turn 1's prompt and the 9 reply tokens it fed (59: 56), turn 3 (84)
+    # reuses turn 2's 68 + 9 (77: 72); without the replies kept it would be 48 + 64
+    assert st.queries == 3 and st.hits == 2 and st.hit_tokens == 56 + 72
+    cached.refresh()  # new weights: the kept keys and values are stale
+    assert len(cached.prefix_cache) == 0 and cached.prefix_cache.stats.bytes == 0
