@@ -361,10 +361,16 @@ class Engine:
         return self.active - 1
 
     def _copy_row(self, src: int, dst: int) -> None:
+        """Row ``dst`` becomes a copy of row ``src``: through the cache's own ``copy_row`` where it has one (every
+        per-row field it holds), else its keys and values; then the row's tokens."""
         n = int(self.cache.lengths[src])
-        self.cache.k[:, dst, :, :n] = self.cache.k[:, src, :, :n]
-        self.cache.v[:, dst, :, :n] = self.cache.v[:, src, :, :n]
-        self.cache.lengths[dst] = n
+        copy_row = getattr(self.cache, "copy_row", None)
+        if copy_row is not None:
+            copy_row(src, dst)
+        else:
+            self.cache.k[:, dst, :, :n] = self.cache.k[:, src, :, :n]
+            self.cache.v[:, dst, :, :n] = self.cache.v[:, src, :, :n]
+            self.cache.lengths[dst] = n
         self.tokens[dst, :n] = self.tokens[src, :n]
 
     def _refill(self, rows: slice, kept: torch.Tensor) -> None:
