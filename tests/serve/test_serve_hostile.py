@@ -95,11 +95,11 @@ def test_a_failure_while_one_request_joins_fails_it_alone(wide, monkeypatch):
     real_row = scheduler_module._Row
     live_at_fault: list[int] = []
 
-    def row(req, device):
+    def row(req, *args):
         if req.seed == 666:
             live_at_fault.append(wide.served.scheduler.engine.active)
             raise RuntimeError("injected fault while joining")
-        return real_row(req, device)
+        return real_row(req, *args)
 
     monkeypatch.setattr(scheduler_module, "_Row", row)
     client = openai_client(wide.url, max_retries=0, timeout=30)
