@@ -1,7 +1,7 @@
 """Speculative decoding with prompt-lookup drafts at batch 1: tokens/s and forward passes per token, off vs on.
 
 One request at a time through the library's :class:`~lmforge.generate.scheduler.Scheduler` (what ``lmforge serve``
-runs), a 500-token prompt, ``--new-tokens`` tokens, on a random-weight model of each shape:
+runs), a 500-token prompt (``--prompt-tokens``), ``--new-tokens`` tokens, on a random-weight model of each shape:
 
 - ``repeat``: greedy decoding after a prompt that is a 50-token passage said over and over, where a random model
   soon repeats itself (loops of tokens it already said): text that quotes its own context, the case prompt-lookup
@@ -9,9 +9,9 @@ runs), a 500-token prompt, ``--new-tokens`` tokens, on a random-weight model of 
   drafts' arithmetic is the same (they are checked, not trusted), only how many are kept differs.
 - ``free``: sampling at temperature 1, where the context rarely repeats: drafting must pause itself (never slower).
 
-A 500-token prompt (``--prompt-tokens``). Sides: ``kernel`` (the CPU decode kernels, the default CPU path: one token per step; its verify pass would be single
-steps, so it does not draft), ``torch off`` and ``torch on`` (the PyTorch path, which verifies a row's drafts in one
-forward of k + 1 positions). The greedy tokens of ``torch on`` must equal ``torch off``'s, else the script exits.
+Sides: ``kernel`` (the CPU decode kernels, the default CPU path: one token per step; its verify pass would be
+single steps, so it does not draft), ``torch off`` and ``torch on`` (the PyTorch path, which verifies a row's drafts
+in one forward of k + 1 positions). The greedy tokens of ``torch on`` must equal ``torch off``'s, else the script exits.
 Reported: median tokens/s over ``--rounds`` alternating rounds (range), forward passes per generated token and drafts
 kept per pass (counts: independent of the machine's load; the times are not, so run it on a quiet machine).
 

@@ -143,7 +143,8 @@ class PrefixCache:
             for start in range(len(chain) * self.block, len(tokens) - self.block + 1, self.block):
                 key = (parent, tuple(int(t) for t in tokens[start: start + self.block]))
                 end = start + self.block
-                block = _Block(key, self._next_id, [_columns(getattr(cache, f), row, start, end).clone() for f in fields])
+                kept = [_columns(getattr(cache, f), row, start, end).clone() for f in fields]
+                block = _Block(key, self._next_id, kept)
                 if block.nbytes > self.budget:
                     break
                 self._next_id += 1

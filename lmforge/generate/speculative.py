@@ -1,4 +1,4 @@
-"""Speculative decoding with prompt-lookup drafts: a row's next tokens guessed from its own context, checked in one pass.
+"""Speculative decoding with prompt-lookup drafts: a row's next tokens guessed from its context, checked in one pass.
 
 A reply that quotes its input (a rewrite, an extraction, code edited in place) repeats runs of tokens the context
 already holds. :class:`NgramDrafter` finds the last ``n`` tokens of a row (``n`` = 3, then 2) earlier in its context

@@ -90,7 +90,8 @@ class ServedModel:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_id: str, max_batch: int = 8,
                  max_queue: int = 64, max_tokens_cap: int | None = None,
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, speculative: bool = True) -> None:
-        if isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, (int, float)) or not prefix_cache_mb >= 0:
+        if (isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, (int, float))
+                or not 0 <= prefix_cache_mb < float("inf")):
             raise ValueError(f"prefix_cache_mb must be a non-negative number of MiB (got {prefix_cache_mb!r})")
         cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
         self.scheduler = Scheduler(engine, tokenizer, max_batch, max_queue, prefix_cache=cache,
