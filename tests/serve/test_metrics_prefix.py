@@ -62,3 +62,14 @@ def test_served_model_refuses_a_negative_budget(tmp_path):
     run = random_chat_run(tmp_path / "chat")
     with pytest.raises(ValueError, match="prefix_cache_mb"):
         ServedModel.from_run(run, prefix_cache_mb=-1)
+
+
+@pytest.mark.parametrize("argv", [["serve", "--run", "{run}", "--prefix-cache-mb", "-1"],
+                                  ["serve", "--run", "{run}", "--prefix-cache-mb", "inf"],
+                                  ["chat", "--run", "{run}", "--prefix-cache-mb", "-2"]])
+def test_the_cli_refuses_a_bad_budget_in_one_line(tmp_path, capsys, argv):
+    from lmforge import cli
+
+    code = cli.main(["-q", *(a.format(run=tmp_path / "none") for a in argv)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--prefix-cache-mb must be a non-negative number" in err and len(err.strip().splitlines()) == 1
