@@ -86,7 +86,10 @@ def cached_projections(model: nn.Module) -> list[Tensor]:
 
 def _project_modules(owner: nn.Module, x: Tensor, modules: tuple[nn.Module, ...]) -> tuple[Tensor, ...]:
     """``tuple(m(x) for m in modules)`` through :func:`_project` on their weights; a projection that is not a
-    plain :class:`Linear` (a LoRA-wrapped one, :mod:`lmforge.model.lora`) adds its ``adapter(x)``."""
+    plain :class:`Linear` (a LoRA-wrapped one, :mod:`lmforge.model.lora`) adds its ``adapter(x)``; modules that
+    project themselves (float8 training, :mod:`lmforge.model.fp8`) are called."""
+    if any(getattr(m, "projects_itself", False) for m in modules):
+        return tuple(m(x) for m in modules)
     outs = _project(owner, x, [m.weight for m in modules])
     return tuple(o if type(m) is Linear else o + m.adapter(x) for o, m in zip(outs, modules))
 
