@@ -49,6 +49,7 @@ SHAPES = {"gpt2": (768, 12, 12, 1024, 50304, 32), "d20": (1280, 20, 10, 1024, 50
           "small": (256, 4, 4, 256, 8192, 8),  # the resume check on a GPU
           "tiny": (32, 2, 2, 32, 320, 2), "tiny20": (48, 3, 2, 32, 320, 2)}  # the dry run's stand-ins
 LOSS_TOL_BF16 = 2e-2  # |first loss lmforge - first loss HF|, bf16 autocast, same weights and batch
+FP8_LOSS_TOL = 0.01  # float8's last loss within 1% of bf16's after the same steps from the same weights and batches
 LAST_LOSS_TOL = 5e-2  # spread of the runs' last losses after the same 13 steps (measured: 3e-4 between runs that agree)
 
 
@@ -118,7 +119,7 @@ def probe(a: argparse.Namespace) -> None:
 # train: MFU, lmforge vs HF
 # --------------------------------------------------------------------------------------------------
 # impl:mode -> what runs. HF's "compiled" is what an HF user does; "compiled_layers" only as a labelled weaker variant.
-MODES = {"lmforge": ("eager", "compiled"), "hf": ("eager", "compiled", "compiled_layers")}
+MODES = {"lmforge": ("eager", "compiled", "compiled_fp8"), "hf": ("eager", "compiled", "compiled_layers")}
 WEAKER = {("hf", "compiled_layers")}
 KNOWN_RUNS = ", ".join(f"{i}:{m}" for i, ms in MODES.items() for m in ms)
 
@@ -126,7 +127,9 @@ KNOWN_RUNS = ", ".join(f"{i}:{m}" for i, ms in MODES.items() for m in ms)
 def run_config(impl: str, mode: str, dev_type: str) -> str:
     """The configuration a training run measures, in words (the report's ``config`` column)."""
     if impl == "lmforge":
-        how = {"eager": "eager", "compiled": "each block compiled in place (training.compile)"}[mode]
+        how = {"eager": "eager", "compiled": "each block compiled in place (training.compile)",
+               "compiled_fp8": "each block compiled in place, its projections in float8 (training.fp8: e4m3 "
+                               "forward, e5m2 gradients, tensorwise scales)"}[mode]
         return f"lmforge TransformerLM, {how}, lmforge AdamW, bf16 autocast, fused LM-head loss"
     how = {"eager": "eager", "compiled": "torch.compile(whole model)",
            "compiled_layers": "WEAKER VARIANT: decoder layers compiled one by one, head and fp32 loss eager"}[mode]
@@ -153,7 +156,12 @@ def _build(impl: str, cfg: Any, hf_state: dict, dev: Any, mode: str) -> tuple[An
         model = TransformerLM(cfg)
         model.load_state_dict(hf.from_hf_state_dict(hf_state, cfg))
         model.to(dev)
-        if mode == "compiled":
+        if mode == "compiled_fp8":
+            from lmforge.model.fp8 import check_fp8_device, convert_to_float8
+
+            check_fp8_device(dev)
+            convert_to_float8(model)  # exactly what training.fp8 does, before the compile
+        if mode in ("compiled", "compiled_fp8"):
             compile_blocks(model)  # exactly what training.compile does
         opt = AdamW(param_groups_for(model, 0.1), lr=3e-4, betas=(0.9, 0.95))
         run = model
@@ -325,10 +333,15 @@ def train(a: argparse.Namespace) -> None:
         last[run] = (b, rec["last_loss"])
     # The same steps from the same weights on the same batches train the same: a compiled run whose gradients went
     # wrong (torch 2.11, 2026-11-27: 9.77 against 10.02 after 13 steps) fails here though its first loss agreed.
-    full = {r: loss for r, (b, loss) in last.items() if b == batch}
+    full = {r: loss for r, (b, loss) in last.items() if b == batch and not r.endswith("_fp8")}
     spread = max(full.values()) - min(full.values()) if full else 0.0
     emit(a.result, {"kind": "same_training", "shape": a.shape, "ok": spread <= LAST_LOSS_TOL, "last_losses": full,
                     "spread": spread, "tolerance": LAST_LOSS_TOL})
+    # float8 rounds every product: its training is held to bf16's within FP8_LOSS_TOL (relative), not bit-equal
+    if "lmforge:compiled_fp8" in last and "lmforge:compiled" in last:
+        f8, bf = last["lmforge:compiled_fp8"][1], last["lmforge:compiled"][1]
+        emit(a.result, {"kind": "fp8_training", "shape": a.shape, "ok": abs(f8 - bf) <= FP8_LOSS_TOL * bf,
+                        "loss_fp8": f8, "loss_bf16": bf, "tolerance": FP8_LOSS_TOL})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -570,9 +583,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="with --dry-run: a step or two of each part")
     ap.add_argument("--result", default=None, help="append JSON lines here")
     ap.add_argument("--shape", default="gpt2", choices=list(SHAPES))
-    ap.add_argument("--runs", default="lmforge:eager,hf:eager,lmforge:compiled,hf:compiled",
-                    help="IMPL:MODE,... timed in this order (lmforge:eager|compiled, hf:eager|compiled, and "
-                         "hf:compiled_layers, a weaker variant labelled so)")
+    ap.add_argument("--runs", default="lmforge:eager,hf:eager,lmforge:compiled,hf:compiled,lmforge:compiled_fp8",
+                    help="IMPL:MODE,... timed in this order (lmforge:eager|compiled|compiled_fp8, hf:eager|compiled, "
+                         "and hf:compiled_layers, a weaker variant labelled so)")
     ap.add_argument("--peak", type=float, default=None, help="measured peak FLOP/s (MFU's denominator)")
     ap.add_argument("--datasheet", type=float, default=None, help="the GPU's datasheet bf16 peak FLOP/s")
     ap.add_argument("--work", default="gpu-check-out/work", help="scratch folder (shards, runs)")
