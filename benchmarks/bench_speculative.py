@@ -9,9 +9,9 @@ runs), a 500-token prompt (``--prompt-tokens``), ``--new-tokens`` tokens, on a r
   drafts' arithmetic is the same (they are checked, not trusted), only how many are kept differs.
 - ``free``: sampling at temperature 1, where the context rarely repeats: drafting must pause itself (never slower).
 
-Sides: ``kernel`` (the CPU decode kernels, the default CPU path: one token per step; its verify pass would be
-single steps, so it does not draft), ``torch off`` and ``torch on`` (the PyTorch path, which verifies a row's drafts
-in one forward of k + 1 positions). The greedy tokens of ``torch on`` must equal ``torch off``'s, else the script exits.
+Sides: ``kernel off`` and ``kernel on`` (the CPU decode kernels, the default CPU path: one C++ step call checks a
+row's k drafted tokens and returns the logits after each), ``torch off`` and ``torch on`` (the PyTorch path: one
+forward of k + 1 positions). Each ``on`` side's greedy tokens must equal its ``off`` side's, else the script exits.
 Reported: median tokens/s over ``--rounds`` alternating rounds (range), forward passes per generated token and drafts
 kept per pass (counts: independent of the machine's load; the times are not, so run it on a quiet machine).
 
@@ -66,7 +66,7 @@ def main() -> None:
         engines = {"kernel": Engine(model), "torch": Engine(model, use_kernel=False)}
         for task, sampling in TASKS.items():
             got: dict[str, dict[str, Any]] = {}
-            rates: dict[str, list[float]] = {"kernel": [], "torch off": [], "torch on": []}
+            rates: dict[str, list[float]] = {"kernel off": [], "kernel on": [], "torch off": [], "torch on": []}
 
             def side(name: str, eng: str, spec: bool) -> Any:
                 def run() -> None:
@@ -75,26 +75,25 @@ def main() -> None:
                     rates[name].append((r["n"] - 1) / (time.perf_counter() - t0 - r["first"]))  # after the first
                 return run
 
-            times = alternate({"kernel": side("kernel", "kernel", False), "torch off": side("torch off", "torch", False),
-                               "torch on": side("torch on", "torch", True)}, a.rounds, warmup=0 if a.quick else 1)
-            if task == "repeat" and got["torch on"]["tokens"] != got["torch off"]["tokens"]:
-                sys.exit(f"{shape}: drafting changed the greedy tokens")
-            on = got["torch on"]
-            n = on["n"] - 1  # tokens after the prefill's
-            passes = (n - on["accepted"]) / n
+            times = alternate({f"{eng} {'on' if spec else 'off'}": side(f"{eng} {'on' if spec else 'off'}", eng, spec)
+                               for eng in engines for spec in (False, True)}, a.rounds, warmup=0 if a.quick else 1)
+            for eng in engines:
+                if task == "repeat" and got[f"{eng} on"]["tokens"] != got[f"{eng} off"]["tokens"]:
+                    sys.exit(f"{shape}: drafting changed the greedy tokens ({eng} path)")
             print(f"\n{shape}, {task} ({a.new_tokens} tokens after a {a.prompt_tokens}-token prompt; decode tokens/s "
                   f"after the first token, median (range))")
             print("| side | tokens/s | passes per token | drafts kept per pass |\n|---|---|---|---|")
+            passes: dict[str, float] = {}
             for name in times:
-                rate = rates[name][-a.rounds:]
-                extra = (f"{passes:.2f} | {on['accepted'] / max(1, on['passes']):.2f} ({on['accepted']}/{on['drafted']})"
-                         if name == "torch on" else "1.00 | -")
-                print(f"| {name} | {spread(rate, '.1f')} | {extra} |")
-            speed = median(rates["torch on"][-a.rounds:]) / median(rates["torch off"][-a.rounds:])
-            print(f"torch on / torch off: {speed:.2f}x; "
-                  f"greedy tokens identical: {got['torch on']['tokens'] == got['torch off']['tokens']}")
+                r, n = got[name], got[name]["n"] - 1  # tokens after the prefill's
+                passes[name] = (n - r["accepted"]) / n
+                kept = f"{r['accepted'] / r['passes']:.2f} ({r['accepted']}/{r['drafted']})" if r["passes"] else "-"
+                print(f"| {name} | {spread(rates[name][-a.rounds:], '.1f')} | {passes[name]:.2f} | {kept} |")
+            speed = {eng: median(rates[f"{eng} on"][-a.rounds:]) / median(rates[f"{eng} off"][-a.rounds:])
+                     for eng in engines}
+            print("; ".join(f"{eng} on / off: {x:.2f}x" for eng, x in speed.items()) + "; greedy tokens identical")
             figures[f"{shape}/{task}"] = {"seconds": times, "rates": rates, "speedup": speed, "passes_per_token": passes,
-                                          **{k: v for k, v in on.items() if k != "tokens"}}
+                                          **{k: v for k, v in got["kernel on"].items() if k != "tokens"}}
     write_json(a.json, figures)
 
 

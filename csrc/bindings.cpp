@@ -431,9 +431,9 @@ NB_MODULE(_core, m) {
                     if (v.shape(i) != k.shape(i)) throw std::invalid_argument("DecodeModel.step: v must be shaped like k");
                 // first > rows - B, not first + B > rows: first comes from Python and the sum could wrap.
                 if (B == 0 || B > rows || first > rows - B || tokens.shape(0) == 0 || tokens.shape(0) % B ||
-                    logits.shape(0) != B || logits.shape(1) != d.head.N)
+                    (logits.shape(0) != B && logits.shape(0) != tokens.shape(0)) || logits.shape(1) != d.head.N)
                     throw std::invalid_argument("DecodeModel.step: lengths (B,) with 0 < B <= rows - first, tokens "
-                                                "(B * T,), logits (B, head_n)");
+                                                "(B * T,), logits (B, head_n) or (B * T, head_n)");
                 const size_t T = tokens.shape(0) / B;
                 // The step's scratch: M = B * T rows of the model's widest product (decode/step.cpp).
                 const size_t widest = std::max({d.C, d.head.N, d.layers.empty() ? 0 : d.layers[0].qkv.N,
@@ -452,15 +452,17 @@ NB_MODULE(_core, m) {
                 float *kp = k.data(), *vp = v.data(), *lp = logits.data();
                 int64_t* np = lengths.data();
                 nb::gil_scoped_release release;
-                decode_step(d, tp, B, T, kp, vp, rows, first, S, np, lp, threads);
+                const bool all = logits.shape(0) != B;  // (B * T, head_n): every token's logits
+                decode_step(d, tp, B, T, kp, vp, rows, first, S, np, lp, threads, all);
             },
             nb::arg("tokens"), nb::arg("k").noconvert(), nb::arg("v").noconvert(), nb::arg("lengths").noconvert(),
             nb::arg("logits").noconvert(), nb::arg("threads"), nb::arg("first") = 0,
             "Feed T = len(tokens) // B tokens to each of B = len(lengths) rows: row b's tokens "
             "tokens[b * T:(b + 1) * T] go to cache row first + b at columns lengths[b] .. lengths[b] + T - 1 of the "
             "cache k, v (layers, rows, n_kv_heads, S, head_dim); writes their keys and values there, the logits "
-            "(B, head_n) of the token after each row's last, and lengths[b] += T. T = 1: a decode step; T > 1: a "
-            "prompt, its tokens as the rows of each product. On up to `threads` threads; batch invariant (a row's "
+            "(B, head_n) of the token after each row's last (logits shaped (B * T, head_n): after each of its tokens, "
+            "row b * T + t), and lengths[b] += T. T = 1: a decode step; T > 1: a prompt, its tokens as the rows of "
+            "each product. On up to `threads` threads; batch invariant (a row's "
             "numbers do not depend on the other rows, on T or on the threads).");
 
     m.def(

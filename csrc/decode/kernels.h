@@ -116,8 +116,10 @@ struct DecodeModel {
 // row's last token, the one whose logits are returned, goes on through attention, projections and MLP (at
 // d512 x 4 layers a fifth of a 256-token prompt's products). Every kernel is batch invariant, so a token's
 // numbers are the same bits whether it comes in a prompt of T or in a step, and whatever the other rows are.
+// all: every token goes on through the last layer and the head, and logits is (B * T, head_n), row b * T + t the
+// logits after row b's token t (checking drafted tokens in one call: the same bits as T single steps).
 // The caller checks the shapes, token ids (< vocab) and lengths (lengths[b] + T <= S and <= positions).
 void decode_step(const DecodeModel& m, const int64_t* tokens, size_t B, size_t T, float* k, float* v, size_t rows,
-                 size_t first, size_t S, int64_t* lengths, float* logits, int threads);
+                 size_t first, size_t S, int64_t* lengths, float* logits, int threads, bool all = false);
 
 }  // namespace lmforge

@@ -58,7 +58,7 @@ void add_rows(float* x, const float* y, size_t M, size_t C, int threads) {
 }  // namespace
 
 void decode_step(const DecodeModel& m, const int64_t* tokens, size_t B, size_t T, float* k, float* v, size_t rows,
-                 size_t first, size_t S, int64_t* lengths, float* logits, int threads) {
+                 size_t first, size_t S, int64_t* lengths, float* logits, int threads, bool all) {
     if (B == 0 || T == 0) return;
     const size_t C = m.C, H = m.H, Hkv = m.Hkv, D = m.D, F = m.F, M = B * T;  // M: one activation row per token
     const size_t layer_stride = rows * Hkv * S * D;  // one layer of the cache, all its rows
@@ -86,7 +86,7 @@ void decode_step(const DecodeModel& m, const int64_t* tokens, size_t B, size_t T
             rope_cache_rows(qkv.data() + r0 * width, r1 - r0, H, Hkv, D, m.cos, m.sin, pos.data() + r0, kl, vl, S,
                             q.data() + r0 * H * D, T, r0);
         });
-        if (l + 1 == m.layers.size() && T > 1) {
+        if (l + 1 == m.layers.size() && T > 1 && !all) {
             // The last layer's keys and values are in the cache; past them only each row's last token reaches
             // the head, so its attention, projections and MLP run for those B tokens alone (moved to rows
             // 0 .. B-1). Each kernel works per row, so they get the bits they would get among all T.
@@ -109,9 +109,14 @@ void decode_step(const DecodeModel& m, const int64_t* tokens, size_t B, size_t T
         linear(L.down, act.data(), n, y.data(), threads);
         add_rows(x.data(), y.data(), n, C, threads);
     }
-    for (size_t b = 0; b < B; ++b)  // the last token of each row (rows of per tokens now): the final norm, the head
-        rms_norm_rows(x.data() + (b * per + per - 1) * C, 1, C, m.ln_final, m.eps, h.data() + b * C);
-    linear(m.head, h.data(), B, logits, threads);
+    if (all) {  // every token's logits (checking drafted tokens): the final norm and the head over all M rows
+        norm_rows(x.data(), M, C, m.ln_final, m.eps, h.data(), threads);
+        linear(m.head, h.data(), M, logits, threads);
+    } else {
+        for (size_t b = 0; b < B; ++b)  // the last token of each row (rows of per tokens now): the final norm, the head
+            rms_norm_rows(x.data() + (b * per + per - 1) * C, 1, C, m.ln_final, m.eps, h.data() + b * C);
+        linear(m.head, h.data(), B, logits, threads);
+    }
     for (size_t b = 0; b < B; ++b) lengths[b] += (int64_t)T;
 }
 

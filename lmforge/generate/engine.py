@@ -124,10 +124,9 @@ class Engine:
         self.cache: KVCache | None = None
         self.tokens: torch.Tensor | None = None  # (B, capacity): each row's tokens, as in its cache
         self.active = 0  # live rows (0 .. active-1); all of them after prefill
-        self.batched_verify = not self._kernel
-        """Whether :meth:`verify` runs its tokens in one pass (the PyTorch path): the C++ step returns only a row's
-        last logits, so on the kernel path :meth:`verify` runs one step per token (exact, no faster) and the
-        scheduler does not draft; set it True to draft anyway (tests of the kernel path's exactness)."""
+        self.batched_verify = True
+        """Whether :meth:`verify` runs its tokens in one pass (both paths do: the C++ step returns every token's
+        logits when asked); the scheduler drafts only then. Set False to turn drafting off for this engine."""
         self._threads: int | None = None  # the kernel's threads inside serial_torch
         static = self.device.type == "cuda" and not self._kernel if static_steps is None else bool(static_steps)
         if static and self._kernel:
@@ -464,10 +463,9 @@ class Engine:
             h = self.model.hidden(ids[None], cache=self.cache.rows(row))  # (1, T, C)
             return self.model.lm_head(h[0])  # (T, V)
         k, v, lengths, _ = self._arrays
-        logits = torch.empty(T, self._vocab)
-        out, flat = logits.numpy(), np.ascontiguousarray(ids.numpy(), dtype=np.int64)
-        for j in range(T):  # single steps: the bits a plain step gives (see batched_verify)
-            self._decoder.step(flat[j: j + 1], k, v, lengths[row: row + 1], out[j: j + 1], self._threads, row)
+        logits = torch.empty(T, self._vocab)  # every token's logits: the bits T single steps give (batch invariant)
+        self._decoder.step(np.ascontiguousarray(ids.numpy(), dtype=np.int64), k, v, lengths[row: row + 1],
+                           logits.numpy(), self._threads, row)
         return logits
 
     def rollback(self, row: int, n: int) -> None:

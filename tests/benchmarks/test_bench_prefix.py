@@ -31,5 +31,7 @@ def test_bench_prefix_quick_prefills_less_with_the_cache(tmp_path):
 def test_bench_speculative_quick_keeps_drafts_where_text_repeats(tmp_path):
     f = quick("bench_speculative.py", tmp_path)
     # the script itself exits when drafting changes the greedy tokens; a repeated passage always gets drafts
-    assert f["tiny/repeat"]["drafted"] > 0 and f["tiny/repeat"]["passes_per_token"] <= 1.0
-    assert f["tiny/free"]["passes_per_token"] <= 1.0
+    assert f["tiny/repeat"]["drafted"] > 0  # the kernel path drafts (one C++ call checks them)
+    for task in ("repeat", "free"):
+        assert all(p <= 1.0 for p in f[f"tiny/{task}"]["passes_per_token"].values())
+        assert set(f[f"tiny/{task}"]["speedup"]) == {"kernel", "torch"}

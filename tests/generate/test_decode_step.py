@@ -255,3 +255,31 @@ def test_a_prefill_reuses_a_same_shaped_cache_and_forgets_it():
     assert e.cache.k.data_ptr() == k0 and e.lengths == [0] and e.free_slots == 1
     e.prefill([short, long[:9]], 40)  # another shape: a new cache
     assert e.cache.batch_size == 2 and e.lengths == [9, 9]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8/int8", "int4/int8"])
+def test_every_tokens_logits_in_one_call_are_the_bits_of_single_steps(dtype, isa):
+    """Checking drafted tokens: ``DecodeModel.step`` with logits shaped ``(B * T, V)`` returns the logits after
+    each of a row's T tokens in one call (``Engine.verify``), the bits T single steps give, on 1 and 2 threads;
+    the row's cache ends the same. A logits array of any other row count is refused."""
+    model = _model(seed=3, d_model=128, n_heads=4, n_kv_heads=2, d_ff=288, vocab_size=520, context_length=48)
+    weights, _, activations = dtype.partition("/")
+    eng = Engine(model, weight_dtype=weights, activations=activations or "float32")
+    prompt, fed = [5, 17, 300, 2, 9, 41], [7, 7, 250, 3, 19, 511, 0, 64]
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            eng.open_slots(2, 48)
+            eng.admit([1, 2, 3])
+            eng.admit(prompt)
+            one = [eng.step(torch.tensor([1, t]))[1].clone() for t in fed]  # single steps, beside another row
+            k1, v1 = eng.cache.k[:, 1, :, :20].clone(), eng.cache.v[:, 1, :, :20].clone()
+            eng.rollback(1, len(fed))
+            many = eng.verify(1, fed)  # (T, V) in one call
+            assert eng.lengths[1] == len(prompt) + len(fed)
+            assert torch.equal(eng.cache.k[:, 1, :, :20], k1) and torch.equal(eng.cache.v[:, 1, :, :20], v1)
+        for j, a in enumerate(one):
+            assert torch.equal(many[j], a), (dtype, threads, j, (many[j] - a).abs().max().item())
+    k, v, lengths, _ = eng._arrays
+    with pytest.raises(ValueError, match=r"\(B \* T, head_n\)"):
+        eng._decoder.step(np.array([1, 2, 3], np.int64), k, v, lengths[:1].copy(), np.zeros((2, 520), np.float32), 1)

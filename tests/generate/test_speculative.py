@@ -24,8 +24,7 @@ def model(seed: int = 0):
 def decode(m, prompts, spec: bool, kernel: bool = False, n: int = 32, **kw):
     """Each request alone (drafting runs at batch 1); the updates' texts, log-probs, finish reasons, and the load."""
     eng = Engine(m, use_kernel=kernel)
-    if kernel:
-        eng.batched_verify = True  # draft on the kernel path too (exact there, by single steps)
+    assert eng.batched_verify  # both paths check drafted tokens in one call
     s = Scheduler(eng, byte_tokenizer(), max_batch=2, speculative=spec)
     out = []
     with torch_threads(1):  # the PyTorch path's small ops: threads only contend on a shared machine
@@ -126,7 +125,6 @@ def test_sampled_replies_over_many_seeds_are_unchanged_through_the_scheduler():
     outs = []
     for spec in (False, True):
         eng = Engine(m, use_kernel=True)
-        eng.batched_verify = True
         s = Scheduler(eng, byte_tokenizer(), max_batch=1, speculative=spec)
         texts = []
         for seed in range(30):
