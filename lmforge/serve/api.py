@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from lmforge.common import is_unicode
 from lmforge.generate.sampling import SEED_MAX, SEED_MIN
@@ -83,6 +83,9 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1, le=128)
+    speculative: StrictBool = True
+    """lmforge's extension: false turns prompt-lookup drafting off for this request (the reply is the same token for
+    token either way; only its speed differs)."""
 
     def stops(self) -> list[str]:
         """The stop strings (at most 4, non-empty), as a list."""

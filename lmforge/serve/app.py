@@ -336,7 +336,7 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
                        top_p=None if req.top_p >= 1 else req.top_p, seed=req.choice_seed(k), stop_ids=stop_ids,
                        stop=req.stops(), tool=tool() if tool is not None else None, token_text=token_text or {},
                        constraint=constraint, capture_regions=constraint is not None and bool(getattr(req, "tools", None)),
-                       logprobs=req.n_logprobs())
+                       logprobs=req.n_logprobs(), speculative=req.speculative)
         except ValueError as e:  # a value the schema let through but the engine refuses
             raise APIError(400, str(e)) from None
 

@@ -28,7 +28,7 @@ import re
 import uuid
 from typing import Annotated, Any, Iterator, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, ValidationError, field_validator
 
 from lmforge.generate.sampling import SEED_MAX, SEED_MIN
 from lmforge.generate.scheduler import MAX_LOGPROBS
@@ -167,6 +167,7 @@ class ResponseRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # lmforge's extension, as on chat
+    speculative: StrictBool = True  # lmforge's extension, as on chat
     stream: bool = False
     store: bool = True
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
@@ -307,6 +308,7 @@ def chat_request(req: ResponseRequest, messages: list[dict[str, Any]]) -> ChatCo
     system = ([req.instructions] if req.instructions else []) + [m["content"] for m in messages[:lead]]
     chat: dict[str, Any] = {
         "model": req.model, "stream": req.stream, "seed": req.seed, "parallel_tool_calls": req.parallel_tool_calls,
+        "speculative": req.speculative,
         "messages": ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + messages[lead:],
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,

@@ -73,3 +73,34 @@ def test_the_cli_refuses_a_bad_budget_in_one_line(tmp_path, capsys, argv):
     code = cli.main(["-q", *(a.format(run=tmp_path / "none") for a in argv)])
     err = capsys.readouterr().err
     assert code == 2 and "--prefix-cache-mb must be a non-negative number" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_request_can_turn_drafting_off_and_gets_the_same_reply(tmp_path):
+    """``speculative`` (lmforge's extension, on chat, completions and responses): false drafts nothing for that
+    request; the reply is the same token for token; a non-boolean is a 400 naming the field."""
+    run = random_chat_run(tmp_path / "chat", context_length=256)
+    s = ThreadServer(ServedModel.from_run(run, max_batch=2))
+    try:
+        client = openai_client(s.url)
+        prompt = "the cat sat on the mat. " * 6
+
+        def drafted() -> float:
+            return families(httpx.get(s.url + "/metrics", trust_env=False).text)[
+                "lmforge_speculative_drafted_tokens_total"]
+
+        replies, counts = [], []
+        for extra in ({}, {"speculative": False}):
+            before = drafted()
+            r = client.completions.create(model="chat", prompt=prompt, max_tokens=24, temperature=0, extra_body=extra)
+            replies.append(r.choices[0].text)
+            counts.append(drafted() - before)
+        assert replies[0] == replies[1] and counts[0] > 0 and counts[1] == 0, counts
+        before = drafted()
+        client.responses.create(model="chat", input=prompt, max_output_tokens=8, temperature=0,
+                                extra_body={"speculative": False})
+        assert drafted() == before
+        r = httpx.post(s.url + "/v1/chat/completions", trust_env=False, json={
+            "model": "chat", "messages": [{"role": "user", "content": "hi"}], "speculative": "no"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "speculative", r.text
+    finally:
+        s.close()
