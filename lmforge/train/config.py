@@ -182,6 +182,10 @@ class TrainingConfig:
     the dtype it resolved to. ``bf16`` on a CPU without native bf16 works but warns: it is many times slower."""
     compile: bool = False
     """Compile each Transformer block with ``torch.compile``, in place (one graph serves every block)."""
+    fp8: bool = False
+    """Multiply the blocks' projections in float8 while training (e4m3 forward, e5m2 gradients, a scale per tensor;
+    :mod:`lmforge.model.fp8`): CUDA GPUs of compute capability 8.9+ (the CPU too, slowly, for tests). Master weights,
+    optimizer state and checkpoints are unchanged; evaluation and decoding use the plain products."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """Data parallelism under ``torchrun``: ``ddp`` (replicate) or ``fsdp`` (shard); ignored in one process."""
     seed: int = 1337

@@ -37,6 +37,7 @@ from lmforge.config import diff_dicts, dump_yaml, load_yaml, to_dict
 from lmforge.data import BlockLoader, TokenDataset, val_batches
 from lmforge.data.conversations import IGNORE_INDEX, ConversationDataset
 from lmforge.model import flops_per_token
+from lmforge.model.fp8 import check_fp8_device, convert_to_float8
 from lmforge.progress import progress as progress_bar
 from lmforge.run import MARKER, check_new_or_run
 from lmforge.run import mark as mark_run_dir
@@ -392,6 +393,10 @@ def _wrap(run: _Run, pending: Any) -> None:
     """Compile and wrap for data parallelism from outside (the model code stays single-device), load what
     ``_resume`` left for the wrapped model (``pending``); start wandb."""
     tc, info = run.cfg.training, run.info
+    if tc.fp8:  # before the compile and the wrappers: they see the float8 projections
+        check_fp8_device(info.device)
+        names = convert_to_float8(run.model)
+        logger.info("training.fp8: %d projections multiply in float8 (e4m3 forward, e5m2 gradients)", len(names))
     run.model = wrap_model(run.model, tc.parallel, info, compile=tc.compile,
                            activation_checkpointing=tc.activation_checkpointing)
     run.raw_model = unwrap_model(run.model)
