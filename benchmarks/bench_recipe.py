@@ -58,6 +58,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "batch-warmup": ("training.batch_warmup_steps=50",),
     "wsd": ("optimizer.schedule=wsd", "optimizer.cooldown_frac=0.4"),
     "smear": ("model.smear=true",),
+    "smear-keys": ("model.smear_keys=true",),
     "value-embeds": ("model.value_embeds=1",),
     "unet": ("model.unet_skips=true",),
     "relu2": ("model.mlp=relu2",),
