@@ -14,7 +14,7 @@ import torch
 from lmforge.data.conversations import IGNORE_INDEX
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.rl import RolloutSource
-from lmforge.train.config import OptimConfig, RLConfig
+from lmforge.train.config import OptimConfig, RLConfig, TrainingConfig
 from lmforge.train.distributed import DistInfo
 from lmforge.train.loop import _train_step
 
@@ -69,9 +69,9 @@ def _loop_gradient(model: TransformerLM, src: RolloutSource, batch: tuple) -> li
     src._queue = [batch]
     opt = _Capture(model)
     run = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(training=types.SimpleNamespace(max_steps=1, dtype="fp32"),
+        cfg=types.SimpleNamespace(training=TrainingConfig(max_steps=1, dtype="fp32"),
                                   optimizer=OptimConfig(lr=1.0, schedule="constant", warmup_steps=0, grad_clip=0.0)),
-        info=DistInfo(0, 0, 1, CPU), model=model, loader=src, batch=types.SimpleNamespace(accum_steps=1),
+        info=DistInfo(0, 0, 1, CPU), model=model, loader=src, batch=types.SimpleNamespace(accum_steps=1, micro_batch=len(batch[0])),
         optimizer=opt, step=0, last_ckpt=None, elapsed=0.0, interval_time=0.0, interval_tokens=0, tokens=0)
     _train_step(run)
     return opt.grads
