@@ -9,12 +9,13 @@ are recognised by a checkpoint written by ``lmforge train``; they get the marker
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from lmforge import __version__
 from lmforge.checkpoint import Checkpoint, CheckpointManager, grow_rows, lora_delta, read_checkpoint, read_metadata
@@ -22,6 +23,7 @@ from lmforge.common import atomic_write_text, sha256_file
 from lmforge.config import load_yaml
 
 MARKER = "lmforge-run.json"
+LOCK = ".lmforge-lock"  # held (flock) by the process training into the run directory
 """File name of the marker that makes a directory an lmforge run."""
 BASE_FILE = "base.json"
 """File of a fine-tuned run naming its base: ``run``, ``checkpoint`` (the file it started from), its ``sha256``,
@@ -61,7 +63,7 @@ def check_new_or_run(path: str | os.PathLike, force: bool = False) -> Path:
     if not p.exists() or is_run_dir(p) or force:
         return p
     try:
-        entries = sorted(e.name for e in p.iterdir())
+        entries = sorted(e.name for e in p.iterdir() if e.name != LOCK)  # a lock alone: a run that never began
     except PermissionError:
         raise ValueError(f"run directory {p} is not readable; check its permissions") from None
     if entries:
@@ -69,6 +71,34 @@ def check_new_or_run(path: str | os.PathLike, force: bool = False) -> Path:
         raise ValueError(f"{p} is not empty ({shown}) and is not an lmforge run directory; choose a new --run-dir, "
                          "or pass --force to write the run's files into it anyway")
     return p
+
+
+@contextlib.contextmanager
+def run_lock(path: str | os.PathLike) -> Iterator[None]:
+    """Hold run directory ``path``'s lock (created if needed) while training writes into it: a second process
+    training into the same directory is refused with a ``ValueError`` instead of interleaving its checkpoints and
+    metrics with the first's. The lock is the system's (``flock`` on :data:`LOCK`), so a killed process's lock
+    goes with it; where ``flock`` does not exist nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    fd = os.open(p / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip()
+            raise ValueError(f"another process{f' (pid {holder})' if holder else ''} is training in {p}; wait for "
+                             "it to finish (a later run resumes from its checkpoints), or choose another --run-dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)
 
 
 def mark(path: str | os.PathLike) -> None:

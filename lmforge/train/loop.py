@@ -39,7 +39,7 @@ from lmforge.data.conversations import IGNORE_INDEX, ConversationDataset
 from lmforge.model import flops_per_token
 from lmforge.model.fp8 import check_fp8_device, convert_to_float8
 from lmforge.progress import progress as progress_bar
-from lmforge.run import MARKER, check_new_or_run
+from lmforge.run import MARKER, check_new_or_run, run_lock
 from lmforge.run import mark as mark_run_dir
 from lmforge.tokenizer import Tokenizer, load_tokenizer
 from lmforge.train.batching import BatchPlan, plan_batch, warmup_rows
@@ -274,22 +274,23 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
     try:
         if tc.num_threads:
             torch.set_num_threads(tc.num_threads)
-        run = _check(cfg, Path(run_dir), force, info, source)
-        _build(run)
-        pending = _resume(run)
-        _wrap(run, pending)
-        with progress_bar(tc.max_steps, "train", "step", progress and info.is_main, initial=run.step) as bar:
-            run.model.train()
-            while run.step < tc.max_steps:
-                loss, lr, grad_norm = _train_step(run)
-                if run.step % tc.log_every == 0 or run.step == tc.max_steps:
-                    bar.set_postfix(_log(run, loss, lr, grad_norm), refresh=False)
-                bar.update(1)  # after the postfix, so a plain progress line shows this step's figures
-                _maybe_evaluate(run)
-                _maybe_checkpoint(run)
-                if run.reached_target:
-                    break
-        return _finish(run)
+        with contextlib.ExitStack() as held:  # the run directory's lock, from its first write on (rank 0)
+            run = _check(cfg, Path(run_dir), force, info, source, held)
+            _build(run)
+            pending = _resume(run)
+            _wrap(run, pending)
+            with progress_bar(tc.max_steps, "train", "step", progress and info.is_main, initial=run.step) as bar:
+                run.model.train()
+                while run.step < tc.max_steps:
+                    loss, lr, grad_norm = _train_step(run)
+                    if run.step % tc.log_every == 0 or run.step == tc.max_steps:
+                        bar.set_postfix(_log(run, loss, lr, grad_norm), refresh=False)
+                    bar.update(1)  # after the postfix, so a plain progress line shows this step's figures
+                    _maybe_evaluate(run)
+                    _maybe_checkpoint(run)
+                    if run.reached_target:
+                        break
+            return _finish(run)
     finally:
         torch.set_num_threads(threads)
         torch.set_float32_matmul_precision(precision)
@@ -297,8 +298,10 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
             cleanup_distributed()
 
 
-def _check(cfg: RunConfig, run_dir: Path, force: bool, info: Any, source: Callable[..., tuple] | None) -> _Run:
-    """Open and check the data, tokenizer and run directory; only once all is valid, write the run's files."""
+def _check(cfg: RunConfig, run_dir: Path, force: bool, info: Any, source: Callable[..., tuple] | None,
+           held: contextlib.ExitStack) -> _Run:
+    """Open and check the data, tokenizer and run directory; only once all is valid, take the directory's lock
+    (into ``held``: one trainer per run directory) and write the run's files."""
     tc = cfg.training
     tokens = cfg.data.kind == "tokens"
     if cfg.data.kind == "prompts" and source is None:
@@ -328,7 +331,7 @@ def _check(cfg: RunConfig, run_dir: Path, force: bool, info: Any, source: Callab
         require_wandb()
     barrier()  # every rank has checked the directory before rank 0 writes into it (else a late rank sees a non-run)
     if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        held.enter_context(run_lock(run_dir))  # creates the directory; refuses while another process trains in it
         mark_run_dir(run_dir)
         _resolve_tokenizer(cfg.data, train_ds, run_dir, write=True, started=started)
         _check_run_dir(cfg, run_dir, write=True, started=started)

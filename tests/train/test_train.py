@@ -210,6 +210,32 @@ def test_fp8_training_resumes_exactly_and_follows_float32(shards, tmp_path, capl
     assert {k: v.shape for k, v in ck(full).items()} == {k: v.shape for k, v in ck(plain).items()}
 
 
+def test_a_second_trainer_in_the_same_run_directory_is_refused(shards, tmp_path, capsys) -> None:
+    """Two processes training into one run directory interleaved their checkpoints and metrics: the one that
+    comes second is refused in one line (exit 2) and writes nothing; once the first is gone, training resumes."""
+    from lmforge import cli
+    from lmforge.run import LOCK, run_lock
+
+    run = tmp_path / "run"
+    train(_cfg(shards, training={"max_steps": 3}), run, progress=False)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in run.rglob("*") if p.name != LOCK)
+    with run_lock(run):  # as the first trainer holds it
+        with pytest.raises(ValueError, match=r"another process \(pid \d+\) is training in"):
+            train(_cfg(shards, training={"max_steps": 6}), run, progress=False)
+        cfg = tmp_path / "cfg.yaml"
+        cfg.write_text(json.dumps(_cfg_dict(shards, training={"max_steps": 6})))
+        assert cli.main(["-q", "train", str(cfg), "--run-dir", str(run)]) == 2
+        err = capsys.readouterr().err
+        assert "is training in" in err and len(err.strip().splitlines()) == 1
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in run.rglob("*") if p.name != LOCK) == before
+    train(_cfg(shards, training={"max_steps": 6}), run, progress=False)
+    assert _losses(run)[-1][0] == 6
+    fresh = tmp_path / "fresh"
+    with run_lock(fresh):
+        pass  # a run that never began leaves only its lock: still a new run directory
+    train(_cfg(shards, training={"max_steps": 2}), fresh, progress=False)
+
+
 def test_batch_warmup_grows_the_batch_and_resumes_exactly(shards, tmp_path) -> None:
     warm = {"max_steps": 8, "batch_warmup_steps": 4}  # rows of each 4-row micro-batch: 1, 2, 3, 4, 4, ...
     full, split, plain = tmp_path / "full", tmp_path / "split", tmp_path / "plain"
