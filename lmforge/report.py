@@ -162,7 +162,7 @@ def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[s
     for s in smp["samples"]:
         report.paragraph(f"**{s['prompt'].strip()}**").code(s["prompt"] + s["text"], "text")
     if "chat-sft" in st:
-        _chat_section(report, st)
+        _chat_section(report, st, out)
     if "rl" in st:
         _rl_speedrun_section(report, st)
     report.section("Configuration").paragraph("Resolved run config (`run/config.yaml`):")
@@ -175,7 +175,7 @@ def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[s
     return report.write(out / REPORT_FILE)
 
 
-def _chat_section(report: RunReport, st: dict[str, Any]) -> None:
+def _chat_section(report: RunReport, st: dict[str, Any], out: Path) -> None:
     """The speedrun's chat stages: task accuracy before and after fine-tuning, ended replies, a conversation."""
     base, after, ft = st["chat-base"], st["chat-sft"], st["sft"]
     report.section("Chat: fine-tuned on the built-in tasks").paragraph(
@@ -192,7 +192,8 @@ def _chat_section(report: RunReport, st: dict[str, Any]) -> None:
                  f"{100 * after['accuracy']:.1f}%", f"{100 * after['ended']:.0f}%"))
     report.table(("task", "items", "before", "after", "replies ending with `<|assistant_end|>` (after)"), rows)
     report.paragraph(f"Before fine-tuning, {100 * base['ended']:.0f}% of replies ended with the end token.",
-                     "A conversation with the fine-tuned model (greedy; `lmforge chat --run sft` to talk to it):")
+                     f"A conversation with the fine-tuned model (greedy; `lmforge chat --run {out / 'sft'}` to talk "
+                     "to it):")
     lines = []
     for m in after["conversation"]:
         text = m["content"] if "tool_call" not in m else f"{m['content']}[calculator: {m['tool_call']}]"

@@ -101,6 +101,7 @@ def test_speedrun_chat_stages_fine_tune_and_score_before_and_after(tmp_path, cor
     assert [m["role"] for m in after["conversation"][:2]] == ["user", "assistant"]
     report = (out / "report.md").read_text(encoding="utf-8")
     assert "## Chat: fine-tuned on the built-in tasks" in report and "| calculator |" in report
+    assert f"`lmforge chat --run {out / 'sft'}`" in report  # a command that runs from where the speedrun ran
     val = (out / "chat-tasks" / "val.jsonl").read_text(encoding="utf-8").splitlines()
     train = set((out / "chat-tasks" / "train.jsonl").read_text(encoding="utf-8").splitlines())
     assert val and not train & set(val)
