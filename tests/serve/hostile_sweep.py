@@ -702,7 +702,10 @@ class Sender:
 
 
 FAMILIES = {"lmforge_requests", "lmforge_prompt_tokens", "lmforge_generation_tokens", "lmforge_requests_running",
-            "lmforge_requests_waiting", "lmforge_time_to_first_token_seconds", "lmforge_inter_token_latency_seconds"}
+            "lmforge_requests_waiting", "lmforge_time_to_first_token_seconds", "lmforge_inter_token_latency_seconds",
+            "lmforge_prefix_cache_queries", "lmforge_prefix_cache_hits", "lmforge_prefix_cache_query_tokens",
+            "lmforge_prefix_cache_hit_tokens", "lmforge_prefix_cache_bytes", "lmforge_speculative_passes",
+            "lmforge_speculative_drafted_tokens", "lmforge_speculative_accepted_tokens"}
 
 
 def metrics_series(url: str, headers: dict[str, str]) -> tuple[int, int, list[str]]:
