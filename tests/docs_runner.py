@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import shlex
@@ -164,6 +165,8 @@ class Page:
 
         out = io.StringIO()
         old_stdin, old_env = sys.stdin, dict(os.environ)
+        log = logging.getLogger("lmforge")  # the CLI gives it a handler on this moment's stderr: not for later tests
+        old_log = (list(log.handlers), log.level, log.propagate)
         os.environ.update(self.env)
         try:
             sys.stdin = io.StringIO(stdin) if stdin is not None else io.StringIO("")
@@ -173,6 +176,8 @@ class Page:
             sys.stdin = old_stdin
             os.environ.clear()
             os.environ.update(old_env)
+            log.handlers[:], log.propagate = old_log[0], old_log[2]
+            log.setLevel(old_log[1])
         assert rc == 0, f"{where}: `lmforge {shlex.join(argv)}` exited with {rc}"
         self.log.append(out.getvalue())
         return out.getvalue()
