@@ -124,9 +124,6 @@ class Engine:
         self.cache: KVCache | None = None
         self.tokens: torch.Tensor | None = None  # (B, capacity): each row's tokens, as in its cache
         self.active = 0  # live rows (0 .. active-1); all of them after prefill
-        self.batched_verify = True
-        """Whether :meth:`verify` runs its tokens in one pass (both paths do: the C++ step returns every token's
-        logits when asked); the scheduler drafts only then. Set False to turn drafting off for this engine."""
         self._threads: int | None = None  # the kernel's threads inside serial_torch
         static = self.device.type == "cuda" and not self._kernel if static_steps is None else bool(static_steps)
         if static and self._kernel:

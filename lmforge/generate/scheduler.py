@@ -380,7 +380,7 @@ class Scheduler:
         when it drafted nothing (the caller steps it plainly)."""
         eng = self.engine
         n = eng.lengths[0]
-        k = 0 if r.drafter is None or r.forced or not eng.batched_verify else r.policy.draft_length(r.n)
+        k = 0 if r.drafter is None or r.forced else r.policy.draft_length(r.n)
         k = min(k, r.req.max_tokens - r.n - 1, eng.cache.capacity - n - 1)
         drafts = r.drafter.propose(k) if k > 0 else []
         if not drafts:
