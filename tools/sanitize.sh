@@ -6,7 +6,10 @@
 #      ValueError/TypeError, never a memory error;
 #   3. the kernel and tokenizer tests (libasan preloaded into the uninstrumented Python; leaks not checked:
 #      CPython's are not ours), on the scalar and the native instruction set (not AVX2 as well: time), without
-#      the benchmark and timing tests.
+#      the benchmark and timing tests. Not tests/test_native_fork.py: GCC 12's libasan does not hold its own
+#      allocator's locks across fork(), so a child forked while another thread is inside malloc can wait forever
+#      on ASan's size-class mutex (seen: 1 run in ~40, the child on a futex in the allocator's region table at
+#      0x640000000000) - a hang of the sanitizer runtime, not of lmforge's locks; make test runs it on the normal build.
 # About 8 minutes on 2 cores, the build included. FUZZ_ITERATIONS scales both fuzzers; extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,5 +31,5 @@ LD_PRELOAD=$PRELOAD "$PY" tools/fuzz_core.py --iterations "$ITER" --seed 1
 LD_PRELOAD=$PRELOAD "$PY" -m pytest -q -p no:cacheprovider \
     tests/tokenizer/test_core.py tests/tokenizer/test_core_untrusted.py tests/tokenizer/test_tokenizer.py \
     tests/generate/test_kernel_args.py tests/generate/test_decode_step.py tests/generate/test_packed_q8.py \
-    tests/test_native.py tests/test_native_fork.py tests/tools/test_fuzz_core.py tests/corpus/test_sources.py \
+    tests/test_native.py tests/tools/test_fuzz_core.py tests/corpus/test_sources.py \
     -k "not benchmark and not perf and not release_the_gil and not avx2" "$@"
