@@ -30,8 +30,10 @@ install-test: $(VENV)/.base
 demo: install
 	$(BIN)/lmforge speedrun
 
+# Two workers (pytest-xdist), one torch thread each; tests marked `serial` (they measure time) run alone.
+JOBS ?= 2
 test: install-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(JOBS)
 
 # The C++ extension built with ASan + UBSan into build/sanitize (the installed one untouched), its two fuzzers and
 # the kernel and tokenizer tests against it (tools/sanitize.sh; ~8 min on 2 cores). ARGS go to pytest.

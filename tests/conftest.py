@@ -13,10 +13,12 @@ directory beside the repository is absent (a user's clone has no ``../shared``).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import random
 import re
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,11 @@ SHARED_FIXTURES = Path(__file__).resolve().parents[1].parent / "shared/fixtures/
 _WORDS = ("the a cat dog sat on mat and ran to house little big happy girl boy tree sun day "
           "said was it he she they we you I lower lowest newer wider don't it's we'll 42 2024 "
           "3.14 héllo naïve 世界 你好 ok!").split()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (make test): two workers share the two cores, so
+        torch.set_num_threads(1)  # each computes on one (two each only spin-wait for the core the other holds)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -110,6 +117,30 @@ def _restore_global_state() -> Iterator[None]:
     before = global_state()
     yield
     set_global_state(before)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    """Under ``pytest -n N`` a test marked ``serial`` (it measures time: a latency bound, a GIL share) runs, its
+    fixtures' setup and teardown included, while no other worker runs anything. Every test holds a shared lock
+    on one file and a ``serial`` test an exclusive one; a second file, taken by every test on its way in and
+    held by a ``serial`` test throughout, keeps the other workers from starving it. Without xdist: nothing."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        return (yield)
+    folder = Path(tempfile.gettempdir()) / f"lmforge-pytest-{run}"
+    folder.mkdir(exist_ok=True)
+    serial = item.get_closest_marker("serial") is not None
+    with open(folder / "door", "a") as door, open(folder / "room", "a") as room:
+        fcntl.flock(door, fcntl.LOCK_EX)
+        fcntl.flock(room, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+        if not serial:
+            fcntl.flock(door, fcntl.LOCK_UN)
+        try:
+            return (yield)
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)
+            fcntl.flock(door, fcntl.LOCK_UN)
 
 
 @pytest.fixture(params=["native", "avx2", "scalar"])

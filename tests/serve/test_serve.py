@@ -271,6 +271,7 @@ def test_a_base_run_serves_completions_and_refuses_chat(tiny_run, http):
         s.close()
 
 
+@pytest.mark.serial
 def test_api_key_body_limit_and_queue_limit(guarded, http):
     url = guarded.url + "/v1/completions"
     body = {"model": "wide", "prompt": "hi", "max_tokens": 2, "temperature": 0}

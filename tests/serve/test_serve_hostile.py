@@ -152,6 +152,7 @@ def test_tiny_temperature_and_top_p_are_greedy(runs):
 # --------------------------------------------------------------------------------------------------
 # Clients that leave
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.serial
 def test_a_plain_request_whose_client_leaves_is_cancelled_within_a_second(wide):
     """The openai client times out (1.5 s) and retries once: each try leaves a 4,000-token request behind.
     Tokens keep arriving for them, yet both rows are freed within a second of their client leaving."""
@@ -161,6 +162,7 @@ def test_a_plain_request_whose_client_leaves_is_cancelled_within_a_second(wide):
     wait_for(wide, lambda h: h["active"] == 0 and h["waiting"] == 0, 1.0)
 
 
+@pytest.mark.serial
 def test_disconnected_waiting_requests_leave_the_queue_at_once(runs, http):
     """One row, busy; four clients wait (two streaming, two not), then leave: /health says waiting 0 within a
     second, and a new request is queued (not refused with 429) and answered when the row frees."""
@@ -203,6 +205,7 @@ def test_disconnected_waiting_requests_leave_the_queue_at_once(runs, http):
 # --------------------------------------------------------------------------------------------------
 # Connections and bodies
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.serial
 def test_slow_bodies_headers_and_silent_connections_are_closed(runs):
     """300 connections that would hold the server forever (100 trickle a body one byte at a time, 100 trickle
     header lines, 100 send nothing) are all closed within seconds: the body ones with a 408. Meanwhile a

@@ -196,6 +196,7 @@ def test_page_sends_the_api_key_when_the_server_wants_one(chromium, tmp_path):
         sync_api.expect(page.locator(".msg.assistant:not(.error) .content")).to_have_text(REPLY, timeout=30_000)
 
 
+@pytest.mark.serial
 def test_page_draws_a_fast_stream_at_most_once_per_frame(chromium, tmp_path):
     """Thousands of tokens per second must not each rewrite the reply: the page draws once per animation frame
     (counted beside the reply's DOM writes), and the whole reply is there at the end."""

@@ -84,6 +84,7 @@ def test_hostile_schemas_are_400s_and_the_server_stays_up(srv):
     still_up(srv)
 
 
+@pytest.mark.serial
 def test_health_answers_within_100_ms_during_hostile_compiles(srv):
     """Three slow schemas (1,000 patterned properties, each ~0.3 s to compile) sent at once: /health answers
     within 100 ms throughout (each compile used to run on the event loop)."""

@@ -128,6 +128,7 @@ def test_a_lone_surrogate_is_a_400_naming_its_field(srv, http, path, body, param
     chat_ok(srv)
 
 
+@pytest.mark.serial
 def test_kept_alive_replies_do_not_wait_for_a_delayed_ack(srv):
     """The listening socket names TCP, so asyncio sets TCP_NODELAY on each connection: a reply written in two
     parts goes at once, not after the client's delayed ACK (~40 ms each, before)."""

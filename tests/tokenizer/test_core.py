@@ -454,12 +454,14 @@ def share_while(fn) -> float:
     return best
 
 
+@pytest.mark.serial
 def test_share_while_tells_a_held_gil_from_a_released_one() -> None:
     """The measure itself: catastrophic backtracking in `re` holds the GIL; a sleep releases it."""
     assert share_while(lambda: re.fullmatch(r"(a+)+b", "a" * 21)) < 0.3
     assert share_while(lambda: time.sleep(0.05)) > 0.6
 
 
+@pytest.mark.serial
 def test_heavy_calls_release_the_gil() -> None:
     text = random_corpus(400_000, seed=12)
     data = text.encode()
@@ -485,6 +487,7 @@ def test_encoder_cache_overflow_keeps_results_exact() -> None:
     assert enc.encode("".join(words), False) == expected  # again, from a cache that started over
 
 
+@pytest.mark.serial
 def test_encoder_long_run_is_not_quadratic() -> None:
     tokens = [bytes([b]) for b in range(256)] + [b"aa", b"aaaa", b"aaaaaaaa"]
     a = ord("a")
