@@ -174,19 +174,20 @@ class PrefixCache:
             self.stats.bytes = 0
 
 
-def admit_cached(engine: Any, cache: PrefixCache | None, prompt: Sequence[int]) -> tuple[int, torch.Tensor]:
-    """``engine.admit(prompt)`` from the longest prefix ``cache`` holds (then its blocks kept): ``(row, logits)``.
-    Without a cache, or with a KV cache that cannot be cut (:func:`positional_fields`), a plain admit."""
+def admit_cached(engine: Any, cache: PrefixCache | None, prompt: Sequence[int]) -> tuple[int, torch.Tensor, int]:
+    """``engine.admit(prompt)`` from the longest prefix ``cache`` holds (then its blocks kept): ``(row, logits,
+    cached)``, ``cached`` the prompt tokens taken from the cache instead of prefilled. Without a cache, or with a KV
+    cache that cannot be cut (:func:`positional_fields`), a plain admit (``cached`` 0)."""
     fields = positional_fields(engine.cache) if cache is not None and cache.budget else None
     if fields is None:
-        return engine.admit(prompt)
+        return (*engine.admit(prompt), 0)
     # inference tensors; PyTorch on one thread (serial_torch: its idle OpenMP workers spin on the cores the copies
     # and the kernel need, measured: 279 block copies 2.16 s on a busy 2-core machine, 7 ms on one thread)
     with torch.inference_mode(), engine.serial_torch():
         start = cache.restore(cache.lookup(prompt), engine.cache, engine.active, fields)
         row, logits = engine.admit(prompt, start)
         cache.store(prompt, engine.cache, row, fields)
-    return row, logits
+    return row, logits, start
 
 
 def keep_row(engine: Any, cache: PrefixCache | None, row: int) -> None:

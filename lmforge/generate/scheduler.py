@@ -78,7 +78,8 @@ class Update:
     ``finish_reason``: None while it runs, then ``"stop"`` (a stop id or stop string), ``"length"``
     (``max_tokens`` generated), ``"cancelled"`` (the scheduler stopped before it finished) or ``"error"``
     (``error`` says what went wrong). ``completion_tokens`` counts generated tokens so far (a stop id is not
-    counted); ``prompt_tokens`` is the prompt's length.
+    counted); ``prompt_tokens`` is the prompt's length, ``cached_tokens`` how many of them came from the prefix
+    cache instead of being prefilled.
     """
 
     text: str
@@ -88,6 +89,7 @@ class Update:
     error: str | None = None
     logprobs: tuple["TokenLogprob", ...] = ()
     regions: tuple[str, ...] = ()
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,7 @@ class _Row:
         self.shown = {int(t): text.encode() for t, text in req.token_text.items()}  # ids shown as other text
         self.forced: collections.deque[int] = collections.deque()
         self.n = 0  # completion tokens
+        self.cached = 0  # prompt tokens the prefix cache gave
         self.next = -1  # the token to feed at the next step
         self.pending = ""  # text not yet emitted
         self.pending_lp: list[TokenLogprob] = []  # their log-probabilities
@@ -340,7 +343,7 @@ class Scheduler:
                 continue
             try:  # everything about these requests joining: their rows' state, the prefill, the copies
                 rows = [_Row(req, self.engine.device, self.speculative) for req in entry]
-                first, logits = admit_cached(self.engine, self.prefix_cache, entry[0].prompt)  # the row is taken
+                first, logits, cached = admit_cached(self.engine, self.prefix_cache, entry[0].prompt)  # row taken
                 try:
                     for _ in entry[1:]:
                         self.engine.fork(first)
@@ -354,6 +357,8 @@ class Scheduler:
                     self._send(req, Update("", len(req.prompt), 0, "error",
                                            f"internal error: {type(e).__name__}: {e}"))
                 continue
+            for row in rows:
+                row.cached = cached
             with self._cv:
                 self._rows.extend(rows)
             for row in rows:
@@ -485,7 +490,8 @@ class Scheduler:
 
     def _update(self, r: _Row) -> Update:
         """An update with the row's pending text, log-probabilities and closed regions (then cleared)."""
-        u = Update(r.pending, len(r.req.prompt), r.n, r.finish, r.error, tuple(r.pending_lp), tuple(r.regions))
+        u = Update(r.pending, len(r.req.prompt), r.n, r.finish, r.error, tuple(r.pending_lp), tuple(r.regions),
+                   r.cached)
         r.pending, r.pending_lp, r.regions = "", [], []
         return u
 

@@ -395,7 +395,7 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
                 raise APIError(500, c.last.error or "the request was cancelled: the server is stopping",
                                type="server_error")
         prompt_tokens = choices[0].last.prompt_tokens
-        use = api.usage(prompt_tokens, sum(c.last.completion_tokens for c in choices))
+        use = api.usage(prompt_tokens, sum(c.last.completion_tokens for c in choices), choices[0].last.cached_tokens)
         metrics.request(endpoint, 200)
         metrics.tokens(prompt_tokens, use["completion_tokens"])
         tb = _bytes
@@ -473,10 +473,10 @@ def create_app(served: Any, api_key: str | None = None, max_body: int = 1 << 20,
                 cut = structured.cut_call(jobs[k]) if finish == "length" else ""
                 if cut:  # a call cut by max_tokens: what was generated, as text
                     yield chunk(k, cut)
-                yield chunk(k, "", None, finish, api.usage(u.prompt_tokens, u.completion_tokens) if len(jobs) == 1
-                            else None)
+                yield chunk(k, "", None, finish,
+                            api.usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens) if len(jobs) == 1 else None)
                 if not open_rows:
-                    use = api.usage(u.prompt_tokens, sum(total))
+                    use = api.usage(u.prompt_tokens, sum(total), u.cached_tokens)
                     metrics.request(endpoint, 200)
                     metrics.tokens(u.prompt_tokens, sum(total))
                     if req.include_usage():

@@ -161,7 +161,7 @@ class ResponseBuilder:
         self.completed_at = int(time.time()) if self.status == "completed" else None
         if u.finish_reason == "length":
             self.incomplete = {"reason": "max_output_tokens"}
-        self.usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        self.usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
                       "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": u.prompt_tokens + u.completion_tokens}
         events = self._close_message(self.status)

@@ -104,3 +104,35 @@ def test_a_request_can_turn_drafting_off_and_gets_the_same_reply(tmp_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "speculative", r.text
     finally:
         s.close()
+
+
+def test_usage_reports_the_prompt_tokens_the_cache_gave(tmp_path):
+    """``usage.prompt_tokens_details.cached_tokens`` (chat, streamed chat, completions) and the Responses API's
+    ``input_tokens_details.cached_tokens``: 0 without the cache; with it, whole 16-token blocks of the shared
+    prefix, and over all requests the sum /metrics counts as hit tokens."""
+    run = random_chat_run(tmp_path / "chat", context_length=256)
+    system = {"role": "system", "content": "You answer questions about the weather in one short sentence. " * 2}
+    for mb in (0, 8):
+        s = ThreadServer(ServedModel.from_run(run, max_batch=2, prefix_cache_mb=mb))
+        try:
+            client = openai_client(s.url)
+            cached = []
+            for q in ("Rain?", "Sun?"):
+                r = client.chat.completions.create(model="chat", messages=[system, {"role": "user", "content": q}],
+                                                   max_tokens=3, temperature=0)
+                cached.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+            chunks = list(client.chat.completions.create(
+                model="chat", messages=[system, {"role": "user", "content": "Snow?"}], max_tokens=3, temperature=0,
+                stream=True, stream_options={"include_usage": True}))
+            cached.append((chunks[-1].usage.prompt_tokens, chunks[-1].usage.prompt_tokens_details.cached_tokens))
+            r = client.responses.create(model="chat", instructions=system["content"], input="Wind?",
+                                        max_output_tokens=3, temperature=0)
+            cached.append((r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens))
+            hit = families(httpx.get(s.url + "/metrics", trust_env=False).text)["lmforge_prefix_cache_hit_tokens_total"]
+        finally:
+            s.close()
+        if mb == 0:
+            assert all(c == 0 for _, c in cached) and hit == 0, cached
+        else:
+            assert cached[0][1] == 0 and all(0 < c < n and c % 16 == 0 for n, c in cached[1:]), cached
+            assert sum(c for _, c in cached) == hit
