@@ -43,6 +43,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", choices=["auto", "off"], default="auto",
                    help="auto (default): a request decoding alone drafts its next tokens from its own context and "
                         "checks them in one pass where that pays (same replies); off: one token per step")
+    p.add_argument("--responses-store-mb", type=float, default=64.0, metavar="MB",
+                   help="the Responses API keeps stored responses (for previous_response_id and GET "
+                        "/v1/responses/ID) within MB MiB, at most 1,000, the oldest dropped first (default 64)")
+    p.add_argument("--responses-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="a stored response is forgotten after SECONDS (default 3600)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -68,7 +73,13 @@ def _serve(args: argparse.Namespace) -> int:
         AllowedHosts(allowed)
     except ValueError as e:
         raise CLIError(f"--allowed-hosts: {e}") from None
+    from lmforge.serve.response_store import ResponseStore
     from lmforge.serve.server import DEFAULT_PREFIX_CACHE_MB
+
+    for flag, value in (("--responses-store-mb", args.responses_store_mb), ("--responses-ttl", args.responses_ttl)):
+        if not 0 < value < float("inf"):
+            raise CLIError(f"{flag} must be a positive number, got {value}")
+    store = ResponseStore(max_bytes=max(1, int(args.responses_store_mb * 2**20)), ttl=args.responses_ttl)
 
     prefix_mb = DEFAULT_PREFIX_CACHE_MB if args.prefix_cache_mb is None else args.prefix_cache_mb
     if not prefix_mb >= 0 or prefix_mb == float("inf"):
@@ -82,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"lmforge serve: {served.model_id} on {url}  (chat page: {url}/  API: {url}/v1)", flush=True)
 
     serve(served, args.host, args.port, api_key=api_key, max_body=args.max_body, on_ready=ready,
-          allowed_hosts=allowed)
+          allowed_hosts=allowed, response_store=store)
     return 0
 
 

@@ -35,6 +35,7 @@ from lmforge.generate.prefix_cache import PrefixCache
 from lmforge.generate.scheduler import Scheduler
 from lmforge.serve.access import AllowedHosts, check_api_key, exposure_warning
 from lmforge.serve.api import APIError
+from lmforge.serve.response_store import ResponseStore
 from lmforge.tokenizer import Tokenizer
 
 logger = logging.getLogger("lmforge")
@@ -285,9 +286,12 @@ def uvicorn_config(app: Any, header_timeout: float = HEADER_TIMEOUT_S, **kw: Any
 
 def serve(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_body: int = 1 << 20, on_ready: Callable[[str], None] | None = None,
-          drain_timeout: float = 300.0, allowed_hosts: Sequence[str] = ()) -> None:
+          drain_timeout: float = 300.0, allowed_hosts: Sequence[str] = (),
+          response_store: ResponseStore | None = None) -> None:
     """Serve ``served`` over HTTP until SIGTERM or Ctrl-C; requests in flight finish first (up to
-    ``drain_timeout`` seconds). ``on_ready(url)`` is called once the socket listens. Requests may name in
+    ``drain_timeout`` seconds). ``on_ready(url)`` is called once the socket listens. ``response_store``: where the
+    Responses API keeps stored responses (default: a :class:`~lmforge.serve.response_store.ResponseStore` of its
+    default bounds). Requests may name in
     ``Host`` an IP address, ``localhost``, ``host`` or one of ``allowed_hosts`` (``*``: any;
     :class:`~lmforge.serve.access.AllowedHosts`). ``ValueError`` for an ``api_key`` that could never match
     (:func:`~lmforge.serve.access.check_api_key`) or a malformed allowed host."""
@@ -303,7 +307,7 @@ def serve(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, api_ke
         logger.warning("%s", warning)
     sock = bind(host, port)
     url = "http://%s:%d" % ((f"[{host}]" if ":" in host else host), sock.getsockname()[1])
-    app = create_app(served, api_key=api_key, max_body=max_body, allowed_hosts=hosts)
+    app = create_app(served, api_key=api_key, max_body=max_body, allowed_hosts=hosts, response_store=response_store)
     config = uvicorn_config(app, log_level="warning", timeout_graceful_shutdown=drain_timeout, access_log=False)
     server = uvicorn.Server(config)
     settle_heap()

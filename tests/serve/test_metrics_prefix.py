@@ -136,3 +136,25 @@ def test_usage_reports_the_prompt_tokens_the_cache_gave(tmp_path):
         else:
             assert cached[0][1] == 0 and all(0 < c < n and c % 16 == 0 for n, c in cached[1:]), cached
             assert sum(c for _, c in cached) == hit
+
+
+@pytest.mark.parametrize("flag,value", [("--responses-store-mb", "0"), ("--responses-store-mb", "inf"),
+                                        ("--responses-ttl", "-5"), ("--responses-ttl", "nan")])
+def test_the_cli_refuses_a_bad_response_store_bound_in_one_line(tmp_path, capsys, flag, value):
+    from lmforge import cli
+
+    code = cli.main(["-q", "serve", "--run", str(tmp_path / "none"), flag, value])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{flag} must be a positive number" in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_hands_its_response_store_bounds_to_the_app(tmp_path, monkeypatch):
+    """``lmforge serve --responses-store-mb 2 --responses-ttl 60``: the app's store has those bounds."""
+    import lmforge.serve
+    from lmforge import cli
+
+    seen = {}
+    monkeypatch.setattr(lmforge.serve, "serve", lambda *a, response_store=None, **k: seen.setdefault("store", response_store))
+    run = random_chat_run(tmp_path / "chat")
+    assert cli.main(["-q", "serve", "--run", str(run), "--responses-store-mb", "2", "--responses-ttl", "60"]) == 0
+    assert (seen["store"].max_bytes, seen["store"].ttl) == (2 << 20, 60.0)
