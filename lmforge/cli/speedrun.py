@@ -23,15 +23,15 @@ def _speedrun_args(p: argparse.ArgumentParser) -> None:
                    help=f"model preset (default {_DEFAULT_SIZE}: d_model {size.d_model}, {size.n_layers} layers, "
                         f"context {size.context_length})")
     p.add_argument("--budget", default="8min",
-                   help="training budget: minutes ('8', '8min') or steps ('300steps'); default 8min (~14 min in all "
+                   help="training budget: minutes ('8', '8min') or steps ('300steps'); default 8min (~15 min in all "
                         "with the chat and RL stages)")
     p.add_argument("--sft-budget", default="2.5min",
                    help="chat fine-tuning on the built-in chat tasks after pretraining: minutes or steps, like "
                         "--budget (default 2.5min)")
     p.add_argument("--rl-minutes", default="2",
                    help="reinforcement learning after SFT on the tasks the fine-tuned model solves 5-80%% of the "
-                        "time: minutes (or 'Nsteps'); 0 skips it (default 2: in four demos it lifted the calculator "
-                        "task by 20, 25, 42 and 5 points, see docs/benchmarks.md)")
+                        "time: minutes (or 'Nsteps'); 0 skips it (default 2; what it gains, measured, is in "
+                        "docs/benchmarks.md)")
     p.add_argument("--no-chat", action="store_true", help="skip the chat stages (fine-tuning and its scores)")
     p.add_argument("--target-bpb", type=float, default=None,
                    help="stop pretraining at the first evaluation with validation bits/byte at or below this, and "
