@@ -23,8 +23,9 @@ from lmforge.common import atomic_write_text, sha256_file
 from lmforge.config import load_yaml
 
 MARKER = "lmforge-run.json"
-LOCK = ".lmforge-lock"  # held (flock) by the process training into the run directory
 """File name of the marker that makes a directory an lmforge run."""
+LOCK = ".lmforge-lock"
+"""File in a run directory that the process training into it holds (``flock``; :func:`run_lock`)."""
 BASE_FILE = "base.json"
 """File of a fine-tuned run naming its base: ``run``, ``checkpoint`` (the file it started from), its ``sha256``,
 and ``lora`` (``{rank, alpha, targets}`` when the run's checkpoints hold LoRA adapters only, else null)."""
