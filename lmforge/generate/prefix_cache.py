@@ -2,9 +2,16 @@
 
 Every chat client re-sends the whole conversation each turn, and many clients share one system prompt. The
 :class:`PrefixCache` keeps the KV of token prefixes in blocks of ``block`` tokens, each keyed by its parent block and
-its own tokens (a radix tree of blocks: a key is exact, never a hash that could collide). A new prompt walks the tree
+its own tokens (a radix tree of blocks: tokens are compared exactly, never through a hash). A new prompt walks the tree
 from its first token; the longest chain of whole cached blocks is copied into its cache row, and only the rest of the
 prompt is prefilled. At least one prompt token is always left to prefill (its logits start the reply).
+
+Tenancy: blocks are shared by every request with the same ``salt`` (``None``: one shared, unsalted space). A salt
+is folded into the first block's key (as its parent: the SHA-256 digest of the salt's UTF-8 bytes, 32 bytes however
+long the salt), so a chain stored under one salt cannot be reached from another salt or from none: a request under a
+different salt reuses nothing (it reports 0 cached tokens and prefills the whole prompt, so neither its counts nor
+its time to first token say what others sent). Salts share the byte budget: one salt's traffic can evict another's
+blocks, which shows how much others send (their own hits drop), never what.
 
 Blocks are read-only once stored (a row gets copies), and evicted least recently used under a byte budget: a lookup
 touches its chain leaf first, so a parent is always more recent than its children and eviction takes leaves first.
@@ -23,16 +30,38 @@ holding other per-row state (anything that is not one entry per column) cannot b
 from __future__ import annotations
 
 import collections
+import hashlib
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-__all__ = ["DEFAULT_BLOCK", "PrefixCache", "PrefixStats", "admit_cached", "keep_row", "positional_fields"]
+__all__ = ["DEFAULT_BLOCK", "MAX_SALT_CHARS", "PrefixCache", "PrefixStats", "admit_cached", "check_salt", "keep_row",
+           "positional_fields"]
 
 DEFAULT_BLOCK = 16
 """Tokens per cached block: a prefix is reused up to the last whole block it shares."""
+
+MAX_SALT_CHARS = 4096
+"""The longest cache salt, in characters (room for a client's salt and a tenant's identity folded into it)."""
+
+_Parent = int | bytes
+"""A block key's parent: the id of the block before it, or for a first block its salt's root (0: no salt)."""
+
+
+def check_salt(salt: str | None) -> None:
+    """``ValueError`` unless ``salt`` is None or a string of 1 to :data:`MAX_SALT_CHARS` characters."""
+    if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= MAX_SALT_CHARS):
+        got = f"{len(salt)} characters" if isinstance(salt, str) else f"a {type(salt).__name__}"
+        raise ValueError(f"cache_salt must be a string of 1 to {MAX_SALT_CHARS} characters or None (got {got})")
+
+
+def _root(salt: str | None) -> _Parent:
+    """The parent of a first block under ``salt``: 0 without one, else the SHA-256 digest of its UTF-8 bytes (lone
+    surrogates passed through); block ids are ints, so a digest is never mistaken for one."""
+    check_salt(salt)
+    return 0 if salt is None else hashlib.sha256(salt.encode("utf-8", "surrogatepass")).digest()
 
 
 def positional_fields(cache: Any) -> list[str] | None:
@@ -72,7 +101,7 @@ class PrefixStats:
 class _Block:
     __slots__ = ("key", "id", "tensors", "nbytes")
 
-    def __init__(self, key: tuple[int, tuple[int, ...]], id_: int, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, key: tuple[_Parent, tuple[int, ...]], id_: int, tensors: list[torch.Tensor]) -> None:
         self.key, self.id, self.tensors = key, id_, tensors
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
@@ -80,8 +109,9 @@ class _Block:
 class PrefixCache:
     """KV blocks of token prefixes under ``budget_bytes`` (module docstring). Thread-safe.
 
-    ``lookup(prompt)`` gives the cached blocks a prompt starts with; ``restore`` copies them into a cache row;
-    ``store(tokens, cache, row)`` keeps the whole blocks of a row's tokens not yet kept.
+    ``lookup(prompt, salt)`` gives the cached blocks a prompt starts with under ``salt``; ``restore`` copies them
+    into a cache row; ``store(tokens, cache, row, fields, salt)`` keeps the whole blocks of a row's tokens not yet kept
+    under ``salt``. A salt (:func:`check_salt`) separates tenants (module docstring); None is the shared space.
     """
 
     def __init__(self, budget_bytes: int, block: int = DEFAULT_BLOCK) -> None:
@@ -90,15 +120,15 @@ class PrefixCache:
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"the prefix cache's block must be a positive number of tokens (got {block!r})")
         self.budget, self.block = budget_bytes, block
-        self._blocks: collections.OrderedDict[tuple[int, tuple[int, ...]], _Block] = collections.OrderedDict()
-        self._next_id = 1  # 0 is the root (the empty prefix)
+        self._blocks: collections.OrderedDict[tuple[_Parent, tuple[int, ...]], _Block] = collections.OrderedDict()
+        self._next_id = 1  # 0 is the unsalted root (the empty prefix); a salt's root is its digest
         self._lock = threading.Lock()
         self.stats = PrefixStats()
 
-    def _chain(self, tokens: Sequence[int], limit: int) -> list[_Block]:
-        """The cached blocks ``tokens[:limit]`` starts with (whole blocks only), root first."""
+    def _chain(self, tokens: Sequence[int], limit: int, root: _Parent) -> list[_Block]:
+        """The cached blocks ``tokens[:limit]`` starts with under ``root`` (whole blocks only), root first."""
         chain: list[_Block] = []
-        parent = 0
+        parent = root
         for start in range(0, limit - self.block + 1, self.block):
             found = self._blocks.get((parent, tuple(tokens[start: start + self.block])))
             if found is None:
@@ -107,11 +137,12 @@ class PrefixCache:
             parent = found.id
         return chain
 
-    def lookup(self, prompt: Sequence[int]) -> list[_Block]:
-        """The longest chain of cached blocks ``prompt`` starts with, leaving at least its last token out; counted
-        in :attr:`stats` and touched (most recently used)."""
+    def lookup(self, prompt: Sequence[int], salt: str | None = None) -> list[_Block]:
+        """The longest chain of cached blocks ``prompt`` starts with under ``salt``, leaving at least its last token
+        out; counted in :attr:`stats` and touched (most recently used)."""
+        root = _root(salt)
         with self._lock:
-            chain = self._chain(prompt, len(prompt) - 1)
+            chain = self._chain(prompt, len(prompt) - 1, root)
             for b in reversed(chain):  # the leaf first: a parent always ends more recent than its children
                 self._blocks.move_to_end(b.key)
             s = self.stats
@@ -122,8 +153,8 @@ class PrefixCache:
             return chain
 
     def restore(self, chain: Sequence[_Block], cache: Any, row: int, fields: Sequence[str]) -> int:
-        """Copy ``chain``'s blocks into columns ``0 ..`` of ``cache`` row ``row`` (its ``fields``); returns the
-        columns written. The caller sets the row's length and tokens."""
+        """Copy ``chain``'s blocks (a :meth:`lookup`'s, so of its salt) into columns ``0 ..`` of ``cache`` row ``row``
+        (its ``fields``); returns the columns written. The caller sets the row's length and tokens."""
         n = 0
         for b in chain:
             for name, t in zip(fields, b.tensors):
@@ -131,31 +162,35 @@ class PrefixCache:
             n += self.block
         return n
 
-    def store(self, tokens: Sequence[int], cache: Any, row: int, fields: Sequence[str]) -> int:
+    def store(self, tokens: Sequence[int], cache: Any, row: int, fields: Sequence[str], salt: str | None = None) -> int:
         """Keep the whole blocks of ``tokens`` (what ``cache`` row ``row`` holds in columns ``0 .. len(tokens)-1``)
-        not already kept, evicting the least recently used beyond the budget; returns blocks added."""
+        not already kept under ``salt``, evicting the least recently used beyond the budget; returns blocks added.
+        A failure part way (a copy out of memory) leaves the blocks added before it, within the budget."""
+        root = _root(salt)
         if self.budget == 0:
             return 0
         with self._lock:
-            chain = self._chain(tokens, len(tokens))
-            parent = chain[-1].id if chain else 0
+            chain = self._chain(tokens, len(tokens), root)
+            parent = chain[-1].id if chain else root
             added: list[_Block] = []
-            for start in range(len(chain) * self.block, len(tokens) - self.block + 1, self.block):
-                key = (parent, tuple(int(t) for t in tokens[start: start + self.block]))
-                end = start + self.block
-                kept = [_columns(getattr(cache, f), row, start, end).clone() for f in fields]
-                block = _Block(key, self._next_id, kept)
-                if block.nbytes > self.budget:
-                    break
-                self._next_id += 1
-                self._blocks[key] = block
-                self.stats.bytes += block.nbytes
-                self.stats.stored_blocks += 1
-                added.append(block)
-                parent = block.id
-            for b in reversed(chain + added):  # the leaf first, as in lookup
-                self._blocks.move_to_end(b.key)
-            self._evict()
+            try:
+                for start in range(len(chain) * self.block, len(tokens) - self.block + 1, self.block):
+                    key = (parent, tuple(int(t) for t in tokens[start: start + self.block]))
+                    end = start + self.block
+                    kept = [_columns(getattr(cache, f), row, start, end).clone() for f in fields]
+                    block = _Block(key, self._next_id, kept)
+                    if block.nbytes > self.budget:
+                        break
+                    self._next_id += 1
+                    self._blocks[key] = block
+                    self.stats.bytes += block.nbytes
+                    self.stats.stored_blocks += 1
+                    added.append(block)
+                    parent = block.id
+            finally:
+                for b in reversed(chain + added):  # the leaf first, as in lookup
+                    self._blocks.move_to_end(b.key)
+                self._evict()
             return len(added)
 
     def _evict(self) -> None:
@@ -174,25 +209,32 @@ class PrefixCache:
             self.stats.bytes = 0
 
 
-def admit_cached(engine: Any, cache: PrefixCache | None, prompt: Sequence[int]) -> tuple[int, torch.Tensor, int]:
-    """``engine.admit(prompt)`` from the longest prefix ``cache`` holds (then its blocks kept): ``(row, logits,
-    cached)``, ``cached`` the prompt tokens taken from the cache instead of prefilled. Without a cache, or with a KV
-    cache that cannot be cut (:func:`positional_fields`), a plain admit (``cached`` 0)."""
+def admit_cached(engine: Any, cache: PrefixCache | None, prompt: Sequence[int],
+                 salt: str | None = None) -> tuple[int, torch.Tensor, int]:
+    """``engine.admit(prompt)`` from the longest prefix ``cache`` holds under ``salt`` (then its blocks kept under
+    ``salt``): ``(row, logits, cached)``, ``cached`` the prompt tokens taken from the cache instead of prefilled.
+    Without a cache, or with a KV cache that cannot be cut (:func:`positional_fields`), a plain admit (``cached`` 0).
+    All or nothing: when any part fails, the row it took is freed before the error propagates."""
     fields = positional_fields(engine.cache) if cache is not None and cache.budget else None
     if fields is None:
         return (*engine.admit(prompt), 0)
     # inference tensors; PyTorch on one thread (serial_torch: its idle OpenMP workers spin on the cores the copies
     # and the kernel need, measured: 279 block copies 2.16 s on a busy 2-core machine, 7 ms on one thread)
     with torch.inference_mode(), engine.serial_torch():
-        start = cache.restore(cache.lookup(prompt), engine.cache, engine.active, fields)
+        start = cache.restore(cache.lookup(prompt, salt), engine.cache, engine.active, fields)
         row, logits = engine.admit(prompt, start)
-        cache.store(prompt, engine.cache, row, fields)
+        try:
+            cache.store(prompt, engine.cache, row, fields, salt)
+        except BaseException:
+            engine.release(row)  # the last live row: nothing moves
+            raise
     return row, logits, start
 
 
-def keep_row(engine: Any, cache: PrefixCache | None, row: int) -> None:
-    """Keep live ``row``'s tokens (prompt and reply, what its cache holds) in ``cache`` before it is freed."""
+def keep_row(engine: Any, cache: PrefixCache | None, row: int, salt: str | None = None) -> None:
+    """Keep live ``row``'s tokens (prompt and reply, what its cache holds) in ``cache`` under ``salt`` (its
+    request's) before it is freed."""
     fields = positional_fields(engine.cache) if cache is not None and cache.budget else None
     if fields is not None:
         with torch.inference_mode(), engine.serial_torch():
-            cache.store(engine.tokens[row, : engine.lengths[row]].tolist(), engine.cache, row, fields)
+            cache.store(engine.tokens[row, : engine.lengths[row]].tolist(), engine.cache, row, fields, salt)

@@ -6,7 +6,8 @@ requests. One iteration (:meth:`Scheduler.run_once`):
 1. rows whose request was cancelled (a client that disconnected) leave, freeing their slots (a cancelled
    request that was still waiting has already left the queue: :meth:`Scheduler.cancel` removes it at once);
 2. waiting requests join while slots are free: each prompt is prefilled alone into its row (anything that
-   fails while one request joins ends that request alone, with ``finish_reason="error"``);
+   fails while one request joins ends that request alone, with ``finish_reason="error"``, and frees every engine
+   row it took: the engine's live rows are always the scheduler's, checked at each step);
 3. one batched step feeds every live row one token: the token it sampled last, or the next of the tokens a
    tool forces into it; each row then samples its next token with its own temperature/top-k/top-p and its
    own seeded ``torch.Generator``, so a request's output does not depend on the others;
@@ -33,7 +34,9 @@ they join together, the prompt prefilled once and its cache row copied (``Engine
 
 Prefix cache (``prefix_cache``, a :class:`~lmforge.generate.prefix_cache.PrefixCache`): a joining prompt's longest
 cached prefix of whole blocks is copied into its row and only the rest is prefilled; the prompt's blocks are kept
-once prefilled, and a row's prompt and reply when it leaves (the next turn of a conversation starts with them).
+once prefilled, and a row's prompt and reply when it leaves (the next turn of a conversation starts with them). All
+of it under the request's ``cache_salt``: requests share cached blocks only with requests of the same salt (None:
+the shared, unsalted space), so a tenant's salt keeps others from learning its prompts through cache hits.
 
 Speculative decoding (``speculative``; a request's ``speculative=False`` opts out): while one row decodes alone, it
 may feed prompt-lookup drafts with its next token in one pass and take every draft it would have sampled anyway
@@ -57,7 +60,7 @@ import torch
 from lmforge.generate.constraints import RowConstraint
 from lmforge.generate.engine import Engine
 from lmforge.generate.generator import _TextStream
-from lmforge.generate.prefix_cache import PrefixCache, admit_cached, keep_row
+from lmforge.generate.prefix_cache import PrefixCache, admit_cached, check_salt, keep_row
 from lmforge.generate.speculative import DraftPolicy, NgramDrafter, SpecStats
 from lmforge.generate.sampling import check_sampling, check_seed, is_greedy, sample_next, sampling_logits
 from lmforge.model.cache import check_context
@@ -111,6 +114,9 @@ class Request:
     ``token_text`` maps token ids to the text emitted for them instead of their own (a server showing the
     special tokens of a tool call in its own markup); ``seed`` is a signed 64-bit integer. ``constraint``,
     ``capture_regions``, ``logprobs`` and ``speculative`` (False: never draft): see the module docstring.
+    ``cache_salt`` (None, or 1 to :data:`~lmforge.generate.prefix_cache.MAX_SALT_CHARS` characters): the prefix
+    cache's space this request reads and writes; requests under different salts never reuse each other's blocks
+    (and report 0 cached tokens). A server folds its tenant's identity into it.
     """
 
     prompt: list[int]
@@ -128,11 +134,13 @@ class Request:
     capture_regions: bool = False
     logprobs: int | None = None
     speculative: bool = True
+    cache_salt: str | None = None
     cancelled: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_k, self.top_p)
         check_seed(self.seed)
+        check_salt(self.cache_salt)
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
         if not self.prompt:
@@ -228,13 +236,15 @@ class Scheduler:
 
     def submit_many(self, reqs: Sequence[Request]) -> None:
         """Queue requests with one prompt as one entry (as :meth:`submit`): they join together, the prompt
-        prefilled once and copied into their rows. ``ValueError`` also for more requests than rows or prompts
-        that differ."""
+        prefilled once and copied into their rows. ``ValueError`` also for more requests than rows, or prompts or
+        cache salts that differ."""
         reqs = list(reqs)
         if not reqs or len(reqs) > self.max_batch:
             raise ValueError(f"{len(reqs)} requests cannot join together: between 1 and max_batch={self.max_batch}")
         if any(r.prompt != reqs[0].prompt for r in reqs[1:]):
             raise ValueError("requests that join together must have the same prompt")
+        if any(r.cache_salt != reqs[0].cache_salt for r in reqs[1:]):
+            raise ValueError("requests that join together must have the same cache_salt")
         for req in reqs:
             self.check(len(req.prompt), req.max_tokens)
         bad = [t for t in reqs[0].prompt if not 0 <= t < self.vocab_limit]
@@ -339,30 +349,9 @@ class Scheduler:
                 if not self._waiting or len(self._waiting[0]) > self.engine.free_slots:
                     break
                 entry = [req for req in self._waiting.popleft() if not req.cancelled]
-            if not entry:
-                continue
-            try:  # everything about these requests joining: their rows' state, the prefill, the copies
-                rows = [_Row(req, self.engine.device, self.speculative) for req in entry]
-                first, logits, cached = admit_cached(self.engine, self.prefix_cache, entry[0].prompt)  # row taken
-                try:
-                    for _ in entry[1:]:
-                        self.engine.fork(first)
-                except Exception:
-                    while self.engine.active > first:
-                        self.engine.release(self.engine.active - 1)
-                    raise
-            except Exception as e:  # noqa: BLE001  (these requests failed to join; the others go on)
-                logger.exception("a request failed to join the batch")
-                for req in entry:
-                    self._send(req, Update("", len(req.prompt), 0, "error",
-                                           f"internal error: {type(e).__name__}: {e}"))
-                continue
-            for row in rows:
-                row.cached = cached
-            with self._cv:
-                self._rows.extend(rows)
-            for row in rows:
-                self._advance(row, logits)  # its own errors end this row only
+            if entry:
+                self._join(entry)
+        self._check_rows()
         if not self._rows:
             return False
         self._finish_rows()
@@ -379,6 +368,43 @@ class Scheduler:
                 self._advance(r, logits[i], greedy[i])
         self._finish_rows()
         return True
+
+    def _join(self, entry: list[Request]) -> None:
+        """Requests with one prompt take rows (one prefill, copied for the others) and their first tokens. All or
+        nothing: when any part of joining fails, these requests end with an error and every engine row they took
+        is freed, so the engine's live rows stay the scheduler's (the others go on as if they had never come)."""
+        base = self.engine.active
+        try:  # everything about these requests joining: their rows' state, the prefill, the copies
+            rows = [_Row(req, self.engine.device, self.speculative) for req in entry]
+            first, logits, cached = admit_cached(self.engine, self.prefix_cache, entry[0].prompt, entry[0].cache_salt)
+            for _ in entry[1:]:
+                self.engine.fork(first)
+            if first != base or self.engine.active != base + len(entry) or len(self._rows) != base:
+                raise RuntimeError(f"joining took engine rows {base}..{self.engine.active - 1} for {len(entry)} "
+                                   f"request(s) at row {first} beside {len(self._rows)} live")
+            for row in rows:
+                row.cached = cached
+            with self._cv:
+                self._rows.extend(rows)
+        except Exception as e:  # noqa: BLE001  (these requests failed to join; the others go on)
+            logger.exception("a request failed to join the batch")
+            try:
+                while self.engine.active > base:  # the rows taken are the last ones: freeing them moves nothing
+                    self.engine.release(self.engine.active - 1)
+            finally:
+                for req in entry:
+                    self._send(req, Update("", len(req.prompt), 0, "error",
+                                           f"internal error: {type(e).__name__}: {e}"))
+            return
+        for row in rows:
+            self._advance(row, logits)  # its own errors end this row only
+
+    def _check_rows(self) -> None:
+        """``RuntimeError`` unless the engine has as many live rows as the scheduler (engine row ``i`` is
+        ``_rows[i]``'s only then): a slip ends the batch loudly (the loop drops it and reopens the engine) rather
+        than step a request in another's row."""
+        if self.engine.active != len(self._rows):
+            raise RuntimeError(f"the engine has {self.engine.active} live rows but the scheduler {len(self._rows)}")
 
     def _speculate(self, r: _Row) -> bool:
         """One pass of row 0 (alone) with its next token and its drafts, if it has any (module docstring); False
@@ -513,8 +539,9 @@ class Scheduler:
                 self._rows.pop()
 
     def _keep(self, i: int) -> None:
-        """Keep engine row ``i``'s tokens (prompt and reply) in the prefix cache before it is freed."""
+        """Keep engine row ``i``'s tokens (prompt and reply) in the prefix cache, under its request's salt, before
+        it is freed."""
         try:
-            keep_row(self.engine, self.prefix_cache, i)
+            keep_row(self.engine, self.prefix_cache, i, self._rows[i].req.cache_salt)
         except Exception:  # noqa: BLE001  (a cache that cannot keep a row must not end the others)
             logger.exception("the prefix cache failed to keep a row")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmforge.generate import Engine
-from lmforge.generate.prefix_cache import PrefixCache, positional_fields
+from lmforge.generate.prefix_cache import MAX_SALT_CHARS, PrefixCache, positional_fields
 from lmforge.generate.scheduler import Request, Scheduler
 from lmforge.model import KVCache, ModelConfig, TransformerLM
 from tests.conftest import torch_threads
@@ -132,3 +132,93 @@ def test_long_shared_prefixes_and_a_thrashing_stream_of_prompts():
     on, load = replies(m, prompts, PrefixCache(budget, block=8), True)
     assert on == off
     assert load["prefix_bytes"] <= budget and load["prefix_hits"] >= 2
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Tenancy: a salt per request (cache_salt) keeps its blocks from every other salt
+def pin_prompt(pin: bytes, tail: bytes = b" Q: my balance?") -> list[int]:
+    """A support bot's system prompt holding a customer's PIN (bytes 26..29: the fourth block of 8), then a question."""
+    return list(b"Customer Alice Smith, PIN " + pin + b". Be kind." + tail)
+
+
+def salted_turns(m, turns, cache: PrefixCache | None = None) -> list[tuple[list[int], int]]:
+    """``(prompt, salt)`` turns one after another through one scheduler: each reply's token ids and cached tokens
+    (each prompt sampled with its own seed, wherever it comes in the sequence)."""
+    s = Scheduler(Engine(m), byte_tokenizer(), max_batch=2, prefix_cache=cache, speculative=False)
+    out = []
+    with torch_threads(1):
+        for prompt, salt in turns:
+            c = Collect()
+            s.submit(Request(prompt, 6, c, temperature=0.8, seed=sum(prompt), logprobs=0, cache_salt=salt))
+            drain(s)
+            assert c.last.finish_reason == "length", c.last
+            out.append(([lp.token for u in c.updates for lp in u.logprobs], c.last.cached_tokens))
+    return out
+
+
+def test_the_pin_probe_learns_nothing_across_salts():
+    """A victim's prompt holds a PIN under salt A. An attacker guessing PINs under salt B, or under no salt, gets
+    the very counts (and replies) it gets from a server that never saw the victim: the right guess shows nothing.
+    Under the victim's own salt the cache is shared (the right guess reuses the PIN's block), which is the point."""
+    m = model()
+    victim = (pin_prompt(b"4821"), "tenant-A")
+    guesses = [pin_prompt(pin, b" Q: hi") for pin in (b"1111", b"4820", b"4821", b"9999")]
+    for salt in ("tenant-B", None):
+        probe = [(g, salt) for g in guesses]
+        seen = salted_turns(m, [victim] + probe, PrefixCache(1 << 20, block=8))[1:]
+        assert seen == salted_turns(m, probe, PrefixCache(1 << 20, block=8))
+        assert seen[0][1] == 0 and seen[2][1] == seen[1][1]  # no hit at first; 4821 reuses what 4820 did
+    same = salted_turns(m, [victim] + [(g, "tenant-A") for g in guesses], PrefixCache(1 << 20, block=8))[1:]
+    cached = [c for _, c in same]
+    assert cached == [24, 24, 40, 24]  # the blocks before the PIN; the right guess its block and the next too
+    assert [t for t, _ in same] == [t for t, _ in salted_turns(m, [(g, None) for g in guesses])]  # cache off
+
+
+def test_a_row_leaving_keeps_its_tokens_under_its_salt():
+    """keep_row under a salt: the next turn (prompt, reply, a new question) under the same salt reuses the reply's
+    blocks too; under another salt or none it reuses nothing, and every reply equals the cache-off one."""
+    m = model()
+    first = pin_prompt(b"4821")
+    (reply, _), = salted_turns(m, [(first, "A")])
+    turn2 = first + reply + list(b" Q: more")
+    for salt, want in (("A", 8 * ((len(first) + 5) // 8)), ("B", 0), (None, 0)):
+        got = salted_turns(m, [(first, "A"), (turn2, salt)], PrefixCache(1 << 20, block=8))
+        assert got[1][1] == want, (salt, got)
+        assert [r for r, _ in got] == [r for r, _ in salted_turns(m, [(first, "A"), (turn2, salt)])]  # cache off
+    c = KVCache(1, 1, 1, 2, 32)
+    pc = PrefixCache(1 << 20, block=4)
+    toks = list(range(12))
+    assert pc.store(toks, c, 0, ["k", "v"], "A") == 3 and pc.store(toks, c, 0, ["k", "v"]) == 3  # two spaces
+    assert pc.store(toks, c, 0, ["k", "v"], "A") == 0 and len(pc.lookup(toks + [1], "A")) == 3
+    assert pc.lookup(toks + [1], "B") == [] and len(pc.lookup(toks + [1])) == 3
+    long = "x" * MAX_SALT_CHARS  # any salt costs one 32-byte digest in its first block's key
+    pc.store(toks, c, 0, ["k", "v"], long)
+    assert {len(p) for p, _ in pc._blocks if isinstance(p, bytes)} == {32} and len(pc.lookup(toks, long)) == 2
+
+
+def test_salts_are_checked_and_share_the_budget_with_unchanged_accounting():
+    """A salt is None or a non-empty bounded string (one ValueError). Eviction does not care about salts: a stream
+    under one salt counts exactly as unsalted, and under many salts the budget holds, bytes are the blocks' own and
+    every kept block is reachable from its salt's root."""
+    c = KVCache(2, 1, 2, 4, 64)
+    per_block = 2 * 2 * 2 * 4 * 4 * 4
+    for bad in ("", "x" * (MAX_SALT_CHARS + 1), b"A", 7):
+        with pytest.raises(ValueError, match="cache_salt must be a string of 1 to"):
+            PrefixCache(1 << 20).lookup([1, 2], bad)
+    g = torch.Generator().manual_seed(1)
+    heads = [torch.randint(0, 50, (12,), generator=g).tolist() for _ in range(3)]  # shared prefixes: hits
+    stream = [heads[k % 3] + torch.randint(0, 50, (int(torch.randint(0, 24, (1,), generator=g)),),
+                                           generator=g).tolist() for k in range(120)]
+    stats = {}
+    for how in ("none", "one", "many"):
+        pc = PrefixCache(10 * per_block, block=4)
+        for k, toks in enumerate(stream):
+            salt = {"none": None, "one": "s", "many": f"s{k % 5}"}[how]
+            pc.lookup(toks, salt)
+            pc.store(toks, c, 0, ["k", "v"], salt)
+            assert pc.stats.bytes <= pc.budget and pc.stats.bytes == sum(b.nbytes for b in pc._blocks.values())
+        ids = {b.id for b in pc._blocks.values()}
+        assert all(isinstance(parent, bytes) or parent == 0 or parent in ids for parent, _ in pc._blocks)
+        stats[how] = pc.stats
+    assert stats["one"] == stats["none"] and stats["none"].hits > 0 and stats["none"].evicted_blocks > 0
+    assert stats["many"].hits < stats["none"].hits and stats["many"].evicted_blocks > 0

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lmforge.generate import Engine, Generator
+from lmforge.generate.prefix_cache import MAX_SALT_CHARS, PrefixCache
 from lmforge.generate.scheduler import QueueFull, Request, Scheduler, Update
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.tokenizer import Tokenizer
@@ -265,6 +266,101 @@ def test_a_failure_while_joining_ends_that_request_only(monkeypatch):
     for out, p in ((first, PROMPTS[0]), (after, PROMPTS[2])):
         assert out.text == alone(model, tok, p, 12, temperature=0) and out.last.finish_reason == "length"
 
+
+
+def raise_once(monkeypatch, owner, name: str, exc: BaseException) -> None:
+    """``owner.name`` raises ``exc`` the next time it is called, then works as before."""
+    real, armed = getattr(owner, name), [True]
+
+    def once(*args, **kw):
+        if armed and armed.pop():
+            raise exc
+        return real(*args, **kw)
+
+    monkeypatch.setattr(owner, name, once)
+
+
+def extra_row_once(monkeypatch, engine) -> None:
+    """A slip to be caught: ``engine.admit`` takes one row more than it says, once."""
+    real, armed = engine.admit, [True]
+
+    def admit(*args):
+        row, logits = real(*args)
+        if armed and armed.pop():
+            engine.fork(row)
+        return row, logits
+
+    monkeypatch.setattr(engine, "admit", admit)
+
+
+@pytest.mark.parametrize("where", ["_Row", "lookup", "restore", "admit", "store", "fork", "slip"])
+def test_a_failure_at_any_step_of_joining_frees_the_rows_it_took(monkeypatch, where):
+    """Two samples of one prompt join beside a running request and fail at one step of joining (their rows' state,
+    the prefix cache's lookup, its restore, the prefill, the cache's store, the copy for the second sample, or an
+    admit that took a row more than it said): both get one error update, the engine never has more live rows than
+    the scheduler, and the running request and the next one give the tokens they give alone (no other context).
+    A store that failed after the prefill used to leave its row taken: the next request was stepped in it."""
+    from lmforge.generate import scheduler as scheduler_module
+
+    model, tok = tiny_model(), byte_tokenizer()
+    s = Scheduler(Engine(model), tok, max_batch=4, prefix_cache=PrefixCache(1 << 20, block=4), speculative=False)
+    running, bad, after = Collect(), [Collect(), Collect()], Collect()
+    s.submit(Request(PROMPTS[2], 12, running, temperature=1.0, seed=1))
+    s.run_once()
+    s.run_once()
+    owner = {"_Row": scheduler_module, "lookup": s.prefix_cache, "restore": s.prefix_cache, "admit": s.engine,
+             "store": s.prefix_cache, "fork": s.engine}.get(where)
+    if owner is None:
+        extra_row_once(monkeypatch, s.engine)
+    else:
+        raise_once(monkeypatch, owner, where, MemoryError(f"injected at {where}"))
+    s.submit_many([Request(PROMPTS[0], 12, o, temperature=1.0, seed=2 + k) for k, o in enumerate(bad)])
+    s.submit(Request(PROMPTS[4], 12, after, temperature=1.0, seed=5))
+    for _ in range(100):
+        busy = s.run_once()
+        assert s.engine.active == len(s._rows)
+        if not busy and not s.load()["waiting"]:
+            break
+    for o in bad:
+        assert len(o.updates) == 1 and o.last.finish_reason == "error", o.updates
+        assert ("joining took engine rows" if owner is None else f"injected at {where}") in o.last.error
+    assert running.text == alone(model, tok, PROMPTS[2], 12, temperature=1.0, seed=1)
+    assert after.text == alone(model, tok, PROMPTS[4], 12, temperature=1.0, seed=5)
+    assert running.last.finish_reason == after.last.finish_reason == "length" and s.engine.active == 0
+
+
+def test_engine_and_scheduler_rows_that_disagree_end_the_batch_loudly():
+    """A row the engine holds for no request (a slip outside joining) is caught at the next step: a RuntimeError
+    (the engine thread's loop then ends the live requests and reopens the engine) instead of a step that feeds one
+    request's token into another's row."""
+    model, tok = tiny_model(), byte_tokenizer()
+    s = Scheduler(Engine(model), tok, max_batch=3)
+    live = Collect()
+    s.submit(Request(PROMPTS[0], 12, live, temperature=0))
+    s.run_once()
+    s.engine.admit(PROMPTS[1])
+    with pytest.raises(RuntimeError, match="the engine has 2 live rows but the scheduler 1"):
+        s.run_once()
+    s.start()  # the loop recovers: the live request ends with an error, the next one runs
+    try:
+        assert live.done.wait(30) and live.last.finish_reason == "error" and "live rows" in live.last.error
+        nxt = Collect()
+        s.submit(Request(PROMPTS[4], 6, nxt, temperature=0))
+        assert nxt.done.wait(30) and nxt.text == alone(model, tok, PROMPTS[4], 6, temperature=0)
+    finally:
+        s.stop()
+
+
+def test_cache_salt_is_checked():
+    """``cache_salt``: None or a string of 1 to MAX_SALT_CHARS characters (one ValueError otherwise); requests that
+    join together share one prefill, so they must share the salt too."""
+    Request([1], 2, Collect(), cache_salt="x" * MAX_SALT_CHARS)
+    for bad in ("", "x" * (MAX_SALT_CHARS + 1), b"tenant", 7, ["a"]):
+        with pytest.raises(ValueError, match=f"cache_salt must be a string of 1 to {MAX_SALT_CHARS} characters"):
+            Request([1], 2, Collect(), cache_salt=bad)
+    s = Scheduler(Engine(tiny_model()), byte_tokenizer(), max_batch=2)
+    with pytest.raises(ValueError, match="same cache_salt"):
+        s.submit_many([Request([1], 2, Collect(), cache_salt="a"), Request([1], 2, Collect())])
 
 def test_a_cancelled_waiting_request_leaves_the_queue_at_once():
     """Its place is free at once: the queue count drops and another request fits, with no engine step."""
