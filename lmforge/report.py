@@ -140,8 +140,9 @@ def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[s
         ("generation", f"{smp['generation_tokens_per_s']:,.0f} tokens/s (batch {smp['generation_batch']}, KV cache)"),
     ])
     if "target" in st:
-        report.paragraph(f"Pretraining {st['target']['text']} (evaluations every "
-                         f"{cfg.training.eval_every} steps on {cfg.training.eval_batches} validation batches).")
+        report.paragraph(f"Pretraining {st['target']['text']}. The target is judged on the validation batches of "
+                         "the final figure below, scored whenever the periodic estimate (every "
+                         f"{cfg.training.eval_every} steps on {cfg.training.eval_batches} batches) reached it.")
     report.paragraph("Validation loss is measured on the final checkpoint over "
                      f"{ev['val_tokens']:,} validation tokens; bits per byte = loss / ln 2 / (UTF-8 bytes per token).")
     report.image("loss curves", "run/loss.png")

@@ -96,6 +96,9 @@ STATE_FILE = "speedrun.json"
 CHAT_DIR = "chat-tasks"
 _STAGES = ("tokenizer", "data", "plan", "train", "eval", "samples", "chat-data", "chat-base", "sft", "chat-sft", "rl",
            "chat-rl")
+EVAL_BATCHES = 64
+"""Validation batches of the final figure (the whole split of the default corpus; the first 64 batches of a larger
+one), and of the check that judges ``--target-bpb``: a target is judged on the figure the report states."""
 RECIPE: tuple[str, ...] = ("optimizer.name=muon", "optimizer.embed_lr=0.2", "optimizer.head_lr=0.004",
                            "optimizer.scalar_lr=0.02")
 """The pretraining recipe: ``section.key=value`` settings on top of the preset and the fitted schedule, each kept
@@ -246,8 +249,8 @@ def _run_config(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path
                      "dtype": "auto", "seed": 1337, "target_val_bpb": target_bpb,
                      "log_every": max(1, min(10, max_steps // 20)),
                      "eval_every": max(10, max_steps // (5 if target_bpb is None else 20)),
-                     "eval_batches": 10, "checkpoint_every": max(10, max_steps // 5), "keep_last": 2,
-                     "peak_flops": peak_flops},
+                     "eval_batches": 10, "target_eval_batches": EVAL_BATCHES,
+                     "checkpoint_every": max(10, max_steps // 5), "keep_last": 2, "peak_flops": peak_flops},
         "data": {"dir": str(data_dir), "tokenizer": str(tokenizer), "val_split": "val"},
     })
 
@@ -272,7 +275,7 @@ def _plan(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, devi
     return {"max_steps": max_steps, "step_seconds": step_s, "peak_flops": peak, "peak_dtype": peak_dtype}
 
 
-def _evaluate(run_dir: Path, device: Any, max_batches: int = 64) -> dict[str, Any]:
+def _evaluate(run_dir: Path, device: Any, max_batches: int = EVAL_BATCHES) -> dict[str, Any]:
     """Loss, perplexity and bits per byte of the final checkpoint over (up to ``max_batches`` of) the validation
     split, and its copy probe (:func:`~lmforge.evals.probes.copy_probe`: loss on the first and the second
     occurrence of random 60-id sequences, or half the context where that is shorter)."""
@@ -283,25 +286,32 @@ def _evaluate(run_dir: Path, device: Any, max_batches: int = 64) -> dict[str, An
             "val_bpb": ev["bpb"], "val_tokens": ev["tokens"], "copy_first": first, "copy_second": second}
 
 
-def _target_summary(run_dir: Path, target: float, train_rec: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
-    """Whether pretraining reached ``target`` bits/byte at an evaluation, when, and the best it reached."""
+def _target_summary(run_dir: Path, target: float, train_rec: dict[str, Any], plan: dict[str, Any],
+                    ev: dict[str, Any]) -> dict[str, Any]:
+    """Whether pretraining reached ``target`` bits/byte, when, and the best it reached, all judged on the figure the
+    report states: the final evaluation ``ev`` and the loop's target checks over the same :data:`EVAL_BATCHES`
+    (a periodic estimate on fewer batches reaching the target is not the target reached)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
                if line.strip()]
-    vals = [(r["step"], r["val_bpb"]) for r in records if r.get("val_bpb") is not None]
-    best_step, best = min(vals, key=lambda v: v[1]) if vals else (None, None)
+    judged = {r["step"]: r["target_eval_bpb"] for r in records if r.get("target_eval_bpb") is not None}
+    judged.setdefault(ev["step"], ev["val_bpb"])
+    vals = sorted(judged.items())
+    best_step, best = min(vals, key=lambda v: v[1])
     hit = next(((s, b) for s, b in vals if b <= target), None)
-    rec: dict[str, Any] = {"target_bpb": target, "reached": hit is not None, "best_bpb": best, "best_step": best_step}
+    rec: dict[str, Any] = {"target_bpb": target, "reached": hit is not None, "best_bpb": best, "best_step": best_step,
+                           "tokens": ev["val_tokens"]}
     if hit is not None:
         step_s = plan.get("step_seconds")
         rec.update(step=hit[0], bpb=hit[1], train_seconds=train_rec["seconds"],
                    projected_quiet_seconds=hit[0] * step_s if step_s else None)
         quiet = f"; {hit[0]} steps x {step_s:.3f} s/step = {hit[0] * step_s:.0f} s at the planned speed" if step_s else ""
-        rec["text"] = (f"reached the target of {target:g} bits/byte at step {hit[0]} ({hit[1]:.4f}) after "
-                       f"{train_rec['seconds']:.0f} s of pretraining{quiet}")
+        rec["text"] = (f"reached the target of {target:g} bits/byte at step {hit[0]} ({hit[1]:.4f} over "
+                       f"{ev['val_tokens']:,} validation tokens) after {train_rec['seconds']:.0f} s of "
+                       f"pretraining{quiet}")
     else:
         never = " (a target <= 0 can never be reached)" if target <= 0 else ""
-        best_text = f"; the best was {best:.4f} at step {best_step}" if best is not None else ""
-        rec["text"] = f"did not reach the target of {target:g} bits/byte within the budget{never}{best_text}"
+        rec["text"] = (f"did not reach the target of {target:g} bits/byte within the budget{never}; the best over "
+                       f"{ev['val_tokens']:,} validation tokens was {best:.4f} at step {best_step}")
     return rec
 
 
@@ -330,8 +340,9 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     ``auto`` uses CUDA (with bf16) when present. ``sft_budget``: the chat fine-tuning on the built-in chat
     tasks after pretraining (minutes or steps, like ``budget``; ``None`` skips the chat stages), scored before
     and after on the first ``chat_eval_items`` validation items of each task. ``target_bpb``: stop pretraining
-    at the first evaluation at or below it and report the time to it (a target <= 0, or one not reached
-    within the budget, is reported at the end with the best reached); the record is ``stages["target"]``.
+    once the validation bits per byte over :data:`EVAL_BATCHES` (the final figure's batches, scored whenever the
+    periodic estimate reaches the target) is at or below it, and report the time to it (a target <= 0, or one not
+    reached within the budget, is reported at the end with the best reached); the record is ``stages["target"]``.
     ``rl_budget``: reinforcement learning after SFT on the tasks whose exact match lies in :data:`RL_WINDOW`
     (minutes or steps; ``None`` or ``0`` skips it), then every task scored again.
     """
@@ -407,7 +418,7 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     ev = stage("eval", _digest(tr["checkpoint"], tr["step"], "copy-probe"), lambda: _evaluate(run_dir, dev))
     logger.info("final validation loss %.4f (%.4f bits/byte)", ev["val_loss"], ev["val_bpb"])
     if target_bpb is not None:  # not a stage: a reading of the run's metrics, redone each time
-        state.data["stages"]["target"] = _target_summary(run_dir, target_bpb, tr, plan)
+        state.data["stages"]["target"] = _target_summary(run_dir, target_bpb, tr, plan, ev)
         state.save()
         logger.info("%s", state.data["stages"]["target"]["text"])
     # ---- samples ---------------------------------------------------------------------------------------

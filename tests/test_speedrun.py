@@ -175,21 +175,28 @@ def test_cli_speedrun(tmp_path, corpus, capsys):
     assert "--force" in capsys.readouterr().err
 
 
-def test_speedrun_target_bpb_stops_at_the_first_evaluation_reaching_it(tmp_path, corpus, caplog):
-    """A reachable target stops pretraining at the first evaluation at or below it and reports the time; one that
-    cannot be reached (<= 0) is warned about at the start and reported at the end with the best reached."""
+def test_speedrun_target_bpb_is_judged_on_the_figure_the_report_states(tmp_path, caplog):
+    """A reachable target stops pretraining at the first evaluation at or below it and reports the time and the
+    figure: the final evaluation's, over more validation tokens than the periodic estimate reads; one that cannot be
+    reached (<= 0) is warned about at the start and reported at the end with the best reached."""
     from lmforge.speedrun import _target_summary
 
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_corpus_text(n_docs=900, seed=1), encoding="utf-8")  # a validation split of ~20 batches
     out = tmp_path / "sr"
     stages = run(out, corpus, budget="12steps", target_bpb=100.0)
-    tgt = stages["target"]
+    tgt, ev = stages["target"], stages["eval"]
     assert stages["train"]["step"] == 10 and stages["train"]["reached_target"]  # evaluations at 10 and 12
-    assert tgt["reached"] and tgt["step"] == 10 and tgt["bpb"] <= 100 and tgt["train_seconds"] > 0
-    assert "reached the target of 100 bits/byte at step 10" in (out / "report.md").read_text()
-    never = _target_summary(out / "run", -1, stages["train"], stages["plan"])
+    assert ev["step"] == 10 and ev["val_tokens"] > 10 * 8 * 64  # more than the estimate's 10 batches of 8 x 64
+    assert tgt["reached"] and tgt["step"] == 10 and tgt["bpb"] == pytest.approx(ev["val_bpb"], rel=1e-9)
+    assert tgt["bpb"] <= 100 and tgt["train_seconds"] > 0
+    assert (f"reached the target of 100 bits/byte at step 10 ({ev['val_bpb']:.4f} over {ev['val_tokens']:,} "
+            "validation tokens)") in (out / "report.md").read_text()
+    never = _target_summary(out / "run", -1, stages["train"], stages["plan"], ev)
     assert not never["reached"] and never["best_step"] == 10 and never["best_bpb"] == tgt["bpb"]
     assert never["text"] == ("did not reach the target of -1 bits/byte within the budget (a target <= 0 can never "
-                             f"be reached); the best was {tgt['bpb']:.4f} at step 10")
+                             f"be reached); the best over {ev['val_tokens']:,} validation tokens was {tgt['bpb']:.4f} "
+                             "at step 10")
     with caplog.at_level(logging.WARNING, logger="lmforge"), pytest.raises(ValueError, match="other settings"):
         run(out, corpus, budget="12steps", target_bpb=-1)  # warned before anything else is looked at
     assert "cannot be reached" in caplog.text

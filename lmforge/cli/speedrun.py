@@ -34,8 +34,9 @@ def _speedrun_args(p: argparse.ArgumentParser) -> None:
                         "docs/benchmarks.md)")
     p.add_argument("--no-chat", action="store_true", help="skip the chat stages (fine-tuning and its scores)")
     p.add_argument("--target-bpb", type=float, default=None,
-                   help="stop pretraining at the first evaluation with validation bits/byte at or below this, and "
-                        "report the time to it (not reached: the best is reported)")
+                   help="stop pretraining once the validation bits/byte of the final figure's batches (scored "
+                        "when the periodic estimate reaches the target) is at or below this, and report the time to "
+                        "it (not reached: the best is reported)")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
     p.add_argument("--device", default="auto", help="auto (CUDA with bf16 when present), cpu, cuda, cuda:N or mps")
     p.add_argument("--force", action="store_true", help="delete the previous speedrun in --out and start over")

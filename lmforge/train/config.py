@@ -33,11 +33,17 @@ class OptimConfig:
     """``adamw`` (decoupled weight decay), plain ``sgd``, or ``muon`` (Muon for the blocks' matrices, AdamW for
     embeddings, head, norms and biases)."""
     lr: float = 3e-4
-    """Peak learning rate (reached after warmup); with ``muon``, of the AdamW groups."""
+    """Peak of the learning-rate schedule, and the peak rate of every parameter group without a rate of its own:
+    with ``adamw`` the blocks' matrices and each of embeddings, head and scalars whose own rate (``embed_lr``,
+    ``head_lr``, ``scalar_lr``) is null; with ``muon`` the latter only (the blocks' matrices take ``muon_lr``); with
+    ``sgd`` every parameter. Each group follows the schedule in proportion (its peak times the scheduled rate over
+    ``lr``), so with every group's rate set, as in the speedrun's recipe, ``lr`` is no group's rate: only the
+    schedule's shape (``min_lr / lr``) comes from it."""
     min_lr: float = 3e-5
-    """Learning rate at the end of the cosine decay (and after it)."""
+    """The schedule's floor (the end of the cosine or WSD decay, and after it), in ``lr``'s terms: each group ends at
+    its own peak times ``min_lr / lr``."""
     warmup_steps: int = 100
-    """Steps of linear warmup from 0 to ``lr``."""
+    """Steps of linear warmup from 0 to ``lr`` (each group to its own peak)."""
     decay_steps: int | None = None
     """Step at which the cosine reaches ``min_lr``; ``null`` = ``training.max_steps``."""
     schedule: Literal["cosine", "constant", "wsd"] = "cosine"
@@ -201,8 +207,13 @@ class TrainingConfig:
     eval_batch_size: int | None = None
     """Sequences per validation batch; ``null`` = ``batch_size`` (lower it for a small validation split)."""
     target_val_bpb: float | None = None
-    """Stop at the first evaluation whose validation bits per byte is at or below this (saving a checkpoint
-    there); ``null`` = train ``max_steps``."""
+    """Stop once the validation bits per byte over ``target_eval_batches`` is at or below this (saving a checkpoint
+    there); ``null`` = train ``max_steps``. The periodic evaluation (``eval_batches``) only says when to look: when
+    its estimate reaches the target, the larger set is scored, and training stops only if that figure reaches it too
+    (else one log line gives both figures, and training goes on)."""
+    target_eval_batches: int | None = None
+    """Validation batches (of ``eval_batch_size`` sequences, the split's first blocks in order) of the figure that
+    judges ``target_val_bpb``; ``null`` = the whole validation split."""
     checkpoint_every: int = 500
     """Save a checkpoint every this many steps (and at the end)."""
     keep_last: int = 3
@@ -238,6 +249,9 @@ class TrainingConfig:
             raise ValueError(f"training.eval_batch_size must be >= 1 (or null for batch_size), got {self.eval_batch_size}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"training.num_threads must be >= 1 (or null), got {self.num_threads}")
+        if self.target_eval_batches is not None and self.target_eval_batches < 1:
+            raise ValueError(f"training.target_eval_batches must be >= 1 (or null for the whole validation split), got "
+                             f"{self.target_eval_batches}")
         if self.target_val_bpb is not None and not self.target_val_bpb > 0:
             raise ValueError(f"training.target_val_bpb must be > 0 (or null), got {self.target_val_bpb}")
         if self.peak_flops is not None and not self.peak_flops > 0:

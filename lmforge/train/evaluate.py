@@ -1,7 +1,8 @@
 """Evaluation of a model on fixed validation batches: loss, perplexity, bits per byte.
 
-``evaluate`` is what the training loop calls every ``eval_every`` steps (summed over ranks); ``evaluate_run``
-scores a finished run's checkpoint (``lmforge eval``).
+``evaluate`` is what the training loop calls every ``eval_every`` steps (summed over ranks) and when it judges
+``training.target_val_bpb``; ``validation_batches`` builds the fixed batches both the loop's target check and
+``evaluate_run`` (a finished run's checkpoint: ``lmforge eval``, the speedrun's final figure) score.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from lmforge.train.distributed import all_reduce_sum
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["Evaluation", "evaluate", "evaluate_run"]
+__all__ = ["Evaluation", "evaluate", "evaluate_run", "validation_batches"]
 
 
 @dataclasses.dataclass
@@ -59,6 +60,19 @@ def evaluate(model: Any, batches: list, bytes_per_token: float, dtype: str, devi
     return Evaluation(loss=loss, ppl=math.exp(min(loss, 700.0)), bpb=bpb)
 
 
+def validation_batches(ds: TokenDataset | ConversationDataset, batch_size: int, context_length: int,
+                       max_batches: int | None) -> tuple[list, int | None, int]:
+    """The split's fixed validation batches (its first blocks in order; up to ``max_batches``, ``None`` = every
+    whole batch the split holds), the target id they ignore (conversations: :data:`IGNORE_INDEX`, else None) and
+    the number of targets they score."""
+    n = max_batches if max_batches is not None else max(1, len(ds))  # tokens or conversations: >= its batches
+    if isinstance(ds, ConversationDataset):  # rendered conversations: masked targets
+        batches, ignore = conversation_val_batches(ds, batch_size, context_length, n), IGNORE_INDEX
+    else:
+        batches, ignore = val_batches(ds, batch_size, context_length, n), None
+    return batches, ignore, sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
+
+
 def evaluate_run(run_dir: str | Path, checkpoint: str | Path | None = None, split: str | None = None,
                  max_batches: int | None = None, device: str = "auto") -> dict[str, Any]:
     """Loss, perplexity and bits per byte of a run's checkpoint on a split of its data.
@@ -81,15 +95,11 @@ def evaluate_run(run_dir: str | Path, checkpoint: str | Path | None = None, spli
     model = TransformerLM.for_loading(cfg.model, device=dev)
     step = apply_checkpoint(ck, model)
     eval_b, n = cfg.training.eval_batch_size or cfg.training.batch_size, max_batches or cfg.training.eval_batches
-    ignore = None
-    if cfg.data.kind == "conversations":  # a fine-tuning run: its rendered conversations, masked targets
-        ds: Any = ConversationDataset(cfg.data.dir, split)
-        batches, ignore = conversation_val_batches(ds, eval_b, cfg.context_length, n), IGNORE_INDEX
-    else:
-        ds = TokenDataset(cfg.data.dir, split)
-        batches = val_batches(ds, eval_b, cfg.context_length, n)
+    ds: Any = (ConversationDataset(cfg.data.dir, split) if cfg.data.kind == "conversations"  # a fine-tuning run
+               else TokenDataset(cfg.data.dir, split))
+    batches, ignore, tokens = validation_batches(ds, eval_b, cfg.context_length, n)
     with torch.inference_mode():
         ev = evaluate(model, batches, ds.bytes_per_token, cfg.training.dtype, dev, ignore_index=ignore)
     logger.info("%s (step %d) on %s/%s: loss %.4f", path, step, cfg.data.dir, split, ev.loss)
     return {"checkpoint": str(path), "step": step, "split": split, "loss": ev.loss, "ppl": ev.ppl, "bpb": ev.bpb,
-            "tokens": sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)}
+            "tokens": tokens}

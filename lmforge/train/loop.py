@@ -48,7 +48,7 @@ from lmforge.train.dcp import load_dcp, read_dcp_extra, read_dcp_meta, save_dcp
 from lmforge.train.distributed import (all_reduce_sum, barrier, cleanup_distributed, full_state_dicts,
                                        gradient_sync, is_main_process, load_full_optimizer_state, setup_distributed,
                                        wrap_model)
-from lmforge.train.evaluate import evaluate
+from lmforge.train.evaluate import evaluate, validation_batches
 from lmforge.train.finetune import (build_model, conversation_data, global_target_count, load_trained_state,
                                     loss_scale, masked, trained_state)
 from lmforge.train.metrics import MetricsLog, require_wandb
@@ -228,7 +228,8 @@ class _Run:
     flops_per_token: float = 0.0  # for MFU, with ``peak`` (None: unknown, MFU not reported)
     peak: float | None = None
     peak_basis: str | None = None  # what MFU divides by, named ("vs datasheet bf16 peak of <GPU>", ...)
-    reached_target: bool = False  # an evaluation reached ``training.target_val_bpb``: save and stop
+    reached_target: bool = False  # the target check reached ``training.target_val_bpb``: save and stop
+    target_set: tuple | None = None  # the target check's batches, ignore index and target count (built when first used)
 
     @property
     def fsdp(self) -> bool:
@@ -252,8 +253,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, progress: bool = True, force: 
     The returned dict holds ``step``, ``loss`` (last logged train loss), ``val_loss``, ``val_ppl``,
     ``val_bpb`` (last evaluation, None without a validation split), ``best_val_loss``, ``tokens``,
     ``tokens_per_s``, ``mfu``, ``train_seconds`` (step time of this session, excluding eval and saves),
-    ``checkpoint`` (path of the last one saved) and ``reached_target`` (an evaluation reached
-    ``training.target_val_bpb``, and training stopped there).
+    ``checkpoint`` (path of the last one saved) and ``reached_target`` (the validation bits per byte over
+    ``training.target_eval_batches`` reached ``training.target_val_bpb``, and training stopped there).
     Raises ``ValueError`` for bad configs or data and :class:`NonFiniteLossError` if the loss diverges.
 
     ``source``: where the batches of a run that is not pretraining come from, called as
@@ -510,11 +511,35 @@ def _maybe_evaluate(run: _Run) -> None:
         if run.info.is_main and better:
             run.ckpts.save_best(*state, run.step, ev.loss, _train_state(run))
     run.best_val = ev.loss if better else run.best_val
-    run.log.plot()
     if tc.target_val_bpb is not None and ev.bpb is not None and ev.bpb <= tc.target_val_bpb:
+        _check_target(run, ev.bpb)
+    run.log.plot()
+
+
+def _check_target(run: _Run, estimate: float) -> None:
+    """The periodic estimate reached ``training.target_val_bpb``: score ``training.target_eval_batches`` (the whole
+    validation split by default; the figure a report states) and stop only if that reaches the target too.
+
+    Runs only when the estimate crosses; it reads fixed batches and draws no random numbers, so exact resume holds.
+    """
+    tc = run.cfg.training
+    if run.target_set is None:
+        run.target_set = validation_batches(run.val_ds, tc.eval_batch_size or tc.batch_size, run.cfg.context_length,
+                                            tc.target_eval_batches)
+    batches, ignore, count = run.target_set
+    ev = evaluate(run.raw_model, batches, run.val_ds.bytes_per_token, tc.dtype, run.info.device, ignore_index=ignore)
+    run.log.log({"step": run.step, "target_eval_loss": ev.loss, "target_eval_bpb": ev.bpb,
+                 "target_eval_tokens": count})
+    whole = tc.target_eval_batches is None or len(batches) < tc.target_eval_batches  # the split ran out first
+    what = "the whole validation split" if whole else f"the first {len(batches)} validation batches"
+    if ev.bpb <= tc.target_val_bpb:
         run.reached_target = True
-        logger.info("step %d: validation bits/byte %.4f reached the target %.4f; stopping", run.step, ev.bpb,
-                    tc.target_val_bpb)
+        logger.info("step %d: validation bits/byte %.4f over %s (%d tokens) reached the target %.4f; stopping",
+                    run.step, ev.bpb, what, count, tc.target_val_bpb)
+    else:
+        logger.info("step %d: the estimate on %d validation tokens, %.4f bits/byte, reached the target %.4f, but "
+                    "%s (%d tokens) is at %.4f; training on", run.step, sum(y.numel() for _, y in run.val_set),
+                    estimate, tc.target_val_bpb, what, count, ev.bpb)
 
 
 def _maybe_checkpoint(run: _Run) -> None:

@@ -393,11 +393,52 @@ def test_target_val_bpb_stops_at_the_first_evaluation_reaching_it(shards, tmp_pa
                                      "target_val_bpb": 1000.0}), tmp_path / "easy", progress=False)
     assert m["reached_target"] and m["step"] == 2 and m["checkpoint"].endswith("step_00000002.safetensors")
     assert [e["step"] for e in _events(tmp_path / "easy") if "val_bpb" in e] == [2]
+    judged = [e for e in _events(tmp_path / "easy") if "target_eval_bpb" in e]  # the whole split, scored once
+    assert [e["step"] for e in judged] == [2] and judged[0]["target_eval_bpb"] <= 1000.0
     m = train(_cfg(shards, training={"max_steps": 6, "eval_every": 2, "target_val_bpb": 1e-6}), tmp_path / "hard",
               progress=False)
     assert not m["reached_target"] and m["step"] == 6
     with pytest.raises(ValueError, match="target_val_bpb must be > 0"):
         _cfg(shards, training={"target_val_bpb": 0.0})
+
+
+def test_target_val_bpb_is_judged_on_the_whole_split_not_on_the_periodic_estimate(tmp_path, caplog) -> None:
+    """A validation split whose first blocks (the periodic estimate's) are training text and whose rest is noise:
+    the estimate reaching the target does not stop the run while the whole split misses it; one log line gives
+    both figures, and the extra evaluation leaves training untouched (the same losses as a run without a target)."""
+    import random
+
+    from lmforge.data import prepare
+    from lmforge.tokenizer import Tokenizer, train_bpe
+    from lmforge.train import evaluate_run
+
+    docs = make_documents(200, seed=3)
+    (tmp_path / "train.txt").write_text("<|endoftext|>".join(docs), encoding="utf-8")
+    noise = "".join(random.Random(0).choice("qxzjkvwy0123456789#%&@") for _ in range(6000))
+    (tmp_path / "val.txt").write_text(" ".join(docs[:20]) + noise, encoding="utf-8")  # one document: easy, then hard
+    vocab, merges = train_bpe(tmp_path / "train.txt", 300, ["<|endoftext|>"], progress=False)
+    tok = Tokenizer(vocab, merges, ["<|endoftext|>"])
+    data = tmp_path / "shards"
+    prepare(tok, tmp_path / "train.txt", data, split="train", progress=False)
+    prepare(tok, tmp_path / "val.txt", data, split="val", append=True, progress=False)
+    training = {"max_steps": 2, "eval_every": 2, "checkpoint_every": 2}  # the schedule: decay_steps 40, as below
+    train(_cfg(data, training=training), tmp_path / "plain", progress=False)
+    estimate = next(e["val_bpb"] for e in _events(tmp_path / "plain") if e.get("val_bpb") and e["step"] == 2)
+    whole = evaluate_run(tmp_path / "plain", tmp_path / "plain/checkpoints/step_00000002.safetensors",
+                         max_batches=10**6, device="cpu")["bpb"]
+    assert estimate < whole  # the data do what the test needs
+    target = (estimate + whole) / 2
+    with caplog.at_level(logging.INFO, logger="lmforge"):
+        m = train(_cfg(data, training={**training, "max_steps": 4, "target_val_bpb": target}), tmp_path / "target",
+                  progress=False)
+    assert m["step"] == 4 and _losses(tmp_path / "target")[:2] == _losses(tmp_path / "plain")
+    said = [r.getMessage() for r in caplog.records if "reached the target" in r.getMessage()]
+    assert re.fullmatch(rf"step 2: the estimate on 256 validation tokens, {estimate:.4f} bits/byte, reached the target "
+                        rf"{target:.4f}, but the whole validation split \(\d+ tokens\) is at {whole:.4f}; training on",
+                        said[0]), said
+    assert not any(line.startswith("step 2") and "stopping" in line for line in said)
+    judged = {e["step"]: e["target_eval_bpb"] for e in _events(tmp_path / "target") if "target_eval_bpb" in e}
+    assert judged[2] == pytest.approx(whole, rel=1e-6)
 
 
 # --------------------------------------------------------------------------------------------------
