@@ -97,16 +97,17 @@ CHAT_DIR = "chat-tasks"
 _STAGES = ("tokenizer", "data", "plan", "train", "eval", "samples", "chat-data", "chat-base", "sft", "chat-sft", "rl",
            "chat-rl")
 EVAL_BATCHES = 64
-"""Validation batches of the final figure (the whole split of the default corpus; the first 64 batches of a larger
-one), and of the check that judges ``--target-bpb``: a target is judged on the figure the report states."""
+"""Validation batches of the final figure (the split's first 64, or all of a smaller split) and of the check that
+judges ``--target-bpb``: a target is judged on the figure the report states."""
 RECIPE: tuple[str, ...] = ("optimizer.name=muon", "optimizer.embed_lr=0.2", "optimizer.head_lr=0.004",
                            "optimizer.scalar_lr=0.02")
 """The pretraining recipe: ``section.key=value`` settings on top of the preset and the fitted schedule, each kept
 because it measured better (``benchmarks/bench_recipe.py``, ``benchmarks/bench_speedrun.py``; docs/benchmarks.md,
-"Training recipe ablation"). Muon for the blocks' matrices and AdamW for the rest, each group at nanochat's rates
-(embeddings 0.2, head 0.004, norms 0.02, over the preset's learning rate). Two quiet 8-minute demos on one
-machine, 2026-11-28: 1.954 bits/byte after 334 steps against the old AdamW recipe's 2.058 after 327; the fine-tuned
-chat model 25.8% against 15.0% (calculator 68% against 8%). Its steps take ~8% longer in the loop."""
+"Training recipe ablation"): Muon for the blocks' matrices, and AdamW at learning rates of their own for the
+embeddings (0.2) and head (0.004: nanochat's base rates, without its ``(d_model / 768) ** -0.5`` scaling) and the
+norm gains (0.02). Every other setting is :func:`_run_config`'s AdamW recipe (weight decay 0.1 on embeddings and
+head, betas (0.9, 0.95), warmup and a cosine to a tenth), not nanochat's; docs/guide/pretraining.md lists the
+differences. ``optimizer.lr`` is then no group's rate: only the schedule's shape comes from it."""
 
 
 def parse_budget(budget: str | int | float) -> tuple[str, float]:
