@@ -24,9 +24,11 @@ import numpy as np
 import torch
 
 from lmforge._native import available, core
+from lmforge.model.transformer import options_beyond
 
 __all__ = ["PackedLinear", "WEIGHT_DTYPES", "INT4", "GROUP", "ACTIVATIONS", "weight_dtype_of", "activations_of",
-           "kernel_available", "kernel_unsupported", "quantize_q4_0", "quantize_rows_q8", "q8_products", "Q8Linear"]
+           "kernel_available", "kernel_unsupported", "KERNEL_IMPLEMENTS", "quantize_q4_0", "quantize_rows_q8",
+           "q8_products", "Q8Linear"]
 
 HUGE_PAGE = 2 << 20  # bytes in one of Linux's transparent huge pages on x86-64 and most arm64 kernels
 PANEL = 8  # output rows per panel of a packed weight (one AVX2 vector of float32 outputs)
@@ -48,18 +50,31 @@ def kernel_available() -> bool:
     return available("linear_rows")
 
 
-# Model options that change the forward pass and what the C++ step computes for each when off. Options that only
-# initialise (model.zero_init, model.head_init_std) leave a Llama the step runs as it is.
-_KERNEL_COMPUTES = {"smear": False, "smear_keys": False, "value_embeds": 0, "unet_skips": False, "mlp": "swiglu", "logit_softcap": None,
-                    "qk_norm": False}
+KERNEL_IMPLEMENTS: dict[str, str] = {
+    "vocab_size": "the embedding's rows and the head's outputs (``DecodeModel``'s ``embed`` and ``head``)",
+    "context_length": "the RoPE tables' rows (the model's ``cos``/``sin``) and the cache's columns",
+    "d_model": "the width of the embedding, every norm and projection",
+    "n_layers": "one ``(ln1, q|k|v, out, ln2, w1|w3, w2)`` entry per block",
+    "n_heads": "``n_heads``; the head dimension is ``d_model / n_heads``, the scores scaled by its root",
+    "n_kv_heads": "``n_kv_heads``: query head ``h`` reads key/value head ``h // (n_heads / n_kv_heads)``",
+    "d_ff": "``d_ff``: the SwiGLU's width (``w1|w3`` packed together, then ``w2``)",
+    "rope_theta": "the model's RoPE tables, passed as they are",
+    "tie_embeddings": "the embedding and the head are read from their own arrays (one matrix when tied)",
+    "norm_eps": "every RMSNorm's epsilon",
+}
+"""The allow-list of the C++ decode step (``_core.DecodeModel``, ``csrc/decode/step.cpp``): each ``ModelConfig``
+field it computes at every value the config accepts, and how it gets it. With the fields that do not change the
+forward (``lmforge.model.NUMERICS_ONLY``, ``INIT_ONLY``) that is all of it: the step computes a Llama (pre-norm
+RMSNorm, RoPE, grouped-query attention, SwiGLU, the raw head's logits). Any other field off its default
+(:func:`kernel_unsupported`) decodes through the model's forward."""
 
 
 def kernel_unsupported(cfg: Any) -> list[str]:
-    """The options of model config ``cfg`` that the C++ decode step does not implement, as ``model.<name>=<value>``
-    (empty: it decodes this model exactly as the model's forward does). The engine decodes such a model through
-    its forward instead."""
-    return [f"model.{name}={getattr(cfg, name)!r}" for name, off in _KERNEL_COMPUTES.items()
-            if getattr(cfg, name, off) != off]
+    """The fields of model config ``cfg`` that the C++ decode step does not implement, as ``model.<name>=<value>``
+    (empty: it decodes this model exactly as the model's forward does): every field off its default that is
+    neither in :data:`KERNEL_IMPLEMENTS` nor one that leaves the forward unchanged. The engine decodes such a model
+    through its forward instead."""
+    return [f"model.{name}={value!r}" for name, value, _ in options_beyond(cfg, KERNEL_IMPLEMENTS)]
 
 
 def weight_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:

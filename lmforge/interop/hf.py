@@ -17,12 +17,11 @@ generation benchmark (same weights in both models), by HF export/import (:mod:`l
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import TYPE_CHECKING, Any
 
 from lmforge.model import ModelConfig
-from lmforge.model.transformer import MAX_CONTEXT_LENGTH
+from lmforge.model.transformer import MAX_CONTEXT_LENGTH, options_beyond
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -119,32 +118,28 @@ def from_hf_state_dict(sd: dict[str, "torch.Tensor"], cfg: Any) -> dict[str, "to
 # --------------------------------------------------------------------------------------------------
 # Config: ModelConfig <-> config.json
 # --------------------------------------------------------------------------------------------------
-# Every ModelConfig field and what Llama makes of it. A field missing here (a new model option) is refused on
-# export unless it has its default value: a model Llama cannot express must not leave lmforge silently changed.
+# The ModelConfig fields Llama expresses, and where. Any other field (a new model option) is refused on export unless
+# it has its default value or leaves the forward unchanged (lmforge.model.transformer.options_beyond): a model Llama
+# cannot express must not leave lmforge silently changed.
 LLAMA_EXPRESSES: dict[str, str] = {
     "vocab_size": "vocab_size", "context_length": "max_position_embeddings", "d_model": "hidden_size",
     "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
     "d_ff": "intermediate_size", "rope_theta": "rope_theta", "tie_embeddings": "tie_word_embeddings",
     "norm_eps": "rms_norm_eps",
 }
-"""``ModelConfig`` field -> the ``config.json`` key (HF ``LlamaConfig``) that holds it."""
-NUMERICS_ONLY = ("fast",)
-"""``ModelConfig`` fields that choose how the same function is computed, not which: nothing to export."""
-INIT_ONLY = ("zero_init", "head_init_std")
-"""``ModelConfig`` fields that choose only how training starts (the trained model is a Llama): nothing to export."""
+"""``ModelConfig`` field -> the ``config.json`` key (HF ``LlamaConfig``) that holds it; the fields that do not
+change the forward (``NUMERICS_ONLY``, ``INIT_ONLY`` of :mod:`lmforge.model.transformer`) need none."""
 
 
 def check_llama_expressible(cfg: ModelConfig) -> None:
-    """``ValueError`` naming the first option of ``cfg`` that a Llama model (HF or GGUF) cannot express."""
-    for f in dataclasses.fields(cfg):
-        if f.name in LLAMA_EXPRESSES or f.name in NUMERICS_ONLY or f.name in INIT_ONLY:
-            continue
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        value = getattr(cfg, f.name)
-        if value != default:
-            raise ValueError(f"model.{f.name}={value!r} has no counterpart in a Llama model (HF LlamaForCausalLM "
-                             f"or GGUF llama), so exporting would change the model; only runs with model.{f.name}="
-                             f"{default!r} can be exported (or teach lmforge.interop.hf.LLAMA_EXPRESSES the mapping)")
+    """``ValueError`` naming the first option of ``cfg`` that a Llama model (HF or GGUF, and PEFT adapters for
+    one) cannot express."""
+    beyond = options_beyond(cfg, LLAMA_EXPRESSES)
+    if beyond:
+        name, value, default = beyond[0]
+        raise ValueError(f"model.{name}={value!r} has no counterpart in a Llama model (HF LlamaForCausalLM "
+                         f"or GGUF llama), so exporting would change the model; only runs with model.{name}="
+                         f"{default!r} can be exported (or teach lmforge.interop.hf.LLAMA_EXPRESSES the mapping)")
 
 
 def hf_config_dict(cfg: ModelConfig, bos_token_id: int | None = None,

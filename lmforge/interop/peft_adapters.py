@@ -9,7 +9,9 @@ How the adapters map: module names go through the HF key map (``layers.{i}.attn.
 lmforge rotates adjacent pairs, so the *rows* of ``q_proj``/``k_proj`` are permuted inside each head. A LoRA
 update ``B A`` is a matrix of the same shape as the weight: its rows are ``B``'s rows, its columns ``A``'s
 columns. So ``lora_B`` of q/k is permuted exactly like the weight and ``lora_A`` is copied unchanged; every
-other factor is copied as is. Files: ``adapter_model.safetensors`` with keys
+other factor is copied as is. Only a model a Llama expresses has such adapters: saving or loading them for any
+other (``mlp: relu2``, QK-norm, a soft-cap, ...) is refused as the HF export refuses it
+(:func:`~lmforge.interop.hf.check_llama_expressible`). Files: ``adapter_model.safetensors`` with keys
 ``base_model.model.<HF module>.lora_{A,B}.weight``, and PEFT's ``adapter_config.json`` (``peft_type: LORA``,
 ``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules`` = the full HF module names). ``peft`` itself is not
 needed to write or read them.
@@ -25,7 +27,8 @@ from typing import Any
 from safetensors.torch import load as load_safetensors
 
 from lmforge.common import check_input_file
-from lmforge.interop.hf import _HF_TO_OURS, _OURS_TO_HF, _convert, _halves_to_pairs, _pairs_to_halves
+from lmforge.interop.hf import (_HF_TO_OURS, _OURS_TO_HF, _convert, _halves_to_pairs, _pairs_to_halves,
+                                check_llama_expressible)
 from lmforge.model.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraConfig, apply_lora, check_adapters_fit, has_lora,
                                 load_lora_state_dict, lora_modules, lora_state_dict, write_adapter_files)
 
@@ -43,7 +46,9 @@ def _map_module(name: str, cfg: Any, to_hf: bool, b: Any) -> tuple[str, Any]:
 
 def to_peft_state_dict(lora_sd: dict[str, Any], cfg: Any) -> dict[str, Any]:
     """:func:`~lmforge.model.lora.lora_state_dict` of a model with ``ModelConfig`` ``cfg`` -> PEFT's saved keys
-    for the HF Llama (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` ...)."""
+    for the HF Llama (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` ...); ``ValueError`` when
+    ``cfg`` is not a Llama's (:func:`~lmforge.interop.hf.check_llama_expressible`)."""
+    check_llama_expressible(cfg)
     out: dict[str, Any] = {}
     for key in sorted(k for k in lora_sd if k.endswith(".lora_A")):
         mod = key.removesuffix(".lora_A")
@@ -55,6 +60,7 @@ def to_peft_state_dict(lora_sd: dict[str, Any], cfg: Any) -> dict[str, Any]:
 
 def from_peft_state_dict(peft_sd: dict[str, Any], cfg: Any) -> dict[str, Any]:
     """Inverse of :func:`to_peft_state_dict` (PEFT keys with or without the adapter name ``.default``)."""
+    check_llama_expressible(cfg)
     out: dict[str, Any] = {}
     factors: dict[str, dict[str, Any]] = {}
     for key, t in peft_sd.items():
@@ -76,7 +82,8 @@ def from_peft_state_dict(peft_sd: dict[str, Any], cfg: Any) -> dict[str, Any]:
 
 def save_peft_adapters(directory: str | os.PathLike, model: Any, lora: LoraConfig, force: bool = False) -> Path:
     """Write ``model``'s adapters (``lora`` is their config) as PEFT does for the HF-exported Llama; atomic
-    writes, refusing to overwrite existing adapter files unless ``force``. Returns the directory."""
+    writes, refusing to overwrite existing adapter files unless ``force``. Returns the directory. ``ValueError``
+    (before anything is written) for a model a Llama cannot express."""
     sd = lora_state_dict(model)
     if not sd:
         raise ValueError("the model has no LoRA adapters to save; call apply_lora(model, cfg) first")
@@ -94,7 +101,8 @@ def save_peft_adapters(directory: str | os.PathLike, model: Any, lora: LoraConfi
 def load_peft_adapters(directory: str | os.PathLike, model: Any) -> LoraConfig:
     """Apply and load PEFT-format LoRA adapters for the HF Llama onto the plain lmforge ``model`` (same base
     weights as that Llama: there is no fingerprint in PEFT's format). Returns the :class:`LoraConfig` used
-    (targets = the exact lmforge module names). ``ValueError`` for adapter types lmforge does not have."""
+    (targets = the exact lmforge module names). ``ValueError`` for adapter types lmforge does not have, or a model a
+    Llama cannot express."""
     d = Path(directory)
     path = check_input_file(d / ADAPTER_CONFIG)
     try:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -41,12 +41,18 @@ from lmforge.model.recipe import Smear, softcap
 __all__ = ["ModelConfig", "MAX_CONTEXT_LENGTH", "TransformerLM", "TransformerBlock", "CausalSelfAttention", "KVCache",
            "Linear", "Embedding", "RMSNorm", "SwiGLU", "RotaryPositionalEmbedding", "softmax", "silu",
            "scaled_dot_product_attention", "cross_entropy", "linear_cross_entropy", "num_params",
-           "flops_per_token", "matmul_params_per_token", "cached_projections", "Norm", "RECIPE_OPTIONS"]
+           "flops_per_token", "matmul_params_per_token", "cached_projections", "Norm", "RECIPE_OPTIONS",
+           "NUMERICS_ONLY", "INIT_ONLY", "options_beyond"]
 
 
 RECIPE_OPTIONS = ("smear", "smear_keys", "value_embeds", "unet_skips", "mlp", "logit_softcap", "qk_norm", "zero_init",
                   "head_init_std")
 """The training-recipe options of :class:`ModelConfig` (all off by default)."""
+
+NUMERICS_ONLY = ("fast",)
+"""``ModelConfig`` fields that choose how the same function is computed, not which."""
+INIT_ONLY = ("zero_init", "head_init_std")
+"""``ModelConfig`` fields that choose only how training starts (the trained model is the same architecture)."""
 
 MAX_CONTEXT_LENGTH = 1 << 20
 """The longest ``context_length`` a model may have (1,048,576 tokens): the RoPE tables are built for every
@@ -167,6 +173,26 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+
+def options_beyond(cfg: ModelConfig, implemented: Iterable[str]) -> list[tuple[str, Any, Any]]:
+    """``(name, value, default)`` of each field of ``cfg`` (a :class:`ModelConfig`, or a dataclass extending it)
+    that a computation implementing only the fields ``implemented`` would get wrong: every field neither in it nor
+    in :data:`NUMERICS_ONLY` / :data:`INIT_ONLY` whose value is not its default (a field without a default always).
+
+    An allow-list, for those that compute the model without its forward (the HF and GGUF export:
+    ``lmforge.interop.hf.LLAMA_EXPRESSES``; the C++ decode step: ``lmforge.generate.packed.KERNEL_IMPLEMENTS``): a
+    new field counts as changing the forward until one of them says it implements it.
+    """
+    out = []
+    for f in dataclasses.fields(cfg):
+        if f.name in implemented or f.name in NUMERICS_ONLY or f.name in INIT_ONLY:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        value = getattr(cfg, f.name)
+        if default is dataclasses.MISSING or value != default:
+            out.append((f.name, value, default))
+    return out
 
 
 def _divisors(n: int) -> list[int]:

@@ -3,12 +3,15 @@ step lacks them) and cached greedy decoding equals the naive full recompute, thr
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from conftest import torch_threads
 from lmforge.generate.engine import Engine
 from lmforge.generate.generator import Generator
+from lmforge.generate.packed import KERNEL_IMPLEMENTS, kernel_available, kernel_unsupported
 from lmforge.model import ModelConfig, TransformerLM
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 32))]
@@ -41,3 +44,50 @@ def test_cached_greedy_equals_naive_recompute(kw):
         naive = gen.generate_ids(PROMPTS, 12, temperature=0, naive=True)
     assert cached == naive
     assert len(set(map(tuple, cached))) == 3
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
+# the options that change the forward at a value the C++ decode step does not compute
+KERNEL_LACKS = [("smear", True), ("smear_keys", True), ("value_embeds", 1), ("unet_skips", True), ("mlp", "relu2"),
+                ("logit_softcap", 2.0), ("qk_norm", True)]
+BASE = dict(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4)
+
+
+@pytest.mark.parametrize("name, value", KERNEL_LACKS)
+def test_the_decode_kernel_refuses_each_option_it_lacks_by_name(name, value):
+    assert kernel_unsupported(ModelConfig(**BASE, **{name: value})) == [f"model.{name}={value!r}"]
+
+
+def test_the_decode_kernels_allow_list():
+    """What the step implements runs on it at any value (with the init-only and numerics-only fields), and gives the
+    forward's logits; a field nobody classified is refused as soon as it leaves its default, so a new option cannot
+    decode wrongly."""
+    assert kernel_unsupported(ModelConfig(**BASE)) == []
+    assert set(KERNEL_IMPLEMENTS) <= {f.name for f in dataclasses.fields(ModelConfig)}
+    llama = ModelConfig(vocab_size=50, context_length=12, d_model=48, n_layers=3, n_heads=6, n_kv_heads=2, d_ff=80,
+                        rope_theta=500.0, tie_embeddings=True, norm_eps=1e-3, fast=False, zero_init=True)
+    assert kernel_unsupported(llama) == []
+    if kernel_available():
+        torch.manual_seed(0)
+        model = TransformerLM(llama).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        engine = Engine(model)
+        assert engine._kernel
+        seq = [3, 1, 4, 1, 5, 9, 2, 6]
+        with torch.inference_mode():
+            _close(engine.prefill([seq[:5]], 12)[0], model(torch.tensor([seq[:5]]))[0, -1])
+            _close(engine.verify(0, seq[5:]), model(torch.tensor([seq]))[0, 5:])
+    assert kernel_unsupported(ModelConfig(**BASE, head_init_std=0.0)) == []
+    assert kernel_unsupported(ModelConfig(**BASE, **dict(KERNEL_LACKS))) == [f"model.{n}={v!r}" for n, v in KERNEL_LACKS]
+
+    @dataclasses.dataclass
+    class WithNewOption(ModelConfig):
+        attention_window: int | None = None
+
+    assert kernel_unsupported(WithNewOption(**BASE)) == []  # at its default: the model the step computes
+    assert kernel_unsupported(WithNewOption(**BASE, attention_window=8)) == ["model.attention_window=8"]

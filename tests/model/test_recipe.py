@@ -11,7 +11,6 @@ import torch
 from conftest import torch_threads
 
 from lmforge.checkpoint import load_checkpoint, save_checkpoint
-from lmforge.generate.packed import kernel_unsupported
 from lmforge.model import KVCache, ModelConfig, TransformerLM, linear_cross_entropy, matmul_params_per_token, num_params
 from lmforge.model.layers import cross_entropy as cross_entropy_reference
 from lmforge.model.lora import LoraConfig, apply_lora
@@ -300,10 +299,3 @@ def test_lora_wraps_the_new_linears():
     assert all(p.grad is not None for n, p in model.named_parameters() if "lora" in n)
     with pytest.raises(ValueError, match="match no Linear"):
         apply_lora(model_pair(mlp="relu2")[0], LoraConfig(rank=2, alpha=4.0, targets=["w3"]))
-
-
-def test_the_decode_kernel_names_the_options_it_lacks():
-    assert kernel_unsupported(cfg_of()) == []
-    assert kernel_unsupported(cfg_of(zero_init=True, head_init_std=0.0)) == []
-    assert kernel_unsupported(cfg_of(smear=True, mlp="relu2")) == ["model.smear=True", "model.mlp='relu2'"]
-    assert len(kernel_unsupported(cfg_of(**ALL))) == 7
