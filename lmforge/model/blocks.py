@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from lmforge.model.cache import KVCache, check_context
 from lmforge.model.fused import Norm, _project_modules, _rope_fast
 from lmforge.model.layers import (Device, DType, Linear, RotaryPositionalEmbedding, SwiGLU, scaled_dot_product_attention)
-from lmforge.model.recipe import key_smear_init, rms_norm_heads, smear_keys
+from lmforge.model.recipe import key_smear_init, rms_norm_heads, smear_keys, smear_keys_reference
 
 __all__ = ["CausalSelfAttention", "FeedForward", "ReluSquared", "MLPS", "TransformerBlock"]
 
@@ -25,8 +25,9 @@ class CausalSelfAttention(nn.Module):
     ``qk_norm``: each query and key head is RMS-normalised (no gain) before RoPE (``model.qk_norm``).
     ``value_embed``: the forward takes ``ve (B, T, num_kv_heads·head_dim)``, the token's value embedding, and
     adds ``ve_lambda · ve`` to the values (``model.value_embeds``); ``ve_lambda (1,)`` starts at 0.5.
-    ``smear_keys``: each key head mixes in the previous column's key (:func:`~lmforge.model.recipe.smear_keys`,
-    ``model.smear_keys``) with the learned logits ``key_smear (num_kv_heads,)`` (init: ``key_smear_init``).
+    ``smear_keys``: each key head mixes in the previous column's key (:func:`~lmforge.model.recipe.smear_keys`, the
+    reference path :func:`~lmforge.model.recipe.smear_keys_reference`; ``model.smear_keys``) with the learned logits
+    ``key_smear (num_kv_heads,)`` (init: ``key_smear_init``).
     """
 
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None, theta: float | None = None,
@@ -95,13 +96,13 @@ class CausalSelfAttention(nn.Module):
             q, k = self.rope(q, pos), self.rope(k, pos)
         if cache is not None:
             k, v = cache.write(layer_idx, k, v)  # (B, KV, S, D) with S = cached + T
-            k = k if self.key_smear is None else smear_keys(k, self.key_smear)
+            k = k if self.key_smear is None else smear_keys_reference(k, self.key_smear)
             mask = cache.mask(T)  # None, (T, S) or (B, 1, T, S)
             if mask is None:  # plain causal over the last T of S columns (S == T, or one query that sees all)
                 S = k.shape[-2]
                 mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
         else:
-            k = k if self.key_smear is None else smear_keys(k, self.key_smear)
+            k = k if self.key_smear is None else smear_keys_reference(k, self.key_smear)
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
         if KV != H:
             k = k.repeat_interleave(H // KV, dim=-3)  # (..., H, S, D)

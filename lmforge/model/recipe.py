@@ -1,7 +1,11 @@
 """Training-recipe pieces of the model (modded-nanogpt and nanochat), each behind a :class:`ModelConfig` option
-that is off by default: previous-token mixing of the embeddings (``smear``), logit soft-capping, and the
-parameter-free RMS norm that QK-norm applies to each head. Pure tensor ops: the reference and the fast path
-share them.
+that is off by default: previous-token mixing of the embeddings (``smear``), smeared keys, logit soft-capping, and
+the parameter-free RMS norm that QK-norm applies to each head.
+
+The smear, the key smear and the soft-cap each have two forms, as the model's other primitives do: the fast path's
+and a reference (``*_reference``, what ``model.fast: false`` runs) written separately from the formula in the
+docstring, through other tensor operations, so that ``tests/model/test_recipe.py``'s fast == reference checks catch a
+slip in either.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from torch import Tensor, nn
 
 from lmforge.model.layers import Device, DType
 
-__all__ = ["Smear", "SMEAR_GATE_CHANNELS", "softcap", "rms_norm_heads", "smear_keys", "key_smear_init"]
+__all__ = ["Smear", "SMEAR_GATE_CHANNELS", "softcap", "softcap_reference", "rms_norm_heads", "smear_keys",
+           "smear_keys_reference", "key_smear_init"]
 
 SMEAR_GATE_CHANNELS = 24
 """How many leading channels of a token's embedding its smear gate reads (nanochat's choice; fewer when
@@ -27,11 +32,13 @@ class Smear(nn.Module):
     block on, which is what an induction head needs (Olsson et al. 2022 smear the keys for the same reason):
     in-context copying forms early. Parameters: ``gate (G,)`` and ``lam (1,)``, both 1-D (optimizer groups put
     them with the norms: no weight decay, AdamW), both initialised to zero, so the model starts as if without
-    it and ``lam`` grows from its gradient ``Σ_t sigmoid(0)·<dL/de'_t, e_{t-1}>``.
+    it and ``lam`` grows from its gradient ``Σ_t sigmoid(0)·<dL/de'_t, e_{t-1}>``. ``fast``: the fast path's form,
+    else the reference's (the same numbers).
     """
 
-    def __init__(self, d_model: int, device: Device = None, dtype: DType = None) -> None:
+    def __init__(self, d_model: int, device: Device = None, dtype: DType = None, fast: bool = True) -> None:
         super().__init__()
+        self.fast = fast
         self.channels = min(SMEAR_GATE_CHANNELS, d_model)
         self.gate = nn.Parameter(torch.zeros(self.channels, device=device, dtype=dtype))
         self.lam = nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
@@ -44,9 +51,19 @@ class Smear(nn.Module):
     def forward(self, x: Tensor, prev: Tensor) -> Tensor:
         """``x (B, T, d)`` the embeddings, ``prev (B, 1, d)`` the embedding before ``x[:, 0]`` (zeros when there
         is none, e.g. in training or for a row's first token) -> ``(B, T, d)``."""
+        if not self.fast:
+            return self._forward_reference(x, prev)
         before = torch.cat([prev.to(x.dtype), x[:, :-1]], dim=1)  # (B, T, d): e_{t-1}
         g = self.lam * torch.sigmoid(x[..., :self.channels] @ self.gate)  # (B, T)
         return x + g.unsqueeze(-1) * before
+
+    def _forward_reference(self, x: Tensor, prev: Tensor) -> Tensor:
+        """The class docstring's formula term by term: ``e_{t-1}`` by rolling the positions one on (``prev`` into
+        position 0), the gate as a sum of products over the first ``G`` channels."""
+        e_prev = x.roll(1, dims=1)  # (B, T, d): position t holds e_{t-1}; position 0 holds e_{T-1} ...
+        e_prev[:, 0] = prev[:, 0].to(x.dtype)  # ... replaced by the token before the first
+        gate = (x[:, :, :self.channels] * self.gate).sum(dim=-1, keepdim=True)  # (B, T, 1): gate · e_t[:G]
+        return x + self.lam * torch.sigmoid(gate) * e_prev
 
     def extra_repr(self) -> str:
         return f"gate_channels={self.channels}"
@@ -56,6 +73,13 @@ def softcap(logits: Tensor, cap: float | None) -> Tensor:
     """Logit soft-capping: ``cap · tanh(logits / cap)`` (identity for ``cap=None``); keeps every logit inside
     ``(-cap, cap)`` while leaving small ones almost unchanged (Gemma 2; modded-nanogpt)."""
     return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
+def softcap_reference(logits: Tensor, cap: float | None) -> Tensor:
+    """:func:`softcap` through ``tanh(u) = 2·sigmoid(2u) - 1``: ``cap · (2·sigmoid(2·logits/cap) - 1)``."""
+    if cap is None:
+        return logits
+    return cap * (2.0 * torch.sigmoid(logits * (2.0 / cap)) - 1.0)
 
 
 def rms_norm_heads(x: Tensor, eps: float) -> Tensor:
@@ -80,3 +104,12 @@ def smear_keys(k: Tensor, logits: Tensor) -> Tensor:
     prev = F.pad(k, (0, 0, 1, 0))[..., :-1, :]  # (B, KV, S, D): column j-1's key, zeros before column 0
     share = torch.sigmoid(logits.float()).to(k.dtype)[:, None, None]  # (KV, 1, 1)
     return k + share * (prev - k)
+
+
+def smear_keys_reference(k: Tensor, logits: Tensor) -> Tensor:
+    """:func:`smear_keys` as a mix ``(1 - s_h)·k_j + s_h·k_{j-1}``, ``s_h = sigmoid(a_h)``: each head's share of
+    the previous column's key, that key found by rolling the columns one on and zeroing column 0."""
+    k_prev = k.roll(1, dims=-2)  # (..., KV, S, D): column j holds k_{j-1}; column 0 the last column's key ...
+    k_prev[..., 0, :] = 0  # ... replaced by k_{-1} = 0
+    s = torch.sigmoid(logits.float()).to(k.dtype).reshape(-1, 1, 1)  # (KV, 1, 1)
+    return (1 - s) * k + s * k_prev

@@ -36,7 +36,7 @@ from lmforge.model.fused import Norm, cached_projections
 from lmforge.model.layers import (Device, DType, Embedding, Linear, RMSNorm, RotaryPositionalEmbedding, SwiGLU,
                                   _trunc_normal_, default_d_ff, scaled_dot_product_attention, silu, softmax)
 from lmforge.model.losses import compiled_softmax_grad, cross_entropy, linear_cross_entropy
-from lmforge.model.recipe import Smear, softcap
+from lmforge.model.recipe import Smear, softcap, softcap_reference
 
 __all__ = ["ModelConfig", "MAX_CONTEXT_LENGTH", "TransformerLM", "TransformerBlock", "CausalSelfAttention", "KVCache",
            "Linear", "Embedding", "RMSNorm", "SwiGLU", "RotaryPositionalEmbedding", "softmax", "silu",
@@ -235,7 +235,7 @@ class TransformerLM(nn.Module):
                              qk_norm=cfg.qk_norm, value_embed=i < ve or i >= n - ve, smear_keys=cfg.smear_keys)
             for i in range(n))
         # recipe options (None when off, so a default model's state dict is unchanged)
-        self.smear = Smear(cfg.d_model, device=device, dtype=dtype) if cfg.smear else None
+        self.smear = Smear(cfg.d_model, device=device, dtype=dtype, fast=cfg.fast) if cfg.smear else None
         self.value_embeddings = nn.ModuleList(Embedding(cfg.vocab_size, cfg.n_kv_heads * cfg.head_dim, device=device,
                                                         dtype=dtype) for _ in range(ve)) if ve else None
         self.skip_weights = (nn.Parameter(torch.ones(n // 2, device=device, dtype=dtype)) if cfg.unet_skips
@@ -368,6 +368,14 @@ class TransformerLM(nn.Module):
         if cache is not None and self.smear is not None:
             cache.write_ids(idx)
         ves = [self._embed(idx, table) for table in self.value_embeddings] if self.value_embeddings else []
+        blocks = self._blocks if self.cfg.fast else self._blocks_reference
+        x = blocks(x, ves, token_positions, cache)
+        if cache is not None:
+            cache.advance(T)
+        return self.ln_final(x)  # (B, T, d_model)
+
+    def _blocks(self, x: Tensor, ves: list[Tensor], token_positions: Tensor | None, cache: KVCache | None) -> Tensor:
+        """The blocks over the embeddings ``x (B, T, d_model)`` with the value embeddings ``ves`` and U-net skips."""
         n, half = len(self.layers), len(self.layers) // 2
         skips: list[Tensor] = []
         for i, layer in enumerate(self.layers):
@@ -380,9 +388,25 @@ class TransformerLM(nn.Module):
             x = layer(x, token_positions, ve=ve) if cache is None else layer(x, token_positions, cache, i, ve)
             if self.skip_weights is not None and i < half:
                 skips.append(x)
-        if cache is not None:
-            cache.advance(T)
-        return self.ln_final(x)  # (B, T, d_model)
+        return x
+
+    def _blocks_reference(self, x: Tensor, ves: list[Tensor], token_positions: Tensor | None,
+                          cache: KVCache | None) -> Tensor:
+        """:meth:`_blocks` (the reference path's) with the routing written as the :class:`ModelConfig` docstrings
+        state it: value-embedding table ``j`` feeds layers ``j`` and ``n_layers - value_embeds + j``; for
+        ``j < n_layers // 2``, layer ``n_layers-1-j`` adds ``skip_weights[j]`` times layer ``j``'s output."""
+        n, k = len(self.layers), len(ves)
+        table_of = {layer: j for j in range(k) for layer in (j, n - k + j)}
+        skip_from = {n - 1 - j: j for j in range(n // 2)} if self.skip_weights is not None else {}
+        outputs: list[Tensor] = []
+        for i, layer in enumerate(self.layers):
+            if i in skip_from:
+                j = skip_from[i]
+                x = x + self.skip_weights[j] * outputs[j]
+            ve = ves[table_of[i]] if i in table_of else None
+            x = layer(x, token_positions, ve=ve) if cache is None else layer(x, token_positions, cache, i, ve)
+            outputs.append(x)
+        return x
 
     def _embed(self, idx: Tensor, table: Embedding) -> Tensor:
         # The fast path looks rows up with F.embedding: its backward sums each row's gradients in index order,
@@ -410,8 +434,9 @@ class TransformerLM(nn.Module):
         """
         x = self.hidden(idx, token_positions, cache)
         cap = self.cfg.logit_softcap
+        cap_logits = softcap if self.cfg.fast else softcap_reference
         if targets is None:
-            return softcap(self.lm_head(x), cap)  # (B, T, V)
+            return cap_logits(self.lm_head(x), cap)  # (B, T, V)
         if self.cfg.fast and type(self.lm_head) is Linear:  # a LoRA-wrapped head goes through its module
             # (inside a whole-model compile the chunk is traced with the rest, and torch 2.11 cannot pass a compiled
             # function through an autograd.Function there)
@@ -419,7 +444,7 @@ class TransformerLM(nn.Module):
                         compiled_softmax_grad(**self.loss_compile))
             return linear_cross_entropy(x, self.lm_head.weight, targets, ignore_index, reduction, weights=weights,
                                         chunk_fn=chunk_fn, softcap=cap)
-        return cross_entropy(softcap(self.lm_head(x), cap), targets, ignore_index, reduction, weights)
+        return cross_entropy(cap_logits(self.lm_head(x), cap), targets, ignore_index, reduction, weights)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from lmforge.checkpoint import load_checkpoint, save_checkpoint
 from lmforge.model import KVCache, ModelConfig, TransformerLM, linear_cross_entropy, matmul_params_per_token, num_params
 from lmforge.model.layers import cross_entropy as cross_entropy_reference
 from lmforge.model.lora import LoraConfig, apply_lora
-from lmforge.model.recipe import Smear, smear_keys, softcap
+from lmforge.model.recipe import Smear, smear_keys, smear_keys_reference, softcap, softcap_reference
 from lmforge.model.transformer import RECIPE_OPTIONS
 
 OPTIONS = {"smear": {"smear": True}, "smear_keys": {"smear_keys": True}, "value_embeds": {"value_embeds": 1}, "unet_skips": {"unet_skips": True},
@@ -108,9 +108,10 @@ def test_smear_decodes_right_padded_rows_and_forked_rows(fast):
         torch.testing.assert_close(again, step, atol=2e-5, rtol=1e-4)
 
 
-def test_smear_formula():
+@pytest.mark.parametrize("fast", [True, False])
+def test_smear_formula(fast):
     torch.manual_seed(0)
-    smear = Smear(64)
+    smear = Smear(64, fast=fast)
     with torch.no_grad():
         smear.gate.normal_()
         smear.lam.fill_(0.7)
@@ -120,19 +121,20 @@ def test_smear_formula():
         before = prev[:, 0] if t == 0 else x[:, t - 1]
         g = 0.7 * torch.sigmoid(x[:, t, :24] @ smear.gate)
         torch.testing.assert_close(out[:, t], x[:, t] + g[:, None] * before)
-    assert torch.equal(Smear(64)(x, prev), x)  # starts as the identity
+    assert torch.equal(Smear(64, fast=fast)(x, prev), x)  # starts as the identity
 
 
 def test_smeared_keys_formula_and_cached_rows():
-    """Key head h at column j: k_j + sigmoid(a_h)(k_{j-1} - k_j), k_{-1} = 0; the cache keeps raw keys, so a row
-    copied or right-padded continues exactly (no other state)."""
+    """Key head h at column j: k_j + sigmoid(a_h)(k_{j-1} - k_j), k_{-1} = 0 (both forms); the cache keeps raw keys,
+    so a row copied or right-padded continues exactly (no other state)."""
     k, a = torch.randn(2, 3, 5, 4), torch.tensor([-1.0, 0.0, 2.0])
-    out = smear_keys(k, a)
-    for h in range(3):
-        s = torch.sigmoid(a[h])
-        for j in range(5):
-            prev = k[:, h, j - 1] if j else torch.zeros(2, 4)
-            torch.testing.assert_close(out[:, h, j], (1 - s) * k[:, h, j] + s * prev)
+    for form in (smear_keys, smear_keys_reference):
+        out = form(k, a)
+        for h in range(3):
+            s = torch.sigmoid(a[h])
+            for j in range(5):
+                prev = k[:, h, j - 1] if j else torch.zeros(2, 4)
+                torch.testing.assert_close(out[:, h, j], (1 - s) * k[:, h, j] + s * prev)
     model = model_pair(smear_keys=True, n_kv_heads=2)[0]
     assert model.layers[0].attn.key_smear.shape == (2,)
     a, b = torch.randint(0, 97, (1, 9)), torch.randint(0, 97, (1, 5))
@@ -184,6 +186,10 @@ def test_relu2_and_qk_norm_formulas():
 
 
 def test_softcap_bounds_the_logits_in_both_paths():
+    z = torch.linspace(-300.0, 300.0, 601)
+    for form in (softcap, softcap_reference):
+        torch.testing.assert_close(form(z, 2.0), 2.0 * torch.tanh(z / 2.0))
+        assert torch.equal(form(z, None), z)
     for model in model_pair(logit_softcap=2.0):
         x = torch.randint(0, 97, (2, 9))
         logits, raw = model(x), model.lm_head(model.hidden(x))
