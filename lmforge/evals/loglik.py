@@ -78,7 +78,7 @@ def _score_batch(model: Any, pairs: list[tuple[list[int], list[int]]]) -> list[t
     cache = KVCache.for_model(model, len(contexts), capacity=int(lens.max()))
     h = model.hidden(_pad(contexts, device), cache=cache)  # (U, Tc, D)
     last = h[torch.arange(len(contexts), device=device), lens - 1]  # (U, D)
-    first_lp = torch.log_softmax(model.lm_head(last).float(), dim=-1)  # (U, V)
+    first_lp = torch.log_softmax(model.logits(last).float(), dim=-1)  # (U, V)
     cache.lengths.copy_(lens)  # the pads' columns are overwritten by the continuations
     rows = [ctx_index[tuple(c)] for c, _ in pairs]
     conts = [cont for _, cont in pairs]
@@ -94,8 +94,8 @@ def _score_batch(model: Any, pairs: list[tuple[list[int], list[int]]]) -> list[t
         big.v[:, :, :, :width] = cache.v[:, idx]
         big.token_ids[:, :width] = cache.token_ids[idx]  # the previous token a smearing model reads
         big.lengths.copy_(lens[idx])
-        logits = model.lm_head(model.hidden(_pad([c[:-1] if len(c) > 1 else c[:1] for c in conts], device),
-                                            cache=big))  # (R, Cmax-1, V)
+        logits = model.logits(model.hidden(_pad([c[:-1] if len(c) > 1 else c[:1] for c in conts], device),
+                                           cache=big))  # (R, Cmax-1, V)
         lp = torch.log_softmax(logits.float(), dim=-1)
         for r, c in enumerate(conts):
             if len(c) > 1:

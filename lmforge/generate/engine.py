@@ -8,7 +8,9 @@ tensors, SwiGLU, then the final norm and the head): a step feeds one token per r
 T rows of each product (the weights read once for all of them). Its kernels are batch invariant, so a row's
 numbers are the same bits whatever else is in the batch, and a prompt's tokens get the numbers T steps would
 give them. Everywhere else prefill and steps are the model's own forward over the cache
-(``TransformerLM.hidden(idx, cache=...)``); tests hold the kernel path to that forward.
+(``TransformerLM.hidden(idx, cache=...)``, then ``TransformerLM.logits``: the head and what the recipe applies to its
+output); tests hold the kernel path to that forward. A model with an option the C++ step does not implement
+(:func:`~lmforge.generate.packed.kernel_unsupported`) decodes through that forward.
 
 For serving, rows join and leave between steps (continuous batching): ``Engine.open_slots`` makes an empty
 cache of N rows, ``Engine.admit`` prefills one prompt into the next free row (``Engine.fork`` copies a row into
@@ -241,7 +243,7 @@ class Engine:
         """The model's forward over ``cache``; logits ``(B, V)`` at column ``last[b]`` of each row (None: the last)."""
         h = self.model.hidden(tokens, cache=cache)  # (B, T, C)
         h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
-        return self.model.lm_head(h)  # (B, V)
+        return self.model.logits(h)  # (B, V)
 
     def _fill(self, cache: KVCache, buf: torch.Tensor, rows: Sequence[Sequence[int]], first: int = 0,
               start: int = 0) -> torch.Tensor:
@@ -458,7 +460,7 @@ class Engine:
         self.tokens[row, n: n + T] = ids
         if not self._kernel:
             h = self.model.hidden(ids[None], cache=self.cache.rows(row))  # (1, T, C)
-            return self.model.lm_head(h[0])  # (T, V)
+            return self.model.logits(h[0])  # (T, V)
         k, v, lengths, _ = self._arrays
         logits = torch.empty(T, self._vocab)  # every token's logits: the bits T single steps give (batch invariant)
         self._decoder.step(np.ascontiguousarray(ids.numpy(), dtype=np.int64), k, v, lengths[row: row + 1],

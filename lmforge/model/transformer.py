@@ -1,7 +1,9 @@
 """A Llama-style decoder-only Transformer LM built from the primitives in :mod:`lmforge.model.layers`.
 
 ``TransformerLM``: token embeddings -> ``n_layers`` pre-norm blocks (causal self-attention with RoPE and
-optional grouped-query attention, SwiGLU feed-forward) -> final RMSNorm -> LM head (logits).
+optional grouped-query attention, SwiGLU feed-forward) -> final RMSNorm (:meth:`TransformerLM.hidden`) -> LM head
+and what the recipe applies to its output (:meth:`TransformerLM.logits`: the one place hidden states become logits,
+for the forward, the inference engine, the evals and RL alike).
 
 Two numerically equivalent paths, chosen by ``ModelConfig.fast`` (``set_fast`` switches at run time):
 
@@ -245,6 +247,9 @@ class TransformerLM(nn.Module):
         # torch.compile options for the fused loss's elementwise part off the CPU (training.compile sets them:
         # lmforge.train.distributed.compile_blocks); None runs it eagerly
         self.loss_compile: dict[str, Any] | None = None
+        # what the logits (and so the loss) are divided by, after the soft-cap: RL's loss sets its sampling
+        # temperature here (lmforge.rl.source.tempered_logits); 1 everywhere else
+        self.logit_temperature = 1.0
         if cfg.tie_embeddings:
             self.lm_head.weight = self.token_embeddings.weight
         self.init_weights()
@@ -339,7 +344,7 @@ class TransformerLM(nn.Module):
         return self
 
     def hidden(self, idx: Tensor, token_positions: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
-        """``idx (B, T)`` int64 -> the final-normed hidden states ``(B, T, d_model)`` (what the LM head reads).
+        """``idx (B, T)`` int64 -> the final-normed hidden states ``(B, T, d_model)`` (what :meth:`logits` reads).
 
         With ``cache`` the new tokens go after each row's cached ones (positions = cache columns), attend to
         them, and are appended to the cache.
@@ -423,6 +428,26 @@ class TransformerLM(nn.Module):
         prev = self._embed(ids[:, None], self.token_embeddings)  # (B, 1, d_model)
         return prev * held[:, None, None].to(prev.dtype)
 
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The logits ``(..., V)`` of final-normed hidden states ``(..., d_model)`` (:meth:`hidden`): the LM head,
+        the soft-cap ``cap·tanh(l/cap)`` (``model.logit_softcap``), divided by ``logit_temperature`` (computed with
+        the temperature in front of the head: :meth:`_head_input`).
+
+        The one place hidden states become logits: the forward, the inference engine (prefill, steps, static
+        steps, verifying drafts), the log-likelihood scorer and RL call it; the fused loss computes the same
+        logits through :meth:`_head_input`."""
+        h, cap = self._head_input(hidden)
+        return (softcap if self.cfg.fast else softcap_reference)(self.lm_head(h), cap)  # (..., V)
+
+    def _head_input(self, hidden: Tensor) -> tuple[Tensor, float | None]:
+        """``(h, cap)`` such that the logits are ``softcap(lm_head(h), cap)``: the cap is ``model.logit_softcap``,
+        and a temperature ``t`` moves in front of the head (linear, no bias), since
+        ``softcap(z, cap) / t = softcap(z / t, cap / t)``."""
+        t, cap = self.logit_temperature, self.cfg.logit_softcap
+        if t == 1:
+            return hidden, cap
+        return hidden / t, None if cap is None else cap / t
+
     def forward(self, idx: Tensor, token_positions: Tensor | None = None, cache: KVCache | None = None, *,
                 targets: Tensor | None = None, ignore_index: int | None = None, reduction: str = "mean",
                 weights: Tensor | None = None) -> Tensor:
@@ -433,18 +458,17 @@ class TransformerLM(nn.Module):
         multiply each target's loss (a policy gradient's per-token advantages).
         """
         x = self.hidden(idx, token_positions, cache)
-        cap = self.cfg.logit_softcap
-        cap_logits = softcap if self.cfg.fast else softcap_reference
         if targets is None:
-            return cap_logits(self.lm_head(x), cap)  # (B, T, V)
+            return self.logits(x)  # (B, T, V)
         if self.cfg.fast and type(self.lm_head) is Linear:  # a LoRA-wrapped head goes through its module
             # (inside a whole-model compile the chunk is traced with the rest, and torch 2.11 cannot pass a compiled
             # function through an autograd.Function there)
             chunk_fn = (None if self.loss_compile is None or torch.compiler.is_compiling() else
                         compiled_softmax_grad(**self.loss_compile))
-            return linear_cross_entropy(x, self.lm_head.weight, targets, ignore_index, reduction, weights=weights,
+            h, cap = self._head_input(x)
+            return linear_cross_entropy(h, self.lm_head.weight, targets, ignore_index, reduction, weights=weights,
                                         chunk_fn=chunk_fn, softcap=cap)
-        return cross_entropy(cap_logits(self.lm_head(x), cap), targets, ignore_index, reduction, weights)
+        return cross_entropy(self.logits(x), targets, ignore_index, reduction, weights)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -72,15 +72,16 @@ def step_prompts(n: int, seed: int, step: int, per_step: int) -> list[int]:
 @contextlib.contextmanager
 def tempered_logits(temperature: float, *models: Any) -> Iterator[None]:
     """Inside, each bare ``TransformerLM`` of ``models`` computes its logits (and so its loss) divided by
-    ``temperature``: its final norm's output is divided, and the LM head is linear without a bias (a LoRA-wrapped
-    head too), so the logits are. Nothing changes at temperature 1."""
-    hooks = [] if temperature == 1 else [m.ln_final.register_forward_hook(lambda _m, _i, out: out / temperature)
-                                          for m in models]
+    ``temperature`` after everything else the head applies (the soft-cap): what the sampler does with the engine's
+    logits (``TransformerLM.logit_temperature``). Nothing changes at temperature 1."""
+    before = [m.logit_temperature for m in models]
+    for m in models:
+        m.logit_temperature = temperature
     try:
         yield
     finally:
-        for h in hooks:
-            h.remove()
+        for m, t in zip(models, before):
+            m.logit_temperature = t
 
 
 class RolloutSource:

@@ -37,6 +37,11 @@ def _model(vocab: int, ctx: int = 48, seed: int = 0, **options) -> TransformerLM
     return model
 
 
+ALL_OPTIONS = dict(smear=True, smear_keys=True, value_embeds=1, unet_skips=True, mlp="relu2", logit_softcap=0.5,
+                   qk_norm=True)
+"""Every recipe option that changes the forward (test_recipe_generate holds the list to RECIPE_OPTIONS)."""
+
+
 def _naive_ll(model: TransformerLM, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
     """log p(cont | ctx) and is_greedy from one plain forward over ctx + cont[:-1] (no cache, no batching)."""
     seq = torch.tensor([ctx + cont[:-1]])
@@ -122,10 +127,13 @@ def test_encode_request_follows_lm_eval(tiny_tokenizer):
     assert tiny_tokenizer.decode(cont) == " on the mat"
 
 
-@pytest.mark.parametrize("batch_size,options", [(1, {}), (3, {}), (16, {}), (3, {"smear": True})])
+@pytest.mark.parametrize("batch_size,options", [(1, {}), (3, {}), (16, {}), (3, {"smear": True}),
+                                                (3, {"logit_softcap": 0.5}), (3, ALL_OPTIONS)],
+                         ids=["batch1", "batch3", "batch16", "smear", "softcap", "all-options"])
 def test_cached_scores_equal_a_plain_forward(tiny_tokenizer, batch_size, options):
     """Each context's cache row copied under its continuations: all of the row (a smearing model reads the
-    previous column's token id from it)."""
+    previous column's token id from it). The scores are the forward's log-probabilities with every recipe option,
+    the soft-cap's included (the scorer once read the head without it)."""
     model = _model(tiny_tokenizer.vocab_size, **options)
     requests = [("The cat sat on the", " mat"), ("The cat sat on the", " big happy tree and ran"),
                 ("The cat sat on the", " dog"), ("A girl", " said it's ok!"), ("héllo 世界", " naïve"),

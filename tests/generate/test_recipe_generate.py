@@ -1,5 +1,6 @@
 """Generation with the model's training-recipe options: the engine decodes them through the model's forward (the C++
-step lacks them) and cached greedy decoding equals the naive full recompute, through ragged prompts and slides."""
+step lacks them) and cached greedy decoding equals the naive full recompute, through ragged prompts and slides; every
+path of the engine gives the logits of the model's forward (not only its argmax), for every recipe option."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from lmforge.generate.engine import Engine
 from lmforge.generate.generator import Generator
 from lmforge.generate.packed import KERNEL_IMPLEMENTS, kernel_available, kernel_unsupported
 from lmforge.model import ModelConfig, TransformerLM
+from lmforge.model.transformer import RECIPE_OPTIONS
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 32))]
 
@@ -46,8 +48,52 @@ def test_cached_greedy_equals_naive_recompute(kw):
     assert len(set(map(tuple, cached))) == 3
 
 
+CAP = 2.0
+OPTION_CASES = {"smear": {"smear": True}, "smear_keys": {"smear_keys": True}, "value_embeds": {"value_embeds": 1},
+                "unet_skips": {"unet_skips": True}, "mlp": {"mlp": "relu2"}, "logit_softcap": {"logit_softcap": CAP},
+                "qk_norm": {"qk_norm": True}, "zero_init": {"zero_init": True}, "head_init_std": {"head_init_std": 0.0}}
+OPTION_CASES["all"] = {k: v for kw in OPTION_CASES.values() for k, v in kw.items()}
+OFF = dict(smear=False, smear_keys=False, value_embeds=0, unet_skips=False, mlp="swiglu", logit_softcap=None,
+           qk_norm=False)  # what recipe_model turns on, turned off
+
+
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["engine", "static-steps"])
+@pytest.mark.parametrize("kw", OPTION_CASES.values(), ids=OPTION_CASES)
+def test_every_engine_path_gives_the_forwards_logits(kw, static):
+    """Random weights, each recipe option (and all of them): prefill of ragged rows, several steps, admit into a
+    slot, verifying drafts -- each one's logits equal ``model(sequence)``'s at the same position (the soft-capped
+    ones too: an engine that skipped the cap passed the greedy tests, whose argmax tanh keeps)."""
+    assert set(OPTION_CASES) == {*RECIPE_OPTIONS, "all"}
+    model = recipe_model(**OFF | kw, context_length=24)
+    engine = Engine(model, use_kernel=False, static_steps=True) if static else Engine(model)
+
+    def forward(seq: list[int]) -> torch.Tensor:  # (T, V): the logits after each token of seq
+        return model(torch.tensor([seq]))[0]
+
+    rows = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    with torch.inference_mode():
+        if "logit_softcap" in kw:  # the cap bites: the head alone gives logits far past it
+            raw = model.lm_head(model.hidden(torch.tensor([rows[0]])))
+            assert float(forward(rows[0]).abs().max()) < CAP < float(raw.abs().max()) / 2
+        logits = engine.prefill(rows, 24)
+        for step in range(4):
+            for b, seq in enumerate(rows):
+                _close(logits[b], forward(seq)[-1])
+            nxt = [(11 * step + 5 * b) % 64 for b in range(len(rows))]  # fixed tokens, whatever the logits say
+            rows = [seq + [t] for seq, t in zip(rows, nxt)]
+            logits = engine.step(torch.tensor(nxt))
+        for b, seq in enumerate(rows):
+            _close(logits[b], forward(seq)[-1])
+        engine.open_slots(2)
+        engine.admit([3, 1, 4])
+        row, first = engine.admit(rows[1])
+        _close(first, forward(rows[1])[-1])
+        drafts = [10, 20, 30]
+        _close(engine.verify(row, drafts), forward(rows[1] + drafts)[-3:])
 
 
 # the options that change the forward at a value the C++ decode step does not compute

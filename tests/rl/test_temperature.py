@@ -1,7 +1,8 @@
 """The update is the policy gradient of the policy that sampled: by exact enumeration of every reply of a tiny
 model, the loop's expected gradient at ``rl.temperature`` is the exact gradient of the expected reward under the
 tempered distribution, and the KL term's log-ratios are the tempered ones (with the sign that pulls towards the
-reference)."""
+reference). With a soft-capped model the tempered distribution is the capped logits over the temperature, the one the
+rollouts sample from the engine."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import pytest
 import torch
 
 from lmforge.data.conversations import IGNORE_INDEX
+from lmforge.generate.engine import Engine
+from lmforge.generate.sampling import sampling_logits
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.rl import RolloutSource
+from lmforge.rl.source import tempered_logits
 from lmforge.train.config import OptimConfig, RLConfig, TrainingConfig
 from lmforge.train.distributed import DistInfo
 from lmforge.train.loop import _train_step
@@ -22,9 +26,12 @@ V, PROMPT = 4, [1, 2]  # a vocabulary of 4 tokens; every reply is two sampled id
 CPU = torch.device("cpu")
 
 
-def _model(seed: int) -> TransformerLM:
+CAPPED = {"logit_softcap": 0.5}  # below the logits' scale: the cap changes the distribution
+
+
+def _model(seed: int, **kw) -> TransformerLM:
     torch.manual_seed(seed)
-    return TransformerLM(ModelConfig(vocab_size=V, context_length=8, d_model=16, n_layers=1, n_heads=2))
+    return TransformerLM(ModelConfig(vocab_size=V, context_length=8, d_model=16, n_layers=1, n_heads=2, **kw))
 
 
 def _source(model: TransformerLM, temperature: float, kl_coef: float = 0.0,
@@ -77,11 +84,13 @@ def _loop_gradient(model: TransformerLM, src: RolloutSource, batch: tuple) -> li
     return opt.grads
 
 
-@pytest.mark.parametrize("temperature", [0.5, 2.0])
-def test_the_loops_expected_gradient_is_the_policy_gradient_at_the_sampling_temperature(temperature) -> None:
+@pytest.mark.parametrize("temperature, options", [(0.5, {}), (2.0, {}), (0.5, CAPPED)],
+                         ids=["0.5", "2.0", "0.5-soft-capped"])
+def test_the_loops_expected_gradient_is_the_policy_gradient_at_the_sampling_temperature(temperature, options) -> None:
     """``E_{y ~ p_T}[loop's gradient on y with advantage r(y)] = -(1/2) ∇ E_{p_T}[r]`` (2 sampled tokens per reply;
-    the reward depends on the first id only). At temperature 1 in the loss (the old code) the two differ."""
-    model = _model(0)
+    the reward depends on the first id only). At temperature 1 in the loss (the old code) the two differ; so do they
+    when the loss divides the head's input by the temperature and caps after (``cap·tanh(z/(T·cap))``)."""
+    model = _model(0, **options)
     params = list(model.parameters())
     replies = list(itertools.product(range(V), repeat=2))
     reward = torch.tensor([float(a == 3) + 0.5 * float(a == 1) for a, _ in replies])
@@ -99,12 +108,13 @@ def test_the_loops_expected_gradient_is_the_policy_gradient_at_the_sampling_temp
     assert max(float(g.abs().max()) for g in exact) > 1e-3  # a gradient worth comparing
 
 
-@pytest.mark.parametrize("temperature", [0.5, 1.0])
-def test_kl_weights_subtract_the_tempered_log_ratio_to_the_reference(temperature) -> None:
+@pytest.mark.parametrize("temperature, options", [(0.5, {}), (1.0, {}), (0.5, CAPPED)],
+                         ids=["0.5", "1.0", "0.5-soft-capped"])
+def test_kl_weights_subtract_the_tempered_log_ratio_to_the_reference(temperature, options) -> None:
     """Each sampled token's weight loses ``kl_coef · (log p_T(y_t) - log p_ref,T(y_t))``: the policy's minus the
     reference's log-probability at the sampling temperature (a token the policy likes more than the reference
     is pushed down)."""
-    model, ref = _model(0), _model(1)
+    model, ref = _model(0, **options), _model(1, **options)
     src = _source(model, temperature, kl_coef=0.25, ref=ref)
     replies = list(itertools.product(range(V), repeat=2))
     batches = [_reply_batch(y, 1.0) for y in replies]
@@ -151,3 +161,22 @@ def test_the_kl_term_is_the_gradient_of_the_per_position_kls_at_fixed_contexts()
     lp_ref = _log_probs(ref, T).detach()
     whole = torch.autograd.grad((lp.exp() * (lp - lp_ref)).sum(), params)  # ∇ KL(p || p_ref) over replies
     assert max(float((g - w).abs().max()) for g, w in zip(fixed, whole)) > 1e-3
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_rollouts_sample_the_distribution_the_loss_trains(temperature) -> None:
+    """A soft-capped model: the distribution the rollouts draw the first reply token from (the engine's logits
+    through ``sample_next``'s ``sampling_logits``) is the one whose log-probabilities the loss takes under
+    ``tempered_logits``. Once the engine read the head without the cap: it sampled one policy and trained another."""
+    model = _model(0, **CAPPED).eval()
+    with torch.inference_mode():
+        sampled = torch.log_softmax(sampling_logits(Engine(model).prefill([PROMPT], 8), temperature), -1)[0]  # (V,)
+    x = torch.tensor([PROMPT] * V)
+    y = torch.tensor([[IGNORE_INDEX, a] for a in range(V)])
+    with torch.no_grad(), tempered_logits(temperature, model):
+        trained = -model(x, targets=y, ignore_index=IGNORE_INDEX, reduction="none").view(y.shape)[:, 1]  # log p_T(a)
+    torch.testing.assert_close(trained, sampled, rtol=1e-5, atol=1e-6)
+    assert model.logit_temperature == 1.0  # restored
+    with torch.no_grad():
+        raw = model.lm_head(model.hidden(torch.tensor([PROMPT])))
+    assert float(raw.abs().max()) > 2 * CAPPED["logit_softcap"]  # the cap changes the distribution
