@@ -4,6 +4,8 @@ reference path (the spec, from :mod:`lmforge.model.layers`) and a fast path (:mo
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -22,7 +24,10 @@ class CausalSelfAttention(nn.Module):
     ``num_kv_heads < num_heads`` shares each key/value head among ``num_heads / num_kv_heads`` query heads
     (query head ``h`` reads kv head ``h // group``). Without ``theta`` no RoPE is applied.
 
-    ``qk_norm``: each query and key head is RMS-normalised (no gain) before RoPE (``model.qk_norm``).
+    ``qk_norm``: each query and key head is RMS-normalised (no gain) before RoPE (``model.qk_norm``); ``qk_scale``
+    (``model.qk_norm_scale``): the scores are ``qk_scale · q·k`` instead of ``q·k / sqrt(head_dim)`` (the reference
+    path multiplies the queries by ``qk_scale·sqrt(head_dim)`` before its ``/ sqrt(head_dim)``, the fast path gives
+    the kernel the scale).
     ``value_embed``: the forward takes ``ve (B, T, num_kv_heads·head_dim)``, the token's value embedding, and
     adds ``ve_lambda · ve`` to the values (``model.value_embeds``); ``ve_lambda (1,)`` starts at 0.5.
     ``smear_keys``: each key head mixes in the previous column's key (:func:`~lmforge.model.recipe.smear_keys`, the
@@ -33,7 +38,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None, theta: float | None = None,
                  num_kv_heads: int | None = None, rope: RotaryPositionalEmbedding | None = None, fast: bool = False,
                  device: Device = None, dtype: DType = None, *, qk_norm: bool = False, value_embed: bool = False,
-                 smear_keys: bool = False, eps: float = 1e-5) -> None:
+                 smear_keys: bool = False, eps: float = 1e-5, qk_scale: float | None = None) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if d_model % num_heads or num_heads % num_kv_heads:
@@ -42,7 +47,7 @@ class CausalSelfAttention(nn.Module):
         self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
         self.head_dim = d_model // num_heads
         self.fast = fast
-        self.qk_norm, self.eps = qk_norm, eps
+        self.qk_norm, self.eps, self.qk_scale = qk_norm, eps, qk_scale
         self.ve_lambda = nn.Parameter(torch.full((1,), 0.5, device=device, dtype=dtype)) if value_embed else None
         self.key_smear = (nn.Parameter(key_smear_init(num_kv_heads).to(device=device, dtype=dtype)) if smear_keys
                           else None)
@@ -94,6 +99,8 @@ class CausalSelfAttention(nn.Module):
             pos = token_positions
             pos = pos.unsqueeze(-2) if pos is not None and pos.dim() >= 2 else pos  # (B, 1, T): broadcast over heads
             q, k = self.rope(q, pos), self.rope(k, pos)
+        if self.qk_scale is not None:  # scaled_dot_product_attention divides by sqrt(D)
+            q = q * (self.qk_scale * math.sqrt(D))
         if cache is not None:
             k, v = cache.write(layer_idx, k, v)  # (B, KV, S, D) with S = cached + T
             k = k if self.key_smear is None else smear_keys_reference(k, self.key_smear)
@@ -133,15 +140,15 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, h, T, D)
         if cache is None:
             k = k if self.key_smear is None else smear_keys(k, self.key_smear)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KV != H)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KV != H, scale=self.qk_scale)
         else:
             k, v = cache.write(layer_idx, k, v)  # (B, KV, S, D)
             k = k if self.key_smear is None else smear_keys(k, self.key_smear)
             mask = cache.mask(T)
             if mask is None:
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=KV != H)
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=KV != H, scale=self.qk_scale)
             else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=KV != H)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=KV != H, scale=self.qk_scale)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.output_proj(y)  # (B, T, d_model)
 
@@ -185,19 +192,19 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(ln1(x))`` then ``x + ffn(ln2(x))``.
 
     ``mlp``: the feed-forward, ``"swiglu"`` (:class:`FeedForward`) or ``"relu2"`` (:class:`ReluSquared`);
-    ``qk_norm``, ``value_embed`` and ``smear_keys`` go to :class:`CausalSelfAttention`."""
+    ``qk_norm``, ``qk_scale``, ``value_embed`` and ``smear_keys`` go to :class:`CausalSelfAttention`."""
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, max_seq_len: int | None = None,
                  theta: float | None = None, num_kv_heads: int | None = None, eps: float = 1e-5,
                  rope: RotaryPositionalEmbedding | None = None, fast: bool = False, device: Device = None,
                  dtype: DType = None, *, mlp: str = "swiglu", qk_norm: bool = False, value_embed: bool = False,
-                 smear_keys: bool = False) -> None:
+                 smear_keys: bool = False, qk_scale: float | None = None) -> None:
         super().__init__()
         if mlp not in MLPS:
             raise ValueError(f"unknown feed-forward {mlp!r}; use one of {', '.join(MLPS)}")
         self.attn = CausalSelfAttention(d_model, num_heads, max_seq_len, theta, num_kv_heads, rope=rope, fast=fast,
                                         device=device, dtype=dtype, qk_norm=qk_norm, value_embed=value_embed,
-                                        smear_keys=smear_keys, eps=eps)
+                                        smear_keys=smear_keys, eps=eps, qk_scale=qk_scale)
         self.ln1 = Norm(d_model, eps, fast=fast, device=device, dtype=dtype)
         if mlp == "relu2":
             self.ffn: nn.Module = ReluSquared(d_model, d_ff or 4 * d_model, fast=fast, device=device, dtype=dtype)

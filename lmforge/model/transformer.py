@@ -38,7 +38,7 @@ from lmforge.model.fused import Norm, cached_projections
 from lmforge.model.layers import (Device, DType, Embedding, Linear, RMSNorm, RotaryPositionalEmbedding, SwiGLU,
                                   _trunc_normal_, default_d_ff, scaled_dot_product_attention, silu, softmax)
 from lmforge.model.losses import compiled_softmax_grad, cross_entropy, linear_cross_entropy
-from lmforge.model.recipe import Smear, softcap, softcap_reference
+from lmforge.model.recipe import Smear, rms_norm_heads, softcap, softcap_reference
 
 __all__ = ["ModelConfig", "MAX_CONTEXT_LENGTH", "TransformerLM", "TransformerBlock", "CausalSelfAttention", "KVCache",
            "Linear", "Embedding", "RMSNorm", "SwiGLU", "RotaryPositionalEmbedding", "softmax", "silu",
@@ -48,7 +48,7 @@ __all__ = ["ModelConfig", "MAX_CONTEXT_LENGTH", "TransformerLM", "TransformerBlo
 
 
 RECIPE_OPTIONS = ("smear", "smear_keys", "value_embeds", "unet_skips", "mlp", "logit_softcap", "qk_norm", "zero_init",
-                  "head_init_std")
+                  "head_init_std", "embed_norm", "qk_norm_scale")
 """The training-recipe options of :class:`ModelConfig` (all off by default)."""
 
 NUMERICS_ONLY = ("fast",)
@@ -109,6 +109,13 @@ class ModelConfig:
     """Soft-cap the logits at ``cap·tanh(logits/cap)`` (e.g. 15; in the loss too); ``null`` = off."""
     qk_norm: bool = False
     """RMS-normalise (no gain) every query and key head before RoPE."""
+    qk_norm_scale: float | None = None
+    """With ``qk_norm``: the attention scores are ``qk_norm_scale · q·k`` over the normalised heads (each of norm
+    ``sqrt(head_dim)``, so a score is at most ``qk_norm_scale · head_dim``); ``null`` = ``1/sqrt(head_dim)``, which
+    bounds every score by ``sqrt(head_dim)``. nanochat multiplies the normalised queries and keys by 1.2 each
+    (``1.44/sqrt(head_dim)``); modded-nanogpt used 0.12 at head_dim 128."""
+    embed_norm: bool = False
+    """RMS-normalise (no gain) each token's embedding before the first block (and the smear), as nanochat does."""
     zero_init: bool = False
     """Initialise the attention output and feed-forward down projections (``output_proj``, ``ffn.w2``) to zero,
     so every block starts as the identity (init only: the trained model is the same architecture)."""
@@ -150,7 +157,7 @@ class ModelConfig:
         if not (isinstance(self.norm_eps, (int, float)) and self.norm_eps > 0):
             raise ValueError(f"model.norm_eps must be a positive number, got {self.norm_eps!r}")
         self._check_recipe()
-        for name in ("tie_embeddings", "fast", "smear", "smear_keys", "unet_skips", "qk_norm", "zero_init"):
+        for name in ("tie_embeddings", "fast", "smear", "smear_keys", "unet_skips", "qk_norm", "zero_init", "embed_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
 
@@ -168,6 +175,12 @@ class ModelConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (
                     v == 0 and name == "logit_softcap"):
                 raise ValueError(f"model.{name} must be a positive number (or null for off), got {v!r}")
+        s = self.qk_norm_scale
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < math.inf):
+            raise ValueError(f"model.qk_norm_scale must be a positive number (or null for 1/sqrt(head_dim)), got {s!r}")
+        if s is not None and self.qk_norm is not True:
+            raise ValueError("model.qk_norm_scale scales the scores of normalised queries and keys; set model.qk_norm: "
+                             "true with it (or qk_norm_scale: null)")
         if self.head_init_std is not None and self.tie_embeddings is True:
             raise ValueError("model.head_init_std sets the untied LM head's init; with tie_embeddings the head is the "
                              "embedding matrix: drop one of them")
@@ -234,7 +247,8 @@ class TransformerLM(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.context_length, num_kv_heads=cfg.n_kv_heads,
                              eps=cfg.norm_eps, rope=rope, fast=cfg.fast, device=device, dtype=dtype, mlp=cfg.mlp,
-                             qk_norm=cfg.qk_norm, value_embed=i < ve or i >= n - ve, smear_keys=cfg.smear_keys)
+                             qk_norm=cfg.qk_norm, value_embed=i < ve or i >= n - ve, smear_keys=cfg.smear_keys,
+                             qk_scale=cfg.qk_norm_scale)
             for i in range(n))
         # recipe options (None when off, so a default model's state dict is unchanged)
         self.smear = Smear(cfg.d_model, device=device, dtype=dtype, fast=cfg.fast) if cfg.smear else None
@@ -367,7 +381,7 @@ class TransformerLM(nn.Module):
             token_positions = cache.begin(T)  # checks the context
         elif token_positions is None:
             check_context(T, self.cfg.context_length)
-        x = self._embed(idx, self.token_embeddings)
+        x = self._token_embedding(idx)
         if self.smear is not None:
             x = self.smear(x, self._previous_embedding(x, cache))
         if cache is not None and self.smear is not None:
@@ -413,6 +427,15 @@ class TransformerLM(nn.Module):
             outputs.append(x)
         return x
 
+    def _token_embedding(self, idx: Tensor) -> Tensor:
+        """The token embeddings of ``idx`` ``(..., d_model)``; under ``model.embed_norm`` RMS-normalised without a gain
+        (the fast path by ``F.rms_norm``, the reference by the formula, :func:`~lmforge.model.recipe.rms_norm_heads`)."""
+        x = self._embed(idx, self.token_embeddings)
+        if not self.cfg.embed_norm:
+            return x
+        eps = self.cfg.norm_eps
+        return F.rms_norm(x, (x.shape[-1],), eps=eps) if self.cfg.fast else rms_norm_heads(x, eps)
+
     def _embed(self, idx: Tensor, table: Embedding) -> Tensor:
         # The fast path looks rows up with F.embedding: its backward sums each row's gradients in index order,
         # where indexing's (index_put_ with accumulate) adds them with atomics from parallel threads, so its sums
@@ -425,7 +448,7 @@ class TransformerLM(nn.Module):
         if cache is None:
             return x.new_zeros(x.shape[0], 1, x.shape[2])
         ids, held = cache.last_ids()  # (B,), (B,)
-        prev = self._embed(ids[:, None], self.token_embeddings)  # (B, 1, d_model)
+        prev = self._token_embedding(ids[:, None])  # (B, 1, d_model)
         return prev * held[:, None, None].to(prev.dtype)
 
     def logits(self, hidden: Tensor) -> Tensor:

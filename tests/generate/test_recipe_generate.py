@@ -51,7 +51,8 @@ def test_cached_greedy_equals_naive_recompute(kw):
 CAP = 2.0
 OPTION_CASES = {"smear": {"smear": True}, "smear_keys": {"smear_keys": True}, "value_embeds": {"value_embeds": 1},
                 "unet_skips": {"unet_skips": True}, "mlp": {"mlp": "relu2"}, "logit_softcap": {"logit_softcap": CAP},
-                "qk_norm": {"qk_norm": True}, "zero_init": {"zero_init": True}, "head_init_std": {"head_init_std": 0.0}}
+                "qk_norm": {"qk_norm": True}, "zero_init": {"zero_init": True}, "head_init_std": {"head_init_std": 0.0},
+                "embed_norm": {"embed_norm": True}, "qk_norm_scale": {"qk_norm": True, "qk_norm_scale": 0.5}}
 OPTION_CASES["all"] = {k: v for kw in OPTION_CASES.values() for k, v in kw.items()}
 OFF = dict(smear=False, smear_keys=False, value_embeds=0, unet_skips=False, mlp="swiglu", logit_softcap=None,
            qk_norm=False)  # what recipe_model turns on, turned off

@@ -19,7 +19,8 @@ from lmforge.model.transformer import RECIPE_OPTIONS
 
 OPTIONS = {"smear": {"smear": True}, "smear_keys": {"smear_keys": True}, "value_embeds": {"value_embeds": 1}, "unet_skips": {"unet_skips": True},
            "relu2": {"mlp": "relu2"}, "softcap": {"logit_softcap": 3.0}, "qk_norm": {"qk_norm": True},
-           "zero_init": {"zero_init": True}, "head_init_std": {"head_init_std": 0.01}}
+           "zero_init": {"zero_init": True}, "head_init_std": {"head_init_std": 0.01}, "embed_norm": {"embed_norm": True},
+           "qk_norm_scale": {"qk_norm": True, "qk_norm_scale": 0.4}}
 ALL = {k: v for kw in OPTIONS.values() for k, v in kw.items()}
 CASES = [*OPTIONS.values(), {**ALL, "n_kv_heads": 2}, {**ALL, "value_embeds": 2, "n_layers": 4}]
 IDS = [*OPTIONS, "all-gqa", "all-4layers"]
@@ -185,6 +186,43 @@ def test_relu2_and_qk_norm_formulas():
     assert num_params(model) - 97 * 64 == matmul_params_per_token(model.cfg) + 64 * 3  # + the three norms
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_embed_norm_and_qk_norm_scale_formulas(fast):
+    """``embed_norm``: the blocks read each token's embedding divided by its RMS (no gain); ``qk_norm_scale``: the
+    scores are ``s · q̂·k̂`` of the normalised heads, not ``q̂·k̂ / sqrt(head_dim)``. Both paths, written out here."""
+    model = model_pair(embed_norm=True, qk_norm=True, qk_norm_scale=0.9, n_layers=2)[0 if fast else 1]
+    with torch.no_grad():
+        model.token_embeddings.weight.mul_(5.0)  # rows of RMS ~5: unnormalised they would be far off
+    idx = torch.randint(0, 97, (2, 7))
+    e = model.token_embeddings.weight[idx]
+    x = e / e.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()
+    for layer in model.layers:
+        x = layer(x)
+    torch.testing.assert_close(model.hidden(idx), model.ln_final(x))
+    attn, h = model.layers[0].attn, torch.randn(2, 5, 64)
+    q, k, v = ((h @ w.weight.T).unflatten(-1, (4, 16)).transpose(1, 2) for w in (attn.q_proj, attn.k_proj, attn.v_proj))
+    q, k = (attn.rope(t / t.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()) for t in (q, k))
+    scores = (0.9 * q @ k.transpose(-2, -1)).masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+    want = (scores.softmax(-1) @ v).transpose(1, 2).flatten(-2) @ attn.output_proj.weight.T
+    torch.testing.assert_close(attn(h), want, atol=1e-5, rtol=1e-4)
+    assert scores.max() <= 0.9 * 16 + 1e-4  # |q̂·k̂| <= head_dim
+
+
+def test_embed_norm_and_qk_norm_scale_are_refused_by_the_decode_kernel_and_the_llama_export():
+    """Neither is in the C++ step's allow-list nor in Llama's: the engine decodes them through the forward and the
+    HF/GGUF export refuses them by name (the scale too where ``qk_norm`` itself were allowed)."""
+    from lmforge.generate.packed import KERNEL_IMPLEMENTS, kernel_unsupported
+    from lmforge.interop.hf import LLAMA_EXPRESSES, check_llama_expressible
+    from lmforge.model.transformer import options_beyond
+
+    assert kernel_unsupported(cfg_of(embed_norm=True)) == ["model.embed_norm=True"]
+    with pytest.raises(ValueError, match=r"^model\.embed_norm=True has no counterpart in a Llama model"):
+        check_llama_expressible(cfg_of(embed_norm=True))
+    scaled = cfg_of(qk_norm=True, qk_norm_scale=0.4)
+    for allowed in (KERNEL_IMPLEMENTS, LLAMA_EXPRESSES):
+        assert options_beyond(scaled, [*allowed, "qk_norm"]) == [("qk_norm_scale", 0.4, None)]
+
+
 def test_softcap_bounds_the_logits_in_both_paths():
     z = torch.linspace(-300.0, 300.0, 601)
     for form in (softcap, softcap_reference):
@@ -250,6 +288,9 @@ def test_init_follows_the_docstring():
     ({"logit_softcap": float("inf")}, "logit_softcap"), ({"head_init_std": -1.0}, "head_init_std must be"),
     ({"head_init_std": 0.01, "tie_embeddings": True}, "drop one of them"), ({"smear": 1}, "model.smear must be"),
     ({"unet_skips": True, "n_layers": 1}, "unet_skips needs at least 2 layers"),
+    ({"qk_norm": True, "qk_norm_scale": 0.0}, "qk_norm_scale must be a positive number"),
+    ({"qk_norm": True, "qk_norm_scale": True}, "qk_norm_scale must be"), ({"qk_norm_scale": 0.2}, "set model.qk_norm: true"),
+    ({"embed_norm": 1}, "model.embed_norm must be true or false"),
 ])
 def test_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
