@@ -18,9 +18,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "then set an API key)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (printable ASCII, no spaces). Prefer the "
-                        "environment variable LMFORGE_API_KEY, the default: a key on the command line shows in `ps` "
-                        "to every user of the machine (default: $LMFORGE_API_KEY, else no key)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (printable ASCII, no spaces); several keys "
+                        "comma-separated, one per user: each key's stored responses and prefix-cache blocks are its "
+                        "own. Prefer --api-key-file or the environment variable LMFORGE_API_KEY (comma-separated "
+                        "too), the default: a key on the command line shows in `ps` to every user of the machine "
+                        "(default: $LMFORGE_API_KEY, else no key)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API keys from PATH, one a line (blank lines and lines starting with # skipped); "
+                        "with --api-key, both sets are accepted")
     p.add_argument("--allowed-hosts", default="",
                    help="comma-separated host names (besides localhost, IP addresses and --host) that requests may "
                         "name in their Host header, e.g. chat.example.com for a server reached by that name; '*' "
@@ -44,8 +49,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): a request decoding alone drafts its next tokens from its own context and "
                         "checks them in one pass where that pays (same replies); off: one token per step")
     p.add_argument("--responses-store-mb", type=float, default=64.0, metavar="MB",
-                   help="the Responses API keeps stored responses (for previous_response_id and GET "
-                        "/v1/responses/ID) within MB MiB, at most 1,000, the oldest dropped first (default 64)")
+                   help="the Responses API keeps each API key's stored responses (for previous_response_id and GET "
+                        "/v1/responses/ID) within MB MiB of memory, at most 1,000, the oldest dropped first; a "
+                        "response over MB alone is answered with store: false (default 64)")
     p.add_argument("--responses-ttl", type=float, default=3600.0, metavar="SECONDS",
                    help="a stored response is forgotten after SECONDS (default 3600)")
 
@@ -57,17 +63,9 @@ def _serve(args: argparse.Namespace) -> int:
     if missing:
         raise CLIError(f"lmforge serve needs {' and '.join(missing)}: pip install 'lmforge[serve]'")
     from lmforge.serve import ServedModel, serve
-    from lmforge.serve.access import API_KEY_ENV, AllowedHosts, check_api_key
+    from lmforge.serve.access import AllowedHosts
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
-    if api_key is not None and not api_key.strip():
-        raise CLIError(f"{source} is empty; give a key or leave the flag out")
-    if api_key is not None:
-        try:
-            check_api_key(api_key)  # before loading the model
-        except ValueError as e:
-            raise CLIError(f"{source}: {e}") from None
+    api_keys = _api_keys(args)  # before loading the model
     allowed = [h for h in args.allowed_hosts.split(",") if h.strip()]
     try:
         AllowedHosts(allowed)
@@ -92,9 +90,45 @@ def _serve(args: argparse.Namespace) -> int:
     def ready(url: str) -> None:
         print(f"lmforge serve: {served.model_id} on {url}  (chat page: {url}/  API: {url}/v1)", flush=True)
 
-    serve(served, args.host, args.port, api_key=api_key, max_body=args.max_body, on_ready=ready,
+    serve(served, args.host, args.port, api_key=api_keys, max_body=args.max_body, on_ready=ready,
           allowed_hosts=allowed, response_store=store)
     return 0
+
+
+def _api_keys(args: argparse.Namespace) -> list[str] | None:
+    """The keys of ``--api-key`` (comma-separated) and ``--api-key-file``, or else of ``$LMFORGE_API_KEY``; None
+    for no key. CLIError (one line, never echoing a key) for an empty or malformed key or an unreadable file."""
+    from lmforge.serve.access import API_KEY_ENV, check_api_key
+
+    listed = args.api_key if args.api_key is not None or args.api_key_file else os.environ.get(API_KEY_ENV) or None
+    source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+    named: list[tuple[str, str]] = []  # (where a key came from, the key)
+    if listed is not None:
+        if not listed.strip():
+            raise CLIError(f"{source} is empty; give a key or leave the flag out")
+        parts = listed.split(",")
+        named += [(source if len(parts) == 1 else f"{source}, key {k} of {len(parts)}", part.strip())
+                  for k, part in enumerate(parts, 1)]
+    if args.api_key_file:
+        path = args.api_key_file
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) else "it is not UTF-8 text"
+            raise CLIError(f"--api-key-file {path}: cannot read it ({why})") from None
+        keys = [(f"--api-key-file {path}, line {n}", line.strip()) for n, line in enumerate(lines, 1)
+                if line.strip() and not line.strip().startswith("#")]
+        if not keys:
+            raise CLIError(f"--api-key-file {path} holds no key; write one key a line (blank lines and lines "
+                           "starting with # are skipped)")
+        named += keys
+    for where, key in named:
+        try:
+            check_api_key(key)
+        except ValueError as e:
+            raise CLIError(f"{where}: {e}") from None
+    return [key for _, key in named] or None
 
 
 COMMANDS: dict[str, tuple[AddArgs, Handler]] = {"serve": (_serve_args, _serve)}

@@ -1,6 +1,11 @@
-"""Who may use the server: the API key (:func:`check_api_key`, :func:`key_matches`), the ``Host`` a request may
-name (:class:`AllowedHosts`, enforced by the middleware :class:`HostCheck`) and the warning for a server open
-beyond this machine (:func:`exposure_warning`).
+"""Who may use the server: the API keys and the tenant each one is (:class:`Keys`, :func:`check_api_key`), the
+``Host`` a request may name (:class:`AllowedHosts`, enforced by the middleware :class:`HostCheck`) and the warning
+for a server open beyond this machine (:func:`exposure_warning`).
+
+Tenancy: each key is one tenant. A request's tenant is a short id derived from the key it sent (a keyed hash under
+a secret drawn when the server starts: stable while it runs, and it tells nothing about the key), never the key
+itself; the server keeps a tenant's stored responses apart from every other's and salts its prefix-cache blocks
+with it. Without keys there is one tenant, :data:`PUBLIC`.
 
 The ``Host`` check stops DNS rebinding: a web page on ``evil.example`` whose name the attacker re-points at
 127.0.0.1 makes the browser send its requests here, same-origin, with ``Host: evil.example``. A rebinding
@@ -11,16 +16,20 @@ deployment behind a proxy that checks it).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
+import secrets
 from typing import Any, Iterable
 
 from lmforge.serve.api import error_body, shown
 
-__all__ = ["API_KEY_ENV", "AllowedHosts", "HostCheck", "check_api_key", "exposure_warning", "key_matches"]
+__all__ = ["API_KEY_ENV", "AllowedHosts", "HostCheck", "Keys", "PUBLIC", "check_api_key", "exposure_warning"]
 
 API_KEY_ENV = "LMFORGE_API_KEY"
+PUBLIC = ""
+"""The one tenant of a server without API keys."""
 
 
 def check_api_key(key: str) -> None:
@@ -33,10 +42,35 @@ def check_api_key(key: str) -> None:
                          "punctuation), since clients send it in an HTTP header, e.g. from `openssl rand -hex 24`")
 
 
-def key_matches(authorization: str, key: str) -> bool:
-    """Whether an ``Authorization`` header value is ``Bearer KEY`` (compared in constant time)."""
-    scheme, _, token = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+class Keys:
+    """The API keys a server accepts (each checked by :func:`check_api_key`, duplicates dropped; ``ValueError``
+    for a bad one or none): :meth:`tenant` tells which key an ``Authorization`` header holds."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        keys = list(dict.fromkeys(keys))
+        if not keys:
+            raise ValueError("no API key given")
+        for k in keys:
+            check_api_key(k)
+        self._secret = secrets.token_bytes(32)
+        self._digests = [self._digest(k) for k in keys]
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def _digest(self, token: str) -> bytes:
+        return hmac.new(self._secret, token.encode("utf-8", "surrogatepass"), hashlib.sha256).digest()
+
+    def tenant(self, authorization: str) -> str | None:
+        """The tenant id (32 hex digits) of the key an ``Authorization`` header value sends as ``Bearer KEY``;
+        None if it is no key of these. The token is compared with every key, in constant time (digests of one
+        length, no early exit), so the time taken tells neither which key nor how much of one matched."""
+        scheme, _, token = authorization.partition(" ")
+        mine = self._digest(token.strip())
+        matched = [hmac.compare_digest(mine, d) for d in self._digests]
+        if scheme.lower() != "bearer" or not any(matched):
+            return None
+        return mine.hex()[:32]
 
 
 def _is_ip(name: str) -> bool:
@@ -47,8 +81,9 @@ def _is_ip(name: str) -> bool:
     return True
 
 
-def exposure_warning(host: str, api_key: str | None) -> str | None:
-    """The warning for listening on ``host`` without a key, when ``host`` is not a loopback address."""
+def exposure_warning(host: str, api_key: Any) -> str | None:
+    """The warning for listening on ``host`` without a key (``api_key``: falsy when there is none), when ``host``
+    is not a loopback address."""
     if api_key or host == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback):
         return None
     return (f"listening on {host} without an API key: anyone who can reach this address can use the model; "

@@ -5,7 +5,8 @@ names the field (``messages.0.role``, ``temperature``). Fields that do not chang
 ``metadata``, unknown names) are accepted and ignored; those that would change it and are not supported
 (``logit_bias``, non-zero ``presence_penalty``/``frequency_penalty``, ``echo``, ``suffix``, ``best_of``,
 ``response_format`` on completions, ``stop`` with a constrained reply) are refused with a 400 naming the field
-(:data:`UNSUPPORTED`); a value of the wrong kind (``logprobs: true`` on completions) is refused, never coerced.
+(:data:`UNSUPPORTED`); a value of the wrong type (``logprobs: true`` on completions, ``"stream": "yes"``,
+``"max_tokens": "5"``) is refused, never coerced (:data:`STRICT`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from lmforge.common import is_unicode
 from lmforge.generate.sampling import SEED_MAX, SEED_MIN
@@ -70,9 +71,14 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 # --------------------------------------------------------------------------------------------------
 TOKENS_MAX = 2 ** 31 - 1
 """The largest ``max_tokens`` a request may name (any context is far shorter; larger is refused by the schema)."""
+SALT_MAX = 512
+"""The longest ``cache_salt`` (characters): a random 256-bit salt is 43 in base64."""
+STRICT = ConfigDict(extra="ignore", strict=True)
+"""Every request model's configuration: unknown fields ignored, a value of the wrong type refused, never coerced
+(``"stream": "yes"``, ``"max_tokens": "5"`` or ``5.0``, ``"n": true``: 400s, as OpenAI's API answers them)."""
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=TOKENS_MAX)
@@ -83,9 +89,13 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1, le=128)
-    speculative: StrictBool = True
+    speculative: bool = True
     """lmforge's extension: false turns prompt-lookup drafting off for this request (the reply is the same token for
     token either way; only its speed differs)."""
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=SALT_MAX)
+    """vLLM's extension: the prefix cache's blocks are shared only among requests of one API key with the same salt
+    (none: the key's shared space), so another salt neither reuses this request's prompt nor learns it from
+    ``cached_tokens`` or the time to the first token."""
 
     def stops(self) -> list[str]:
         """The stop strings (at most 4, non-empty), as a list."""
@@ -111,13 +121,13 @@ class _Request(BaseModel):
 class TextPart(BaseModel):
     """One part of a message's content given as a list (``{"type": "text", "text": ...}``)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class CallFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     name: str = Field(min_length=1, max_length=64)
     arguments: str
 
@@ -125,7 +135,7 @@ class CallFunction(BaseModel):
 class ToolCall(BaseModel):
     """A function call in an assistant message (as the API returned it)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     id: str = Field(min_length=1, max_length=256)
     type: Literal["function"] = "function"
     function: CallFunction
@@ -135,7 +145,7 @@ class ChatMessage(BaseModel):
     """A message: ``role`` and ``content`` (a string or a list of text parts); an assistant's ``tool_calls``, a
     tool message's ``tool_call_id``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None
@@ -148,7 +158,7 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -158,13 +168,13 @@ class FunctionDef(BaseModel):
 class Tool(BaseModel):
     """A function the model may call (``{"type": "function", "function": {name, description, parameters}}``)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["function"]
     function: FunctionDef
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
     name: str = Field(default="response", max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
@@ -174,7 +184,7 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """``{"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict}}``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -182,18 +192,18 @@ class ResponseFormat(BaseModel):
 class StructuredOutputs(BaseModel):
     """lmforge's (and vLLM's) extension: the reply matches a regular expression, or is one of a list of choices."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     regex: str | None = Field(default=None, min_length=1, max_length=10_000)
     choice: list[str] | None = Field(default=None, min_length=1, max_length=1000)
 
 
 class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     name: str
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["function"]
     function: NamedFunction
 
@@ -294,7 +304,7 @@ class CompletionRequest(_Request):
 class EmbeddingRequest(BaseModel):
     """``POST /v1/embeddings``: texts (or token ids) to embed."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -319,7 +329,7 @@ class EmbeddingRequest(BaseModel):
 class TokenizeRequest(BaseModel):
     """``POST /tokenize``: a raw ``prompt``, or chat ``messages`` rendered as the chat endpoint renders them."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
@@ -333,7 +343,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     """``POST /detokenize``: token ids back to text."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
 
@@ -411,15 +421,17 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
         req = cls.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        parts = []
-        for x in err["loc"]:  # field names and indices; stop at pydantic's union tags ("str", "list[str]")
+        parts, loc = [], err["loc"]
+        if loc and loc[-1] == "[key]":  # (a dict's key at fault: name the dict, not the key a client wrote)
+            loc = loc[:-2]
+        for x in loc:  # field names and indices; stop at pydantic's union tags ("str", "list[str]")
             if isinstance(x, str) and x.startswith("type="):  # (a tagged union's member: named by its "type")
                 continue
             if isinstance(x, int) or (x.isidentifier() and x not in _TYPE_TAGS):
                 parts.append(str(x))
             else:
                 break
-        param = ".".join(parts) or None
+        param = shown(".".join(parts), 100, quote=False) or None  # (a dict's keys are a client's text)
         got = "" if err["type"] == "missing" else f" (got {shown(err.get('input'))})"
         raise APIError(400, f"{param}: {err['msg']}{got}", param) from None
     if _SURROGATE_ESCAPE.search(body):  # (else no string in it can hold a lone surrogate: Python decoded it)

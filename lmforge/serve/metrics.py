@@ -1,8 +1,10 @@
 """The server's Prometheus metrics (``GET /metrics``), kept and written by ``prometheus_client``.
 
-Counters: requests by endpoint and status, prompt and generated tokens; gauges: rows decoding and requests waiting
-(read from the scheduler when scraped); the prefix cache's lookups, hits, prompt tokens looked up and served from it,
-and the bytes it holds; speculative decoding's passes, drafted and accepted tokens (read from the scheduler too);
+Counters: requests by endpoint and status (every answer but a 401), prompt and generated tokens; gauges: rows
+decoding and requests waiting (read from the scheduler when scraped); the prefix cache's lookups, hits, prompt tokens
+looked up and served from it, blocks evicted, and the bytes it holds; speculative decoding's passes, drafted and
+accepted tokens (read from the scheduler too); the Responses API's stored responses and their bytes (totals over
+every API key; no label names a key or tenant);
 histograms: time to first token and inter-token latency (seconds), each
 observed per request from the updates the engine thread sends. Each app has its own registry (several apps in
 one process do not share counts). The ``endpoint`` label is a route's path template (``/v1/models/{name}``) or
@@ -40,9 +42,9 @@ class _Load:
         for key, name, text in _COUNTS:
             if key in now:
                 yield CounterMetricFamily(name, text, value=now[key])
-        if "prefix_bytes" in now:
-            yield GaugeMetricFamily("lmforge_prefix_cache_bytes", "Bytes of keys and values the prefix cache holds.",
-                                    value=now["prefix_bytes"])
+        for key, name, text in _GAUGES:
+            if key in now:
+                yield GaugeMetricFamily(name, text, value=now[key])
 
 
 _COUNTS = (("prefix_queries", "lmforge_prefix_cache_queries", "Prompts looked up in the prefix cache."),
@@ -50,14 +52,22 @@ _COUNTS = (("prefix_queries", "lmforge_prefix_cache_queries", "Prompts looked up
            ("prefix_query_tokens", "lmforge_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache."),
            ("prefix_hit_tokens", "lmforge_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache "
             "(not prefilled)."),
+           ("prefix_evicted_blocks", "lmforge_prefix_cache_evicted_blocks", "Blocks the prefix cache dropped (least "
+            "recently used) to stay within its budget."),
            ("spec_passes", "lmforge_speculative_passes", "Passes that checked drafted tokens."),
            ("spec_drafted", "lmforge_speculative_drafted_tokens", "Tokens drafted from a request's own context."),
            ("spec_accepted", "lmforge_speculative_accepted_tokens", "Drafted tokens kept (decoded without a step of "
             "their own)."))
+_GAUGES = (("prefix_bytes", "lmforge_prefix_cache_bytes", "Bytes of keys and values the prefix cache holds."),
+           ("responses_stored", "lmforge_responses_stored", "Responses the Responses API holds (store: true), over "
+            "every API key."),
+           ("responses_stored_bytes", "lmforge_responses_stored_bytes", "Bytes the stored responses take, as their "
+            "per-key budget counts them (--responses-store-mb), over every API key."))
 
 
 class Metrics:
-    """What ``/metrics`` shows; thread-safe. ``load()`` gives the scheduler's ``{"active", "waiting", ...}``."""
+    """What ``/metrics`` shows; thread-safe. ``load()`` gives the scheduler's ``{"active", "waiting", ...}`` and the
+    other counts above (``prefix_evicted_blocks``, ``responses_stored``, ``responses_stored_bytes``)."""
 
     def __init__(self, load: Callable[[], dict[str, int]]) -> None:
         self.registry = CollectorRegistry()

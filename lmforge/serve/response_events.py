@@ -35,11 +35,17 @@ def _event(kind: str, **fields: Any) -> dict[str, Any]:
 
 
 class ResponseBuilder:
-    """The response to ``req`` (id ``rid``, served as ``model``), item by item as its updates come."""
+    """The response to ``req`` (id ``rid``, served as ``model``), item by item as its updates come.
+
+    ``keep(builder)`` stores a finished response (``req.store``) and says whether it did; it runs before the last
+    event is built, so the response's ``store`` is true only for a response that was stored (the first events
+    echo the request's ``store``)."""
 
     def __init__(self, rid: str, model: str, req: ResponseRequest,
-                 token_bytes: Callable[[int], bytes] = lambda t: b"") -> None:
-        self.rid, self.model, self.req, self.token_bytes = rid, model, req, token_bytes
+                 token_bytes: Callable[[int], bytes] = lambda t: b"",
+                 keep: Callable[["ResponseBuilder"], bool] = lambda b: False) -> None:
+        self.rid, self.model, self.req, self.token_bytes, self.keep = rid, model, req, token_bytes, keep
+        self.stored = req.store
         self.created = int(time.time())
         self.completed_at: int | None = None
         self.output: list[dict[str, Any]] = []
@@ -68,7 +74,7 @@ class ResponseBuilder:
             "tool_choice": req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump")
             else req.tool_choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
-            "truncation": "disabled", "store": req.store, "usage": self.usage, "user": req.user,
+            "truncation": "disabled", "store": self.stored, "usage": self.usage, "user": req.user,
             "metadata": req.metadata or {},
         }
 
@@ -165,12 +171,13 @@ class ResponseBuilder:
                       "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": u.prompt_tokens + u.completion_tokens}
         events = self._close_message(self.status)
+        self.stored = self.req.store and self.keep(self)
         return events + [_event(f"response.{self.status}", response=self.resource())]
 
     def fail(self, message: str, code: str = "server_error", numbered: bool = True) -> list[dict[str, Any]]:
         """``response.failed`` (status ``failed``, ``error`` set): the reply stopped on an error."""
         self._close_message("incomplete")
-        self.status, self.error = "failed", {"code": code, "message": message}
+        self.status, self.error, self.stored = "failed", {"code": code, "message": message}, False
         events = [_event("response.failed", response=self.resource())]
         return self._numbered(events) if numbered else events
 

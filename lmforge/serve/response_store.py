@@ -1,13 +1,19 @@
 """The Responses API's stored responses: what ``previous_response_id`` continues and ``GET /v1/responses/{id}``
-returns, kept in memory, bounded and expiring.
+returns, kept in memory per tenant (:mod:`~lmforge.serve.access`), bounded and expiring.
 
 Each entry holds a response object (the JSON the client got), its conversation so far (chat messages: the
 inputs of every turn of the chain and the model's replies, without the ``instructions``, which are never carried
 over), so one entry alone continues its chain, and the request's own input items (``GET
-/v1/responses/{id}/input_items``). The store keeps at most ``max_items`` entries and ``max_bytes``
-bytes (the entries' JSON sizes); a new entry drops the oldest until it fits, and an entry expires ``ttl`` seconds
-after it was stored. An entry larger than the whole budget is not kept. The store lives on the server's event loop
-(one thread): no locks.
+/v1/responses/{id}/input_items``). An entry is kept as compact UTF-8 JSON bytes and read back into objects on each
+use, so what it costs is its bytes plus a fixed :data:`ENTRY_OVERHEAD` (the Python objects around them), and that
+is what the budget counts: the memory held, not a size that stands in for it (parsed, the same JSON takes ~7x its
+bytes).
+
+Every tenant has a shelf of its own: at most ``max_items`` entries and ``max_bytes`` bytes, so one tenant's
+traffic never evicts another's, and an id stored by one tenant is not found by another (the same None as an id
+never stored). A new entry drops its tenant's oldest until it fits; an entry larger than the whole budget is not
+kept (``put`` says so). An entry expires ``ttl`` seconds after it was stored. The store lives on the server's event
+loop (one thread): no locks.
 """
 
 from __future__ import annotations
@@ -18,24 +24,67 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["ResponseStore", "Stored"]
+__all__ = ["ENTRY_OVERHEAD", "ResponseStore", "Stored"]
+
+ENTRY_OVERHEAD = 512
+"""Bytes counted per entry besides its JSON: the three bytes objects, the entry, its id and its slot in the shelf
+(a few hundred bytes; tests/serve/test_response_store.py holds the budget against ``tracemalloc``)."""
 
 
-@dataclass(frozen=True)
+def _pack(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True, slots=True)
 class Stored:
-    """One stored response: its ``resource`` (the response object), its ``history`` (chat messages, the reply
-    included), its ``inputs`` (the request's input items, with ids), when it expires and its size in bytes."""
+    """One stored response as JSON bytes: its ``resource`` (the response object), its ``history`` (chat messages,
+    the reply included), its ``inputs`` (the request's input items, with ids); when it expires."""
 
-    resource: dict[str, Any]
-    history: list[dict[str, Any]]
-    inputs: list[dict[str, Any]]
+    resource_json: bytes
+    history_json: bytes
+    inputs_json: bytes
     expires: float
-    size: int
+
+    @property
+    def size(self) -> int:
+        """The bytes this entry is counted as: its JSON and :data:`ENTRY_OVERHEAD`."""
+        return len(self.resource_json) + len(self.history_json) + len(self.inputs_json) + ENTRY_OVERHEAD
+
+    @property
+    def resource(self) -> dict[str, Any]:
+        return json.loads(self.resource_json)
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return json.loads(self.history_json)
+
+    @property
+    def inputs(self) -> list[dict[str, Any]]:
+        return json.loads(self.inputs_json)
+
+
+class _Shelf:
+    """One tenant's entries, oldest first (expiry order too), and their bytes."""
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[str, Stored] = OrderedDict()
+        self.bytes = 0
+
+    def drop(self, rid: str) -> None:
+        self.bytes -= self.entries.pop(rid).size
+
+    def expire(self, now: float) -> None:
+        while self.entries:
+            rid, first = next(iter(self.entries.items()))
+            if first.expires > now:
+                break
+            self.drop(rid)
 
 
 class ResponseStore:
-    """Stored responses by id, at most ``max_items`` of them and ``max_bytes`` in all, each for ``ttl`` seconds
-    (``clock``: the monotonic time in seconds, for tests). ``ValueError`` for a bound that is not positive."""
+    """Stored responses by tenant and id: per tenant at most ``max_items`` of them and ``max_bytes`` in all, each
+    for ``ttl`` seconds (``clock``: the monotonic time in seconds, for tests). ``ValueError`` for a bound that is
+    not positive."""
 
     def __init__(self, max_items: int = 1000, max_bytes: int = 64 << 20, ttl: float = 3600.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -43,49 +92,60 @@ class ResponseStore:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"ResponseStore: {name} must be a positive number (got {value!r})")
         self.max_items, self.max_bytes, self.ttl, self.clock = max_items, max_bytes, ttl, clock
-        self._entries: OrderedDict[str, Stored] = OrderedDict()  # oldest first: expiry order too
-        self.bytes = 0
+        self._shelves: dict[str, _Shelf] = {}
 
     def __len__(self) -> int:
-        self._expire()
-        return len(self._entries)
+        """Entries held, over every tenant."""
+        self._expire_all()
+        return sum(len(s.entries) for s in self._shelves.values())
 
-    def put(self, rid: str, resource: dict[str, Any], history: list[dict[str, Any]],
+    @property
+    def bytes(self) -> int:
+        """Bytes held (as entries are counted: :attr:`Stored.size`), over every tenant."""
+        self._expire_all()
+        return sum(s.bytes for s in self._shelves.values())
+
+    def put(self, tenant: str, rid: str, resource: dict[str, Any], history: list[dict[str, Any]],
             inputs: list[dict[str, Any]] | None = None) -> bool:
-        """Store ``resource``, ``history`` and ``inputs`` under ``rid``, dropping the oldest entries until both
-        bounds hold; False (nothing stored) if this entry alone is over ``max_bytes``."""
-        self.delete(rid)
-        inputs = inputs or []
-        size = len(json.dumps([resource, history, inputs], ensure_ascii=False).encode())
-        if size > self.max_bytes:
+        """Store ``resource``, ``history`` and ``inputs`` under ``tenant`` and ``rid``, dropping the tenant's oldest
+        entries until both bounds hold; False (nothing stored, nothing dropped) if this entry alone is over
+        ``max_bytes``."""
+        self.delete(tenant, rid)
+        entry = Stored(_pack(resource), _pack(history), _pack(inputs or []), self.clock() + self.ttl)
+        if entry.size > self.max_bytes:
             return False
-        self._expire()
-        while self._entries and (len(self._entries) >= self.max_items or self.bytes + size > self.max_bytes):
-            self._drop(next(iter(self._entries)))
-        self._entries[rid] = Stored(resource, history, inputs, self.clock() + self.ttl, size)
-        self.bytes += size
+        shelf = self._shelves.setdefault(tenant, _Shelf())
+        shelf.expire(self.clock())
+        while shelf.entries and (len(shelf.entries) >= self.max_items or shelf.bytes + entry.size > self.max_bytes):
+            shelf.drop(next(iter(shelf.entries)))
+        shelf.entries[rid] = entry
+        shelf.bytes += entry.size
         return True
 
-    def get(self, rid: str) -> Stored | None:
-        """The entry stored under ``rid``; None if there is none or it expired."""
-        self._expire()
-        return self._entries.get(rid)
+    def get(self, tenant: str, rid: str) -> Stored | None:
+        """The entry ``tenant`` stored under ``rid``; None if there is none, it expired, or another tenant stored it."""
+        shelf = self._shelf(tenant)
+        return shelf.entries.get(rid) if shelf is not None else None
 
-    def delete(self, rid: str) -> bool:
-        """Forget ``rid``; False if it was not stored (or had expired)."""
-        self._expire()
-        if rid not in self._entries:
+    def delete(self, tenant: str, rid: str) -> bool:
+        """Forget ``tenant``'s ``rid``; False if it had not stored it (or it had expired)."""
+        shelf = self._shelf(tenant)
+        if shelf is None or rid not in shelf.entries:
             return False
-        self._drop(rid)
+        shelf.drop(rid)
+        if not shelf.entries:
+            del self._shelves[tenant]
         return True
 
-    def _drop(self, rid: str) -> None:
-        self.bytes -= self._entries.pop(rid).size
+    def _shelf(self, tenant: str) -> _Shelf | None:
+        shelf = self._shelves.get(tenant)
+        if shelf is not None:
+            shelf.expire(self.clock())
+        return shelf
 
-    def _expire(self) -> None:
+    def _expire_all(self) -> None:
         now = self.clock()
-        while self._entries:
-            rid, first = next(iter(self._entries.items()))
-            if first.expires > now:
-                break
-            self._drop(rid)
+        for tenant, shelf in list(self._shelves.items()):
+            shelf.expire(now)
+            if not shelf.entries:
+                del self._shelves[tenant]

@@ -13,10 +13,19 @@ The conversation: ``instructions`` (never carried to the next response), then th
 ``user``/``system``/``developer``/``assistant`` whose content is a string or ``input_text``/``output_text``
 parts, ``function_call`` items, which join the assistant message before them as its ``tool_calls``, and
 ``function_call_output`` items, which become ``tool`` messages). The chat format has one system message, first:
-``instructions`` and the system/developer messages that open the conversation are joined into it.
+``instructions`` and the system/developer messages that open the conversation are joined into it; a system or
+developer message later on (OpenAI accepts one anywhere) is read as user text, joined to the user message beside
+it (or standing as a user message where one may come). Errors of the chat path that name a message name the
+client's item instead (``input.3 (function_call_output)``, ``instructions``, or the stored conversation of
+``previous_response_id``).
+
+Request fields have strict types, as OpenAI's API has (``"stream": "yes"`` or ``"max_output_tokens": "5"`` is a
+400, never coerced), and ``metadata`` OpenAI's bounds: at most 16 pairs, keys of up to 64 characters, string values
+of up to 512.
 
 Fields that would change the answer and lmforge does not implement are refused naming them (:data:`UNSUPPORTED`,
-built-in tools, input items and content parts other than text, ``include`` values but the output's log-probabilities);
+``max_tool_calls``, built-in tools, input items and content parts other than text, ``include`` values but the
+output's log-probabilities);
 ``metadata``, ``user``, ``store`` and other
 bookkeeping fields are accepted (``metadata`` and ``user`` are echoed in the response).
 """
@@ -26,13 +35,13 @@ from __future__ import annotations
 import contextlib
 import re
 import uuid
-from typing import Annotated, Any, Iterator, Literal, Union
+from typing import Annotated, Any, Iterator, Literal, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, ValidationError, field_validator
 
 from lmforge.generate.sampling import SEED_MAX, SEED_MIN
 from lmforge.generate.scheduler import MAX_LOGPROBS
-from lmforge.serve.api import TOKENS_MAX, APIError, ChatCompletionRequest, shown
+from lmforge.serve.api import SALT_MAX, STRICT, TOKENS_MAX, APIError, ChatCompletionRequest, shown
 
 __all__ = ["ResponseRequest", "UNSUPPORTED", "chat_request", "conversation", "input_items", "items_page", "new_id",
            "renamed", "renamed_errors"]
@@ -60,7 +69,7 @@ _NEUTRAL = (None, False, 0, {}, [], "", "disabled")
 class TextPart(BaseModel):
     """A message's content part: ``input_text`` (or ``output_text``, a previous reply's text; annotations ignored)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["input_text", "output_text"]
     text: str
 
@@ -68,7 +77,7 @@ class TextPart(BaseModel):
 class InputMessage(BaseModel):
     """A message item (``type`` may be left out, as the client's ``EasyInputMessage``)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[TextPart]
@@ -80,7 +89,7 @@ class InputMessage(BaseModel):
 class FunctionCallItem(BaseModel):
     """A function call the model made (a previous response's ``function_call`` output item, sent back)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["function_call"]
     call_id: str = Field(min_length=1, max_length=256)
     name: str = Field(min_length=1, max_length=64)
@@ -90,7 +99,7 @@ class FunctionCallItem(BaseModel):
 class FunctionCallOutputItem(BaseModel):
     """The result of the call ``call_id``, computed by the client."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=256)
     output: str | list[TextPart]
@@ -119,7 +128,7 @@ InputItem = Annotated[Union[Annotated[InputMessage, Tag("type=message")],
 class FunctionTool(BaseModel):
     """``{"type": "function", "name", "description", "parameters", "strict"}``: the Responses form of a chat tool."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["function"]
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
@@ -128,7 +137,7 @@ class FunctionTool(BaseModel):
 
 
 class FunctionChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["function"]
     name: str
 
@@ -137,7 +146,7 @@ class TextFormat(BaseModel):
     """``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema", "name",
     "schema", "description", "strict"}``."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
     name: str = Field(default="response", max_length=64)
     description: str | None = None
@@ -146,7 +155,7 @@ class TextFormat(BaseModel):
 
 
 class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
@@ -154,7 +163,7 @@ class TextConfig(BaseModel):
 class ResponseRequest(BaseModel):
     """``POST /v1/responses``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str
     input: list[InputItem]  # a string is one user message
 
@@ -167,10 +176,12 @@ class ResponseRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # lmforge's extension, as on chat
-    speculative: StrictBool = True  # lmforge's extension, as on chat
+    speculative: bool = True  # lmforge's extension, as on chat
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=SALT_MAX)  # vLLM's extension, as on chat
     stream: bool = False
     store: bool = True
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    metadata: dict[Annotated[str, StringConstraints(max_length=64)],
+                   Annotated[str, StringConstraints(max_length=512)]] | None = Field(default=None, max_length=16)
     user: str | None = None
     parallel_tool_calls: bool = True
     tools: list[FunctionTool] | None = Field(default=None, max_length=128)
@@ -191,6 +202,10 @@ class ResponseRequest(BaseModel):
         for name, message in UNSUPPORTED.items():
             if data.get(name) not in _NEUTRAL:
                 raise APIError(400, message, name, "unsupported_parameter")
+        if data.get("max_tool_calls") is not None:  # (0 is not neutral: it would forbid every call)
+            raise APIError(400, "max_tool_calls is not supported by lmforge serve; remove it (limit calls with "
+                                "tool_choice, or stop after the calls you want)", "max_tool_calls",
+                           "unsupported_parameter")
         text = data.get("text")
         if isinstance(text, dict) and text.get("verbosity") not in (None, "medium"):
             raise APIError(400, "text.verbosity is not supported by lmforge serve; remove it (or send 'medium')",
@@ -277,11 +292,19 @@ def items_page(items: list[dict[str, Any]], query: Any) -> dict[str, Any]:
             "last_id": data[-1]["id"] if data else None, "has_more": start + len(data) < len(items)}
 
 
-def conversation(req: ResponseRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+Origins = list[str]
+"""Where each chat message of a Responses request came from, as an error names it: ``input.3 (user)``,
+``instructions``, ``message 2 of the conversation of previous_response_id``."""
+
+
+def conversation(req: ResponseRequest, history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Origins]:
     """``history`` (the stored conversation of ``previous_response_id``) followed by ``req.input`` as chat messages
-    (``{"role", "content", "tool_calls", "tool_call_id"}``, as a chat request sends them); no instructions."""
+    (``{"role", "content", "tool_calls", "tool_call_id"}``, as a chat request sends them; a developer message is a
+    system one); no instructions. Also where each message came from, as errors name it (:data:`Origins`)."""
     out = [dict(m) for m in history]
-    for item in req.input:
+    where = [f"message {k} of the conversation of previous_response_id" for k in range(len(history))]
+    for j, item in enumerate(req.input):
+        label = f"input.{j} ({item.role if isinstance(item, InputMessage) else item.type})"
         if isinstance(item, InputMessage):
             out.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
@@ -289,27 +312,48 @@ def conversation(req: ResponseRequest, history: list[dict[str, Any]]) -> list[di
                     "function": {"name": item.name, "arguments": item.arguments}}
             if out and out[-1]["role"] == "assistant":  # the reply's text and its calls are one chat message
                 out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", ()), call]}
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                continue
+            out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
             out.append({"role": "tool", "content": item.text(), "tool_call_id": item.call_id})
-    return out
+        where.append(label)
+    return out, where
 
 
-def chat_request(req: ResponseRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat request that answers ``req`` over ``messages`` (:func:`conversation`): ``instructions`` and
-    the opening system messages joined into the first; APIError 400 (Responses names) when it is not valid."""
+def _chat_messages(req: ResponseRequest, messages: list[dict[str, Any]],
+                   where: Origins) -> tuple[list[dict[str, Any]], Origins]:
+    """``messages`` (:func:`conversation`) as the chat format takes them: ``instructions`` and the opening
+    system messages joined into one system message, first; a later system (developer) message read as user text,
+    joined to the user message before it, else to the one after it, else standing as a user message."""
     lead = 0
     while lead < len(messages) and messages[lead]["role"] == "system":
         lead += 1
-    if any(m["role"] == "system" for m in messages[lead:]):
-        raise APIError(400, "input: a system or developer message may only open the conversation (the chat format "
-                            "has one system message, first); move its text into instructions", "input")
     system = ([req.instructions] if req.instructions else []) + [m["content"] for m in messages[:lead]]
+    out = [{"role": "system", "content": "\n\n".join(system)}] if system else []
+    origins = ["instructions" if req.instructions else where[0]] if system else []
+    joins: list[bool] = [False] * len(out)  # whether a message holds a developer's text (the next user joins it)
+    for m, w in zip(messages[lead:], where[lead:]):
+        developer = m["role"] == "system"
+        if developer:
+            m = {"role": "user", "content": m["content"]}
+        if m["role"] == "user" and out and out[-1]["role"] == "user" and (developer or joins[-1]):
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}
+            joins[-1] = True
+            continue
+        out.append(m)
+        origins.append(w)
+        joins.append(developer)
+    return out, origins
+
+
+def chat_request(req: ResponseRequest, messages: list[dict[str, Any]],
+                 where: Origins) -> tuple[ChatCompletionRequest, Origins]:
+    """The chat request that answers ``req`` over ``messages`` (:func:`conversation`, from ``where``) and where
+    each of its messages came from; APIError 400 (Responses names) when it is not valid."""
+    chat_messages, origins = _chat_messages(req, messages, where)
     chat: dict[str, Any] = {
         "model": req.model, "stream": req.stream, "seed": req.seed, "parallel_tool_calls": req.parallel_tool_calls,
-        "speculative": req.speculative,
-        "messages": ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + messages[lead:],
+        "speculative": req.speculative, "cache_salt": req.cache_salt, "messages": chat_messages,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "max_completion_tokens": req.max_output_tokens,
@@ -326,41 +370,61 @@ def chat_request(req: ResponseRequest, messages: list[dict[str, Any]]) -> ChatCo
         chat["response_format"] = {"type": fmt.type}
         if fmt.type == "json_schema":
             chat["response_format"]["json_schema"] = {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}
-    with renamed_errors():
+    with renamed_errors(origins):
         try:
             out = ChatCompletionRequest.model_validate(chat)
         except ValidationError as e:
             err = e.errors()[0]
-            where = ".".join(str(x) for x in err["loc"][:3])
-            raise APIError(400, f"{where}: {err['msg']}", where.partition(".")[0]) from None
+            field = ".".join(str(x) for x in err["loc"][:3])
+            raise APIError(400, f"{field}: {err['msg']}", field.partition(".")[0]) from None
         out.check_supported()
-    return out
+    return out, origins
 
 
 _RENAMES = [
     (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
     (re.compile(r"\bresponse_format(\.json_schema)?\b"), "text.format"),
     (re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
-    (re.compile(r"\bmessages(\.\d+)?(\.[a-z_]+)?\b"), "input"),
 ]
+_MESSAGE = re.compile(r"\b(?:messages: )?message (\d+)(?: \(\w+\))?|\bmessages\.(\d+)(?:\.[a-z_]+)?|\bmessages\b")
 
 
-def _rename(text: str) -> str:
+def _rename(text: str, origins: Sequence[str]) -> str:
     for pattern, new in _RENAMES:
         text = pattern.sub(new, text)
-    return text
+
+    def origin(m: re.Match[str]) -> str:
+        k = m.group(1) or m.group(2)
+        if k is None or int(k) >= len(origins):
+            return "input"
+        return origins[int(k)] if m.group(1) else _param(origins[int(k)])
+
+    return _MESSAGE.sub(origin, text)
 
 
-def renamed(e: APIError) -> APIError:
-    """``e`` (raised on the chat path) with the Responses names of its parameter, in its message too."""
-    return APIError(e.status, _rename(e.message), _rename(e.param) if e.param else e.param, e.code, e.type,
-                    e.headers)
+def _param(origin: str) -> str:
+    """The request field an origin is in: ``input.3``, ``instructions`` or ``previous_response_id``."""
+    if origin.startswith("input.") or origin == "instructions":
+        return origin.partition(" (")[0]
+    return "previous_response_id"
+
+
+def renamed(e: APIError, origins: Sequence[str] = ()) -> APIError:
+    """``e`` (raised on the chat path) with the Responses names of its parameter, in its message too; a message
+    of the chat request named by where it came from (``origins``, :func:`chat_request`)."""
+    param = e.param
+    if param == "messages":  # (the chat renderer names its message in the text: name its item)
+        found = re.search(r"\bmessage (\d+)", e.message)
+        param = f"messages.{found.group(1)}" if found else param
+    return APIError(e.status, _rename(e.message, origins), _rename(param, origins) if param else param,
+                    e.code, e.type, e.headers)
 
 
 @contextlib.contextmanager
-def renamed_errors() -> Iterator[None]:
-    """Re-raise any :class:`APIError` of the enclosed chat-path code :func:`renamed`."""
+def renamed_errors(origins: Sequence[str] = ()) -> Iterator[None]:
+    """Re-raise any :class:`APIError` of the enclosed chat-path code :func:`renamed` (``origins``: where the chat
+    request's messages came from)."""
     try:
         yield
     except APIError as e:
-        raise renamed(e) from None
+        raise renamed(e, origins) from None

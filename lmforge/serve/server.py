@@ -33,7 +33,7 @@ from lmforge.generate.constraints import ConstraintError, Grammars
 from lmforge.generate.engine import Engine
 from lmforge.generate.prefix_cache import PrefixCache
 from lmforge.generate.scheduler import Scheduler
-from lmforge.serve.access import AllowedHosts, check_api_key, exposure_warning
+from lmforge.serve.access import AllowedHosts, Keys, exposure_warning
 from lmforge.serve.api import APIError
 from lmforge.serve.response_store import ResponseStore
 from lmforge.tokenizer import Tokenizer
@@ -284,7 +284,7 @@ def uvicorn_config(app: Any, header_timeout: float = HEADER_TIMEOUT_S, **kw: Any
     return uvicorn.Config(app, http=Protocol, timeout_keep_alive=KEEP_ALIVE_S, **kw)
 
 
-def serve(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+def serve(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, api_key: str | Sequence[str] | None = None,
           max_body: int = 1 << 20, on_ready: Callable[[str], None] | None = None,
           drain_timeout: float = 300.0, allowed_hosts: Sequence[str] = (),
           response_store: ResponseStore | None = None) -> None:
@@ -293,26 +293,28 @@ def serve(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, api_ke
     Responses API keeps stored responses (default: a :class:`~lmforge.serve.response_store.ResponseStore` of its
     default bounds). Requests may name in
     ``Host`` an IP address, ``localhost``, ``host`` or one of ``allowed_hosts`` (``*``: any;
-    :class:`~lmforge.serve.access.AllowedHosts`). ``ValueError`` for an ``api_key`` that could never match
+    :class:`~lmforge.serve.access.AllowedHosts`). ``api_key``: a key or several, each its own tenant
+    (:class:`~lmforge.serve.access.Keys`). ``ValueError`` for a key that could never match
     (:func:`~lmforge.serve.access.check_api_key`) or a malformed allowed host."""
     import uvicorn  # the optional extra: pip install lmforge[serve]
 
     from lmforge.serve.app import create_app
 
-    if api_key is not None:
-        check_api_key(api_key)
+    keys = None if api_key is None else [api_key] if isinstance(api_key, str) else list(api_key)
+    if keys is not None:
+        Keys(keys)  # (refused before binding)
     hosts = AllowedHosts([host, *allowed_hosts])
-    warning = exposure_warning(host, api_key)
+    warning = exposure_warning(host, keys)
     if warning:
         logger.warning("%s", warning)
     sock = bind(host, port)
     url = "http://%s:%d" % ((f"[{host}]" if ":" in host else host), sock.getsockname()[1])
-    app = create_app(served, api_key=api_key, max_body=max_body, allowed_hosts=hosts, response_store=response_store)
+    app = create_app(served, api_key=keys, max_body=max_body, allowed_hosts=hosts, response_store=response_store)
     config = uvicorn_config(app, log_level="warning", timeout_graceful_shutdown=drain_timeout, access_log=False)
     server = uvicorn.Server(config)
     settle_heap()
     logger.info("serving %s on %s (web chat at %s/, API at %s/v1; %s)", served.model_id, url, url, url,
-                "API key required" if api_key else "no API key")
+                f"{len(keys)} API key{'s' if len(keys) > 1 else ''} required" if keys else "no API key")
     if on_ready is not None:
         on_ready(url)
     # uvicorn re-raises the signal that stopped it once it has drained; no-op handlers make that a clean exit

@@ -158,3 +158,17 @@ def test_serve_hands_its_response_store_bounds_to_the_app(tmp_path, monkeypatch)
     run = random_chat_run(tmp_path / "chat")
     assert cli.main(["-q", "serve", "--run", str(run), "--responses-store-mb", "2", "--responses-ttl", "60"]) == 0
     assert (seen["store"].max_bytes, seen["store"].ttl) == (2 << 20, 60.0)
+
+
+def test_prefix_cache_evictions_are_exported(tmp_path):
+    """A cache of two blocks' budget: distinct prompts push blocks out, and /metrics says how many."""
+    s = ThreadServer(ServedModel.from_run(random_chat_run(tmp_path / "chat"), prefix_cache_mb=0.02))
+    try:
+        client = openai_client(s.url)
+        for q in ("Rain today, or tomorrow?", "Sun all week, they say?", "Snow in the hills again?"):
+            client.chat.completions.create(model="chat", messages=[{"role": "user", "content": q * 2}], max_tokens=2)
+        got = families(httpx.get(s.url + "/metrics", trust_env=False).text)
+        evicted = s.served.scheduler.prefix_cache.stats.evicted_blocks
+        assert evicted > 0 and got["lmforge_prefix_cache_evicted_blocks_total"] == evicted
+    finally:
+        s.close()

@@ -264,9 +264,22 @@ def test_hostile_requests_get_openai_shaped_4xx(srv, client):
          "input.0.content.0.type"),
         ({**base, "input": [{"type": "web_search_call", "id": "x"}]}, 400, "input.0.type"),
         ({**base, "input": []}, 400, "input"),
-        ({**base, "input": [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]}, 400, "input"),
-        ({**base, "input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, 400, "input"),
+        ({**base, "input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, 400, "input.0"),
         ({**base, "temperature": "hot"}, 400, "temperature"),
+        ({**base, "temperature": "0.5"}, 400, "temperature"),  # strict types: never coerced
+        ({**base, "stream": "yes"}, 400, "stream"),
+        ({**base, "store": 1}, 400, "store"),
+        ({**base, "max_output_tokens": "5"}, 400, "max_output_tokens"),
+        ({**base, "max_output_tokens": 5.0}, 400, "max_output_tokens"),
+        ({**base, "max_tool_calls": 3}, 400, "max_tool_calls"),
+        ({**base, "max_tool_calls": 0}, 400, "max_tool_calls"),
+        ({**base, "metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),  # OpenAI's bounds
+        ({**base, "metadata": {"k" * 65: "v"}}, 400, "metadata"),
+        ({**base, "metadata": {"k" * 50_000: "v"}}, 400, "metadata"),
+        ({**base, "metadata": {"k": "v" * 513}}, 400, "metadata.k"),
+        ({**base, "metadata": {"k": 3}}, 400, "metadata.k"),
+        ({**base, "cache_salt": ["s"]}, 400, "cache_salt"),
+        ({**base, "cache_salt": "s" * 513}, 400, "cache_salt"),
         ({**base, "max_output_tokens": 0}, 400, "max_output_tokens"),
         ({**base, "max_output_tokens": 10 ** 6}, 400, "max_output_tokens"),
         ({**base, "tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
@@ -306,6 +319,49 @@ def test_hostile_requests_get_openai_shaped_4xx(srv, client):
     assert 'endpoint="/v1/responses",status="400"' in metrics
     assert 'endpoint="/v1/responses/{response_id}",status="404"' in metrics
     assert "resp_nope" not in metrics  # a route template, never a client's path
+
+
+def test_metadata_at_openais_bounds_is_echoed(client):
+    meta = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    r = client.responses.create(model="chatty", input="Hi", max_output_tokens=2, metadata=meta)
+    assert r.metadata == meta and client.responses.retrieve(r.id).metadata == meta
+
+
+def test_a_late_developer_message_is_read_as_user_text(client, srv, monkeypatch):
+    """OpenAI accepts a developer (or system) message anywhere; the chat format has one system message, first: a
+    later one joins the user message before it (or after it) as text, or stands as a user message."""
+    seen = recorded_prompts(srv.served, monkeypatch)
+    cases = [
+        ([{"role": "user", "content": "a"}, {"role": "developer", "content": "Answer in French."}],
+         [{"role": "user", "content": "a\n\nAnswer in French."}]),
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+          {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "c"}],
+         [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+          {"role": "user", "content": "Be brief.\n\nc"}]),
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+          {"role": "system", "content": "Now stop."}],
+         [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+          {"role": "user", "content": "Now stop."}]),
+    ]
+    for items, messages in cases:
+        r = client.responses.create(model="chatty", instructions="Rules.", input=items, max_output_tokens=2)
+        assert r.status == "incomplete"
+        assert seen[-1] == srv.served.chat_prompt([{"role": "system", "content": "Rules."}, *messages])
+
+
+def test_errors_name_the_clients_input_items(srv):
+    """An error the chat renderer finds names the client's item (``input.3``), not a message of the merged
+    history (instructions, the stored conversation and the items, with a function call joined to its text)."""
+    items = [{"role": "developer", "content": "d"}, {"role": "user", "content": "a"},
+             {"role": "assistant", "content": "b"},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "other", "output": "1"}]
+    r = _post(srv, {"model": "chatty", "instructions": "i", "input": items, "max_output_tokens": 2})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "input.4", err
+    assert err["message"].startswith("input.4 (function_call_output) answers tool_call_id 'other'"), err
+    r = _post(srv, {"model": "chatty", "input": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "input.1") and "input.1 (user)" in r.text
 
 
 def test_a_stream_left_early_frees_its_row(tmp_path):

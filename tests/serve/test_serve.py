@@ -235,6 +235,17 @@ def _err(r: httpx.Response, status: int, param: str | None = None) -> str:
      "messages.2.tool_call_id", "tool_call_id"),
     (json.dumps({"model": "chatty", "messages": MSG + [{"role": "assistant", "content": "hi"}]}).encode(),
      "messages", "must end with a user message"),
+    # strict types, as OpenAI's API has them: a value of another type is refused, never coerced
+    (json.dumps({"model": "chatty", "messages": MSG, "stream": "yes"}).encode(), "stream", "valid boolean"),
+    (json.dumps({"model": "chatty", "messages": MSG, "max_tokens": "5"}).encode(), "max_tokens", "valid integer"),
+    (json.dumps({"model": "chatty", "messages": MSG, "max_tokens": 5.0}).encode(), "max_tokens", "valid integer"),
+    (json.dumps({"model": "chatty", "messages": MSG, "n": True}).encode(), "n", "valid integer"),
+    (json.dumps({"model": "chatty", "messages": MSG, "temperature": "0.5"}).encode(), "temperature", "valid number"),
+    (json.dumps({"model": "chatty", "messages": MSG, "logprobs": 1}).encode(), "logprobs", "valid boolean"),
+    (json.dumps({"model": "chatty", "messages": MSG, "stream": 1}).encode(), "stream", "valid boolean"),
+    (json.dumps({"model": "chatty", "messages": MSG, "cache_salt": 5}).encode(), "cache_salt", "valid string"),
+    (json.dumps({"model": "chatty", "messages": MSG, "cache_salt": ""}).encode(), "cache_salt", "at least 1"),
+    (json.dumps({"model": "chatty", "messages": MSG, "cache_salt": "s" * 513}).encode(), "cache_salt", "at most 512"),
 ])
 def test_bad_requests_are_400_naming_the_field(srv, http, body, param, words):
     msg = _err(http.post(srv.url + "/v1/chat/completions", content=body, headers=JSON), 400, param)

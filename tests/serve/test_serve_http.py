@@ -32,7 +32,8 @@ METRICS = {"lmforge_requests", "lmforge_prompt_tokens", "lmforge_generation_toke
            "lmforge_requests_waiting", "lmforge_time_to_first_token_seconds", "lmforge_inter_token_latency_seconds",
            "lmforge_prefix_cache_queries", "lmforge_prefix_cache_hits", "lmforge_prefix_cache_query_tokens",
            "lmforge_prefix_cache_hit_tokens", "lmforge_prefix_cache_bytes", "lmforge_speculative_passes",
-           "lmforge_speculative_drafted_tokens", "lmforge_speculative_accepted_tokens"}
+           "lmforge_speculative_drafted_tokens", "lmforge_speculative_accepted_tokens",
+           "lmforge_prefix_cache_evicted_blocks", "lmforge_responses_stored", "lmforge_responses_stored_bytes"}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,98 @@
+"""The Responses API's routes: ``POST /v1/responses`` (answered through the chat path,
+:mod:`~lmforge.serve.responses`; events and objects by :mod:`~lmforge.serve.response_events`), ``GET`` and
+``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``.
+
+A stored response belongs to the tenant (API key) that created it (:mod:`~lmforge.serve.response_store`): another
+key gets the 404 of an id never stored, on every route and as ``previous_response_id``. A response is stored when
+it ends (completed or cut by ``max_output_tokens``) and its ``store`` says whether it was: false when the request
+asked not to, or when the entry alone is over its tenant's budget (``--responses-store-mb``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from lmforge.generate.scheduler import Update
+from lmforge.serve import response_events, responses, structured
+from lmforge.serve.api import APIError, parse
+from lmforge.serve.response_events import ResponseBuilder
+from lmforge.serve.service import Service, endpoint
+
+__all__ = ["add_response_routes"]
+
+
+def add_response_routes(app: FastAPI, svc: Service) -> None:
+    """Add the Responses API's routes to ``app``."""
+    store, metrics = svc.store, svc.metrics
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        tenant = svc.authorize(request)
+        req = parse(responses.ResponseRequest, await svc.body(request))
+        svc.check_model(req.model)
+        previous = svc.stored(tenant, req.previous_response_id, "previous_response_id") \
+            if req.previous_response_id else None
+        messages, where = responses.conversation(req, previous.history if previous is not None else [])
+        chat, origins = responses.chat_request(req, messages, where)
+        with responses.renamed_errors(origins):  # (the chat path's errors, with the Responses names)
+            jobs = await svc.chat_jobs(chat, tenant)
+
+        def keep(b: ResponseBuilder) -> bool:
+            calls = b.calls()
+            reply = {"role": "assistant", "content": b.text(), **({"tool_calls": calls} if calls else {})}
+            return store.put(tenant, b.rid, b.resource(), [*messages, reply], responses.input_items(req))
+
+        builder = ResponseBuilder(responses.new_id("resp"), svc.served.model_id, req, svc.token_bytes, keep)
+        updates, timing = svc.submit(jobs)
+        route, job = endpoint(request), jobs[0]
+
+        def take(u: Update) -> list[Any]:
+            failed = structured.constraint_failure(job) if u.finish_reason == "error" else None
+            if failed is not None:
+                raise responses.renamed(failed)
+            return builder.add(u, lambda: structured.cut_call(job))
+
+        def done(b: ResponseBuilder) -> None:
+            failed = b.error["code"] if b.error is not None else None
+            metrics.request(route, 200 if failed is None else 500 if failed == "server_error" else 400)
+            if b.usage is not None:
+                metrics.tokens(b.usage["input_tokens"], b.usage["output_tokens"])
+
+        if req.stream:
+            def timed(u: Update) -> list[Any]:
+                timing.update(0, u)
+                return take(u)
+
+            events = response_events.stream(builder, updates, timed, lambda: svc.sched.cancel(job), done)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        if not await svc.collect(request, jobs, updates, timing, lambda k, u: take(u)):
+            return Response(status_code=499)
+        if builder.status == "failed":
+            raise APIError(500, builder.error["message"] if builder.error else "failed", type="server_error")
+        done(builder)
+        return JSONResponse(builder.resource())
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> Response:
+        tenant = svc.authorize(request)
+        found = svc.stored(tenant, response_id, "response_id")
+        svc.ok(request)
+        return Response(found.resource_json, media_type="application/json")
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, request: Request) -> dict[str, Any]:
+        tenant = svc.authorize(request)
+        page = responses.items_page(svc.stored(tenant, response_id, "response_id").inputs, request.query_params)
+        svc.ok(request)
+        return page
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        tenant = svc.authorize(request)
+        if not store.delete(tenant, response_id):
+            svc.stored(tenant, response_id, "response_id")  # (raises its 404)
+        svc.ok(request)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}

@@ -1,0 +1,218 @@
+"""What every API route of one app shares (:class:`Service`): the served model, the keys and the tenant a request
+belongs to, its body read within bounds, the scheduler requests of an API request and their updates.
+
+A route authorizes its request (:meth:`Service.authorize`: the tenant, or 401), reads and parses its body, builds
+its scheduler requests (:meth:`Service.job`, :meth:`Service.chat_jobs`: each under its prefix-cache salt,
+:func:`cache_salt`), submits them (:meth:`Service.submit`) and reads their updates (:meth:`Service.collect`, which
+cancels them when the client goes away). ``app`` holds the chat and completions routes, ``response_routes`` the
+Responses API's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Callable
+
+from fastapi import Request
+
+from lmforge.generate.scheduler import QueueFull, Update
+from lmforge.generate.scheduler import Request as Job
+from lmforge.serve import structured
+from lmforge.serve.access import PUBLIC, Keys
+from lmforge.serve.api import APIError, ChatCompletionRequest, shown
+from lmforge.serve.choices import Timing
+from lmforge.serve.metrics import Metrics
+from lmforge.serve.response_store import ResponseStore, Stored
+
+__all__ = ["RETRY_AFTER_S", "Service", "as_chat_message", "cache_salt", "endpoint"]
+
+RETRY_AFTER_S = 1
+CLOSE = {"Connection": "close"}  # a slow body's 408: the connection closes, the rest is never read
+
+
+def cache_salt(tenant: str, salt: str | None) -> str | None:
+    """The prefix-cache salt of a request of ``tenant`` that sent ``salt`` (its ``cache_salt``): None for the
+    public tenant (a server without keys) without a salt, so such requests share blocks as they always did; else
+    both as one JSON array, so two tenants, or two salts of one tenant, never share a block (and no tenant and salt
+    spell another pair's salt)."""
+    if tenant == PUBLIC and salt is None:
+        return None
+    return json.dumps([tenant, salt], ensure_ascii=False)
+
+
+def endpoint(request: Request) -> str:
+    """The matched route's path template (``/v1/models/{name}``), or ``other``: a metric label is never a path
+    a client wrote (each would be a new series)."""
+    return getattr(request.scope.get("route"), "path", None) or "other"
+
+
+def as_chat_message(m: Any) -> dict[str, Any]:
+    """An API message as the chat format's message (text content; tool calls and ids kept)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _noop(update: Update) -> None:
+    """Placeholder ``emit`` until the request is bound to its event loop."""
+
+
+class Service:
+    """The shared part of one app over ``served`` (a :class:`~lmforge.serve.server.ServedModel`): ``keys`` (None:
+    no key, one tenant), ``metrics``, the Responses ``store``, and the body bounds (``max_body`` bytes within
+    ``body_timeout`` seconds)."""
+
+    def __init__(self, served: Any, keys: Keys | None, metrics: Metrics, store: ResponseStore, max_body: int,
+                 body_timeout: float) -> None:
+        self.served, self.sched, self.keys, self.metrics, self.store = served, served.scheduler, keys, metrics, store
+        self.max_body, self.body_timeout = max_body, body_timeout
+
+    def authorize(self, request: Request) -> str:
+        """The request's tenant: :data:`~lmforge.serve.access.PUBLIC` without keys, else the id of the key its
+        ``Authorization`` header sends; APIError 401 for a missing or wrong key."""
+        if self.keys is None:
+            return PUBLIC
+        tenant = self.keys.tenant(request.headers.get("authorization", ""))
+        if tenant is None:
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' with a key "
+                                "the server was started with", code="invalid_api_key")
+        return tenant
+
+    def ok(self, request: Request) -> None:
+        """Count a request answered 200 under its route."""
+        self.metrics.request(endpoint(request), 200)
+
+    async def body(self, request: Request) -> bytes:
+        """The request's JSON body: 415 unless sent as JSON, 413 over ``max_body``, 408 if it takes longer than
+        ``body_timeout`` to arrive (the connection then closes)."""
+        kind = request.headers.get("content-type", "")
+        if kind.partition(";")[0].strip().lower() != "application/json":
+            raise APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json' (this "
+                                f"one came with {shown(kind) if kind else 'none'})", code="unsupported_media_type")
+        declared, limit = request.headers.get("content-length"), self.max_body
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the request body has {declared} bytes, over this server's limit of {limit}",
+                           code="request_too_large")
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.body_timeout):  # a client trickling its body does not hold a connection
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise APIError(413, f"the request body is over this server's limit of {limit} bytes",
+                                       code="request_too_large")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} s ({size} bytes "
+                                "came); send it at once", code="request_timeout", headers=CLOSE) from None
+        return b"".join(chunks)
+
+    def check_model(self, name: str) -> None:
+        if name != self.served.model_id:
+            raise APIError(404, f"model {shown(name)} does not exist; this server serves {self.served.model_id!r} "
+                                "(see GET /v1/models)", "model", "model_not_found")
+
+    def token_bytes(self, t: int) -> bytes:
+        return self.served.tokenizer.decode_bytes([t])
+
+    def stored(self, tenant: str, rid: str, param: str) -> Stored:
+        """``tenant``'s stored response ``rid``; APIError 404 if there is none (another tenant's is not found either:
+        the same answer, so an id tells nothing of what others store)."""
+        found = self.store.get(tenant, rid)
+        if found is None:
+            s = self.store
+            raise APIError(404, f"no stored response has id {shown(rid)} (responses are kept in memory for {s.ttl:g} "
+                                f"s, {s.max_items} per API key at most, and only with store: true)", param,
+                           "previous_response_not_found" if param == "previous_response_id" else "not_found")
+        return found
+
+    # ---------------------------------------------------------------------------------------------
+    async def chat_jobs(self, req: ChatCompletionRequest, tenant: str) -> list[Job]:
+        """The scheduler requests of a chat request of ``tenant``: its constraints, prompt, limit and stops."""
+        served = self.served
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        constrained = (req.tools or req.response_format is not None or req.structured_outputs is not None) \
+            and not (req.response_format is not None and req.response_format.type == "text" and not req.tools)
+        constraints = [None] * req.n
+        if constrained and served.chat is not None:  # schemas first: their errors name the parameter at fault
+            def build() -> list[Any]:  # compiles (bounded by a deadline in a child process) run off the event loop
+                return [structured.request_constraint(req, served.chat, served.grammars) for _ in range(req.n)]
+
+            constraints = await asyncio.to_thread(build)
+        prompt = served.chat_prompt([as_chat_message(m) for m in req.messages], tools)
+        limit = served.max_tokens(req.limit(), len(prompt), "messages", req.n)
+        token_text = dict(served.tool_text)
+        if served.chat is not None and served.chat.has_tools:
+            token_text.update({served.chat.ids[t]: "" for t in ("<|call_start|>", "<|call_end|>")})
+        return [self.job(req, tenant, prompt, limit, served.chat_stops(), served.chat_tool, token_text, k, c)
+                for k, c in enumerate(constraints)]
+
+    def job(self, req: Any, tenant: str, prompt: list[int], limit: int, stop_ids: list[int],
+            tool: Callable[[], Callable[[int], list[int] | None]] | None, token_text: dict[int, str] | None,
+            k: int, constraint: Any = None) -> Job:
+        """Choice ``k``'s scheduler request for ``req`` of ``tenant``; APIError 400 for a value the engine refuses."""
+        try:
+            return Job(prompt, limit, _noop, temperature=req.temperature,
+                       top_p=None if req.top_p >= 1 else req.top_p, seed=req.choice_seed(k), stop_ids=stop_ids,
+                       stop=req.stops(), tool=tool() if tool is not None else None, token_text=token_text or {},
+                       constraint=constraint, capture_regions=constraint is not None and bool(getattr(req, "tools", None)),
+                       logprobs=req.n_logprobs(), speculative=req.speculative,
+                       cache_salt=cache_salt(tenant, req.cache_salt))
+        except ValueError as e:  # a value the schema let through but the engine refuses
+            raise APIError(400, str(e)) from None
+
+    def submit(self, jobs: list[Job]) -> tuple["asyncio.Queue[tuple[int, Update] | None]", Timing]:
+        """Hand ``jobs`` to the scheduler: the queue their updates arrive on (``(k, update)``; None: the client
+        went away) and their timing; APIError 400/429/503 if the scheduler refuses them."""
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[tuple[int, Update] | None] = asyncio.Queue()
+        for k, job in enumerate(jobs):
+            job.emit = (lambda k: lambda u: loop.call_soon_threadsafe(updates.put_nowait, (k, u)))(k)
+        try:
+            self.sched.submit_many(jobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except QueueFull as e:
+            raise APIError(429, f"the server is busy: {e}", code="rate_limit_exceeded", type="rate_limit_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except RuntimeError as e:  # stopping
+            raise APIError(503, f"the server is shutting down ({e})", type="server_error") from None
+        return updates, Timing(self.metrics, len(jobs))
+
+    async def collect(self, request: Request, jobs: list[Job], updates: asyncio.Queue[Any], timing: Timing,
+                      take: Callable[[int, Update], Any]) -> bool:
+        """Feed each update of ``jobs`` to ``take(k, update)`` until all have ended; False if the client went
+        away first (its jobs cancelled). Jobs still running when ``take`` raises are cancelled."""
+        running = set(range(len(jobs)))
+        watcher = asyncio.create_task(self._watch(request, jobs, updates))
+        try:
+            while running:
+                got = await updates.get()
+                if got is None:  # cancelled by the watcher
+                    return False
+                k, u = got
+                timing.update(k, u)
+                take(k, u)
+                if u.finish_reason is not None:
+                    running.discard(k)
+        finally:
+            watcher.cancel()
+            for k in running:
+                self.sched.cancel(jobs[k])
+        return True
+
+    async def _watch(self, request: Request, jobs: list[Job], updates: asyncio.Queue[Any]) -> None:
+        """Cancel ``jobs`` as soon as their client disconnects (the body is read: the next message the server
+        gives is the disconnect), however busy their rows are; then wake the request's reader."""
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                await asyncio.sleep(0.05)  # (a server that answers anything else: look again, without spinning)
+        except Exception:  # noqa: BLE001  (the connection broke while waiting: gone as well)
+            pass
+        for job in jobs:
+            self.sched.cancel(job)
+        updates.put_nowait(None)
