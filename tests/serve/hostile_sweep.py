@@ -1,11 +1,12 @@
 """A hostile-client sweep of a real ``lmforge serve`` (run by hand, not part of the suite: about four minutes).
 
-    .venv/bin/python tests/serve/hostile_sweep.py [--requests 200] [--seed 0] [--phases bad,rounds,hostile]
+    .venv/bin/python tests/serve/hostile_sweep.py [--requests 200] [--seed 0] [--phases bad,rounds,hostile,tenancy]
 
 It starts the real command on a small random chat model, then:
 
-1. bad values in every request field (chat and completions): each must be a 4xx in the OpenAI shape, never a
-   500, and the server must stay up;
+1. bad values in every request field (chat, completions and responses; values of the wrong type among them, which
+   strict types refuse rather than coerce): each must be a 4xx in the OpenAI shape, never a 500, and the server
+   must stay up;
 2. rounds of ``--requests`` mixed requests from 24 threads at once: greedy and seeded chat and completions,
    streamed or not, tiny sampling values, stop strings, calculator markup sent back, bad values, and clients
    that disconnect at random moments (queued, mid-stream, mid-wait); while the first round runs, 300 slow
@@ -28,7 +29,11 @@ It starts the real command on a small random chat model, then:
    name); replies cut by ``max_tokens`` inside a required call (the call's text so far, finish ``length``).
    Each hostile request must get its 4xx (a 200 where stated) in the OpenAI shape with a message under 1 KB,
    no CORS grant, and a kept-alive connection that stays usable; ``/health`` must answer within 100 ms
-   during every compile (max and p99 printed, beside the same poller's figures outside compiles and idle).
+   during every compile (max and p99 printed, beside the same poller's figures outside compiles and idle);
+5. (``tenancy``, :mod:`tenancy_sweep`) several users on a server started with ``--api-key-file``: the PIN probe
+   through ``cached_tokens`` and the time to first token with and without salts and keys, store flooding across
+   keys (and every route of another key's stored response), ``store: true`` only for what was stored, wrong-typed
+   fields, and ``/health`` without counters.
 
 It prints the figures and exits 1 if any check fails.
 """
@@ -56,6 +61,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from serve_helpers import NO_PROXY, random_chat_run  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tenancy_sweep import tenancy_phase  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "sweep"
@@ -101,14 +109,16 @@ def bad_bodies() -> list[tuple[str, Any]]:
     comp = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
     values = {
         "model": [None, 3, "gpt-9", "", ["x"]],
-        "max_tokens": [0, -1, 10 ** 9, 2 ** 70, "x", 1.5, [], {}],
-        "temperature": [-1, 2.5, "hot", 1e309, -1e-9, None, [0.5]],
+        "max_tokens": [0, -1, 10 ** 9, 2 ** 70, "x", 1.5, [], {}, "5", 5.0, True],
+        "temperature": [-1, 2.5, "hot", 1e309, -1e-9, None, [0.5], "0.5", True],
         "top_p": [0, -0.1, 1.5, "all", 1e309],
         "stop": [["a", "b", "c", "d", "e"], "", [""], [3], 7, {"a": 1}],
-        "seed": [2 ** 70, 2 ** 63, -(2 ** 63) - 1, 1.5, "seven", [1]],
-        "stream": ["maybe", 2, [True]],  # (pydantic's lax mode takes "yes"/"true"/1 as true, as vLLM's does)
+        "seed": [2 ** 70, 2 ** 63, -(2 ** 63) - 1, 1.5, "seven", [1], "7", True],
+        "stream": ["maybe", 2, [True], "yes", "true", 1],  # (strict types: never coerced, as OpenAI's API)
         "stream_options": ["x", [1]],
-        "n": [0, -3, "two", 9, 129, 1.5],  # 9: more than --max-batch 8
+        "n": [0, -3, "two", 9, 129, 1.5, "2", True],  # 9: more than --max-batch 8
+        "cache_salt": [7, "", "s" * 513, ["a"], True],
+        "speculative": ["no", 0],
     }
     fn = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     chat_only = {  # the fields issue 26 added, each wrong in one way
@@ -170,6 +180,12 @@ def bad_bodies() -> list[tuple[str, Any]]:
                 b"\xff\xfe", b'{"model": "sweep", "prompt": "\\ud800", "max_tokens": 2}', b"NaN"):
         out.append(("/v1/completions", raw))
     out.append(("/v1/completions", b"x" * (2 << 20)))  # over --max-body: 413
+    resp = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
+    for field, vals in {"stream": ["yes", 1], "store": ["false", 0], "max_output_tokens": ["5", 5.0, True],
+                        "temperature": ["0"], "top_logprobs": ["3"], "max_tool_calls": [0, 3],
+                        "metadata": [{"k": 3}, {"k": "v" * 513}, {"k" * 65: "v"}, {f"k{i}": "v" for i in range(17)}],
+                        "cache_salt": ["", 5], "parallel_tool_calls": ["no"]}.items():
+        out += [("/v1/responses", {**resp, field: v}) for v in vals]
     return out
 
 
@@ -705,7 +721,8 @@ FAMILIES = {"lmforge_requests", "lmforge_prompt_tokens", "lmforge_generation_tok
             "lmforge_requests_waiting", "lmforge_time_to_first_token_seconds", "lmforge_inter_token_latency_seconds",
             "lmforge_prefix_cache_queries", "lmforge_prefix_cache_hits", "lmforge_prefix_cache_query_tokens",
             "lmforge_prefix_cache_hit_tokens", "lmforge_prefix_cache_bytes", "lmforge_speculative_passes",
-            "lmforge_speculative_drafted_tokens", "lmforge_speculative_accepted_tokens"}
+            "lmforge_speculative_drafted_tokens", "lmforge_speculative_accepted_tokens",
+            "lmforge_prefix_cache_evicted_blocks", "lmforge_responses_stored", "lmforge_responses_stored_bytes"}
 
 
 def metrics_series(url: str, headers: dict[str, str]) -> tuple[int, int, list[str]]:
@@ -937,7 +954,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--phases", default="bad,rounds,hostile", help="which of bad, rounds, hostile to run")
+    ap.add_argument("--phases", default="bad,rounds,hostile,tenancy",
+                    help="which of bad, rounds, hostile, tenancy to run")
     args = ap.parse_args()
     phases = set(args.phases.split(","))
     tmp = Path(tempfile.mkdtemp(prefix="lmforge-sweep-"))
@@ -975,6 +993,8 @@ def main() -> int:
                     failures.append(f"the --api-key server exited: {keyed.returncode}")
             finally:
                 stop_server(keyed)
+        if "tenancy" in phases:
+            failures += tenancy_phase(run, tmp, start, stop_server, rss_mib, args.seed)
         if p.poll() is not None:
             failures.append(f"the server exited: {p.returncode}")
     finally:
