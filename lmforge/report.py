@@ -96,11 +96,25 @@ def _budget_text(budget: Sequence[Any]) -> str:
     return f"{int(amount)}steps" if kind == "steps" else f"{amount:g}min"
 
 
-def _copy_probe_text(ev: dict[str, Any]) -> str:
-    """The eval stage's copy probe as a table cell."""
-    a, b = ev["copy_first"], ev["copy_second"]
-    return (f"{b:.2f} nats on the second occurrence of a random sequence vs {a:.2f} on its first "
-            f"({b / a:.0%}; 100%: no copying, 0%: perfect)")
+def _pair_text(first: float | None, second: float | None) -> str:
+    """A probe's pair as "second as a share of first (first -> second nats)"; n/a where the probe did not run."""
+    if first is None or second is None:
+        return "n/a"
+    return f"{second / first:.0%} ({first:.2f} -> {second:.2f} nats)"
+
+
+def _probe_rows(ev: dict[str, Any]) -> list[tuple[str, str]]:
+    """The eval stage's context probes (``lmforge.evals.probes``) as table rows: each second occurrence's loss as a
+    share of the first's."""
+    shuffled = ev.get("copy_shuffled")
+    order = (f"{ev['copy_second'] / ev['copy_first']:.0%} of the first occurrence's {ev['copy_first']:.2f} nats in "
+             f"order, {'n/a' if shuffled is None else format(shuffled / ev['copy_first'], '.0%')} shuffled "
+             "(a copier: ~0% in order, 100% or more shuffled; a bag of recent tokens: the same share both ways)")
+    return [("in-context copying: random ids given twice", order),
+            ("in-context copying: validation text given twice",
+             _pair_text(ev.get("natural_first"), ev.get("natural_second"))),
+            ("in-context copying: a made-up name mentioned twice",
+             _pair_text(ev.get("name_first"), ev.get("name_second")))]
 
 
 def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[str], wall: float, device: Any,
@@ -130,7 +144,7 @@ def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[s
     report.section("Results").table(("metric", "value"), [
         ("final validation loss", f"{ev['val_loss']:.4f} nats/token (perplexity {ev['val_ppl']:.1f})"),
         ("bits per byte (validation)", f"{ev['val_bpb']:.4f}"),
-        ("in-context copying (copy probe)", _copy_probe_text(ev)),
+        *_probe_rows(ev),
         ("last training loss", _num(tr.get("loss"))),
         ("steps / tokens seen", f"{tr['step']:,} / {tr['tokens']:,}"),
         ("training throughput", f"{tps:,.0f} tokens/s (median of logged intervals)"),

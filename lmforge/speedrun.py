@@ -12,7 +12,7 @@ tokenizer             ``tokenizer.train_bpe_from_iterator``                   ``
 data                  ``data.prepare`` (train/val split by document)          ``data/``
 plan                  a few timed training steps -> ``max_steps``              ``speedrun.json``
 train                 ``train.train`` (resumes from its checkpoints)           ``run/``
-eval                  bits/byte over the validation split; the copy probe     ``speedrun.json``
+eval                  bits/byte over the validation split; context probes    ``speedrun.json``
 samples               ``generate.Generator`` with the KV cache                ``speedrun.json``
 chat-data             ``corpus.chat_data.chat_tasks`` (the corpus's words)    ``chat-tasks/``
 chat-base             ``evals.exact_match`` on the base + chat tokens          ``speedrun.json``
@@ -50,7 +50,7 @@ from lmforge.config import to_dict
 from lmforge.corpus import DATASETS, EOT, expand_inputs, get_dataset, iter_documents
 from lmforge.data import TokenDataset, load_manifest, prepare
 from lmforge.evals.evaluate import load_model
-from lmforge.evals.probes import copy_probe
+from lmforge.evals.probes import PROBES_VERSION, context_probes
 from lmforge.generate import Generator
 from lmforge.hardware import resolve_train_dtype, train_peak_flops
 from lmforge.model import TransformerLM
@@ -278,13 +278,18 @@ def _plan(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, devi
 
 def _evaluate(run_dir: Path, device: Any, max_batches: int = EVAL_BATCHES) -> dict[str, Any]:
     """Loss, perplexity and bits per byte of the final checkpoint over (up to ``max_batches`` of) the validation
-    split, and its copy probe (:func:`~lmforge.evals.probes.copy_probe`: loss on the first and the second
-    occurrence of random 60-id sequences, or half the context where that is shorter)."""
+    split, and its context probes (:func:`~lmforge.evals.probes.context_probes`, keys
+    :data:`~lmforge.evals.probes.PROBE_FIELDS`): loss on the first and second occurrence of random sequences of the
+    ids the training split uses (60 ids, or half the context where that is shorter), in order and shuffled; of
+    validation passages given twice; and of a made-up name mentioned twice."""
     ev = evaluate_run(run_dir, split="val", max_batches=max_batches, device=str(device))
     model, tok, _ = load_model(run_dir, device=str(device))
-    first, second = copy_probe(model, tok.vocab_size, length=min(60, model.cfg.context_length // 2))
+    data = load_run_config(run_dir / "config.yaml").data
+    probes = context_probes(model, tok, TokenDataset(data.dir, data.train_split),
+                            TokenDataset(data.dir, data.val_split) if data.val_split else None,
+                            model.cfg.context_length)
     return {"checkpoint": ev["checkpoint"], "step": ev["step"], "val_loss": ev["loss"], "val_ppl": ev["ppl"],
-            "val_bpb": ev["bpb"], "val_tokens": ev["tokens"], "copy_first": first, "copy_second": second}
+            "val_bpb": ev["bpb"], "val_tokens": ev["tokens"], **probes}
 
 
 def _target_summary(run_dir: Path, target: float, train_rec: dict[str, Any], plan: dict[str, Any],
@@ -416,7 +421,8 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     tr = stage("train", train_key, lambda: _jsonable(train(cfg, run_dir, progress=progress)),
                lambda rec: Path(rec.get("checkpoint") or "").exists())
     # ---- eval: validation loss and bits per byte of the final model ------------------------------------
-    ev = stage("eval", _digest(tr["checkpoint"], tr["step"], "copy-probe"), lambda: _evaluate(run_dir, dev))
+    ev = stage("eval", _digest(tr["checkpoint"], tr["step"], "copy-probe", PROBES_VERSION),
+               lambda: _evaluate(run_dir, dev))
     logger.info("final validation loss %.4f (%.4f bits/byte)", ev["val_loss"], ev["val_bpb"])
     if target_bpb is not None:  # not a stage: a reading of the run's metrics, redone each time
         state.data["stages"]["target"] = _target_summary(run_dir, target_bpb, tr, plan, ev)

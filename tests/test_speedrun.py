@@ -53,10 +53,16 @@ def test_speedrun_end_to_end_then_reuse_and_resume(tmp_path, corpus, caplog):
     for section in SECTIONS:
         assert section in report, section
     assert f"{ev['val_loss']:.4f}" in report
-    # the copy probe beside bits per byte: the final model's loss on a random sequence's first and second occurrence
-    assert 0 < ev["copy_first"] < 2 * math.log(300) and 0 < ev["copy_second"] < 2 * math.log(300)
-    assert (f"| in-context copying (copy probe) | {ev['copy_second']:.2f} nats on the second occurrence of a random "
-            f"sequence vs {ev['copy_first']:.2f} on its first") in report
+    # the context probes beside bits per byte: random ids in order and shuffled, validation text, a name
+    for pair in (("copy_first", "copy_second", "copy_shuffled"), ("natural_first", "natural_second"),
+                 ("name_first", "name_second")):
+        assert all(0 < ev[k] < 2 * math.log(300) for k in pair), pair
+    assert (f"| in-context copying: random ids given twice | {ev['copy_second'] / ev['copy_first']:.0%} of the first "
+            f"occurrence's {ev['copy_first']:.2f} nats in order, {ev['copy_shuffled'] / ev['copy_first']:.0%} "
+            "shuffled") in report
+    assert (f"| in-context copying: validation text given twice | {ev['natural_second'] / ev['natural_first']:.0%} "
+            f"({ev['natural_first']:.2f} -> {ev['natural_second']:.2f} nats) |") in report
+    assert f"| in-context copying: a made-up name mentioned twice | {ev['name_second'] / ev['name_first']:.0%} (" in report
     # MFU names its denominator: the matmul peak measured in the precision the run trained in (auto resolved)
     dtype = stages["plan"]["peak_dtype"]
     assert dtype in ("fp32", "bf16") and f"vs the measured {dtype} matmul peak (" in report
