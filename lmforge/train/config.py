@@ -36,9 +36,10 @@ class OptimConfig:
     """Peak of the learning-rate schedule, and the peak rate of every parameter group without a rate of its own:
     with ``adamw`` the blocks' matrices and each of embeddings, head and scalars whose own rate (``embed_lr``,
     ``head_lr``, ``scalar_lr``) is null; with ``muon`` the latter only (the blocks' matrices take ``muon_lr``); with
-    ``sgd`` every parameter. Each group follows the schedule in proportion (its peak times the scheduled rate over
-    ``lr``), so with every group's rate set, as in the speedrun's recipe, ``lr`` is no group's rate: only the
-    schedule's shape (``min_lr / lr``) comes from it."""
+    ``sgd`` every parameter. ``dmodel_lr_scale`` multiplies the embeddings' and head's rate, ``lr`` included. Each
+    group follows the schedule in proportion (its peak times the scheduled rate over ``lr``), so with every group's
+    rate set, as in the speedrun's recipe, ``lr`` is no group's rate: only the schedule's shape (``min_lr / lr``)
+    comes from it."""
     min_lr: float = 3e-5
     """The schedule's floor (the end of the cosine or WSD decay, and after it), in ``lr``'s terms: each group ends at
     its own peak times ``min_lr / lr``."""
@@ -48,29 +49,44 @@ class OptimConfig:
     """Step at which the cosine reaches ``min_lr``; ``null`` = ``training.max_steps``."""
     schedule: Literal["cosine", "constant", "wsd"] = "cosine"
     """``cosine``: warmup, cosine decay to ``min_lr``; ``constant``: warmup, then ``lr``; ``wsd``: warmup, ``lr``,
-    then a linear decay to ``min_lr`` over the last ``cooldown_frac`` of the steps up to ``decay_steps``."""
+    then a linear decay to ``min_lr`` over the last ``cooldown_frac`` of the steps up to ``decay_steps``: with
+    ``T = decay_steps`` (or ``training.max_steps``) and ``W = round(cooldown_frac·T)``, 0-based step ``s >= T - W``
+    runs at ``min_lr + (lr - min_lr)·(T - 1 - s)/W``, so step ``T - 1`` at ``min_lr``. With ``warmup_steps: 0``,
+    ``cooldown_frac: 0.2`` and ``min_lr: 0`` this is nanochat's schedule one step earlier: nanochat's step ``s`` runs
+    at ``lr·min(1, (T - s)/W)``, its last at ``lr/W`` where this one's runs at 0 (and changes no weight)."""
     cooldown_frac: float = 0.4
     """With ``wsd``: the share of the run (up to ``decay_steps`` or ``training.max_steps``) spent decaying."""
     weight_decay: float = 0.1
-    """Decoupled weight decay for matrices (vectors, norms and biases are never decayed)."""
+    """Decoupled weight decay of the matrices AdamW trains: with ``adamw`` every tensor of 2+ dims (blocks'
+    matrices, embeddings, head), with ``muon`` the embeddings and head only (Muon's matrices take
+    ``muon_weight_decay``; nanochat: 0 for both). Vectors, norms and biases are never decayed."""
     betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW moment decay rates."""
+    """AdamW moment decay rates (with ``muon``: of the AdamW groups; nanochat: ``[0.8, 0.95]``)."""
     eps: float = 1e-8
-    """AdamW denominator epsilon."""
+    """AdamW denominator epsilon (nanochat: 1e-10)."""
     grad_clip: float = 1.0
     """Clip the global gradient L2 norm to this value; 0 disables clipping."""
     embed_lr: float | None = None
     """Peak learning rate of the embeddings (the token embedding, value embeddings; AdamW); ``null`` = ``lr``. The
-    schedule scales every group alike."""
+    schedule scales every group alike; ``dmodel_lr_scale`` multiplies it."""
     head_lr: float | None = None
-    """Peak learning rate of the LM head (AdamW); ``null`` = ``lr``."""
+    """Peak learning rate of the LM head (AdamW); ``null`` = ``lr``; ``dmodel_lr_scale`` multiplies it."""
+    dmodel_lr_scale: bool = False
+    """Multiply the embeddings' and the head's peak rates (``embed_lr``, ``head_lr``, or ``lr`` where null) by
+    ``(model.d_model / 768) ** -0.5``, as nanochat does with the rates it tuned at width 768 (1.73 at d_model 256)."""
     scalar_lr: float | None = None
     """Peak learning rate of the vectors and scalars (norm gains, biases, gates, skip weights; AdamW, never decayed);
     ``null`` = ``lr``."""
     muon_lr: float = 0.02
     """Muon's peak learning rate; the schedule scales it like ``lr`` (its floor is ``min_lr * muon_lr / lr``)."""
     muon_momentum: float = 0.95
-    """Muon's momentum (an EMA of gradients)."""
+    """Muon's momentum (an EMA of gradients); after ``muon_momentum_warmup_steps``, if any."""
+    muon_momentum_warmup_steps: int = 0
+    """Steps over which Muon's momentum rises linearly from ``muon_momentum_start`` (step 0) to ``muon_momentum``
+    (nanochat: 300 steps from 0.85 to 0.95); 0 = ``muon_momentum`` from the first step. Set by the loop from the step
+    number, so a resumed run continues it exactly."""
+    muon_momentum_start: float = 0.85
+    """With ``muon_momentum_warmup_steps``: Muon's momentum at the first step."""
     muon_nesterov: bool = True
     """Muon updates with Nesterov momentum."""
     muon_weight_decay: float = 0.0
@@ -111,11 +127,18 @@ class OptimConfig:
                 raise ValueError(f"optimizer.{name} must be > 0 (or null for optimizer.lr), got {getattr(self, name)}")
         if self.name == "sgd" and (self.embed_lr, self.head_lr, self.scalar_lr) != (None, None, None):
             raise ValueError("optimizer.embed_lr/head_lr/scalar_lr apply to adamw and muon; with sgd set them to null")
+        if self.name == "sgd" and self.dmodel_lr_scale:
+            raise ValueError("optimizer.dmodel_lr_scale scales AdamW's embedding and head rates; with sgd set it false")
         if not self.muon_lr > 0:
             raise ValueError(f"optimizer.muon_lr must be > 0, got {self.muon_lr}; typical: 0.02 (muon_adjust_lr: "
                              "original) or near optimizer.lr (match_rms_adamw)")
         if not 0 <= self.muon_momentum < 1:
             raise ValueError(f"optimizer.muon_momentum must be in [0, 1), got {self.muon_momentum}; e.g. 0.95")
+        if self.muon_momentum_warmup_steps < 0:
+            raise ValueError(f"optimizer.muon_momentum_warmup_steps must be >= 0 (0 = off), got "
+                             f"{self.muon_momentum_warmup_steps}")
+        if not 0 <= self.muon_momentum_start < 1:
+            raise ValueError(f"optimizer.muon_momentum_start must be in [0, 1), got {self.muon_momentum_start}; e.g. 0.85")
         if self.muon_weight_decay < 0:
             raise ValueError(f"optimizer.muon_weight_decay must be >= 0, got {self.muon_weight_decay}")
         if not 1 <= self.muon_ns_steps < 100:

@@ -53,7 +53,8 @@ from lmforge.train.finetune import (build_model, conversation_data, global_targe
                                     loss_scale, masked, trained_state)
 from lmforge.train.metrics import MetricsLog, require_wandb
 from lmforge.train.optim import (SGD, AdamW, Muon, adamw_param_groups, clip_grad_norm, cosine_lr, describe_groups,
-                                 global_grad_norm, muon_param_groups, param_groups_for, wsd_lr)
+                                 dmodel_lr_scale, global_grad_norm, muon_momentum_at, muon_param_groups,
+                                 param_groups_for, wsd_lr)
 
 logger = logging.getLogger("lmforge")
 
@@ -161,8 +162,10 @@ def _lr_at(step: int, oc: OptimConfig, max_steps: int) -> float:
 def _build_optimizer(model: Any, oc: OptimConfig) -> Any:
     """The configured optimizer over ``model``'s parameter groups (matrices decay, vectors and norms don't;
     with ``muon``: the blocks' matrices to Muon, the rest to AdamW, see :func:`muon_param_groups`; with a per-role
-    rate ``embed_lr``/``head_lr``/``scalar_lr``: one AdamW group per role, see :func:`adamw_param_groups`)."""
-    rates = dict(embed_lr=oc.embed_lr, head_lr=oc.head_lr, scalar_lr=oc.scalar_lr)
+    rate ``embed_lr``/``head_lr``/``scalar_lr`` or ``dmodel_lr_scale``: one AdamW group per role, see
+    :func:`adamw_param_groups`)."""
+    scale = dmodel_lr_scale(model.cfg.d_model) if oc.dmodel_lr_scale else 1.0
+    rates = dict(embed_lr=oc.embed_lr, head_lr=oc.head_lr, scalar_lr=oc.scalar_lr, embed_head_scale=scale)
     if oc.name == "muon":
         groups = muon_param_groups(model, oc.lr, oc.muon_lr, oc.weight_decay, oc.muon_weight_decay, **rates)
         if is_main_process():
@@ -170,7 +173,7 @@ def _build_optimizer(model: Any, oc: OptimConfig) -> Any:
         return Muon(groups, lr=oc.muon_lr, momentum=oc.muon_momentum, nesterov=oc.muon_nesterov,
                     ns_coefficients=tuple(oc.muon_ns_coefficients), ns_steps=oc.muon_ns_steps,
                     ns_dtype=oc.muon_ns_dtype, adjust_lr=oc.muon_adjust_lr, betas=tuple(oc.betas), eps=oc.eps)
-    if any(v is not None for v in rates.values()):  # per-role learning rates (the loop scales each by lr_scale)
+    if oc.embed_lr or oc.head_lr or oc.scalar_lr or oc.dmodel_lr_scale:  # per-role rates (each scaled by lr_scale)
         groups = adamw_param_groups(model, oc.lr, oc.weight_decay, **rates)
         if is_main_process():
             logger.info("optimizer groups: %s", describe_groups(groups))
@@ -433,8 +436,11 @@ def _train_step(run: _Run) -> tuple[float, float, float]:
     tc, oc, device, model = run.cfg.training, run.cfg.optimizer, run.info.device, run.model
     t0 = time.perf_counter()
     lr = _lr_at(run.step, oc, tc.max_steps)
+    momentum = muon_momentum_at(run.step, oc.muon_momentum, oc.muon_momentum_start, oc.muon_momentum_warmup_steps)
     for group in run.optimizer.param_groups:  # every group follows the schedule; Muon's at muon_lr / lr times it
         group["lr"] = lr * group.get("lr_scale", 1.0)
+        if oc.muon_momentum_warmup_steps and group.get("use_muon"):
+            group["momentum"] = momentum
     batches = [run.loader.next_batch() for _ in range(run.batch.accum_steps)]
     rows = warmup_rows(run.step, run.batch.micro_batch, tc.batch_warmup_steps, tc.batch_warmup_start)
     if rows < run.batch.micro_batch:  # batch-size warm-up: the first rows of each micro-batch (train/batching.py)

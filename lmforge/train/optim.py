@@ -1,5 +1,5 @@
-"""Optimizers and schedules written out: ``SGD``, ``AdamW``, ``Muon``, the cosine learning-rate schedule,
-gradient clipping and the parameter groups (weight decay; Muon's matrices vs AdamW's rest).
+"""Optimizers and schedules written out: ``SGD``, ``AdamW``, ``Muon``, the cosine and WSD learning-rate schedules,
+Muon's momentum warm-up, gradient clipping and the parameter groups (weight decay; Muon's matrices vs AdamW's rest).
 
 ``AdamW`` gives the same numbers as ``torch.optim.AdamW`` (to float rounding) and updates every tensor
 of a parameter group with a handful of ``torch._foreach_*`` calls instead of a Python loop over tensors.
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from lmforge.hardware import native_bf16
 
-__all__ = ["SGD", "AdamW", "Muon", "newton_schulz", "newton_schulz_batched", "muon_lr_ratio", "muon_param_groups", "adamw_param_groups", "param_roles", "describe_groups", "cosine_lr", "wsd_lr", "clip_grad_norm", "param_groups_for", "global_grad_norm"]
+__all__ = ["SGD", "AdamW", "Muon", "newton_schulz", "newton_schulz_batched", "muon_lr_ratio", "muon_param_groups", "adamw_param_groups", "param_roles", "describe_groups", "cosine_lr", "wsd_lr", "muon_momentum_at", "dmodel_lr_scale", "clip_grad_norm", "param_groups_for", "global_grad_norm"]
 
 
 def _buckets(tensors_by_param: list[tuple[Tensor, ...]], key) -> dict[Any, list[tuple[Tensor, ...]]]:
@@ -375,6 +375,23 @@ def wsd_lr(t: int, max_lr: float, min_lr: float, warmup_iters: int, total_iters:
     return min_lr
 
 
+def muon_momentum_at(step: int, momentum: float, start: float, warmup_steps: int) -> float:
+    """Muon's momentum at the 0-based optimizer step ``step``: linear from ``start`` at step 0 to ``momentum`` at step
+    ``warmup_steps`` and after; ``momentum`` at every step when ``warmup_steps`` is 0. A function of the step alone,
+    so a resumed run sets the same momentum as an uninterrupted one."""
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if warmup_steps == 0:
+        return momentum
+    return start + min(step / warmup_steps, 1.0) * (momentum - start)
+
+
+def dmodel_lr_scale(d_model: int) -> float:
+    """``(d_model / 768) ** -0.5``: nanochat's factor on its AdamW rates (embeddings, head), tuned at width 768, so
+    that a narrower model takes larger steps (1.73 at d_model 256) and a wider one smaller."""
+    return (d_model / 768) ** -0.5
+
+
 def global_grad_norm(params: Iterable[Tensor]) -> Tensor:
     """L2 norm of all gradients together (float32 0-dim tensor; 0 if there are none)."""
     grads = [p.grad for p in params if p.grad is not None]
@@ -481,7 +498,7 @@ def param_roles(model: nn.Module) -> dict[str, list[Tensor]]:
 
 def muon_param_groups(model: nn.Module, lr: float, muon_lr: float, weight_decay: float,
                       muon_weight_decay: float = 0.0, embed_lr: float | None = None, head_lr: float | None = None,
-                      scalar_lr: float | None = None) -> list[dict[str, Any]]:
+                      scalar_lr: float | None = None, embed_head_scale: float = 1.0) -> list[dict[str, Any]]:
     """Groups for :class:`Muon` from :func:`param_roles` (nanochat's split): the blocks' hidden matrices go to Muon
     at ``muon_lr``; everything else to AdamW: the embeddings and LM head (matrices that map tokens, not hidden
     states) with ``weight_decay``, the scalars (norm gains, biases, gates, skip weights) without decay.
@@ -489,6 +506,7 @@ def muon_param_groups(model: nn.Module, lr: float, muon_lr: float, weight_decay:
     With neither ``embed_lr`` nor ``head_lr`` given, embeddings and head share one group at ``lr`` (three groups:
     ``muon``, ``adamw_embeddings_head``, ``adamw_norms_biases``); with either, they get a group each at their own
     learning rate (``None`` = ``lr``): four groups. ``scalar_lr`` (``None`` = ``lr``) is the scalars' rate.
+    ``embed_head_scale`` multiplies the embeddings' and the head's rates (e.g. :func:`dmodel_lr_scale`).
 
     Each group carries a ``name`` and ``lr_scale`` (its learning rate over ``lr``), which the training loop
     multiplies with the scheduled ``lr``. Every parameter (tied ones once) lands in exactly one group.
@@ -497,12 +515,13 @@ def muon_param_groups(model: nn.Module, lr: float, muon_lr: float, weight_decay:
     groups = [{"params": roles["hidden"], "use_muon": True, "lr": muon_lr, "weight_decay": muon_weight_decay,
                "name": "muon"}]
     if embed_lr is None and head_lr is None:
-        groups.append({"params": roles["embeddings"] + roles["head"], "lr": lr, "weight_decay": weight_decay,
-                       "name": "adamw_embeddings_head"})
+        groups.append({"params": roles["embeddings"] + roles["head"], "lr": lr * embed_head_scale,
+                       "weight_decay": weight_decay, "name": "adamw_embeddings_head"})
     else:
-        groups += [{"params": roles["embeddings"], "lr": embed_lr or lr, "weight_decay": weight_decay,
-                    "name": "adamw_embeddings"},
-                   {"params": roles["head"], "lr": head_lr or lr, "weight_decay": weight_decay, "name": "adamw_head"}]
+        groups += [{"params": roles["embeddings"], "lr": (embed_lr or lr) * embed_head_scale,
+                    "weight_decay": weight_decay, "name": "adamw_embeddings"},
+                   {"params": roles["head"], "lr": (head_lr or lr) * embed_head_scale, "weight_decay": weight_decay,
+                    "name": "adamw_head"}]
     groups.append({"params": roles["scalars"], "lr": scalar_lr or lr, "weight_decay": 0.0,
                    "name": "adamw_norms_biases"})
     for g in groups:
@@ -512,12 +531,15 @@ def muon_param_groups(model: nn.Module, lr: float, muon_lr: float, weight_decay:
 
 
 def adamw_param_groups(model: nn.Module, lr: float, weight_decay: float, embed_lr: float | None = None,
-                       head_lr: float | None = None, scalar_lr: float | None = None) -> list[dict[str, Any]]:
+                       head_lr: float | None = None, scalar_lr: float | None = None,
+                       embed_head_scale: float = 1.0) -> list[dict[str, Any]]:
     """Four AdamW groups from :func:`param_roles`, each at its own learning rate (``None`` = ``lr``): the blocks'
     hidden matrices (``hidden``, at ``lr``), ``embeddings`` (``embed_lr``), ``head`` (``head_lr``), all three with
-    ``weight_decay``, and ``scalars`` (``scalar_lr``) without decay. Each group carries ``name`` and ``lr_scale``."""
+    ``weight_decay``, and ``scalars`` (``scalar_lr``) without decay; the embeddings' and head's rates times
+    ``embed_head_scale``. Each group carries ``name`` and ``lr_scale``."""
     roles = param_roles(model)
-    rates = {"hidden": lr, "embeddings": embed_lr or lr, "head": head_lr or lr, "scalars": scalar_lr or lr}
+    rates = {"hidden": lr, "embeddings": (embed_lr or lr) * embed_head_scale,
+             "head": (head_lr or lr) * embed_head_scale, "scalars": scalar_lr or lr}
     return [{"params": roles[r], "lr": rates[r], "lr_scale": rates[r] / lr, "name": r,
              "weight_decay": 0.0 if r == "scalars" else weight_decay} for r in roles]
 

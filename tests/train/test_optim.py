@@ -10,7 +10,7 @@ import torch
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.train.optim import (SGD, AdamW, Muon, clip_grad_norm, cosine_lr, wsd_lr, describe_groups, muon_lr_ratio,
                                  muon_param_groups, newton_schulz, newton_schulz_batched, param_groups_for,
-                                 adamw_param_groups, param_roles)
+                                 adamw_param_groups, param_roles, muon_momentum_at, dmodel_lr_scale)
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -123,6 +123,36 @@ def test_wsd_lr_edges():
     assert wsd_lr(10, 1.0, 0.0, 10, 20, 50) == 1.0 and wsd_lr(15, 1.0, 0.0, 10, 20, 50) == 0.5  # cut to 10 steps
     with pytest.raises(ValueError):
         wsd_lr(0, 1.0, 0.1, 10, 5, 2)
+
+
+def test_wsd_without_warmup_to_zero_is_nanochats_warmdown_one_step_earlier():
+    """nanochat's base_train: step ``it`` of ``T`` at ``min(1, (T - it) / W)``, ``W = round(0.2 T)``; the loop's wsd with
+    no warmup, cooldown_frac 0.2 and min_lr 0 runs step ``s`` at nanochat's ``s + 1``: the last step at 0."""
+    from lmforge.train.config import OptimConfig
+    from lmforge.train.loop import _lr_at
+
+    oc = OptimConfig(lr=2.0, min_lr=0.0, warmup_steps=0, schedule="wsd", cooldown_frac=0.2)
+    assert [_lr_at(s, oc, 10) for s in range(10)] == [2.0] * 8 + [1.0, 0.0]
+    T, W = 53, round(0.2 * 53)
+    nanochat = [min(1.0, (T - it) / W) for it in range(T + 1)]
+    assert [_lr_at(s, oc, T) / 2.0 for s in range(T)] == pytest.approx(nanochat[1:])
+
+
+def test_muon_momentum_warmup_and_dmodel_lr_scale():
+    assert [muon_momentum_at(s, 0.95, 0.85, 300) for s in (0, 150, 300, 400)] == pytest.approx([0.85, 0.90, 0.95, 0.95])
+    assert muon_momentum_at(0, 0.95, 0.85, 0) == 0.95  # no warm-up: the momentum throughout
+    with pytest.raises(ValueError, match="warmup_steps"):
+        muon_momentum_at(0, 0.95, 0.85, -1)
+    assert dmodel_lr_scale(768) == 1.0 and dmodel_lr_scale(256) == pytest.approx(3 ** 0.5)
+    model = _Extras()
+    for kw in ({}, {"embed_lr": 0.2, "head_lr": 0.004}):  # shared or separate embedding and head groups
+        plain = muon_param_groups(model, 1e-3, 0.02, 0.0, scalar_lr=0.02, **kw)
+        scaled = muon_param_groups(model, 1e-3, 0.02, 0.0, scalar_lr=0.02, embed_head_scale=3.0, **kw)
+        want = [g["lr"] * (3.0 if "embeddings" in g["name"] or "head" in g["name"] else 1.0) for g in plain]
+        assert [g["lr"] for g in scaled] == pytest.approx(want) and [g["lr_scale"] for g in scaled] == pytest.approx(
+            [w / 1e-3 for w in want])
+    adamw = adamw_param_groups(model, 1e-3, 0.1, head_lr=0.004, embed_head_scale=3.0)
+    assert [g["lr"] for g in adamw] == pytest.approx([1e-3, 3e-3, 0.012, 1e-3])
 
 
 def test_muon_ns_dtype_auto_is_fp32_without_native_bf16(monkeypatch):

@@ -90,6 +90,9 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
     (["training.batch_warmup_steps=-1"], r"training\.batch_warmup_steps must be >= 0"),
     (["training.batch_warmup_start=0"], r"training\.batch_warmup_start must be in \(0, 1\]"),
     (["optimizer.muon_momentum=1.0"], r"optimizer\.muon_momentum must be in \[0, 1\)"),
+    (["optimizer.muon_momentum_warmup_steps=-1"], r"optimizer\.muon_momentum_warmup_steps must be >= 0"),
+    (["optimizer.muon_momentum_start=1.0"], r"optimizer\.muon_momentum_start must be in \[0, 1\)"),
+    (["optimizer.name=sgd", "optimizer.dmodel_lr_scale=true"], r"optimizer\.dmodel_lr_scale scales AdamW's"),
     (["optimizer.muon_ns_steps=0"], r"optimizer\.muon_ns_steps must be in \[1, 100\)"),
     (["optimizer.muon_adjust_lr=spectral"], r"'optimizer\.muon_adjust_lr' must be one of 'original', 'match_rms_adamw'"),
 ])
@@ -189,6 +192,30 @@ def test_muon_resume_in_process_equals_uninterrupted(shards, tmp_path, caplog) -
     groups = read_checkpoint(full / "checkpoints" / "step_00000008.safetensors").optimizer["param_groups"]
     lrs = {g["name"]: g["lr"] for g in groups}  # the schedule scaled every group by the same factor
     assert lrs["muon"] == pytest.approx(lrs["adamw_norms_biases"] * 0.02 / 3e-3) and lrs["adamw_norms_biases"] < 3e-3
+
+
+def test_nanochat_optimizer_settings_reach_the_optimizer_and_resume_exactly(shards, tmp_path) -> None:
+    """Muon with nanochat's AdamW settings (no weight decay, betas (0.8, 0.95), eps 1e-10, rates times
+    (d_model/768)^-0.5) and its momentum warm-up: each reaches the saved optimizer groups, the momentum follows the
+    step (0.85 + 0.1 * 7/10 at the eighth step), and a run stopped at step 5 resumes bit for bit."""
+    from lmforge.checkpoint import read_checkpoint
+
+    nc = {"name": "muon", "embed_lr": 0.2, "head_lr": 0.004, "scalar_lr": 0.02, "weight_decay": 0.0,
+          "betas": [0.8, 0.95], "eps": 1e-10, "dmodel_lr_scale": True, "muon_momentum_warmup_steps": 10}
+    full, split = tmp_path / "full", tmp_path / "split"
+    train(_cfg(shards, optimizer=nc, training={"max_steps": 8}), full, progress=False)
+    train(_cfg(shards, optimizer=nc, training={"max_steps": 5}), split, progress=False)  # checkpoints at 3 and 5
+    train(_cfg(shards, optimizer=nc, training={"max_steps": 8}), split, progress=False)
+    assert _losses(split) == _losses(full)  # float equality, every step
+    for run in (full, split):
+        saved = read_checkpoint(run / "checkpoints" / "step_00000008.safetensors").optimizer["param_groups"]
+        g = {x["name"]: x for x in saved}
+        assert g["muon"]["momentum"] == pytest.approx(0.92) and g["muon"]["weight_decay"] == 0.0
+        scale = (32 / 768) ** -0.5
+        assert [g[n]["lr_scale"] * 3e-3 for n in ("adamw_embeddings", "adamw_head", "adamw_norms_biases")] == \
+            pytest.approx([0.2 * scale, 0.004 * scale, 0.02])
+        for n in ("adamw_embeddings", "adamw_head", "adamw_norms_biases"):
+            assert (tuple(g[n]["betas"]), g[n]["eps"], g[n]["weight_decay"]) == ((0.8, 0.95), 1e-10, 0.0)
 
 
 def test_fp8_training_resumes_exactly_and_follows_float32(shards, tmp_path, caplog) -> None:
