@@ -358,11 +358,14 @@ NB_MODULE(_core, m) {
         "Run `jobs` tiny jobs back to back on the decode kernels' pool; the number of chunks that ran other than "
         "exactly once (0 when the pool is right; for tests).");
     m.def("linear_isa", &linear_isa,
-          "Instruction set the decode kernels use on this CPU: 'avx512', 'avx2' or 'scalar'.");
+          "Instruction set the decode kernels use on this CPU: 'avx512_vnni' (the int8-activation products on "
+          "AVX-512 VNNI, the rest on AVX-512), 'avx512', 'avx2' or 'scalar'.");
     m.def("linear_force_scalar", &linear_force_scalar, nb::arg("on"),
           "Run the decode kernels' scalar code even on AVX2 CPUs (for tests).");
     m.def("linear_force_avx2", &linear_force_avx2, nb::arg("on"),
           "Run the decode kernels' AVX2 code even on AVX-512 CPUs (for tests).");
+    m.def("linear_force_avx512", &linear_force_avx512, nb::arg("on"),
+          "Run the decode kernels' AVX-512F code (no VNNI) even on AVX-512 VNNI CPUs (for tests).");
 
     using F2 = nb::ndarray<nb::ro, float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
     nb::class_<StepModel>(m, "DecodeModel",

@@ -57,7 +57,7 @@ def pool_selfcheck(jobs: int, threads: int) -> int:
 
 def linear_isa() -> str:
     """
-    Instruction set the decode kernels use on this CPU: 'avx512', 'avx2' or 'scalar'.
+    Instruction set the decode kernels use on this CPU: 'avx512_vnni' (the int8-activation products on AVX-512 VNNI, the rest on AVX-512), 'avx512', 'avx2' or 'scalar'.
     """
 
 def linear_force_scalar(on: bool) -> None:
@@ -65,6 +65,11 @@ def linear_force_scalar(on: bool) -> None:
 
 def linear_force_avx2(on: bool) -> None:
     """Run the decode kernels' AVX2 code even on AVX-512 CPUs (for tests)."""
+
+def linear_force_avx512(on: bool) -> None:
+    """
+    Run the decode kernels' AVX-512F code (no VNNI) even on AVX-512 VNNI CPUs (for tests).
+    """
 
 class DecodeModel:
     """

@@ -143,19 +143,34 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             fcntl.flock(door, fcntl.LOCK_UN)
 
 
-@pytest.fixture(params=["native", "avx2", "scalar"])
+@pytest.fixture(params=["avx512_vnni", "avx512", "avx2", "scalar"])
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Run a test on the C++ decode kernels' widest instruction set, again with at most AVX2, and on the scalar
-    code (all must match the reference; on a CPU without AVX-512 the first two are the same, without AVX2 all
-    three). Needs the extension: use it in modules that skip without it."""
+    """Run a test on each instruction set of the C++ decode kernels (``_core.linear_isa()``'s names) that this
+    CPU has, the wider ones switched off for it; all must match the reference. The sets the CPU lacks are skipped,
+    and so is a forced "avx512" on a VNNI CPU: it runs the AVX-512 float tiles, which "avx512_vnni" runs too, and the
+    AVX2 integer tiles, which "avx2" runs (tests/generate/test_decode_step.py compares the sets' bits directly).
+    ``LMFORGE_TEST_ISAS`` (comma-separated names, "widest" for the CPU's widest) limits the sets (tools/sanitize.sh).
+    Needs the extension: use it in modules that skip without it."""
     from lmforge._native import core
 
     _core = core()
+    wanted = os.environ.get("LMFORGE_TEST_ISAS", "").replace("widest", _core.linear_isa()).split(",")
+    if wanted != [""] and request.param not in wanted:
+        pytest.skip(f"LMFORGE_TEST_ISAS={os.environ['LMFORGE_TEST_ISAS']}")
+    if request.param == "avx512" and _core.linear_isa() == "avx512_vnni":
+        pytest.skip("on an AVX-512 VNNI CPU the avx512_vnni and avx2 runs cover every kernel a forced avx512 runs")
     _core.linear_force_scalar(request.param == "scalar")
     _core.linear_force_avx2(request.param == "avx2")
-    yield request.param
-    _core.linear_force_scalar(False)
-    _core.linear_force_avx2(False)
+    _core.linear_force_avx512(request.param == "avx512")
+    try:
+        runs = _core.linear_isa()
+        if runs != request.param:
+            pytest.skip(f"this CPU has no {request.param} for the decode kernels (they run {runs})")
+        yield request.param
+    finally:
+        _core.linear_force_scalar(False)
+        _core.linear_force_avx2(False)
+        _core.linear_force_avx512(False)
 
 
 @pytest.fixture(scope="session")

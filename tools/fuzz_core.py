@@ -1,9 +1,11 @@
 """A seeded random fuzzer of lmforge._core's bindings, as a hostile or careless caller would call them: byte
 spans that cut characters or leave the buffer, cache rows and lengths at and past every bound (2**64 - 1
-included), shapes that disagree, counts near 2**63. Each call must give the answer its contract says or refuse
-with ValueError/TypeError, and leave its outputs alone when it refuses. ``make sanitize`` runs it against the
-ASan + UBSan build, where a read or write out of bounds aborts; ``tests/test_fuzz_core.py`` runs a few hundred
-iterations on the normal build.
+included), shapes that disagree, counts near 2**63, every packed weight kind. Each call must give the answer its
+contract says or refuse with ValueError/TypeError, and leave its outputs alone when it refuses. Each iteration runs
+on one of the decode kernels' instruction sets that the CPU has (``_core.linear_isa()``'s names, the wider ones
+switched off), picked at random, and a product's answer must be the scalar code's bits. ``make sanitize`` runs it
+against the ASan + UBSan build, where a read or write out of bounds aborts; ``tests/tools/test_fuzz_core.py`` runs
+a few hundred iterations on the normal build.
 
 Usage: python tools/fuzz_core.py [--iterations N] [--seed S]
 """
@@ -88,21 +90,67 @@ def fuzz_counts(c, rng: random.Random) -> None:
         assert "pair counts" in str(e)
 
 
+ISAS = ("avx512_vnni", "avx512", "avx2", "scalar")  # the decode kernels' instruction sets, widest first
+
+
+def use_isa(c, name: str) -> str:
+    """Switch the decode kernels to instruction set ``name`` or the widest below it; returns what they run."""
+    c.linear_force_scalar(name == "scalar")
+    c.linear_force_avx2(name == "avx2")
+    c.linear_force_avx512(name == "avx512")
+    return c.linear_isa()
+
+
+def isas_of(c) -> list[str]:
+    """The instruction sets this CPU runs the kernels on (the switches left off)."""
+    found = [name for name in ISAS if use_isa(c, name) == name]
+    use_isa(c, ISAS[0])
+    return found
+
+
+def packed_k(kind: int, k: int) -> int:
+    """The packed array's middle dimension for ``k`` inputs (decode/kernels.h's layouts)."""
+    return 16 * -(-k // 32) if kind in (4, 6) else 32 * -(-k // 32) if kind == 5 else k
+
+
+def packed(rng: np.random.Generator, kind: int, n: int, k: int, extra: int = 0) -> tuple:
+    """A random ``(n, k)`` matrix as ``linear_rows`` and ``DecodeModel`` take it: ``(w, kind, scales or None)``.
+    Weights are small integers and scales powers of two, so every sum is exact and every instruction set (any
+    order of sums) gives the same bits. ``extra`` adds rows to the packed ``k`` dimension (a wrong shape)."""
+    shape = (-(-n // 8), packed_k(kind, k) + extra, 8)
+    ints = rng.integers(-3, 4, shape).astype(np.float32)
+    if kind == 0:
+        w = ints
+    elif kind == 1:
+        w = (ints.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16: the top half of the float32 (exact here)
+    elif kind == 2:
+        w = ints.astype(np.float16).view(np.uint16)
+    elif kind in (3, 5):
+        w = rng.integers(-127, 128, shape, dtype=np.int8)
+    else:
+        w = rng.integers(0, 256, shape, dtype=np.uint8)
+    pow2 = 2.0 ** rng.integers(-8, 1, -(-n // 8) * 8 * -(-k // 32))
+    scales = (None if kind < 3 else pow2.astype(np.float16).view(np.uint16) if kind in (4, 6)
+              else pow2[:n].astype(np.float32))
+    return w, kind, scales
+
+
 class Step:
-    """A random tiny model (fp32 weights) for DecodeModel.step: vocab 13, C 8, 2 heads of 4, 1 KV head, 2 layers."""
+    """Random tiny models for DecodeModel.step, one per packed weight kind (0..6): vocab 13, C 8, 2 heads of 4,
+    1 KV head, 2 layers."""
 
     def __init__(self, c, rng: np.random.Generator) -> None:
         self.V, self.C, self.H, self.Hkv, self.D, self.F, self.P, self.L = 13, 8, 2, 1, 4, 12, 9, 2
-
-        def mat(n: int, k: int) -> tuple:
-            return rng.standard_normal((-(-n // 8), k, 8)).astype(np.float32), 0, None
-
         ones = np.ones(self.C, np.float32)
-        layer = (ones, mat((self.H + 2 * self.Hkv) * self.D, self.C), mat(self.C, self.H * self.D), ones,
-                 mat(2 * self.F, self.C), mat(self.C, self.F))
         table = rng.standard_normal((self.P, self.D // 2)).astype(np.float32)
-        self.model = c.DecodeModel(rng.standard_normal((self.V, self.C)).astype(np.float32), table, table, self.H,
-                                   self.Hkv, self.F, 1e-5, [layer] * self.L, ones, mat(self.V, self.C), self.V)
+        self.models = []
+        for kind in range(7):
+            layer = (ones, packed(rng, kind, (self.H + 2 * self.Hkv) * self.D, self.C),
+                     packed(rng, kind, self.C, self.H * self.D), ones, packed(rng, kind, 2 * self.F, self.C),
+                     packed(rng, kind, self.C, self.F))
+            self.models.append(c.DecodeModel(rng.standard_normal((self.V, self.C)).astype(np.float32), table, table,
+                                             self.H, self.Hkv, self.F, 1e-5, [layer] * self.L, ones,
+                                             packed(rng, kind, self.V, self.C), self.V))
 
     def fuzz(self, rng: random.Random) -> None:
         rows, S = rng.randrange(1, 4), rng.randrange(1, 8)
@@ -119,7 +167,7 @@ class Step:
               and all(0 <= t < self.V for t in tokens.tolist()))
         before = lengths.copy()
         try:
-            self.model.step(tokens, k, v, lengths, logits, rng.choice([1, 2]), first)
+            rng.choice(self.models).step(tokens, k, v, lengths, logits, rng.choice([1, 2]), first)
         except ValueError:
             assert not ok, (rows, S, B, T, first, before, tokens)
             assert np.array_equal(lengths, before) and not k.any() and not v.any() and not logits.any()
@@ -128,21 +176,32 @@ class Step:
         assert np.array_equal(lengths, before + T) and np.isfinite(logits).all()
 
 
-def fuzz_linear_rows(c, rng: random.Random) -> None:
-    M, K, N = rng.randrange(1, 4), rng.randrange(1, 40), rng.randrange(1, 20)
-    kind = rng.choice([0, 3])
-    x = np.ones((M, K), np.float32)
-    wn = rng.choice([N, N + 8, max(N - 8, 0)])
-    w = np.ones((-(-wn // 8), K + rng.choice([0, 0, 1]), 8), np.float32 if kind == 0 else np.int8)
-    scales = np.ones(rng.choice([N, N - 1]), np.float32) if kind == 3 else None
+def fuzz_linear_rows(c, rng: random.Random, isa: str) -> None:
+    """A product of a random kind and shape (at times a wrong one); answered, it is the scalar code's bits."""
+    M, K, N = rng.choice([rng.randrange(1, 4), rng.randrange(1, 30)]), rng.randrange(1, 70), rng.randrange(1, 40)
+    kind = rng.randrange(7)
+    wn = rng.choice([N, N, N + 8, max(N - 8, 0)])
+    w, _, scales = packed(np.random.default_rng(rng.randrange(2**32)), kind, wn, K, rng.choice([0, 0, 1]))
+    count = N if kind in (3, 5) else -(-N // 8) * 8 * -(-K // 32)  # scales needed
+    if scales is not None:
+        scales = scales[: rng.choice([len(scales), count, count - 1])]
+    x = np.random.default_rng(rng.randrange(2**32)).integers(-3, 4, (M, K)).astype(np.float32)
     y = np.zeros((M, N), np.float32)
-    ok = -(-wn // 8) == -(-N // 8) and w.shape[1] == K and (scales is None or len(scales) >= N)
+    ok = (-(-wn // 8) == -(-N // 8) and w.shape[1] == packed_k(kind, K)
+          and (scales is None if kind < 3 else len(scales) >= count))
+    threads = rng.choice([1, 2])
     try:
-        c.linear_rows(x, w, kind, y, rng.choice([1, 2]), scales)
+        c.linear_rows(x, w, kind, y, threads, scales)
     except ValueError:
         assert not ok and not y.any()
         return
-    assert ok and y.any()
+    assert ok
+    if isa != "scalar":
+        ref = np.zeros_like(y)
+        use_isa(c, "scalar")
+        c.linear_rows(x, w, kind, ref, threads, scales)
+        use_isa(c, isa)
+        assert np.array_equal(y, ref, equal_nan=True), (isa, kind, M, K, N)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,14 +213,20 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     enc = c.Encoder([bytes([b]) for b in range(256)], [], {"<|x|>": 256}, c.PATTERN_GPT4)
     step = Step(c, np.random.default_rng(args.seed))
-    for _ in range(args.iterations):
-        fuzz_encode_spans(c, enc, rng)
-        fuzz_pretokenize(c, rng)
-        fuzz_split_documents(c, rng)
-        fuzz_counts(c, rng)
-        step.fuzz(rng)
-        fuzz_linear_rows(c, rng)
-    print(f"fuzz_core: {args.iterations} iterations of each binding, all answers as their contracts say")
+    isas = isas_of(c)
+    try:
+        for _ in range(args.iterations):
+            isa = use_isa(c, rng.choice(isas))
+            fuzz_encode_spans(c, enc, rng)
+            fuzz_pretokenize(c, rng)
+            fuzz_split_documents(c, rng)
+            fuzz_counts(c, rng)
+            step.fuzz(rng)
+            fuzz_linear_rows(c, rng, isa)
+    finally:
+        use_isa(c, ISAS[0])
+    print(f"fuzz_core: {args.iterations} iterations of each binding on the decode kernels' {', '.join(isas)}, all "
+          "answers as their contracts say")
     return 0
 
 

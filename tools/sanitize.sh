@@ -3,10 +3,11 @@
 # build/sanitize (the normal build and the installed extension are untouched), then, against that build:
 #   1. csrc/fuzz/fuzz_text.cpp: the pre-tokenizers, the encoder and the splitter on random non-UTF-8 bytes;
 #   2. tools/fuzz_core.py: random (often hostile) calls of every binding, each answered or refused with
-#      ValueError/TypeError, never a memory error;
+#      ValueError/TypeError, never a memory error, each iteration on one of the decode kernels' instruction sets
+#      the CPU has (scalar, AVX2, AVX-512, AVX-512 VNNI), every packed weight kind;
 #   3. the kernel and tokenizer tests (libasan preloaded into the uninstrumented Python; leaks not checked:
-#      CPython's are not ours), on the scalar and the native instruction set (not AVX2 as well: time), without
-#      the benchmark and timing tests. Not tests/test_native_fork.py: GCC 12's libasan does not hold its own
+#      CPython's are not ours), on the scalar and the CPU's widest instruction set (LMFORGE_TEST_ISAS; not the
+#      ones between as well: time), without the benchmark and timing tests. Not tests/test_native_fork.py: GCC 12's libasan does not hold its own
 #      allocator's locks across fork(), so a child forked while another thread is inside malloc can wait forever
 #      on ASan's size-class mutex (seen: 1 run in ~40, the child on a futex in the allocator's region table at
 #      0x640000000000) - a hang of the sanitizer runtime, not of lmforge's locks; make test runs it on the normal build.
@@ -28,8 +29,8 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 "$BUILD"/fuzz_text $((ITER * 100)) 1
 export LMFORGE_SANITIZED_CORE=$PWD/$CORE PYTHONPATH=$PWD/tools/sanitize${PYTHONPATH:+:$PYTHONPATH}
 LD_PRELOAD=$PRELOAD "$PY" tools/fuzz_core.py --iterations "$ITER" --seed 1
-LD_PRELOAD=$PRELOAD "$PY" -m pytest -q -p no:cacheprovider \
+LMFORGE_TEST_ISAS=widest,scalar LD_PRELOAD=$PRELOAD "$PY" -m pytest -q -p no:cacheprovider \
     tests/tokenizer/test_core.py tests/tokenizer/test_core_untrusted.py tests/tokenizer/test_tokenizer.py \
     tests/generate/test_kernel_args.py tests/generate/test_decode_step.py tests/generate/test_packed_q8.py \
     tests/test_native.py tests/tools/test_fuzz_core.py tests/corpus/test_sources.py \
-    -k "not benchmark and not perf and not release_the_gil and not avx2" "$@"
+    -k "not benchmark and not perf and not release_the_gil" "$@"

@@ -150,7 +150,7 @@ void attend_rows(const float* q, const float* k, const float* v, const int64_t* 
     std::lock_guard<ForkSafeMutex> lk(g_pool_mu);
     bool vec = false;
 #ifdef LMFORGE_X86
-    vec = cpu_has_avx2() && D % 8 == 0 && !g_force_scalar.load(std::memory_order_relaxed);
+    vec = kernel_isa() >= Isa::Avx2 && D % 8 == 0;
 #endif
     const size_t pairs = B * H;
     size_t per = std::max<size_t>(1, pairs / (8 * (size_t)std::max(threads, 1)));

@@ -63,7 +63,8 @@ void linear_rows_q8(const float* x, size_t M, size_t K, const void* w, WeightTyp
 // codes xq (M, 32 G) in [-127, 127], scales d (M, G), code sums xsum (M, G) (qdot.cpp says how).
 void quantize_rows_q8(const float* x, size_t M, size_t K, int8_t* xq, float* d, int32_t* xsum);
 
-// Which instruction set the kernels use on this CPU: "avx512", "avx2" or "scalar".
+// Which instruction set the kernels use on this CPU: "avx512_vnni" (AVX-512 with VNNI: the integer products
+// of I8Q8 and I4Q8 use vpdpbusd, the rest the AVX-512 code), "avx512", "avx2" or "scalar".
 const char* linear_isa();
 
 // Use the scalar kernels even where AVX2 is available (for tests holding both to the same reference).
@@ -71,6 +72,9 @@ void linear_force_scalar(bool on);
 
 // Use at most AVX2 even where AVX-512 is available (tests: every instruction set held to the reference).
 void linear_force_avx2(bool on);
+
+// Use at most AVX-512F (no VNNI) even where AVX-512 VNNI is available (tests, as above).
+void linear_force_avx512(bool on);
 
 // ---------------------------------------------------------------------------------------------------
 // A whole decode step (step.cpp). The pointers are borrowed: the caller keeps the arrays alive and unchanged.

@@ -1,6 +1,7 @@
 // Decode-time skinny matrix products y = x . W^T for a few rows x (contract in kernels.h; Python:
 // lmforge.generate.packed.PackedLinear; the decode step of step.cpp), and the switches of the kernels'
-// instruction set: scalar, AVX2 or AVX-512, picked at run time (the vector kernels in tiles.inc).
+// instruction set: scalar, AVX2 or AVX-512, picked at run time (the vector kernels in tiles.inc; AVX-512 VNNI
+// serves only the integer products of qdot.cpp).
 //
 // Shape of the work: one decode step multiplies a few activation rows (M = batch size, 1..8) by every
 // weight matrix of the model once. At M = 1 each weight is used for a single multiply-add, so the time
@@ -132,10 +133,9 @@ using BlockFn = void (*)(const float*, const float*, size_t, size_t, const void*
 template <WeightType WT>
 BlockFn pick_typed() {
 #ifdef LMFORGE_X86
-    if (cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed)) {
-        if (cpu_has_avx512() && !g_force_avx2.load(std::memory_order_relaxed)) return avx512::block<WT>;
-        return avx2::block<WT>;
-    }
+    const Isa isa = kernel_isa();  // VNNI adds nothing to float products: they run the AVX-512 build there
+    if (isa >= Isa::Avx512) return avx512::block<WT>;
+    if (isa == Isa::Avx2) return avx2::block<WT>;
 #endif
     if constexpr (WT == WeightType::I4) return block_scalar4;
     else return block_scalar<WT>;
@@ -214,15 +214,18 @@ void linear_rows(const float* x, size_t M, size_t K, const void* w, WeightType w
 }
 
 const char* linear_isa() {
-#ifdef LMFORGE_X86
-    if (cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed))
-        return cpu_has_avx512() && !g_force_avx2.load(std::memory_order_relaxed) ? "avx512" : "avx2";
-#endif
-    return "scalar";
+    switch (kernel_isa()) {
+        case Isa::Avx512Vnni: return "avx512_vnni";
+        case Isa::Avx512: return "avx512";
+        case Isa::Avx2: return "avx2";
+        default: return "scalar";
+    }
 }
 
 void linear_force_scalar(bool on) { g_force_scalar.store(on); }
 
 void linear_force_avx2(bool on) { g_force_avx2.store(on); }
+
+void linear_force_avx512(bool on) { g_force_avx512.store(on); }
 
 }  // namespace lmforge

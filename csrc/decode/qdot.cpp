@@ -4,14 +4,15 @@
 // (quantize_rows_q8 below), the products of a block are summed exactly in int32, and each block's sum is
 // scaled once in float32. The float32 path (products.cpp) converts every weight to float, which on AVX2 is ~6
 // weights per cycle per core; here a 32-byte vector of weights costs ~4 integer operations (int8) or a
-// 32-byte vector of 64 int4 codes ~7: the weights stream at the speed memory gives them.
+// 32-byte vector of 64 int4 codes ~7 (with AVX-512 VNNI's vpdpbusd: 1 and ~5): the weights stream at the speed
+// memory gives them.
 //
 // Per output y[m][n], with q the activation codes, d[m][g] their scales, blocks g = 0 .. G-1 in that order and
 // isum = sum over the block of q[m][k] * c[n][k] (an exact int32):
 //   I8Q8 (codes c in [-127, 127], a scale s[n] per row):     acc = acc + float(isum) * d[m][g];  y = acc * s[n]
 //   I4Q8 (codes c = code - 8 in [-8, 7], scales s[n][g], fp16): acc = acc + float(isum) * (d[m][g] * s[n][g])
 // each operation rounded to float32 on its own (no FMA: the build has -ffp-contract=off), acc starting at 0.
-// The order depends only on K: batch invariant, and the scalar and AVX2 code give the same bits.
+// The order depends only on K: batch invariant, and the scalar, AVX2 and AVX-512 VNNI code give the same bits.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -118,7 +119,8 @@ void block_scalar(const int8_t* xq, const float* d, const int32_t* xsum, size_t 
 
 #ifdef LMFORGE_X86
 // ---------------------------------------------------------------------------------------------------
-// AVX2 (also what AVX-512 CPUs run: 256-bit integer ops are what Zen 4 executes at full rate anyway).
+// AVX2: the rounding of the activations (every vector build), then the tiles. AVX-512 CPUs without VNNI run the
+// AVX2 tiles (256-bit integer ops are what Zen 4 executes at full rate anyway; VNNI gets its own build).
 
 LMFORGE_AVX2 void quantize_rows_avx2(const float* x, size_t M, size_t K, int8_t* xq, float* d, int32_t* xsum) {
     const size_t G = (K + kBlock - 1) / kBlock;
@@ -187,190 +189,19 @@ LMFORGE_AVX2 inline void store_tile(const __m256 (&acc)[MR][PR], float* y, size_
         for (int q = 0; q < PR; ++q) store8(acc[i][q], y + (m0 + i) * ldy, (p0 + q) * kPanel, N);
 }
 
-// Prefetch: each cache line of the tile's panels is asked for one tile ahead (the same line of panels
-// p0+PR ..: what the next tile reads when one row is multiplied, as in a decode step at batch 1); a tile's
-// PR panels are one contiguous region, so this keeps a whole tile of loads in flight from DRAM. Measured on a
-// Zen 3 VM (2 threads, products too big for the L3, alternating runs): with every other line asked for 1 KB
-// ahead in its panel int4 products streamed 15-20 GB/s and int8 20-22; one tile ahead, 24-29 and 26-29. The
-// float tiles (products.cpp) gained nothing measurable from the same change.
-// int8 weights: rows [m0, m0+MR) x panels [p0, p0+PR). Per 4 k a 32-byte vector holds 4 codes of each of the
-// panel's 8 rows; vpmaddubsw needs an unsigned operand, so |x| times the weights carrying x's sign (llama.cpp's
-// trick; |x|, |w| <= 127 keep each pair sum within int16), vpmaddwd with ones adds the pairs into int32 lanes.
-template <int MR, int PR>
-LMFORGE_AVX2 void tile_i8(const int8_t* xq, const float* d, size_t m0, size_t G, const int8_t* w, size_t N,
-                          size_t p0, float* y, size_t ldy) {
-    const size_t Kp = G * kBlock;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[MR][PR];
-    zero_tile(acc);
-    for (size_t g = 0; g < G; ++g) {
-        __m256i isum[MR][PR];
-        zero_tile(isum);
-        // Not unrolled: unrolled, GCC hoisted the products of every step and spilled them to the stack (16
-        // registers); rolled, each step's sums are used at once. Measured alternating: int8 prefill +3% at d512
-        // (+1% at GPT-2 small), a d512 int8 decode step +4%; same bits.
-        #pragma GCC unroll 1
-        for (size_t s = 0; s < kBlock / 4; ++s) {
-            __m256i wv[PR];
-            for (int q = 0; q < PR; ++q) {
-                const int8_t* at = w + ((p0 + q) * Kp + g * kBlock + 4 * s) * kPanel;
-                if ((s & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + PR * Kp * kPanel, _MM_HINT_T0);
-                wv[q] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
-            }
-            for (int i = 0; i < MR; ++i) {
-                const __m256i xv = bcast4(xq + (m0 + i) * Kp + g * kBlock + 4 * s);
-                const __m256i ax = _mm256_sign_epi8(xv, xv);
-                for (int q = 0; q < PR; ++q) {
-                    const __m256i p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[q], xv));
-                    isum[i][q] = _mm256_add_epi32(isum[i][q], _mm256_madd_epi16(p16, ones));
-                }
-            }
-        }
-        for (int i = 0; i < MR; ++i) {
-            const __m256 dv = _mm256_set1_ps(d[(m0 + i) * G + g]);
-            for (int q = 0; q < PR; ++q)
-                acc[i][q] = _mm256_add_ps(acc[i][q], _mm256_mul_ps(_mm256_cvtepi32_ps(isum[i][q]), dv));
-        }
-    }
-    store_tile(acc, y, m0, ldy, p0, N);
-}
-
-// int4 weights: per block of a panel 4 vectors of 32 bytes; vector v's low nibbles are the codes of k = 32g + 4v
-// .. +3, its high nibbles those of k + 16, 4 per row as for int8. Codes (0..15) are the unsigned operand, so no
-// sign trick: a pair sum is at most 2 * 15 * 127, and the 8 of a block fit int16 (30480) before one vpmaddwd.
-// The -8 comes off as 8 * (the block's code sum of x).
-template <int MR, int PR>
-LMFORGE_AVX2 void tile_i4(const int8_t* xq, const float* d, const int32_t* xsum, size_t m0, size_t G,
-                          const uint8_t* w, const uint16_t* sc, size_t N, size_t p0, float* y, size_t ldy) {
-    const size_t Kp = G * kBlock;
-    const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(0xF);
-    __m256 acc[MR][PR];
-    zero_tile(acc);
-    for (size_t g = 0; g < G; ++g) {
-        __m256i s16[MR][PR];
-        zero_tile(s16);
-        #pragma GCC unroll 1  // as tile_i8's loop (int4 prefill +4% at d512, +6.5% at GPT-2 small)
-        for (size_t v = 0; v < 4; ++v) {
-            __m256i lo[PR], hi[PR];
-            for (int q = 0; q < PR; ++q) {
-                const uint8_t* at = w + ((p0 + q) * G + g) * 128 + 32 * v;
-                if ((v & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + PR * G * 128, _MM_HINT_T0);
-                if (v == 0 && (g & 1) == 0)
-                    _mm_prefetch(reinterpret_cast<const char*>(sc + ((p0 + q + PR) * G + g) * kPanel), _MM_HINT_T0);
-                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
-                lo[q] = _mm256_and_si256(raw, nib);
-                hi[q] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-            }
-            for (int i = 0; i < MR; ++i) {
-                const int8_t* xs = xq + (m0 + i) * Kp + g * kBlock;
-                const __m256i xa = bcast4(xs + 4 * v), xb = bcast4(xs + 16 + 4 * v);
-                for (int q = 0; q < PR; ++q) {
-                    s16[i][q] = _mm256_add_epi16(s16[i][q], _mm256_maddubs_epi16(lo[q], xa));
-                    s16[i][q] = _mm256_add_epi16(s16[i][q], _mm256_maddubs_epi16(hi[q], xb));
-                }
-            }
-        }
-        for (int i = 0; i < MR; ++i) {
-            const __m256i corr = _mm256_set1_epi32(8 * xsum[(m0 + i) * G + g]);
-            const __m256 dv = _mm256_set1_ps(d[(m0 + i) * G + g]);
-            for (int q = 0; q < PR; ++q) {
-                const __m256i exact = _mm256_sub_epi32(_mm256_madd_epi16(s16[i][q], ones), corr);
-                const __m256 dd = _mm256_mul_ps(dv, f16x8_to_f32(sc + ((p0 + q) * G + g) * kPanel));
-                acc[i][q] = _mm256_add_ps(acc[i][q], _mm256_mul_ps(_mm256_cvtepi32_ps(exact), dd));
-            }
-        }
-    }
-    store_tile(acc, y, m0, ldy, p0, N);
-}
-
-// The same for one row (a decode step), each panel's vector unpacked and used at once: the live registers are
-// the PR int16 sums, the PR float sums, the two broadcasts and the mask. tile_i4<1, 4> unpacks all four panels
-// first and spills to the stack (16 vector registers); this one, in one process alternating with it: the
-// products 6-12% faster at d512 and GPT-2-small sizes, a d512 int4 decode step 6% (same bits).
-template <int PR>
-LMFORGE_AVX2 void tile_i4_row(const int8_t* xq, const float* d, const int32_t* xsum, size_t m0, size_t G,
-                              const uint8_t* w, const uint16_t* sc, size_t N, size_t p0, float* y, size_t ldy) {
-    const size_t Kp = G * kBlock;
-    const __m256i nib = _mm256_set1_epi8(0xF);
-    __m256 acc[PR];
-    for (int q = 0; q < PR; ++q) acc[q] = _mm256_setzero_ps();
-    const int8_t* xrow = xq + m0 * Kp;
-    const uint8_t* base = w + p0 * G * 128;
-    for (size_t g = 0; g < G; ++g) {
-        __m256i s16[PR];
-        for (int q = 0; q < PR; ++q) s16[q] = _mm256_setzero_si256();
-        const int8_t* xs = xrow + g * kBlock;
-        for (size_t v = 0; v < 4; ++v) {
-            const __m256i xa = bcast4(xs + 4 * v), xb = bcast4(xs + 16 + 4 * v);
-            for (int q = 0; q < PR; ++q) {
-                const uint8_t* at = base + ((size_t)q * G + g) * 128 + 32 * v;
-                if ((v & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + PR * G * 128, _MM_HINT_T0);
-                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
-                const __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-                s16[q] = _mm256_add_epi16(s16[q], _mm256_maddubs_epi16(lo, xa));
-                s16[q] = _mm256_add_epi16(s16[q], _mm256_maddubs_epi16(hi, xb));
-            }
-        }
-        const __m256i corr = _mm256_set1_epi32(8 * xsum[m0 * G + g]);
-        const __m256 dv = _mm256_set1_ps(d[m0 * G + g]);
-        for (int q = 0; q < PR; ++q) {
-            const uint16_t* s = sc + ((p0 + q) * G + g) * kPanel;
-            if (g % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(s) + PR * G * kPanel * 2, _MM_HINT_T0);
-            const __m256i exact = _mm256_sub_epi32(_mm256_madd_epi16(s16[q], _mm256_set1_epi16(1)), corr);
-            const __m256 dd = _mm256_mul_ps(dv, f16x8_to_f32(s));
-            acc[q] = _mm256_add_ps(acc[q], _mm256_mul_ps(_mm256_cvtepi32_ps(exact), dd));
-        }
-    }
-    for (int q = 0; q < PR; ++q) store8(acc[q], y + m0 * ldy, (p0 + q) * kPanel, N);
-}
-
-// Panels per tile for MR rows (16 registers: the int32 sums, the weight vectors, the broadcasts).
-constexpr int panels_i8(int MR) { return MR == 1 ? 4 : MR == 2 ? 2 : 1; }
-constexpr int panels_i4(int MR) { return MR == 1 ? 4 : MR <= 3 ? 2 : 1; }
-
-template <bool I4, int MR>
-LMFORGE_AVX2 void rows_q(const int8_t* xq, const float* d, const int32_t* xsum, size_t m, size_t G, const void* w,
-                         const void* sc, size_t N, size_t p0, size_t p1, float* y, size_t ldy) {
-    size_t p = p0;
-    if constexpr (I4) {
-        constexpr int PR = panels_i4(MR);
-        const auto* w4 = static_cast<const uint8_t*>(w);
-        const auto* s4 = static_cast<const uint16_t*>(sc);
-        if constexpr (MR == 1) {  // a decode step's one row
-            for (; p + PR <= p1; p += PR) tile_i4_row<PR>(xq, d, xsum, m, G, w4, s4, N, p, y, ldy);
-            for (; p < p1; ++p) tile_i4_row<1>(xq, d, xsum, m, G, w4, s4, N, p, y, ldy);
-        } else {
-            for (; p + PR <= p1; p += PR) tile_i4<MR, PR>(xq, d, xsum, m, G, w4, s4, N, p, y, ldy);
-            for (; p < p1; ++p) tile_i4<MR, 1>(xq, d, xsum, m, G, w4, s4, N, p, y, ldy);
-        }
-    } else {
-        constexpr int PR = panels_i8(MR);
-        const auto* w8 = static_cast<const int8_t*>(w);
-        for (; p + PR <= p1; p += PR) tile_i8<MR, PR>(xq, d, m, G, w8, N, p, y, ldy);
-        for (; p < p1; ++p) tile_i8<MR, 1>(xq, d, m, G, w8, N, p, y, ldy);
-    }
-}
-
-// All M rows against panels [p0, p1): groups of 4 panels stay in L1/L2 while 4-row tiles pass over them.
-template <bool I4>
-LMFORGE_AVX2 void block_avx2(const int8_t* xq, const float* d, const int32_t* xsum, size_t M, size_t G,
-                             const void* w, const void* sc, size_t N, size_t p0, size_t p1, float* y, size_t ldy) {
-    constexpr size_t R = 4, PG = 4, MC = 64;
-    for (size_t mc = 0; mc < M; mc += MC) {
-        const size_t me = std::min(M, mc + MC);
-        for (size_t g = p0; g < p1; g += PG) {
-            const size_t ge = std::min(p1, g + PG);
-            size_t m = mc;
-            for (; m + R <= me; m += R) rows_q<I4, 4>(xq, d, xsum, m, G, w, sc, N, g, ge, y, ldy);
-            switch (me - m) {
-                case 3: rows_q<I4, 3>(xq, d, xsum, m, G, w, sc, N, g, ge, y, ldy); break;
-                case 2: rows_q<I4, 2>(xq, d, xsum, m, G, w, sc, N, g, ge, y, ldy); break;
-                case 1: rows_q<I4, 1>(xq, d, xsum, m, G, w, sc, N, g, ge, y, ldy); break;
-                default: break;
-            }
-        }
-    }
-}
+// The tiles (qtiles.inc): one source compiled for AVX2 and for AVX-512 VNNI.
+#define LMFORGE_QTILES LMFORGE_AVX2
+namespace avx2 {
+constexpr bool kVnni = false;
+#include "decode/qtiles.inc"
+}  // namespace avx2
+#undef LMFORGE_QTILES
+#define LMFORGE_QTILES LMFORGE_AVX512_VNNI
+namespace vnni {
+constexpr bool kVnni = true;
+#include "decode/qtiles.inc"
+}  // namespace vnni
+#undef LMFORGE_QTILES
 #endif  // LMFORGE_X86
 
 using QBlockFn = void (*)(const int8_t*, const float*, const int32_t*, size_t, size_t, const void*, const void*,
@@ -404,13 +235,7 @@ void run_qchunk(void* ctx, uint32_t chunk) {
     }
 }
 
-bool use_avx2() {
-#ifdef LMFORGE_X86
-    return cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed);
-#else
-    return false;
-#endif
-}
+bool use_avx2() { return kernel_isa() >= Isa::Avx2; }
 
 }  // namespace
 
@@ -426,7 +251,9 @@ void linear_rows_q8(const float* x, size_t M, size_t K, const void* w, WeightTyp
     const bool i4 = wt == WeightType::I4Q8;
     QBlockFn block = i4 ? block_scalar<true> : block_scalar<false>;
 #ifdef LMFORGE_X86
-    if (use_avx2()) block = i4 ? block_avx2<true> : block_avx2<false>;
+    const Isa isa = kernel_isa();
+    if (isa == Isa::Avx512Vnni) block = i4 ? vnni::block<true> : vnni::block<false>;
+    else if (isa >= Isa::Avx2) block = i4 ? avx2::block<true> : avx2::block<false>;
 #endif
     const size_t G = (K + kBlock - 1) / kBlock;
     thread_local std::vector<int8_t> xq;

@@ -69,7 +69,7 @@ LMFORGE_AVX2 void swiglu_row_avx2(const float* g, const float* u, size_t F, floa
 void rms_norm_rows(const float* x, size_t M, size_t C, const float* w, float eps, float* out) {
     bool vec = false;
 #ifdef LMFORGE_X86
-    vec = cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed);
+    vec = kernel_isa() >= Isa::Avx2;
 #endif
     for (size_t m = 0; m < M; ++m) {
         const float* xr = x + m * C;
@@ -112,7 +112,7 @@ void rope_cache_rows(const float* qkv, size_t B, size_t H, size_t Hkv, size_t D,
 void swiglu_rows(const float* gate_up, size_t M, size_t F, float* out) {
     bool vec = false;
 #ifdef LMFORGE_X86
-    vec = cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed);
+    vec = kernel_isa() >= Isa::Avx2;
 #endif
     for (size_t m = 0; m < M; ++m) {
         const float* g = gate_up + m * 2 * F;

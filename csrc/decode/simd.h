@@ -1,6 +1,7 @@
 // CPU dispatch shared by the decode kernels in csrc/decode/ (Python: lmforge.generate.engine): whether
-// the AVX2 and AVX-512 code may run, the switches that force the scalar or AVX2 code (tests), the scalar
-// fp16 conversion (fp16 weights, int4 scales), and the AVX2 helpers f16x8_to_f32, store8, hsum and exp8.
+// the AVX2, AVX-512 and AVX-512 VNNI code may run, the switches that force a narrower set (tests), the widest
+// set allowed (kernel_isa), the scalar fp16 conversion (fp16 weights, int4 scales), and the AVX2 helpers
+// f16x8_to_f32, store8, hsum and exp8.
 #pragma once
 #include <atomic>
 #include <cstddef>
@@ -16,6 +17,7 @@ namespace lmforge {
 
 inline std::atomic<bool> g_force_scalar{false};  // tests: run the scalar kernels on an AVX2 machine too
 inline std::atomic<bool> g_force_avx2{false};    // tests: run the AVX2 kernels on an AVX-512 machine too
+inline std::atomic<bool> g_force_avx512{false};  // tests: run the AVX-512F kernels (no VNNI) on a VNNI machine too
 
 // An IEEE fp16 bit pattern as fp32 (exact; what F16C's vcvtph2ps gives, subnormals, inf and NaN included).
 inline float f16_to_f32(uint16_t h) {
@@ -54,6 +56,16 @@ inline bool cpu_has_avx512() {
     static const bool ok = cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
                            __builtin_cpu_supports("avx512dq");
+    return ok;
+}
+
+// AVX-512 VNNI (vpdpbusd: four u8 x s8 products added into each int32 lane) on top of that set: the integer
+// products' widest build (qdot.cpp, qtiles.inc). __builtin_cpu_supports reports an AVX-512 feature only when
+// the OS saves the AVX-512 registers (XCR0), as for AVX2 and AVX-512F above.
+#define LMFORGE_AVX512_VNNI \
+    __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
+inline bool cpu_has_avx512_vnni() {
+    static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
     return ok;
 }
 
@@ -102,5 +114,20 @@ LMFORGE_AVX2 inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 #endif  // LMFORGE_X86
+
+// The instruction sets of the kernels, each a superset of the one before: what linear_isa() names.
+enum class Isa { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3 };
+
+// The widest set this CPU has, capped by the test switches above (the narrowest switch set wins).
+inline Isa kernel_isa() {
+#ifdef LMFORGE_X86
+    if (!cpu_has_avx2() || g_force_scalar.load(std::memory_order_relaxed)) return Isa::Scalar;
+    if (!cpu_has_avx512() || g_force_avx2.load(std::memory_order_relaxed)) return Isa::Avx2;
+    if (!cpu_has_avx512_vnni() || g_force_avx512.load(std::memory_order_relaxed)) return Isa::Avx512;
+    return Isa::Avx512Vnni;
+#else
+    return Isa::Scalar;
+#endif
+}
 
 }  // namespace lmforge

@@ -89,22 +89,33 @@ def test_integer_step_follows_its_reference_model(dtype, isa):
     assert fast.lengths == ref.lengths
 
 
-def test_widest_and_avx2_products_are_bit_identical():
-    """The AVX-512 build of the product kernels sums in the AVX2 build's order (csrc/decode/tiles.inc): same bits."""
+def test_every_instruction_set_gives_the_products_the_same_bits():
+    """The AVX-512 build of the float tiles sums in the AVX2 build's order (csrc/decode/tiles.inc), and the AVX-512
+    VNNI build of the integer tiles makes the AVX2 build's exact block sums (csrc/decode/qtiles.inc): on every
+    instruction set the CPU has, wider and narrower, the products give the same bits."""
     _core = core()
+    caps = [lambda on: None, _core.linear_force_avx512, _core.linear_force_avx2]  # the widest set, then capped
     g = torch.Generator().manual_seed(0)
+    seen = set()
     try:
-        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
+        for dtype, act in [(torch.float32, "float32"), (torch.bfloat16, "float32"), (torch.float16, "float32"),
+                           (torch.int8, "float32"), (INT4, "float32"), (torch.int8, "int8"), (INT4, "int8")]:
             for n, k in [(1000, 64), (37, 19), (300, 333)]:
-                lin = PackedLinear(torch.randn(n, k, generator=g), dtype)
+                lin = PackedLinear(torch.randn(n, k, generator=g), dtype, act)
                 for rows in range(1, 18):
                     x = torch.randn(rows, k, generator=g)
-                    wide = lin(x, 2)
-                    _core.linear_force_avx2(True)
-                    assert torch.equal(lin(x, 2), wide), (dtype, n, k, rows)
-                    _core.linear_force_avx2(False)
+                    outs = []
+                    for switch in caps:
+                        switch(True)
+                        seen.add(_core.linear_isa())
+                        outs.append(lin(x, 2))
+                        switch(False)
+                    assert all(torch.equal(o, outs[0]) for o in outs), (dtype, act, n, k, rows)
     finally:
         _core.linear_force_avx2(False)
+        _core.linear_force_avx512(False)
+    if len(seen) == 1:
+        pytest.skip(f"this CPU has one vector instruction set for the kernels ({seen.pop()}): nothing to compare")
 
 
 @pytest.mark.parametrize("dtype, activations", [(torch.float32, "float32"), (torch.bfloat16, "float32"),

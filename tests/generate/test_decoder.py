@@ -75,6 +75,42 @@ def test_int4_rounds_as_llama_cpp_q4_0():
     np.testing.assert_array_equal(PackedLinear(w, INT4).weight().numpy(), back.reshape(24, 128))
 
 
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (those the kernel lets programs use); empty elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_the_widest_instruction_set_the_cpu_has_is_chosen_and_each_switch_caps_it():
+    """``linear_isa()`` names what the kernels run: the widest set whose instructions the CPU reports (AVX-512
+    VNNI where it has avx512_vnni: the integer products then use vpdpbusd), and each test switch caps it, the
+    narrowest one winning."""
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no x86 feature flags in /proc/cpuinfo to check the choice against")
+    order = ["scalar", "avx2", "avx512", "avx512_vnni"]
+    need = [set(), {"avx2", "fma", "f16c"}, {"avx512f", "avx512vl", "avx512bw", "avx512dq"}, {"avx512_vnni"}]
+    widest = 0
+    while widest + 1 < len(order) and need[widest + 1] <= flags:
+        widest += 1
+    c = core()
+    try:
+        assert c.linear_isa() == order[widest]
+        for cap, switch in [(2, c.linear_force_avx512), (1, c.linear_force_avx2), (0, c.linear_force_scalar)]:
+            switch(True)  # the switches pile up: each one narrower than the ones already on
+            assert c.linear_isa() == order[min(widest, cap)]
+        c.linear_force_avx2(False)
+        c.linear_force_avx512(False)
+        assert c.linear_isa() == "scalar"
+    finally:
+        for switch in (c.linear_force_scalar, c.linear_force_avx2, c.linear_force_avx512):
+            switch(False)
+    assert c.linear_isa() == order[widest]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_packed_linear_16bit_special_values(dtype, isa):
     """16-bit weights decode exactly: subnormals, extremes and infinities (fp16 has its own scalar decoder)."""
