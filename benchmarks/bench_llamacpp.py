@@ -22,7 +22,9 @@ followed by N ``Engine.step`` calls, each fed the argmax of the last logits (gre
 Both sides run on ``--threads`` threads (``llama-bench -t``, ``torch.set_num_threads``). The table gives tokens/s
 (median and range) and the ratio of medians (> 1: lmforge faster); beside decode, the weight bytes read per token
 over the time per token as a share of the machine's read bandwidth, measured in the same run, and the fp32
-matmul peak and the load average, so a reader can tell a quiet run from a busy one.
+matmul peak and the load average, so a reader can tell a quiet run from a busy one. The last column is the
+instruction set lmforge's products ran on for the row (:func:`kernel_path`: ``avx512_vnni`` for the int8-activation
+rows on a CPU with AVX-512 VNNI, ``avx512``, ``avx2`` or ``scalar``).
 
 llama-bench is not shipped with lmforge. The script finds it at ``$LLAMA_BENCH``, then ``.llama.cpp/bin/llama-bench``
 in the repository (an ignored folder); ``--build`` builds it there from the llama.cpp sources vendored in the
@@ -112,6 +114,12 @@ def llama_bench(exe: Path, model: Path, prompt: int, gen: int, threads: int) -> 
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
+def kernel_path(isa: str, activations: str) -> str:
+    """The instruction set a row's products run on, given ``_core.linear_isa()`` (the kernels' widest): AVX-512 VNNI
+    serves the products with int8 activations only, the float32 ones run the AVX-512 code there."""
+    return isa if activations == "int8" else isa.removesuffix("_vnni")
+
+
 class Lmforge:
     """lmforge's engine on the run, its decoder's weights stored as ``dtype``: prefill and decode speed."""
 
@@ -120,8 +128,11 @@ class Lmforge:
 
         from lmforge.generate.engine import Engine
 
+        from lmforge._native import core
+
         weights, activations = precision(dtype)
         self.engine = Engine(model, weight_dtype=weights, activations=activations)
+        self.path = kernel_path(core().linear_isa(), self.engine.activations)
         g = torch.Generator().manual_seed(1)
         self.prompt = torch.randint(0, model.cfg.vocab_size, (prompt,), generator=g).tolist()
         self.gen, self.capacity = gen, min(context, max(prompt, gen + 1))
@@ -221,15 +232,15 @@ def main() -> int:
               f"peak {peak / 1e9:.0f} GFLOP/s, load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} "
               f"({os.cpu_count()} CPUs).\n")
         print("| lmforge / llama.cpp | decode tok/s lmforge | llama.cpp | ratio | lmforge GB/s (share) | "
-              "prefill tok/s lmforge | llama.cpp | ratio |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+              "prefill tok/s lmforge | llama.cpp | ratio | lmforge kernels |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
         for d, t in pairs:
             dec, ldec = speeds[(d, "decode")], speeds[(t, "decode")]
             pre, lpre = speeds[(d, "prefill")], speeds[(t, "prefill")]
             gbs = ours[d].bytes_per_token * median(dec)
             print(f"| {d} / {t} | {_spread(dec)} | {_spread(ldec)} | {median(dec) / median(ldec):.2f}x | "
                   f"{gbs / 1e9:.1f} ({gbs / bandwidth:.0%}) | {_spread(pre)} | {_spread(lpre)} | "
-                  f"{median(pre) / median(lpre):.2f}x |")
+                  f"{median(pre) / median(lpre):.2f}x | {ours[d].path} |")
         for a4, a8 in (("int4", "int8"), ("int4+a8", "int8+a8"), ("int4+a8", "int8")):
             if a4 in ours and a8 in ours:
                 ratio = median(speeds[(a4, 'decode')]) / median(speeds[(a8, 'decode')])

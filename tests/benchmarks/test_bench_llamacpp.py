@@ -40,6 +40,7 @@ def test_bench_llamacpp_quick(tmp_path):
         speeds = [float(cells[i].split()[0].replace(",", "")) for i in (1, 2, 5, 6)]
         assert all(s > 0 for s in speeds), row
         assert cells[3].endswith("x") and cells[7].endswith("x"), row
+        assert cells[8] in ("avx512_vnni", "avx512", "avx2", "scalar"), row
     assert "int4 / int8 decode (lmforge):" in out.stdout
     assert list(tmp_path.iterdir()) == []
 
@@ -62,3 +63,23 @@ def test_bytes_per_token_count_every_matrix_once(tied):
     assert sum(_weight_bytes(p) for p in Lmforge._packed(model, "float32")) == 4 * read
     int4 = sum(_weight_bytes(p) for p in Lmforge._packed(model, "int4"))
     assert int4 == read // 2 + 2 * (read // 32)  # two codes per byte, a float16 scale per 32 weights (Q4_0's 4.5 bits)
+
+
+def test_each_row_names_the_instruction_set_its_products_run_on():
+    """The table's last column: VNNI is named only for the int8-activation rows (the float32 products have no VNNI
+    code), and it is the kernels' own name for the row's arithmetic."""
+    from bench_llamacpp import Lmforge, kernel_path
+    from lmforge._native import available, core
+    from lmforge.model import ModelConfig, TransformerLM
+
+    assert kernel_path("avx512_vnni", "int8") == "avx512_vnni" and kernel_path("avx512_vnni", "float32") == "avx512"
+    assert kernel_path("avx2", "int8") == "avx2" and kernel_path("scalar", "float32") == "scalar"
+    if not available("linear_rows"):
+        pytest.skip("C++ extension not built")
+    import torch
+
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(vocab_size=64, context_length=16, d_model=32, n_layers=1, n_heads=2, d_ff=64))
+    isa = core().linear_isa()
+    assert Lmforge(model, "int8+a8", 4, 2, 16).path == isa
+    assert Lmforge(model, "bfloat16", 4, 2, 16).path == isa.removesuffix("_vnni")
