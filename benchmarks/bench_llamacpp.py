@@ -126,9 +126,8 @@ class Lmforge:
     def __init__(self, model, dtype: str, prompt: int, gen: int, context: int) -> None:
         import torch
 
-        from lmforge.generate.engine import Engine
-
         from lmforge._native import core
+        from lmforge.generate.engine import Engine
 
         weights, activations = precision(dtype)
         self.engine = Engine(model, weight_dtype=weights, activations=activations)
