@@ -3,13 +3,17 @@
 Every variant is the speedrun's run config at the demo's model size (``lmforge.speedrun._run_config``, the
 ``small`` preset, the schedule fitted to ``--steps``) on the speedrun's Shakespeare shards, with the **old recipe
 pinned** (:data:`BASELINE`: AdamW at the preset's learning rate, whatever the speedrun's defaults are now) and
-the variant's ``section.key=value`` settings on top. A ``+`` joins variants (``muon+smear``).
+the variant's ``section.key=value`` settings on top. A ``+`` joins variants (``muon+smear``). A name that starts
+with ``recipe`` is the speedrun's own config instead (its preset and ``speedrun.RECIPE``, nothing pinned) with the
+rest on top: ``recipe+nc-wd0`` is nanochat's weight decay on the current recipe, ``recipe+nanochat`` all the
+``nc-*`` settings together; those compare with ``recipe``, the others with ``baseline``.
 
 * ``train`` (load-independent, deterministic): each (variant, seed) trains until the validation bits/byte (the
   loop's fixed validation batches, every ``--eval-every`` steps) reaches the lowest ``--targets`` or ``--steps``
   end; recorded: the **tokens to reach each target**, the curve, the final bits/byte over the whole validation
-  split, and the **copy probe** of the last model (``lmforge.evals.probes.copy_probe``, as the speedrun's eval
-  stage runs it: loss on the second occurrence of a random 60-id sequence against the first). One training process at a time.
+  split, and every probe of the speedrun's eval stage (``lmforge.speedrun._evaluate``; its ``copy_*`` and
+  ``natural_*`` fields, e.g. the copy probe's loss on the first and the second occurrence of a random sequence),
+  each a column of the table. One training process at a time.
 * ``time`` (needs a quiet machine): the variants' full-batch training steps timed in alternating rounds
   (``lmforge.speedrun._step_seconds``: forward, backward, the run's optimizer) with the fp32 matmul peak measured
   before and after in the same run; median and range over rounds.
@@ -18,6 +22,7 @@ the variant's ``section.key=value`` settings on top. A ``+`` joins variants (``m
 Results append to ``OUT/results.jsonl``, so an ablation can run in pieces.
 
     python benchmarks/bench_recipe.py train --variants baseline muon --seeds 1337 1338
+    python benchmarks/bench_recipe.py train --size tiny --variants recipe recipe+nc-wd0 recipe+nanochat --seeds 1337 1338
     python benchmarks/bench_recipe.py time --variants baseline muon --rounds 5
     python benchmarks/bench_recipe.py table --json recipe.json
     python benchmarks/bench_recipe.py --quick      # seconds: train, time and table on a synthetic corpus
@@ -65,24 +70,67 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "softcap": ("model.logit_softcap=15.0",),
     "zero-init": ("model.zero_init=true", "model.head_init_std=0.001"),
     "qk-norm": ("model.qk_norm=true",),
+    "recipe": (),  # the speedrun's RECIPE (settings_of fills it in): the base of recipe+... variants
+    # nanochat's pretraining settings that the speedrun's recipe lacks (scripts/base_train.py, nanochat/gpt.py)
+    "nc-wd0": ("optimizer.weight_decay=0.0",),
+    "nc-betas": ("optimizer.betas=[0.8, 0.95]", "optimizer.eps=1e-10"),
+    "nc-scale": ("optimizer.dmodel_lr_scale=true",),
+    "nc-momentum": ("optimizer.muon_momentum_start=0.85", "optimizer.muon_momentum=0.95",
+                    "optimizer.muon_momentum_warmup_steps=300"),
+    "nc-warmdown": ("optimizer.schedule=wsd", "optimizer.warmup_steps=0", "optimizer.cooldown_frac=0.2",
+                    "optimizer.min_lr=0.0"),
+    "nc-embed-norm": ("model.embed_norm=true",),
+    "nc-qk-scale": ("model.qk_norm=true", "model.qk_norm_scale={nanochat_qk_scale}"),
 }
-"""Each technique on top of :data:`BASELINE`. The model options' keys are the model's ``ModelConfig`` fields."""
+"""Each technique on top of :data:`BASELINE` (or, joined to ``recipe``, of the speedrun's recipe). The model options'
+keys are the model's ``ModelConfig`` fields; ``{nanochat_qk_scale}`` is ``1.44 / sqrt(head_dim)`` of the preset
+(nanochat multiplies the normalised queries and keys by 1.2 each)."""
+VARIANTS["nanochat"] = tuple(s for name, kv in VARIANTS.items() if name.startswith("nc-") for s in kv)
+"""Every ``nc-*`` setting together: with ``recipe``, nanochat's pretraining recipe as far as lmforge has it."""
 
 
-def settings_of(name: str) -> tuple[str, ...]:
-    """The ``section.key=value`` settings of a variant (``a+b``: both, later ones win)."""
+def settings_of(name: str, size: str = "small") -> tuple[str, ...]:
+    """The ``section.key=value`` settings of a variant at preset ``size`` (``a+b``: both, later ones win)."""
     out: list[str] = []
     for part in name.split("+"):
         if part not in VARIANTS:
             raise SystemExit(f"bench_recipe: unknown variant {part!r}; have {', '.join(VARIANTS)} (a+b joins)")
+        if part == "recipe":
+            from lmforge.speedrun import RECIPE
+
+            out.extend(RECIPE)
         out.extend(VARIANTS[part])
+    if any("{nanochat_qk_scale}" in s for s in out):
+        from lmforge.speedrun import PRESETS
+
+        preset = PRESETS[size]
+        scale = 1.44 / (preset.d_model // preset.n_heads) ** 0.5
+        out = [s.format(nanochat_qk_scale=f"{scale:.6g}") for s in out]
     return tuple(out)
+
+
+def reference_of(name: str) -> str:
+    """The variant a variant's tokens are compared with: ``recipe`` for ``recipe+...``, else ``baseline``."""
+    return "recipe" if name.split("+")[0] == "recipe" else "baseline"
+
+
+def pinned_of(name: str, size: str) -> tuple[str, ...]:
+    """The settings under a variant's own: :data:`BASELINE` with the preset's old learning rate and batch, or none
+    for a ``recipe`` variant (the speedrun's config as it is)."""
+    if reference_of(name) == "recipe":
+        return ()
+    lr, batch = BASELINE_SHAPE[size]
+    return (*BASELINE, f"optimizer.lr={lr}", f"optimizer.min_lr={lr / 10:.3g}", f"training.batch_size={batch}")
+
+
+PROBES = ("copy_", "natural_")
+"""The fields of the speedrun's eval record (``lmforge.speedrun._evaluate``) that the table shows, by prefix."""
 
 
 def config_for(name: str, prep: Path, steps: int, seed: int, eval_every: int, size: str, stop: float | None,
                threads: int | None = None):
-    """The run config of variant ``name`` at preset ``size``: the speedrun's, with :data:`BASELINE` (and the
-    preset's old learning rate and batch) and the variant's settings."""
+    """The run config of variant ``name`` at preset ``size``: the speedrun's, with :func:`pinned_of` (:data:`BASELINE`
+    and the preset's old learning rate and batch, or nothing for a ``recipe`` variant) and the variant's settings."""
     import torch
 
     from lmforge.config import to_dict
@@ -91,10 +139,8 @@ def config_for(name: str, prep: Path, steps: int, seed: int, eval_every: int, si
     from lmforge.train import load_run_config
 
     vocab = Tokenizer.load(prep / "tokenizer.json").vocab_size
-    lr, batch = BASELINE_SHAPE[size]
-    pinned = (*BASELINE, f"optimizer.lr={lr}", f"optimizer.min_lr={lr / 10:.3g}", f"training.batch_size={batch}")
     cfg = _run_config(PRESETS[size], vocab, prep / "data", prep / "tokenizer.json", torch.device("cpu"), steps, None,
-                      recipe=(*pinned, *settings_of(name)), target_bpb=stop)
+                      recipe=(*pinned_of(name, size), *settings_of(name, size)), target_bpb=stop)
     return load_run_config(base=to_dict(cfg), overrides=[
         f"training.seed={seed}", f"training.eval_every={eval_every}", f"training.checkpoint_every={steps}",
         f"training.log_every={eval_every // 5 if eval_every % 5 == 0 else 1}", "training.keep_last=1",
@@ -130,20 +176,21 @@ def train_mode(a: argparse.Namespace) -> None:
                 res = train(cfg, run_dir, progress=False)
                 wall = time.perf_counter() - t0
                 curve = bpb_curve(run_dir)
-                final = _evaluate(run_dir, "cpu")  # the speedrun's eval stage: whole-split bits/byte, copy probe
-                first, second = final["copy_first"], final["copy_second"]
-            row = {"variant": name, "size": a.size, "settings": list(settings_of(name)), "baseline": list(BASELINE), "seed": seed,
+                final = _evaluate(run_dir, "cpu")  # the speedrun's eval stage: whole-split bits/byte, the probes
+            probes = {k: v for k, v in final.items() if k.startswith(PROBES)}
+            row = {"variant": name, "size": a.size, "settings": list(settings_of(name, a.size)),
+                   "baseline": list(pinned_of(name, a.size)), "seed": seed,
                    "steps": a.steps, "threads": a.threads, "stopped_at": res["step"], "targets": a.targets,
                    "tokens_to": {str(t): tokens_to(curve, t) for t in a.targets},
                    "tokens_per_step": cfg.training.batch_size * cfg.context_length, "final_bpb": final["val_bpb"],
-                   "copy_first": first, "copy_second": second, "curve": curve,
+                   **probes, "curve": curve,
                    "train_seconds": res["train_seconds"], "wall_seconds": wall, "load": os.getloadavg()[0],
                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
             with open(out / "results.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"{name} seed {seed}: tokens to {row['tokens_to']}, stopped at step {res['step']}, final "
-                  f"{final['val_bpb']:.4f} bpb, copy probe {first:.2f} -> {second:.2f} nats "
-                  f"({wall:.0f} s, load {row['load']:.1f})", flush=True)
+                  f"{final['val_bpb']:.4f} bpb, " + ", ".join(f"{k} {_cell(v)}" for k, v in probes.items()) +
+                  f" ({wall:.0f} s, load {row['load']:.1f})", flush=True)
 
 
 def time_mode(a: argparse.Namespace) -> None:
@@ -175,6 +222,13 @@ def time_mode(a: argparse.Namespace) -> None:
         print(f"| {n} | {spread(ts)} |")
 
 
+def _cell(x: Any) -> str:
+    """One probe value in the table: a number to 2 decimals, nothing recorded as ``-``, anything else as JSON."""
+    if x is None:
+        return "-"
+    return f"{x:.2f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else json.dumps(x)
+
+
 def _key(variant: str, row: dict[str, Any]) -> str:
     """A variant's name in the summary: ``muon`` at the demo's size, ``muon @tiny`` at another preset."""
     size = row.get("size", "small")
@@ -182,8 +236,9 @@ def _key(variant: str, row: dict[str, Any]) -> str:
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per variant: seeds, tokens to each target (every seed), final bits/byte, copy probe, and with a timing
-    row the quiet step time and the wall time to each target."""
+    """Per variant: seeds, tokens to each target (every seed), final bits/byte, each probe field (``copy_*``,
+    ``natural_*``; ``None`` for a seed whose row lacks it), and with a timing row the quiet step time and the wall
+    time to each target."""
     timed: dict[str, dict[str, Any]] = {}
     for r in rows:
         if r.get("mode") == "time":
@@ -192,16 +247,17 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 t["times"] += ts
                 t["peaks"] += r["peak_flops"]
     out: dict[str, Any] = {}
-    for r in rows:
-        if r.get("mode") == "time":
-            continue
-        v = out.setdefault(_key(r["variant"], r), {"settings": r["settings"], "seeds": [], "tokens_to": {}, "final_bpb": [],
-                                          "copy_first": [], "copy_second": []})
+    trained = [r for r in rows if r.get("mode") != "time"]
+    probes = sorted({k for r in trained for k in r if k.startswith(PROBES)})
+    for r in trained:
+        v = out.setdefault(_key(r["variant"], r), {"settings": r["settings"], "seeds": [], "tokens_to": {},
+                                                   "final_bpb": [], **{k: [] for k in probes}})
         v["seeds"].append(r["seed"])
         for t, tok in r["tokens_to"].items():
             v["tokens_to"].setdefault(t, []).append(tok)
-        for k in ("final_bpb", "copy_first", "copy_second"):
-            v[k].append(r[k])
+        v["final_bpb"].append(r["final_bpb"])
+        for k in probes:
+            v[k].append(r.get(k))
     for name, v in out.items():
         if name in timed:
             t = timed[name]
@@ -216,29 +272,30 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def table_mode(a: argparse.Namespace) -> None:
     rows = [json.loads(x) for x in (Path(a.out) / "results.jsonl").read_text().splitlines() if x.strip()]
     summary = summarise(rows)
-    write_json(a.json, {"variants": summary, "baseline": list(BASELINE)})
+    write_json(a.json, {"variants": summary, "baseline": list(BASELINE), "recipe": list(settings_of("recipe"))})
     targets = sorted({t for v in summary.values() for t in v["tokens_to"]}, key=float, reverse=True)
-    bases = {k.partition(" @")[2]: v for k, v in summary.items() if k.partition(" @")[0] == "baseline"}
+    probes = sorted({k for v in summary.values() for k in v if k.startswith(PROBES)})
 
     def toks(name: str, v: dict[str, Any], t: str) -> str:
-        xs, base = v["tokens_to"][t], bases.get(name.partition(" @")[2])
+        variant, _, size = name.partition(" @")
+        xs, base = v["tokens_to"][t], summary.get(reference_of(variant) + (f" @{size}" if size else ""))
         shown = ", ".join("never" if x is None else f"{x:,}" for x in xs)
         if base and t in base["tokens_to"] and None not in xs and None not in base["tokens_to"][t]:
             shown += f" ({statistics.mean(xs) / statistics.mean(base['tokens_to'][t]):.0%})"
         return shown
 
-    print("| variant | seeds | " + " | ".join(f"tokens to {t} bpb (vs baseline)" for t in targets) +
-          " | final bpb | copy probe 1st -> 2nd (nats) | step time (s) | " +
+    print("| variant | seeds | " + " | ".join(f"tokens to {t} bpb (vs baseline or recipe)" for t in targets) +
+          " | final bpb | " + "".join(f"{k} | " for k in probes) + "step time (s) | " +
           " | ".join(f"wall to {t} (s)" for t in targets) + " |")
-    print("|---|---:|" + "---:|" * (2 * len(targets) + 3))
+    print("|---|---:|" + "---:|" * (2 * len(targets) + 2 + len(probes)))
     for name, v in summary.items():
-        copy = ", ".join(f"{f:.2f} -> {s:.2f}" for f, s in zip(v["copy_first"], v["copy_second"]))
         st = spread(v["step_seconds"]) if "step_seconds" in v else "-"
         walls = [", ".join("never" if s is None else figure(s, ".0f") for s in v.get("seconds_to", {}).get(t, []))
                  or "-" for t in targets]
         cells = [toks(name, v, t) if t in v["tokens_to"] else "-" for t in targets]
+        probed = "".join(", ".join(_cell(x) for x in v.get(k, [])) + " | " for k in probes)
         print(f"| {name} | {len(v['seeds'])} | " + " | ".join(cells) +
-              f" | {', '.join(f'{b:.4f}' for b in v['final_bpb'])} | {copy} | {st} | " + " | ".join(walls) + " |")
+              f" | {', '.join(f'{b:.4f}' for b in v['final_bpb'])} | {probed}{st} | " + " | ".join(walls) + " |")
 
 
 def main() -> int:
