@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
+from lmforge.data.mixture import CopyMixture
 from lmforge.data.shards import TokenDataset
 from lmforge.corpus.splits import mix64
 
@@ -134,11 +135,14 @@ class BlockLoader:
     keeps each shard's block starts in memory (8 bytes per block).
     ``positions=True`` makes ``next_batch`` also return position ids that restart at 0 at every
     document start inside a block, for document-aware RoPE positions.
+    ``mixture``: synthetic copy segments written into every block (:class:`~lmforge.data.mixture.CopyMixture`,
+    seeded by the block's place in the epoch, so resuming needs nothing more); the share of tokens it replaced in
+    this rank's blocks since step 0 is in the state and in :meth:`step_metrics`.
     """
 
     def __init__(self, dataset: TokenDataset, batch_size: int, context_length: int, seed: int = 0, rank: int = 0,
                  world_size: int = 1, bos_aligned: bool = False, positions: bool = False,
-                 global_batch_size: int | None = None) -> None:
+                 global_batch_size: int | None = None, mixture: CopyMixture | None = None) -> None:
         if batch_size < 1 or context_length < 1:
             raise ValueError(f"batch_size and context_length must be >= 1 (got {batch_size}, {context_length})")
         gb = batch_size * world_size if global_batch_size is None else int(global_batch_size)
@@ -153,6 +157,8 @@ class BlockLoader:
         self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
         self.bos_aligned, self.positions = bool(bos_aligned), bool(positions)
         self.global_batch_size = gb
+        self.mixture = mixture
+        self.mixed_tokens = self.mixture_tokens = 0  # replaced by the mixture / seen, in this rank's blocks
         self._block = self.context_length + 1
         self._starts = [_block_starts(dataset, i, self._block, self.bos_aligned) for i in range(len(dataset.shards))]
         counts = [s if isinstance(s, int) else len(s) for s in self._starts]
@@ -267,6 +273,9 @@ class BlockLoader:
         buf = np.empty((self.batch_size, self._block), dtype=np.int64)  # (B, T+1)
         pos = np.empty((self.batch_size, self.context_length), dtype=np.int64) if self.positions else None
         shard, starts = self._read(ids, buf)
+        if self.mixture is not None:
+            self.mixed_tokens += self.mixture.apply(buf, self.seed, self.epoch, lo)
+            self.mixture_tokens += buf.size
         if pos is not None:
             for b in range(self.batch_size):
                 pos[b] = self._positions_for(int(shard[b]), int(starts[b]))
@@ -281,6 +290,11 @@ class BlockLoader:
         while True:
             yield self.next_batch()
 
+    def step_metrics(self) -> dict[str, float]:
+        """With a mixture: ``copy_data_share``, the share of tokens it replaced in this rank's blocks since step 0
+        (the training loop logs it with each step)."""
+        return {"copy_data_share": self.mixed_tokens / self.mixture_tokens} if self.mixture_tokens else {}
+
     # ---- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly (JSON-serialisable)."""
@@ -289,7 +303,9 @@ class BlockLoader:
                 "global_batch_size": self.global_batch_size,
                 "bos_aligned": self.bos_aligned, "split": self.dataset.split,
                 "epoch_shards": list(self._epoch_shards), "merges": [dict(m) for m in self._merges],
-                "shards": {n: self._sha[n] for n in self._names if n in self._known()}}
+                "shards": {n: self._sha[n] for n in self._names if n in self._known()},
+                **({"mixture": self.mixture.signature(), "mixed_tokens": self.mixed_tokens,
+                    "mixture_tokens": self.mixture_tokens} if self.mixture is not None else {})}
 
     def _known(self) -> list[str]:
         return self._epoch_shards + [n for m in self._merges for n in m["shards"]]
@@ -315,6 +331,10 @@ class BlockLoader:
                 f"{' x accumulation' if saved_gb != state['batch_size'] * state['world_size'] else ''}) but this loader "
                 f"takes {self.global_batch_size} (batch_size={self.batch_size} x world_size={self.world_size}); resume "
                 f"with the same global batch, e.g. training.global_batch_size={saved_gb} at any world size")
+        mine = self.mixture.signature() if self.mixture is not None else None
+        if state.get("mixture") != mine:
+            raise ValueError(f"the loader state was saved with the copy data mixture {state.get('mixture')!r} but this "
+                             f"loader has {mine!r}; resume with the same data.copy_* settings")
         known = state["epoch_shards"] + [n for m in state["merges"] for n in m["shards"]]
         if self._names[:len(known)] != known:
             missing = [n for n in known if n not in self._names]
@@ -336,6 +356,7 @@ class BlockLoader:
             self.consumed = int(m["at"])
             self._merge(m["shards"])
         self.consumed = int(state["consumed"])
+        self.mixed_tokens, self.mixture_tokens = int(state.get("mixed_tokens", 0)), int(state.get("mixture_tokens", 0))
         if new:
             logger.info("loader: merging %d new shards (%s) into the rest of epoch %d", len(new), ", ".join(new),
                         self.epoch)

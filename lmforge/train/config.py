@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from lmforge.config import apply_overrides, from_dict, load_yaml
+from lmforge.data.mixture import check_copy_settings
 from lmforge.model import ModelConfig
 from lmforge.model.lora import LoraConfig
 
@@ -166,10 +167,23 @@ class DataConfig:
     """``tokens``: token shards (pretraining); ``conversations``: rendered conversations with loss masks, packed
     whole into rows (``lmforge.data.conversations``; written by ``lmforge sft``); ``prompts``: rendered chat
     prompts with exact answers, whose batches are sampled replies (written and run by ``lmforge rl``)."""
+    copy_fraction: float = 0.0
+    """Share of each pretraining block's tokens overwritten on the fly by synthetic text that repeats itself, so
+    that in-context copying is learned early (``lmforge.data.mixture``); 0 = off, at most 0.5. Seeded by the block's
+    place in the run: resuming is exact. The share measured is logged as ``copy_data_share``."""
+    copy_sources: tuple[Literal["repeat", "names", "random"], ...] = ("repeat", "names", "random")
+    """The synthetic sources, drawn in equal shares: ``repeat`` (a span of the block's text repeated after a gap),
+    ``names`` (template sentences that mention a made-up name twice), ``random`` (random ids, a gap, the same ids)."""
+    copy_span: tuple[int, int] = (16, 64)
+    """``[lo, hi]``: tokens in a ``repeat`` or ``random`` segment's half (uniform; at most a third of the block)."""
 
     def __post_init__(self) -> None:
         if not self.dir:
             raise ValueError("data.dir is empty; set it to a shard directory made by `lmforge data prepare`")
+        check_copy_settings(self.copy_fraction, self.copy_sources, self.copy_span)
+        if self.copy_fraction and self.kind != "tokens":
+            raise ValueError(f"data.copy_fraction mixes copy data into pretraining blocks (data.kind: tokens), not "
+                             f"{self.kind}; set it to 0")
 
 
 @dataclasses.dataclass
@@ -438,7 +452,7 @@ def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = (
 # Changing these between runs in one directory would make the checkpoints meaningless.
 _INCOMPATIBLE = ("model.", "data.dir", "data.train_split", "data.bos_aligned", "training.batch_size",
                  "training.batch_warmup", "training.grad_accum_steps", "training.global_batch_size",
-                 "training.context_length", "training.seed", "data.kind", "sft.", "lora.", "rl.")
+                 "training.context_length", "training.seed", "data.kind", "data.copy_", "sft.", "lora.", "rl.")
 # the fast path computes the same function with the same weights; evaluation settings change no step
 _HARMLESS = ("model.fast", "rl.eval_samples", "rl.eval_prompts")
 # data.tokenizer may move (its fingerprint must still match the shards); data.val_split only changes evaluation.

@@ -34,7 +34,7 @@ from lmforge.checkpoint import CheckpointManager, unwrap_model
 from lmforge.hardware import mfu_denominator, resolve_train_dtype
 from lmforge.common import cuda_matmul_defaults, remove_stale_temporaries, seed_everything
 from lmforge.config import diff_dicts, dump_yaml, load_yaml, to_dict
-from lmforge.data import BlockLoader, TokenDataset, val_batches
+from lmforge.data import BlockLoader, TokenDataset, copy_mixture, val_batches
 from lmforge.data.conversations import IGNORE_INDEX, ConversationDataset
 from lmforge.model import flops_per_token
 from lmforge.model.fp8 import check_fp8_device, convert_to_float8
@@ -326,7 +326,7 @@ def _check(cfg: RunConfig, run_dir: Path, force: bool, info: Any, source: Callab
         _check_data(cfg, train_ds, val_ds, tokenizer)
         loader = BlockLoader(train_ds, batch.micro_batch, cfg.context_length, seed=tc.seed, rank=info.rank,
                              world_size=info.world_size, bos_aligned=cfg.data.bos_aligned,
-                             global_batch_size=batch.global_batch)
+                             global_batch_size=batch.global_batch, mixture=copy_mixture(cfg.data, tokenizer))
         val_set = (val_batches(val_ds, tc.eval_batch_size or tc.batch_size, cfg.context_length, tc.eval_batches)
                    if val_ds is not None else [])
     else:
