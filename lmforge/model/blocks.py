@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from lmforge.model.cache import KVCache, check_context
 from lmforge.model.fused import Norm, _project_modules, _rope_fast
 from lmforge.model.layers import (Device, DType, Linear, RotaryPositionalEmbedding, SwiGLU, scaled_dot_product_attention)
-from lmforge.model.recipe import key_smear_init, rms_norm_heads, smear_keys, smear_keys_reference
+from lmforge.model.recipe import (key_smear_init, offset_keys, offset_keys_reference, rms_norm_heads, smear_keys,
+                                  smear_keys_reference)
 
 __all__ = ["CausalSelfAttention", "FeedForward", "ReluSquared", "MLPS", "TransformerBlock"]
 
@@ -33,12 +34,17 @@ class CausalSelfAttention(nn.Module):
     ``smear_keys``: each key head mixes in the previous column's key (:func:`~lmforge.model.recipe.smear_keys`, the
     reference path :func:`~lmforge.model.recipe.smear_keys_reference`; ``model.smear_keys``) with the learned logits
     ``key_smear (num_kv_heads,)`` (init: ``key_smear_init``).
+    ``key_offset``: the second half of each key head's dimensions is the previous column's, after the smear if any
+    (:func:`~lmforge.model.recipe.offset_keys`, the reference path's
+    :func:`~lmforge.model.recipe.offset_keys_reference`; ``model.key_offset``). The cache keeps the raw keys; both
+    are applied to every cached column at each pass.
     """
 
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int | None = None, theta: float | None = None,
                  num_kv_heads: int | None = None, rope: RotaryPositionalEmbedding | None = None, fast: bool = False,
                  device: Device = None, dtype: DType = None, *, qk_norm: bool = False, value_embed: bool = False,
-                 smear_keys: bool = False, eps: float = 1e-5, qk_scale: float | None = None) -> None:
+                 smear_keys: bool = False, eps: float = 1e-5, qk_scale: float | None = None,
+                 key_offset: bool = False) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if d_model % num_heads or num_heads % num_kv_heads:
@@ -48,6 +54,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = d_model // num_heads
         self.fast = fast
         self.qk_norm, self.eps, self.qk_scale = qk_norm, eps, qk_scale
+        self.key_offset = key_offset
         self.ve_lambda = nn.Parameter(torch.full((1,), 0.5, device=device, dtype=dtype)) if value_embed else None
         self.key_smear = (nn.Parameter(key_smear_init(num_kv_heads).to(device=device, dtype=dtype)) if smear_keys
                           else None)
@@ -83,6 +90,15 @@ class CausalSelfAttention(nn.Module):
             return self._forward_fast(x, token_positions, cache, layer_idx, ve)
         return self._forward_reference(x, token_positions, cache, layer_idx, ve)
 
+    def _attended_keys(self, k: Tensor, reference: bool) -> Tensor:
+        """The keys the queries attend to, from the raw keys ``k (B, KV, S, D)`` of columns ``0 .. S-1``: smeared
+        (``smear_keys``), then offset (``key_offset``); in the reference path's forms or the fast path's."""
+        if self.key_smear is not None:
+            k = (smear_keys_reference if reference else smear_keys)(k, self.key_smear)
+        if self.key_offset:
+            k = (offset_keys_reference if reference else offset_keys)(k)
+        return k
+
     def _forward_reference(self, x: Tensor, token_positions: Tensor | None, cache: KVCache | None,
                            layer_idx: int, ve: Tensor | None = None) -> Tensor:
         *lead, T, _ = x.shape
@@ -103,13 +119,13 @@ class CausalSelfAttention(nn.Module):
             q = q * (self.qk_scale * math.sqrt(D))
         if cache is not None:
             k, v = cache.write(layer_idx, k, v)  # (B, KV, S, D) with S = cached + T
-            k = k if self.key_smear is None else smear_keys_reference(k, self.key_smear)
+            k = self._attended_keys(k, reference=True)
             mask = cache.mask(T)  # None, (T, S) or (B, 1, T, S)
             if mask is None:  # plain causal over the last T of S columns (S == T, or one query that sees all)
                 S = k.shape[-2]
                 mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
         else:
-            k = k if self.key_smear is None else smear_keys_reference(k, self.key_smear)
+            k = self._attended_keys(k, reference=True)
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T)
         if KV != H:
             k = k.repeat_interleave(H // KV, dim=-3)  # (..., H, S, D)
@@ -139,11 +155,11 @@ class CausalSelfAttention(nn.Module):
             q, k = _rope_fast(q, cos, sin), _rope_fast(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, h, T, D)
         if cache is None:
-            k = k if self.key_smear is None else smear_keys(k, self.key_smear)
+            k = self._attended_keys(k, reference=False)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KV != H, scale=self.qk_scale)
         else:
             k, v = cache.write(layer_idx, k, v)  # (B, KV, S, D)
-            k = k if self.key_smear is None else smear_keys(k, self.key_smear)
+            k = self._attended_keys(k, reference=False)
             mask = cache.mask(T)
             if mask is None:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=KV != H, scale=self.qk_scale)
@@ -192,19 +208,19 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(ln1(x))`` then ``x + ffn(ln2(x))``.
 
     ``mlp``: the feed-forward, ``"swiglu"`` (:class:`FeedForward`) or ``"relu2"`` (:class:`ReluSquared`);
-    ``qk_norm``, ``qk_scale``, ``value_embed`` and ``smear_keys`` go to :class:`CausalSelfAttention`."""
+    ``qk_norm``, ``qk_scale``, ``value_embed``, ``smear_keys`` and ``key_offset`` go to :class:`CausalSelfAttention`."""
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, max_seq_len: int | None = None,
                  theta: float | None = None, num_kv_heads: int | None = None, eps: float = 1e-5,
                  rope: RotaryPositionalEmbedding | None = None, fast: bool = False, device: Device = None,
                  dtype: DType = None, *, mlp: str = "swiglu", qk_norm: bool = False, value_embed: bool = False,
-                 smear_keys: bool = False, qk_scale: float | None = None) -> None:
+                 smear_keys: bool = False, qk_scale: float | None = None, key_offset: bool = False) -> None:
         super().__init__()
         if mlp not in MLPS:
             raise ValueError(f"unknown feed-forward {mlp!r}; use one of {', '.join(MLPS)}")
         self.attn = CausalSelfAttention(d_model, num_heads, max_seq_len, theta, num_kv_heads, rope=rope, fast=fast,
                                         device=device, dtype=dtype, qk_norm=qk_norm, value_embed=value_embed,
-                                        smear_keys=smear_keys, eps=eps, qk_scale=qk_scale)
+                                        smear_keys=smear_keys, eps=eps, qk_scale=qk_scale, key_offset=key_offset)
         self.ln1 = Norm(d_model, eps, fast=fast, device=device, dtype=dtype)
         if mlp == "relu2":
             self.ffn: nn.Module = ReluSquared(d_model, d_ff or 4 * d_model, fast=fast, device=device, dtype=dtype)

@@ -1,11 +1,11 @@
 """Training-recipe pieces of the model (modded-nanogpt and nanochat), each behind a :class:`ModelConfig` option
-that is off by default: previous-token mixing of the embeddings (``smear``), smeared keys, logit soft-capping, and
-the parameter-free RMS norm that QK-norm applies to each head.
+that is off by default: previous-token mixing of the embeddings (``smear``), smeared keys, the partial key offset,
+logit soft-capping, and the parameter-free RMS norm that QK-norm applies to each head.
 
-The smear, the key smear and the soft-cap each have two forms, as the model's other primitives do: the fast path's
-and a reference (``*_reference``, what ``model.fast: false`` runs) written separately from the formula in the
-docstring, through other tensor operations, so that ``tests/model/test_recipe.py``'s fast == reference checks catch a
-slip in either.
+The smear, the key smear, the key offset and the soft-cap each have two forms, as the model's other primitives do:
+the fast path's and a reference (``*_reference``, what ``model.fast: false`` runs) written separately from the
+formula in the docstring, through other tensor operations, so that ``tests/model/test_recipe.py``'s fast ==
+reference checks catch a slip in either.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from lmforge.model.layers import Device, DType
 
 __all__ = ["Smear", "SMEAR_GATE_CHANNELS", "softcap", "softcap_reference", "rms_norm_heads", "smear_keys",
-           "smear_keys_reference", "key_smear_init"]
+           "smear_keys_reference", "key_smear_init", "offset_keys", "offset_keys_reference"]
 
 SMEAR_GATE_CHANNELS = 24
 """How many leading channels of a token's embedding its smear gate reads (nanochat's choice; fewer when
@@ -113,3 +113,23 @@ def smear_keys_reference(k: Tensor, logits: Tensor) -> Tensor:
     k_prev[..., 0, :] = 0  # ... replaced by k_{-1} = 0
     s = torch.sigmoid(logits.float()).to(k.dtype).reshape(-1, 1, 1)  # (KV, 1, 1)
     return (1 - s) * k + s * k_prev
+
+
+def offset_keys(k: Tensor) -> Tensor:
+    """Partial key offset (modded-nanogpt's record #49, "Partial Key Offset"): the second half of each key head's
+    dimensions at column ``j`` is column ``j-1``'s (column 0 keeps its own); the first half stays. ``k (..., S, D)``:
+    the keys of columns ``0 .. S-1`` after RoPE, where the second half holds RoPE's slowest-turning pairs (modded-
+    nanogpt leaves that half unrotated and moves it). A query can then match the token before a key's own, which is
+    what one layer needs to be an induction head. The cache holds the keys before the offset, so a step offsets every
+    cached column again (no per-row state, as :func:`smear_keys`)."""
+    half = k.shape[-1] // 2
+    moved = torch.cat([k[..., :1, half:], k[..., :-1, half:]], dim=-2)  # (..., S, D - half): column j-1's, j >= 1
+    return torch.cat([k[..., :half], moved], dim=-1)
+
+
+def offset_keys_reference(k: Tensor) -> Tensor:
+    """:func:`offset_keys` as one gather: element ``(j, d)`` reads column ``j - [d >= D/2]``, clamped at column 0."""
+    S, D = k.shape[-2:]
+    back = (torch.arange(D, device=k.device) >= D // 2).long()  # (D,): 1 where the column is the previous one
+    src = (torch.arange(S, device=k.device)[:, None] - back).clamp(min=0)  # (S, D)
+    return torch.gather(k, -2, src.expand(k.shape))

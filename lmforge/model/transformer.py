@@ -48,7 +48,7 @@ __all__ = ["ModelConfig", "MAX_CONTEXT_LENGTH", "TransformerLM", "TransformerBlo
 
 
 RECIPE_OPTIONS = ("smear", "smear_keys", "value_embeds", "unet_skips", "mlp", "logit_softcap", "qk_norm", "zero_init",
-                  "head_init_std", "embed_norm", "qk_norm_scale")
+                  "head_init_std", "embed_norm", "qk_norm_scale", "key_offset")
 """The training-recipe options of :class:`ModelConfig` (all off by default)."""
 
 NUMERICS_ONLY = ("fast",)
@@ -95,6 +95,11 @@ class ModelConfig:
     """Smeared keys (Olsson et al. 2022): each key head mixes in the previous token's key with a learned share
     (heads start spread from 0.12 to 0.88), so a head matching the current token against previous ones -- half of
     an induction head -- exists from the start."""
+    key_offset: bool = False
+    """Partial key offset (modded-nanogpt's record #49): in every layer, the second half of each key head's
+    dimensions (after RoPE: its slowest-turning pairs) at position ``t`` is position ``t-1``'s, so a query matches
+    the token before a key's position against its own -- a one-layer induction head. modded-nanogpt moves the half
+    its RoPE leaves unrotated, in its long-window layers; every layer here attends over the whole context."""
     value_embeds: int = 0
     """Value embeddings (modded-nanogpt): this many extra token-embedding tables of width ``n_kv_heads·head_dim``;
     table ``j`` is added (times a learned per-layer scalar) to the attention values of layer ``j`` and of layer
@@ -157,7 +162,8 @@ class ModelConfig:
         if not (isinstance(self.norm_eps, (int, float)) and self.norm_eps > 0):
             raise ValueError(f"model.norm_eps must be a positive number, got {self.norm_eps!r}")
         self._check_recipe()
-        for name in ("tie_embeddings", "fast", "smear", "smear_keys", "unet_skips", "qk_norm", "zero_init", "embed_norm"):
+        for name in ("tie_embeddings", "fast", "smear", "smear_keys", "unet_skips", "qk_norm", "zero_init",
+                     "embed_norm", "key_offset"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
 
@@ -248,7 +254,7 @@ class TransformerLM(nn.Module):
             TransformerBlock(cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.context_length, num_kv_heads=cfg.n_kv_heads,
                              eps=cfg.norm_eps, rope=rope, fast=cfg.fast, device=device, dtype=dtype, mlp=cfg.mlp,
                              qk_norm=cfg.qk_norm, value_embed=i < ve or i >= n - ve, smear_keys=cfg.smear_keys,
-                             qk_scale=cfg.qk_norm_scale)
+                             qk_scale=cfg.qk_norm_scale, key_offset=cfg.key_offset)
             for i in range(n))
         # recipe options (None when off, so a default model's state dict is unchanged)
         self.smear = Smear(cfg.d_model, device=device, dtype=dtype, fast=cfg.fast) if cfg.smear else None

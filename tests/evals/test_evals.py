@@ -38,7 +38,7 @@ def _model(vocab: int, ctx: int = 48, seed: int = 0, **options) -> TransformerLM
 
 
 ALL_OPTIONS = dict(smear=True, smear_keys=True, value_embeds=1, unet_skips=True, mlp="relu2", logit_softcap=0.5,
-                   qk_norm=True)
+                   qk_norm=True, key_offset=True)
 """Every recipe option that changes the forward (test_recipe_generate holds the list to RECIPE_OPTIONS)."""
 
 

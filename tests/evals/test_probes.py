@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from lmforge.evals.probes import PROBE_FIELDS, context_probes, copy_probe, name_probe, natural_probe, used_ids, val_passages
+from lmforge.evals.probes import (PROBE_FIELDS, context_probes, copy_probe, name_probe, natural_probe, used_ids,
+                                  val_passages)
 from lmforge.tokenizer import Tokenizer
 
 V = 1000

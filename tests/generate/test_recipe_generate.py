@@ -52,7 +52,8 @@ CAP = 2.0
 OPTION_CASES = {"smear": {"smear": True}, "smear_keys": {"smear_keys": True}, "value_embeds": {"value_embeds": 1},
                 "unet_skips": {"unet_skips": True}, "mlp": {"mlp": "relu2"}, "logit_softcap": {"logit_softcap": CAP},
                 "qk_norm": {"qk_norm": True}, "zero_init": {"zero_init": True}, "head_init_std": {"head_init_std": 0.0},
-                "embed_norm": {"embed_norm": True}, "qk_norm_scale": {"qk_norm": True, "qk_norm_scale": 0.5}}
+                "embed_norm": {"embed_norm": True}, "qk_norm_scale": {"qk_norm": True, "qk_norm_scale": 0.5},
+                "key_offset": {"key_offset": True}}
 OPTION_CASES["all"] = {k: v for kw in OPTION_CASES.values() for k, v in kw.items()}
 OFF = dict(smear=False, smear_keys=False, value_embeds=0, unet_skips=False, mlp="swiglu", logit_softcap=None,
            qk_norm=False)  # what recipe_model turns on, turned off
@@ -98,8 +99,8 @@ def test_every_engine_path_gives_the_forwards_logits(kw, static):
 
 
 # the options that change the forward at a value the C++ decode step does not compute
-KERNEL_LACKS = [("smear", True), ("smear_keys", True), ("value_embeds", 1), ("unet_skips", True), ("mlp", "relu2"),
-                ("logit_softcap", 2.0), ("qk_norm", True)]
+KERNEL_LACKS = [("smear", True), ("smear_keys", True), ("key_offset", True), ("value_embeds", 1), ("unet_skips", True),
+                ("mlp", "relu2"), ("logit_softcap", 2.0), ("qk_norm", True)]
 BASE = dict(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4)
 
 
@@ -138,3 +139,28 @@ def test_the_decode_kernels_allow_list():
 
     assert kernel_unsupported(WithNewOption(**BASE)) == []  # at its default: the model the step computes
     assert kernel_unsupported(WithNewOption(**BASE, attention_window=8)) == ["model.attention_window=8"]
+
+
+def test_key_offset_decodes_through_the_scheduler_with_prefix_cache_and_drafts_as_without():
+    """The partial key offset reads the previous column's key at every step: replies through the scheduler are the
+    same with the prefix cache (rows restored from stored blocks) and with speculative drafts (verified, the rejected
+    ones rolled back) as without either; the engine runs it through the model's forward."""
+    from lmforge.generate.prefix_cache import PrefixCache
+    from tests.generate.test_prefix_cache import SYSTEM, replies
+    from tests.generate.test_speculative import PROMPTS, decode, joined
+
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(vocab_size=260, context_length=128, d_model=32, n_layers=2, n_heads=4, d_ff=64,
+                                      key_offset=True)).eval()
+    assert not Engine(model)._kernel
+    gen = Generator(model)
+    assert gen.generate_ids(PROMPTS[:3], 12, temperature=0) == gen.generate_ids(PROMPTS[:3], 12, temperature=0,
+                                                                                naive=True)
+    off, _ = decode(model, PROMPTS, False, temperature=0)
+    on, load = decode(model, PROMPTS, True, temperature=0)
+    assert joined(on) == joined(off) and load["spec_passes"] > 0
+    assert load["spec_drafted"] > load["spec_accepted"] > 0  # drafts accepted and rejected (rolled back)
+    prompts = [SYSTEM + list(b"Q: hi"), SYSTEM + list(b"Q: bye"), SYSTEM + list(b"Q: hi")]
+    plain, _ = replies(model, prompts, None, False)
+    cached, load = replies(model, prompts, PrefixCache(1 << 20, block=8), False)
+    assert cached == plain and load["prefix_hit_tokens"] > 0

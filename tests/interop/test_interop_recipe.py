@@ -16,7 +16,7 @@ from lmforge.model.lora import LoraConfig, apply_lora, has_lora
 
 BASE = dict(vocab_size=300, context_length=16, d_model=32, n_layers=2, n_heads=2)
 REFUSED = [("smear", True), ("smear_keys", True), ("value_embeds", 1), ("unet_skips", True), ("mlp", "relu2"), ("logit_softcap", 15.0),
-           ("qk_norm", True)]
+           ("qk_norm", True), ("key_offset", True)]
 
 
 @pytest.mark.parametrize("name, value", REFUSED)

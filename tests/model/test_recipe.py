@@ -14,13 +14,14 @@ from lmforge.checkpoint import load_checkpoint, save_checkpoint
 from lmforge.model import KVCache, ModelConfig, TransformerLM, linear_cross_entropy, matmul_params_per_token, num_params
 from lmforge.model.layers import cross_entropy as cross_entropy_reference
 from lmforge.model.lora import LoraConfig, apply_lora
-from lmforge.model.recipe import Smear, smear_keys, smear_keys_reference, softcap, softcap_reference
+from lmforge.model.recipe import (Smear, offset_keys, offset_keys_reference, smear_keys, smear_keys_reference, softcap,
+                                  softcap_reference)
 from lmforge.model.transformer import RECIPE_OPTIONS
 
 OPTIONS = {"smear": {"smear": True}, "smear_keys": {"smear_keys": True}, "value_embeds": {"value_embeds": 1}, "unet_skips": {"unet_skips": True},
            "relu2": {"mlp": "relu2"}, "softcap": {"logit_softcap": 3.0}, "qk_norm": {"qk_norm": True},
            "zero_init": {"zero_init": True}, "head_init_std": {"head_init_std": 0.01}, "embed_norm": {"embed_norm": True},
-           "qk_norm_scale": {"qk_norm": True, "qk_norm_scale": 0.4}}
+           "qk_norm_scale": {"qk_norm": True, "qk_norm_scale": 0.4}, "key_offset": {"key_offset": True}}
 ALL = {k: v for kw in OPTIONS.values() for k, v in kw.items()}
 CASES = [*OPTIONS.values(), {**ALL, "n_kv_heads": 2}, {**ALL, "value_embeds": 2, "n_layers": 4}]
 IDS = [*OPTIONS, "all-gqa", "all-4layers"]
@@ -138,6 +139,12 @@ def test_smeared_keys_formula_and_cached_rows():
                 torch.testing.assert_close(out[:, h, j], (1 - s) * k[:, h, j] + s * prev)
     model = model_pair(smear_keys=True, n_kv_heads=2)[0]
     assert model.layers[0].attn.key_smear.shape == (2,)
+    _continues_padded_and_copied_rows(model)
+
+
+def _continues_padded_and_copied_rows(model: TransformerLM) -> None:
+    """A right-padded row (its pads forgotten) and a copy of it (``KVCache.copy_row``) each continue as the row's
+    tokens alone would: the cache holds nothing per row but its columns."""
     a, b = torch.randint(0, 97, (1, 9)), torch.randint(0, 97, (1, 5))
     with torch.no_grad():
         cache = KVCache.for_model(model, 2)
@@ -148,6 +155,32 @@ def test_smeared_keys_formula_and_cached_rows():
         got = model(nxt, cache=cache)
         for r in (0, 1):
             torch.testing.assert_close(got[r], model(torch.cat([b, nxt[r:r + 1]], 1))[0, 5:], atol=1e-4, rtol=1e-4)
+
+
+def test_key_offset_formula_and_cached_rows():
+    """Column j: the first half of each key head's dimensions its own, the second half column j-1's (column 0 keeps
+    its own), in both forms; in the model after RoPE (the attention rebuilt by hand), and with smeared keys after the
+    smear; the cache keeps raw keys, so a right-padded or copied row continues exactly."""
+    k = torch.randn(2, 3, 5, 6)
+    for form in (offset_keys, offset_keys_reference):
+        out = form(k)
+        assert torch.equal(out[..., :3], k[..., :3]) and torch.equal(out[..., 0, 3:], k[..., 0, 3:])
+        assert torch.equal(out[..., 1:, 3:], k[..., :-1, 3:])
+    for smear in (False, True):
+        attn = model_pair(key_offset=True, smear_keys=smear, n_layers=1)[1].layers[0].attn
+        h = torch.randn(2, 7, 64)
+        q, k, v = ((h @ w.weight.T).unflatten(-1, (4, 16)).transpose(1, 2)
+                   for w in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k = attn.rope(q), attn.rope(k)
+        if smear:
+            s = torch.sigmoid(attn.key_smear)[:, None, None]
+            k = (1 - s) * k + s * torch.nn.functional.pad(k, (0, 0, 1, 0))[..., :-1, :]
+        k = torch.cat([k[..., :8], torch.cat([k[..., :1, 8:], k[..., :-1, 8:]], dim=-2)], dim=-1)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.testing.assert_close(attn(h), want.transpose(1, 2).flatten(-2) @ attn.output_proj.weight.T,
+                                   atol=1e-5, rtol=1e-4)
+    for model in model_pair(key_offset=True, n_kv_heads=2):
+        _continues_padded_and_copied_rows(model)
 
 
 def test_value_embeddings_and_unet_skips_follow_their_formulas():
