@@ -70,6 +70,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "softcap": ("model.logit_softcap=15.0",),
     "zero-init": ("model.zero_init=true", "model.head_init_std=0.001"),
     "qk-norm": ("model.qk_norm=true",),
+    "copy-data": ("data.copy_fraction=0.12",),  # repeats, name echoes and random-id repeats: 12% of the tokens
+    "key-offset": ("model.key_offset=true",),
     "recipe": (),  # the speedrun's RECIPE (settings_of fills it in): the base of recipe+... variants
     # nanochat's pretraining settings that the speedrun's recipe lacks (scripts/base_train.py, nanochat/gpt.py)
     "nc-wd0": ("optimizer.weight_decay=0.0",),
