@@ -22,7 +22,6 @@ split across tokens is found and never emitted.
 
 from __future__ import annotations
 
-import codecs
 import logging
 import os
 from typing import Any, Callable, Iterator, Sequence
@@ -35,6 +34,7 @@ from lmforge.config import from_dict
 from lmforge.generate.engine import Engine
 from lmforge.generate.packed import weight_dtype_of
 from lmforge.generate.prefix_cache import PrefixCache, admit_cached, keep_row
+from lmforge.generate.rows import TextStream
 from lmforge.generate.sampling import check_sampling, check_seed, sample_next
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.run import open_run
@@ -54,51 +54,6 @@ def load_run_model(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | N
     model = TransformerLM.for_loading(from_dict(ModelConfig, run.config.get("model"), path="model"))
     step = apply_checkpoint(run.checkpoint, model)  # strict: fills every parameter
     return model.to(dev), Tokenizer.load(run.tokenizer_path), {"checkpoint": str(run.checkpoint_path), "step": step}
-
-
-# ==================================================================================================
-# Text layer: incremental UTF-8 decoding and stop strings
-# ==================================================================================================
-class _TextStream:
-    """Turns one row's generated token bytes into text pieces, cutting at the first stop string.
-
-    Bytes go through an incremental UTF-8 decoder (an incomplete character waits for its next bytes).
-    The longest tail of the text that is a proper prefix of some stop string is held back until the
-    next token shows whether the stop string completes, so it is found even when split across tokens.
-    """
-
-    def __init__(self, stop: Sequence[str]) -> None:
-        self.stop = [s for s in stop if s]
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.held = ""
-        self.done = False
-
-    def _emit(self, text: str) -> str:
-        text = self.held + text
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            self.done, self.held = True, ""
-            return text[: min(hits)]
-        keep = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), keep, -1):
-                if text.endswith(s[:n]):
-                    keep = n
-                    break
-        self.held = text[len(text) - keep :]
-        return text[: len(text) - keep]
-
-    def feed(self, data: bytes) -> str:
-        """Text that is final after appending ``data`` (possibly empty)."""
-        return self._emit(self.decoder.decode(data))
-
-    def finish(self) -> str:
-        """Flush at the end of generation (a dangling partial character becomes U+FFFD)."""
-        if self.done:
-            return ""
-        self.done = True
-        text, self.held = self.held + self.decoder.decode(b"", final=True), ""
-        return text
 
 
 # ==================================================================================================
@@ -372,7 +327,7 @@ class Generator:
 
     def _text_stream(self, steps: Iterator[list[int]], n_rows: int, stop_ids: set[int],
                      stops: list[str]) -> Iterator[tuple[int, str]]:
-        rows = [_TextStream(stops) for _ in range(n_rows)]
+        rows = [TextStream(stops) for _ in range(n_rows)]
         for b, t in self._ids_stream(steps, n_rows, stop_ids):
             row = rows[b]
             if row.done:
@@ -410,7 +365,7 @@ class Turn:
     def __iter__(self) -> Iterator[tuple[int, str, bool]]:
         gen, engine = self._gen, self._gen.engine
         ctx = gen.cfg.context_length
-        text = _TextStream([])
+        text = TextStream([])
 
         def pick(logits: torch.Tensor) -> int:
             return int(gen._pick(logits, *self._sampling)[0])
@@ -429,7 +384,7 @@ class Turn:
                 keep_row(engine, gen.prefix_cache, 0)  # this turn's prompt and reply, for the next turn
 
     def _replies(self, nxt: int, used: int, sampled: int, pick: Callable[[torch.Tensor], int],
-                 text: _TextStream) -> Iterator[tuple[int, str, bool]]:
+                 text: TextStream) -> Iterator[tuple[int, str, bool]]:
         gen, engine = self._gen, self._gen.engine
         ctx = gen.cfg.context_length
         while True:

@@ -18,16 +18,9 @@ Text goes out through each request's ``emit`` callback, called on the engine thr
 never emitted), then one update with ``finish_reason``. :meth:`Scheduler.start` runs the loop in its own
 thread, so a server's event loop never waits on the model; an error in one request ends that request only.
 
-Forced tokens: ``Request.tool`` is called with each sampled token; when it returns a list of ids (a
-calculator call that completed, say), those ids are fed to the row one per step before it samples again.
-They are part of the completion (emitted, counted in ``max_tokens``).
-
-Constraints: a request's ``constraint`` (:class:`~lmforge.generate.constraints.RowConstraint`) masks the row's
-logits before it samples (JSON Schema, regex or choice regions; banned tokens), and sees every token the row
-takes. With ``capture_regions`` a region's tokens are not text: its decoded text comes in
-``Update.regions`` when it closes (a tool call's JSON). ``logprobs`` (0..20 alternatives) adds each taken
-token's log-probability under the distribution it was drawn from (after the constraint's mask, the temperature,
-top-k and top-p; at a greedy temperature: the masked logits' softmax; a forced token: 0) to its update.
+What each token means (forced tool ids, which are part of the completion and count in ``max_tokens``; a
+``constraint``'s mask and ``capture_regions``, whose region text comes in ``Update.regions``; ``logprobs``; stop
+ids and strings) is decided by the row layer, :mod:`lmforge.generate.rows`, shared with the other drivers.
 
 Several samples of one prompt: :meth:`Scheduler.submit_many` queues requests with the same prompt as one entry;
 they join together, the prompt prefilled once and its cache row copied (``Engine.fork``) into the others.
@@ -39,11 +32,7 @@ of it under the request's ``cache_salt``: requests share cached blocks only with
 the shared, unsalted space), so a tenant's salt keeps others from learning its prompts through cache hits.
 
 Speculative decoding (``speculative``; a request's ``speculative=False`` opts out): while one row decodes alone, it
-may feed prompt-lookup drafts with its next token in one pass and take every draft it would have sampled anyway
-(:mod:`lmforge.generate.speculative`): the same tokens, fewer passes. Constrained, tool and log-probability rows
-draft too: each drafted position's token is taken through the same path as a plain step's (mask, tool, log-prob),
-and a pass stops at the first token that is not the draft or that ends the row (a forced token is checked like
-any other: the pass goes on only while what was fed is what the row took).
+drafts (:meth:`~lmforge.generate.rows.RowStep.speculate`): the same tokens, fewer passes.
 """
 
 from __future__ import annotations
@@ -59,10 +48,9 @@ import torch
 
 from lmforge.generate.constraints import RowConstraint
 from lmforge.generate.engine import Engine
-from lmforge.generate.generator import _TextStream
 from lmforge.generate.prefix_cache import PrefixCache, admit_cached, check_salt, keep_row
-from lmforge.generate.speculative import DraftPolicy, NgramDrafter, SpecStats
-from lmforge.generate.sampling import check_sampling, check_seed, is_greedy, sample_next, sampling_logits
+from lmforge.generate.rows import Row, RowStep, TokenLogprob, token_bytes
+from lmforge.generate.sampling import check_sampling, check_seed
 from lmforge.model.cache import check_context
 from lmforge.tokenizer import Tokenizer
 
@@ -93,15 +81,6 @@ class Update:
     logprobs: tuple["TokenLogprob", ...] = ()
     regions: tuple[str, ...] = ()
     cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A taken token's log-probability and the ``top`` most likely alternatives ``((id, logprob), ...)``."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(eq=False)
@@ -157,31 +136,12 @@ class QueueFull(RuntimeError):
     """:meth:`Scheduler.submit` found ``max_queue`` requests already waiting (a server answers 429)."""
 
 
-class _Row:
-    """A live request: its sampler, text stream, forced tokens and the token to feed next."""
-
-    def __init__(self, req: Request, device: torch.device, speculative: bool = False) -> None:
-        self.req = req
-        self.drafter = NgramDrafter(req.prompt) if speculative and req.speculative else None
-        self.policy = DraftPolicy()
-        self.gen = torch.Generator(device=device)
-        if req.seed is None:
-            self.gen.seed()
-        else:
-            self.gen.manual_seed(int(req.seed))
-        self.stream = _TextStream(list(req.stop))
-        self.shown = {int(t): text.encode() for t, text in req.token_text.items()}  # ids shown as other text
-        self.forced: collections.deque[int] = collections.deque()
-        self.n = 0  # completion tokens
-        self.cached = 0  # prompt tokens the prefix cache gave
-        self.next = -1  # the token to feed at the next step
-        self.pending = ""  # text not yet emitted
-        self.pending_lp: list[TokenLogprob] = []  # their log-probabilities
-        self.regions: list[str] = []  # captured regions closed since the last update
-        self.finish: str | None = None
-        self.error: str | None = None
-        if req.constraint is not None:
-            self.forced.extend(req.constraint.force)
+def _row(req: Request, device: torch.device, speculative: bool, emit: Callable[[Row], None]) -> Row:
+    """The row a request decodes in (its sampling, stops, tool, constraint; drafts unless it opts out)."""
+    return Row(req.prompt, req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+               seed=req.seed, device=device, stop_ids=req.stop_ids, stop=req.stop, tool=req.tool,
+               token_text=req.token_text, constraint=req.constraint, capture_regions=req.capture_regions,
+               logprobs=req.logprobs, draft=speculative and req.speculative, emit=emit, owner=req)
 
 
 class Scheduler:
@@ -203,12 +163,12 @@ class Scheduler:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.context_length = engine.context_length
         self.vocab_limit = tokenizer.vocab_size  # never sample the model's padding ids
-        self._bytes = [tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)]
+        self.rows = RowStep(token_bytes(tokenizer), tokenizer.decode)
         engine.open_slots(max_batch)
         self.prefix_cache = prefix_cache
         self.speculative = bool(speculative)
-        self.spec_stats = SpecStats()
-        self._rows: list[_Row] = []  # _rows[i] is the request in engine row i
+        self.spec_stats = self.rows.spec_stats
+        self._rows: list[Row] = []  # _rows[i] decodes in engine row i; its owner is its request
         self._waiting: collections.deque[list[Request]] = collections.deque()  # entries: requests joining together
         self._cv = threading.Condition()
         self.engine_lock = threading.Lock()
@@ -324,7 +284,7 @@ class Scheduler:
     def _drop_all(self, reason: str, error: str | None) -> None:
         """End every live request (and, when cancelling, every waiting one) with ``reason``."""
         with self._cv:
-            ended = [(r.req, r.n) for r in self._rows]
+            ended = [(r.owner, r.n) for r in self._rows]
             self._rows = []
             if reason == "cancelled":
                 ended += [(req, 0) for entry in self._waiting for req in entry]
@@ -343,7 +303,7 @@ class Scheduler:
 
     def run_once(self) -> bool:
         """One iteration: cancelled rows leave, waiting requests join, one batched step. False if idle."""
-        self._release([i for i, r in enumerate(self._rows) if r.req.cancelled])
+        self._release([i for i, r in enumerate(self._rows) if r.owner.cancelled])
         while self.engine.free_slots:
             with self._cv:
                 if not self._waiting or len(self._waiting[0]) > self.engine.free_slots:
@@ -357,15 +317,8 @@ class Scheduler:
         self._finish_rows()
         if not self._rows:
             return True
-        if len(self._rows) == 1 and self._speculate(self._rows[0]):
-            self._finish_rows()
-            return True
-        feed = torch.tensor([r.next for r in self._rows], dtype=torch.long, device=self.engine.device)
-        with torch.inference_mode(), self.engine.serial_torch():  # sampling too: see Engine.serial_torch
-            logits = self.engine.step(feed)
-            greedy = logits[:, : self.vocab_limit].argmax(dim=-1).tolist()  # one op for every greedy row
-            for i, r in enumerate(self._rows):
-                self._advance(r, logits[i], greedy[i])
+        if not (len(self._rows) == 1 and self.rows.speculate(self.engine, 0, self._rows[0])):
+            self.rows.step(self.engine, self._rows)
         self._finish_rows()
         return True
 
@@ -375,7 +328,7 @@ class Scheduler:
         is freed, so the engine's live rows stay the scheduler's (the others go on as if they had never come)."""
         base = self.engine.active
         try:  # everything about these requests joining: their rows' state, the prefill, the copies
-            rows = [_Row(req, self.engine.device, self.speculative) for req in entry]
+            rows = [_row(req, self.engine.device, self.speculative, self._emit) for req in entry]
             first, logits, cached = admit_cached(self.engine, self.prefix_cache, entry[0].prompt, entry[0].cache_salt)
             for _ in entry[1:]:
                 self.engine.fork(first)
@@ -397,7 +350,7 @@ class Scheduler:
                                            f"internal error: {type(e).__name__}: {e}"))
             return
         for row in rows:
-            self._advance(row, logits)  # its own errors end this row only
+            self.rows.advance(row, logits)  # its own errors end this row only
 
     def _check_rows(self) -> None:
         """``RuntimeError`` unless the engine has as many live rows as the scheduler (engine row ``i`` is
@@ -406,117 +359,12 @@ class Scheduler:
         if self.engine.active != len(self._rows):
             raise RuntimeError(f"the engine has {self.engine.active} live rows but the scheduler {len(self._rows)}")
 
-    def _speculate(self, r: _Row) -> bool:
-        """One pass of row 0 (alone) with its next token and its drafts, if it has any (module docstring); False
-        when it drafted nothing (the caller steps it plainly)."""
-        eng = self.engine
-        n = eng.lengths[0]
-        k = 0 if r.drafter is None or r.forced else r.policy.draft_length(r.n)
-        k = min(k, r.req.max_tokens - r.n - 1, eng.cache.capacity - n - 1)
-        drafts = r.drafter.propose(k) if k > 0 else []
-        if not drafts:
-            return False
-        with torch.inference_mode(), eng.serial_torch():
-            logits = eng.verify(0, [r.next] + drafts)  # (1 + k, V)
-            greedy = logits[:, : self.vocab_limit].argmax(dim=-1).tolist()
-            kept = 0
-            for j in range(len(drafts) + 1):
-                self._advance(r, logits[j], greedy[j])
-                if j == len(drafts) or r.finish is not None or r.next != drafts[j]:
-                    break
-                kept += 1
-            eng.rollback(0, len(drafts) - kept)
-        r.policy.record(r.n, len(drafts), kept)
-        st = self.spec_stats
-        st.passes, st.drafted, st.accepted = st.passes + 1, st.drafted + len(drafts), st.accepted + kept
-        return True
+    def _emit(self, r: Row) -> None:
+        self._send(r.owner, self._update(r))
 
-    def _advance(self, r: _Row, logits: torch.Tensor, argmax: int | None = None) -> None:
-        """Take the row's next token: a forced one, or one sampled from ``logits (V,)`` (``argmax``: its greedy
-        pick, already computed); mark the row if it ends."""
-        req = r.req
-        try:
-            if r.forced:
-                t = r.forced.popleft()
-                if req.logprobs is not None:
-                    r.pending_lp.append(TokenLogprob(t, 0.0, ((t, 0.0),) if req.logprobs else ()))
-                self._take(r, t)
-                return
-            t = self._sample(r, logits, argmax)
-            if t in req.stop_ids:
-                if req.logprobs is not None:
-                    r.pending_lp.pop()  # a stop id is not part of the completion
-                r.finish = "stop"
-                r.pending += r.stream.finish()  # a held-back tail that turned out not to be a stop string
-                return
-            self._take(r, t)
-            if r.finish is None and req.tool is not None:
-                extra = req.tool(t)
-                if extra:
-                    for x in extra:
-                        if not 0 <= int(x) < self.vocab_limit:
-                            raise ValueError(f"the tool forced token id {x}, out of range [0, {self.vocab_limit})")
-                    r.forced.extend(int(x) for x in extra)
-        except Exception as e:  # noqa: BLE001  (one request's failure ends that request only)
-            logger.exception("a request failed")
-            r.finish, r.error = "error", f"internal error: {type(e).__name__}: {e}"
-
-    def _sample(self, r: _Row, logits: torch.Tensor, argmax: int | None) -> int:
-        """The row's next token from ``logits (V,)`` under its constraint and sampling parameters (and, when the
-        request asks, its log-probability added to the row's pending ones)."""
-        req = r.req
-        greedy = is_greedy(req.temperature)
-        if req.constraint is None and req.logprobs is None:
-            if greedy and argmax is not None:
-                return argmax  # == sample_next at temperature 0
-            return int(sample_next(logits[None, : self.vocab_limit], req.temperature, req.top_k, req.top_p, r.gen)[0])
-        row = logits[None, : self.vocab_limit].float().clone()  # (1, V)
-        if req.constraint is not None:
-            req.constraint.apply(row[0])
-        if greedy:
-            t, dist = int(sample_next(row, 0.0)[0]), row
-        else:
-            dist = sampling_logits(row, req.temperature, req.top_k, req.top_p)
-            t = int(torch.multinomial(torch.softmax(dist, dim=-1), 1, generator=r.gen)[0, 0])  # == sample_next
-        if req.logprobs is not None:
-            lp = torch.log_softmax(dist[0], dim=-1)
-            top: tuple[tuple[int, float], ...] = ()
-            if req.logprobs:
-                values, ids = torch.topk(lp, min(req.logprobs, lp.shape[0]))
-                top = tuple((int(i), float(v)) for i, v in zip(ids, values) if v > float("-inf"))
-            r.pending_lp.append(TokenLogprob(t, float(lp[t]), top))
-        return t
-
-    def _take(self, r: _Row, t: int) -> None:
-        """Token ``t`` is the row's next completion token: its text, and whether it ends the row."""
-        r.n += 1
-        r.next = t
-        if r.drafter is not None:
-            r.drafter.append(t)
-        c = r.req.constraint
-        captured = False
-        if c is not None:
-            was = c.in_region
-            c.take(t)
-            captured = r.req.capture_regions and (was or c.in_region)
-            if captured and was and not c.in_region:  # a region closed
-                r.regions.append(self.tokenizer.decode(c.regions[-1]))
-        if captured:
-            if r.pending_lp and r.pending_lp[-1].token == t:
-                r.pending_lp.pop()  # a captured token is not text: no log-probability either
-        else:
-            r.pending += r.stream.feed(r.shown.get(t, self._bytes[t]) if r.shown else self._bytes[t])
-        if r.stream.done:
-            r.finish = "stop"
-        elif r.n >= r.req.max_tokens:
-            r.finish = "length"
-            r.pending += r.stream.finish()
-        elif r.pending or r.regions:
-            self._send(r.req, self._update(r))
-
-    def _update(self, r: _Row) -> Update:
+    def _update(self, r: Row) -> Update:
         """An update with the row's pending text, log-probabilities and closed regions (then cleared)."""
-        u = Update(r.pending, len(r.req.prompt), r.n, r.finish, r.error, tuple(r.pending_lp), tuple(r.regions),
+        u = Update(r.pending, len(r.prompt), r.n, r.finish, r.error, tuple(r.pending_lp), tuple(r.regions),
                    r.cached)
         r.pending, r.pending_lp, r.regions = "", [], []
         return u
@@ -525,7 +373,7 @@ class Scheduler:
         done = [i for i, r in enumerate(self._rows) if r.finish is not None]
         for i in done:
             r = self._rows[i]
-            self._send(r.req, self._update(r))
+            self._send(r.owner, self._update(r))
         self._release(done)
 
     def _release(self, rows: list[int]) -> None:
@@ -542,6 +390,6 @@ class Scheduler:
         """Keep engine row ``i``'s tokens (prompt and reply) in the prefix cache, under its request's salt, before
         it is freed."""
         try:
-            keep_row(self.engine, self.prefix_cache, i, self._rows[i].req.cache_salt)
+            keep_row(self.engine, self.prefix_cache, i, self._rows[i].owner.cache_salt)
         except Exception:  # noqa: BLE001  (a cache that cannot keep a row must not end the others)
             logger.exception("the prefix cache failed to keep a row")

@@ -14,7 +14,8 @@ import torch
 
 from conftest import torch_threads
 from lmforge.generate.engine import Engine
-from lmforge.generate.generator import Generator, _TextStream
+from lmforge.generate.generator import Generator
+from lmforge.generate.rows import TextStream
 from lmforge.generate.packed import kernel_available
 from lmforge.generate.sampling import check_sampling, sample_next
 from lmforge.model import ModelConfig, TransformerLM
@@ -227,18 +228,18 @@ def test_text_stream_never_splits_characters():
     text = "héllo wörld — 日本語 🙂!"
     data = text.encode()
     for cut in range(1, 5):  # feed 1, 2, 3, 4 bytes at a time
-        ts = _TextStream([])
+        ts = TextStream([])
         pieces = [ts.feed(data[i : i + cut]) for i in range(0, len(data), cut)] + [ts.finish()]
         assert "".join(pieces) == text
         assert not any("\ufffd" in p for p in pieces)
 
 
 def test_text_stream_stop_string_split_across_feeds():
-    ts = _TextStream(["END", "xyz"])
+    ts = TextStream(["END", "xyz"])
     pieces = [ts.feed(b) for b in (b"abc E", b"N", b"xE", b"ND tail")]
     assert "".join(pieces) == "abc ENx" and ts.done
     assert "E" not in pieces[0][-1:]  # the possible start of "END" was held back
-    ts = _TextStream(["END"])
+    ts = TextStream(["END"])
     assert ts.feed(b"the E") == "the " and ts.finish() == "E"  # never completed: flushed at the end
 
 

@@ -245,14 +245,14 @@ def test_a_failure_while_joining_ends_that_request_only(monkeypatch):
     from lmforge.generate import scheduler as scheduler_module
 
     model, tok = tiny_model(), byte_tokenizer()
-    real_row = scheduler_module._Row
+    real_row = scheduler_module._row
 
     def row(req, device, *args):
         if req.seed == 666:
             raise RuntimeError("injected fault while joining")
         return real_row(req, device, *args)
 
-    monkeypatch.setattr(scheduler_module, "_Row", row)
+    monkeypatch.setattr(scheduler_module, "_row", row)
     s = Scheduler(Engine(model), tok, max_batch=3)
     first, bad, after = Collect(), Collect(), Collect()
     s.submit(Request(PROMPTS[0], 12, first, temperature=0))
@@ -293,7 +293,7 @@ def extra_row_once(monkeypatch, engine) -> None:
     monkeypatch.setattr(engine, "admit", admit)
 
 
-@pytest.mark.parametrize("where", ["_Row", "lookup", "restore", "admit", "store", "fork", "slip"])
+@pytest.mark.parametrize("where", ["_row", "lookup", "restore", "admit", "store", "fork", "slip"])
 def test_a_failure_at_any_step_of_joining_frees_the_rows_it_took(monkeypatch, where):
     """Two samples of one prompt join beside a running request and fail at one step of joining (their rows' state,
     the prefix cache's lookup, its restore, the prefill, the cache's store, the copy for the second sample, or an
@@ -308,7 +308,7 @@ def test_a_failure_at_any_step_of_joining_frees_the_rows_it_took(monkeypatch, wh
     s.submit(Request(PROMPTS[2], 12, running, temperature=1.0, seed=1))
     s.run_once()
     s.run_once()
-    owner = {"_Row": scheduler_module, "lookup": s.prefix_cache, "restore": s.prefix_cache, "admit": s.engine,
+    owner = {"_row": scheduler_module, "lookup": s.prefix_cache, "restore": s.prefix_cache, "admit": s.engine,
              "store": s.prefix_cache, "fork": s.engine}.get(where)
     if owner is None:
         extra_row_once(monkeypatch, s.engine)

@@ -92,7 +92,7 @@ def stream_text(stream) -> tuple[str, str | None]:
 def test_a_failure_while_one_request_joins_fails_it_alone(wide, monkeypatch):
     """A fault injected into one request's admission (building its row): that request gets a 500; the stream
     running beside it goes on to its full length, and the next request is served."""
-    real_row = scheduler_module._Row
+    real_row = scheduler_module._row
     live_at_fault: list[int] = []
 
     def row(req, *args):
@@ -101,7 +101,7 @@ def test_a_failure_while_one_request_joins_fails_it_alone(wide, monkeypatch):
             raise RuntimeError("injected fault while joining")
         return real_row(req, *args)
 
-    monkeypatch.setattr(scheduler_module, "_Row", row)
+    monkeypatch.setattr(scheduler_module, "_row", row)
     client = openai_client(wide.url, max_retries=0, timeout=30)
     stream = client.completions.create(model="wide", prompt="go", max_tokens=300, temperature=0, stream=True)
     first = next(iter(stream))
