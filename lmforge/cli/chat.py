@@ -76,6 +76,8 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=256, metavar="MB",
                    help="keep each turn's keys and values (prompt and reply) within MB MiB, so the next turn prefills "
                         "only its new messages (default 256; 0 = off)")
+    p.add_argument("--no-draft", action="store_true", help="decode one token per pass: no prompt-lookup drafts "
+                   "(drafting gives the same tokens in fewer passes)")
     sub = p.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", parser_class=type(p))
     rp = sub.add_parser("render", help="show a JSONL file's conversations as tokens, the trained ones highlighted",
                         description="show a JSONL file's conversations as tokens, the trained ones highlighted")
@@ -101,6 +103,7 @@ def _chat(args: argparse.Namespace) -> int:
         from lmforge.generate.prefix_cache import PrefixCache
 
         session.generator.prefix_cache = PrefixCache(int(args.prefix_cache_mb * 2**20))
+    session.generator.speculative = not args.no_draft
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"chatting with {args.run} (context {session.context_length} tokens). /help for commands, "

@@ -34,7 +34,7 @@ from lmforge.config import from_dict
 from lmforge.generate.engine import Engine
 from lmforge.generate.packed import weight_dtype_of
 from lmforge.generate.prefix_cache import PrefixCache, admit_cached, keep_row
-from lmforge.generate.rows import TextStream
+from lmforge.generate.rows import Row, RowStep, TextStream, token_bytes
 from lmforge.generate.sampling import check_sampling, check_seed, sample_next
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.run import open_run
@@ -87,7 +87,7 @@ class Generator:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.vocab_limit = self.cfg.vocab_size
-        self._token_bytes: list[bytes] | None = None
+        self._rows: RowStep | None = None
         if tokenizer is not None:
             if tokenizer.vocab_size > self.cfg.vocab_size:
                 raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {self.cfg.vocab_size}; "
@@ -96,6 +96,8 @@ class Generator:
         self.engine = Engine(model, window_drop, weight_dtype, activations=activations)
         self.prefix_cache: PrefixCache | None = None
         """Set to keep the KV of each :meth:`turn`'s prompt and reply for the next (a chat re-sends its history)."""
+        self.speculative = True
+        """:meth:`turn` drafts unless told otherwise (see :mod:`lmforge.generate.speculative`)."""
 
     @classmethod
     def from_run(cls, run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
@@ -261,13 +263,16 @@ class Generator:
 
     def turn(self, prompt_ids: Sequence[int], max_new_tokens: int = 256, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, rng: torch.Generator | None = None,
-             stop_ids: Sequence[int] = (), inject: Callable[[int], Sequence[int] | None] | None = None) -> "Turn":
+             stop_ids: Sequence[int] = (), inject: Callable[[int], Sequence[int] | None] | None = None,
+             draft: bool | None = None) -> "Turn":
         """One streamed reply to ``prompt_ids`` with forced tokens: a :class:`Turn` to iterate.
 
         Each sampled id is passed to ``inject`` (if given); when it returns ids, they are fed to the model
         after the sampled one, one step each, before sampling goes on (a tool's output). The reply ends at a
         ``stop_ids`` token (not yielded), after ``max_new_tokens`` sampled tokens, or when the context is full
         (no sliding: a chat drops whole turns instead). ``rng``: the random generator (default: fresh entropy).
+        ``draft``: decode with prompt-lookup drafts (the same tokens, fewer passes; default :attr:`speculative`).
+        The prompt's longest prefix held by :attr:`prefix_cache` is not prefilled again.
         """
         check_sampling(temperature, top_k, top_p)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -276,21 +281,20 @@ class Generator:
         self._check_prompts(rows, 1, "stop")
         if self.tokenizer is None:
             raise ValueError("this Generator has no tokenizer; pass tokenizer= to stream text")
-        return Turn(self, rows[0], max_new_tokens, temperature, top_k, top_p, rng or self.rng(), set(stop_ids), inject)
+        row = Row(rows[0], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, gen=rng or self.rng(),
+                  stop_ids=set(stop_ids), tool=inject, draft=self.speculative if draft is None else draft,
+                  count_forced=False, log=True)
+        return Turn(self, row)
 
     # ---------------------------------------------------------------------------------------------
     # text in, text out
     # ---------------------------------------------------------------------------------------------
-    def _bytes_of(self, token_id: int) -> bytes:
-        if self._token_bytes is None:
-            tok = self.tokenizer
-            table = [b""] * tok.vocab_size
-            for i, b in tok.vocab.items():
-                table[i] = b
-            for s, i in tok.special_tokens.items():
-                table[i] = s.encode("utf-8")
-            self._token_bytes = table
-        return self._token_bytes[token_id]
+    @property
+    def rows(self) -> RowStep:
+        """The row step over this tokenizer's token bytes (built on first use)."""
+        if self._rows is None:
+            self._rows = RowStep(token_bytes(self.tokenizer), self.tokenizer.decode)
+        return self._rows
 
     def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 128, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -332,7 +336,7 @@ class Generator:
             row = rows[b]
             if row.done:
                 continue
-            piece = row.feed(self._bytes_of(t))
+            piece = row.feed(self.rows.bytes[t])
             if piece:
                 yield b, piece
             if all(r.done for r in rows):
@@ -351,66 +355,51 @@ class Turn:
     ``ids`` holds every id of the reply in order (forced ones included, the stop token not) and
     ``finish_reason`` is ``"stop"`` (a stop token), ``"length"`` (``max_new_tokens``) or ``"context"`` (the
     context is full). A reply that ends inside a UTF-8 character ends with ``(-1, "\ufffd", False)``.
+    ``prefilled``: the prompt tokens run through the model (the rest came from the prefix cache).
     """
 
-    def __init__(self, gen: Generator, prompt: list[int], max_new_tokens: int, temperature: float,
-                 top_k: int | None, top_p: float | None, rng: torch.Generator, stop_ids: set[int],
-                 inject: Callable[[int], Sequence[int] | None] | None) -> None:
-        self._gen, self._prompt, self._max = gen, prompt, max_new_tokens
-        self._sampling = (temperature, top_k, top_p, rng)
-        self._stop, self._inject = stop_ids, inject
-        self.ids: list[int] = []
-        self.finish_reason: str | None = None
+    def __init__(self, gen: Generator, row: Row) -> None:
+        self._gen, self._row = gen, row
+        self.prefilled = 0
+
+    @property
+    def ids(self) -> list[int]:
+        return self._row.ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._row.finish
 
     def __iter__(self) -> Iterator[tuple[int, str, bool]]:
-        gen, engine = self._gen, self._gen.engine
-        ctx = gen.cfg.context_length
-        text = TextStream([])
-
-        def pick(logits: torch.Tensor) -> int:
-            return int(gen._pick(logits, *self._sampling)[0])
-
+        gen, r, steps = self._gen, self._row, self._gen.rows
+        engine, ctx = gen.engine, gen.cfg.context_length
+        engine.open_slots(1, ctx)
         with torch.inference_mode():
-            if gen.prefix_cache is None:
-                nxt = pick(engine.prefill([self._prompt], ctx))
-            else:  # one row, from the longest prefix a previous turn left in the cache
-                engine.open_slots(1, ctx)
-                nxt = pick(admit_cached(engine, gen.prefix_cache, self._prompt)[1][None])
-        used, sampled = len(self._prompt), 0  # tokens in the cache, tokens sampled
+            _, logits, cached = admit_cached(engine, gen.prefix_cache, r.prompt)
+        self.prefilled = len(r.prompt) - cached
         try:
-            yield from self._replies(nxt, used, sampled, pick, text)
+            steps.advance(r, logits)
+            yield from self._taken()
+            while r.finish is None:
+                if engine.lengths[0] >= ctx:  # no room to feed the next token: what it forces still belongs
+                    steps.drain(r)
+                    r.finish = "context"
+                    r.pending += r.stream.finish()
+                elif r.drafter is None or not steps.speculate(engine, 0, r):
+                    steps.step(engine, [r])
+                yield from self._taken()
+            if r.error is not None:
+                raise ValueError(r.error)
         finally:
             if gen.prefix_cache is not None and engine.active:
                 keep_row(engine, gen.prefix_cache, 0)  # this turn's prompt and reply, for the next turn
 
-    def _replies(self, nxt: int, used: int, sampled: int, pick: Callable[[torch.Tensor], int],
-                 text: TextStream) -> Iterator[tuple[int, str, bool]]:
-        gen, engine = self._gen, self._gen.engine
-        ctx = gen.cfg.context_length
-        while True:
-            if nxt in self._stop:
-                self.finish_reason = "stop"
-                break
-            sampled += 1
-            self.ids.append(nxt)
-            yield nxt, text.feed(gen._bytes_of(nxt)), False
-            feed = [nxt]
-            for t in (self._inject(nxt) or []) if self._inject is not None else []:
-                token_ids([t], gen.cfg.vocab_size, what="forced token id")
-                self.ids.append(t)
-                feed.append(t)
-                yield t, text.feed(gen._bytes_of(t)), True
-            if sampled >= self._max:
-                self.finish_reason = "length"
-                break
-            if used + len(feed) > ctx:
-                self.finish_reason = "context"
-                break
-            with torch.inference_mode(), engine.serial_torch():
-                for t in feed:
-                    logits = engine.step(torch.tensor([t], device=gen.device))
-                nxt = pick(logits)
-            used += len(feed)
-        tail = text.finish()
-        if tail:
+    def _taken(self) -> Iterator[tuple[int, str, bool]]:
+        """The tokens the row took since the last call, then (once it ended) the text its stream still held."""
+        r = self._row
+        log, r.log = r.log, []
+        yield from log
+        r.pending = r.pending[sum(len(p) for _, p, _ in log):]
+        if r.finish is not None and r.pending:
+            tail, r.pending = r.pending, ""
             yield -1, tail, False

@@ -104,7 +104,8 @@ class Row:
 
     ``seed`` None draws fresh entropy, unless ``gen`` (a generator shared across turns) is given. ``tool(token_id)
     -> list[int] | None`` is called with each sampled token; ids it returns are forced next. ``token_text`` maps ids
-    to the text shown for them instead of their own. ``owner``: whatever the driver keeps with the row.
+    to the text shown for them instead of their own. ``log``: keep ``(id, text, forced)`` of each taken token in
+    :attr:`log` (a driver that streams tokens). ``owner``: whatever the driver keeps with the row.
     """
 
     def __init__(self, prompt: Sequence[int], max_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
@@ -113,8 +114,9 @@ class Row:
                  tool: Callable[[int], Sequence[int] | None] | None = None, token_text: Mapping[int, str] | None = None,
                  constraint: RowConstraint | None = None, capture_regions: bool = False, logprobs: int | None = None,
                  draft: bool = False, count_forced: bool = True, emit: Callable[["Row"], None] | None = None,
-                 owner: Any = None) -> None:
+                 log: bool = False, owner: Any = None) -> None:
         self.prompt, self.max_tokens, self.owner, self.emit = prompt, max_tokens, owner, emit
+        self.log: list[tuple[int, str, bool]] | None = [] if log else None  # (id, its text, forced) per token
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.stop_ids, self.tool, self.count_forced = stop_ids, tool, count_forced
         self.constraint, self.capture_regions, self.logprobs = constraint, capture_regions, logprobs
@@ -281,11 +283,15 @@ class RowStep:
             captured = r.capture_regions and (was or c.in_region)
             if captured and was and not c.in_region:  # a region closed
                 r.regions.append(self.decode(c.regions[-1]))
+        piece = ""
         if captured:
             if r.pending_lp and r.pending_lp[-1].token == t:
                 r.pending_lp.pop()  # a captured token is not text: no log-probability either
         else:
-            r.pending += r.stream.feed(r.shown.get(t, self.bytes[t]) if r.shown else self.bytes[t])
+            piece = r.stream.feed(r.shown.get(t, self.bytes[t]) if r.shown else self.bytes[t])
+            r.pending += piece
+        if r.log is not None:
+            r.log.append((t, piece, not sampled))
         if r.stream.done:
             r.finish = "stop"
         elif r.n >= r.max_tokens and (sampled or r.count_forced):

@@ -37,3 +37,34 @@ def test_turns_are_the_same_with_the_cache_and_prefill_less(temperature):
     assert st.queries == 3 and st.hits == 2 and st.hit_tokens == 56 + 72
     cached.refresh()  # new weights: the kept keys and values are stale
     assert len(cached.prefix_cache) == 0 and cached.prefix_cache.stats.bytes == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_a_turn_drafts_and_prefills_only_the_new_tokens_with_the_same_replies(temperature):
+    """The chat's turns run through the row step: with drafting and the prefix cache (blocks of 1) the second turn
+    prefills only the tokens the first did not feed (its new message and the first reply's last token), drafts are
+    verified and kept on a repetitive greedy conversation, and the tokens are those of a turn with both off."""
+    m = model(context=256)
+
+    def talk(gen: Generator) -> tuple[list[list[int]], list[int]]:
+        prompt, replies, prefilled = SYSTEM + list(b"Q: say abcabcabc abcabcabc"), [], []
+        for k in range(3):
+            turn = gen.turn(prompt, 12, temperature=temperature, rng=gen.rng(k))
+            replies.append([t for t, _, _ in turn])
+            prefilled.append(turn.prefilled)
+            assert turn.finish_reason == "length"  # no stop ids: every turn feeds all but its last token
+            prompt = prompt + turn.ids + list(b" Q: again abcabcabc")
+        return replies, prefilled
+
+    plain = Generator(m, byte_tokenizer())
+    plain.speculative = False
+    fast = Generator(m, byte_tokenizer())
+    fast.prefix_cache = PrefixCache(1 << 22, block=1)
+    want, full = talk(plain)
+    got, prefilled = talk(fast)
+    assert got == want
+    new = len(b" Q: again abcabcabc") + 1
+    assert prefilled == [full[0], new, new] and full[2] > 5 * new
+    st = fast.rows.spec_stats
+    assert plain.rows.spec_stats.passes == 0 and (st.accepted > 0 or temperature > 0)  # the untrained model's
+    # samples rarely repeat an n-gram: the greedy conversation is the one that drafts
