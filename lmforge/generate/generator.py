@@ -381,11 +381,8 @@ class Turn:
             steps.advance(r, logits)
             yield from self._taken()
             while r.finish is None:
-                if engine.lengths[0] >= ctx:  # no room to feed the next token: what it forces still belongs
-                    steps.drain(r)
-                    r.finish = "context"
-                    r.pending += r.stream.finish()
-                elif r.drafter is None or not steps.speculate(engine, 0, r):
+                steps.end_full(engine, [r])
+                if r.finish is None and (r.drafter is None or not steps.speculate(engine, 0, r)):
                     steps.step(engine, [r])
                 yield from self._taken()
             if r.error is not None:

@@ -171,6 +171,16 @@ class RowStep:
             for i, r in enumerate(rows):
                 self.advance(r, logits[i], greedy[i])
 
+    def end_full(self, engine: Any, rows: Sequence[Row]) -> None:
+        """Rows (row ``i`` in engine row ``i``) whose cache has no room to feed their next token end with
+        ``finish="context"`` (the tokens a tool still forces belong to the reply: they are taken, not fed)."""
+        capacity = engine.cache.capacity
+        for i, r in enumerate(rows):
+            if r.finish is None and engine.lengths[i] >= capacity:
+                self.drain(r)
+                r.finish = "context"
+                r.pending += r.stream.finish()
+
     def speculate(self, engine: Any, index: int, r: Row) -> bool:
         """One pass of engine row ``index`` with its next token and its drafts, if it has any; False when it
         drafted nothing (the caller steps it plainly)."""

@@ -1,15 +1,16 @@
 """Rollouts: K sampled replies per prompt through the one generation engine, tool calls run as the chat runs them.
 
-:func:`sample_replies` decodes a batch of prompts, ``K`` rows each, on an :class:`~lmforge.generate.engine.Engine`:
-one prefill of every row, then one batched decode step per token. Each row samples with its own seeded
-``torch.Generator`` (:func:`rollout_seed`), as the server's scheduler does per request, so a reply is a
-function of its prompt, its seed, the weights and the batch it is decoded in; rows leave the batch as they
-end. A calculator call is run by one :class:`~lmforge.chat.tools.ToolUse` per row, exactly as
-:class:`~lmforge.chat.session.ChatSession` runs it through :meth:`Generator.turn
-<lmforge.generate.generator.Generator.turn>`: each sampled id is fed to it, the output ids it returns are fed
-to the model one per step before sampling goes on, and they belong to the reply but are not sampled (RL
-masks them out of the loss). A reply ends at a stop id (``<|assistant_end|>``, end of text, ``<|user_start|>``:
-the chat's), after ``max_new_tokens`` sampled ids, or when the next ids would not fit the context (no sliding).
+:func:`sample_replies` decodes a batch of prompts, ``K`` rows each, on an :class:`~lmforge.generate.engine.Engine`
+through the row step (:mod:`lmforge.generate.rows`, as :meth:`Generator.turn
+<lmforge.generate.generator.Generator.turn>` does): each prompt is prefilled once into one row and that row is
+copied (``Engine.fork``) into its other ``K - 1``, then every row decodes in one batched step per token. Each row
+samples with its own seeded ``torch.Generator`` (:func:`rollout_seed`), as the server's scheduler does per request,
+so a reply is a function of its prompt, its seed, the weights and the batch it is decoded in; rows leave the batch
+as they end. A calculator call is run by one :class:`~lmforge.chat.tools.ToolUse` per row, exactly as
+:class:`~lmforge.chat.session.ChatSession` runs it: each sampled id is fed to it, the output ids it returns are fed
+to the model one per step before sampling goes on, and they belong to the reply but are not sampled (RL masks them
+out of the loss). A reply ends at a stop id (``<|assistant_end|>``, end of text, ``<|user_start|>``: the chat's),
+after ``max_new_tokens`` sampled ids, or when the next ids would not fit the context (no sliding).
 
 The engine packs a copy of the weights for its decode kernel when it is built, so a new :class:`Engine` is
 made from the model after every optimizer step (:class:`~lmforge.rl.source.RolloutSource`); packing a 5M
@@ -18,7 +19,6 @@ parameter model takes milliseconds (``benchmarks/bench_rl.py``).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 from typing import Any, Sequence
@@ -27,7 +27,7 @@ import torch
 
 from lmforge.chat.format import ChatFormat
 from lmforge.chat.tools import ToolUse
-from lmforge.generate.sampling import sample_next
+from lmforge.generate.rows import Row, RowStep, token_bytes
 from lmforge.tokenizer import EOT
 
 __all__ = ["Rollout", "rollout_seed", "sample_replies", "stop_ids"]
@@ -68,42 +68,6 @@ def stop_ids(fmt: ChatFormat) -> list[int]:
     return [fmt.assistant_end_id, fmt.ids[EOT], fmt.ids["<|user_start|>"]]
 
 
-class _Row:
-    """A reply being decoded: its rollout, sampler, tool state, the ids still to feed, the cache's fill."""
-
-    def __init__(self, prompt: list[int], seed: int, fmt: ChatFormat | None, device: torch.device) -> None:
-        self.out = Rollout(prompt=list(prompt))
-        self.gen = torch.Generator(device=device).manual_seed(seed)
-        self.tool = ToolUse(fmt) if fmt is not None else None
-        self.pending: collections.deque[int] = collections.deque()
-        self.used = len(prompt)  # ids in the cache
-        self.n = 0  # sampled ids
-
-
-def _take(r: _Row, t: int, stops: set[int], max_new_tokens: int, ctx: int) -> None:
-    """Row ``r`` sampled ``t``: record it (and a tool's output), or end the row (as ``Generator.turn``)."""
-    out = r.out
-    if t in stops:
-        out.stop, out.finish = t, "stop"
-        return
-    r.n += 1
-    out.ids.append(t)
-    out.sampled.append(True)
-    feed = [t]
-    extra = r.tool.feed(t) if r.tool is not None else None
-    if extra:
-        out.ids.extend(extra)
-        out.sampled.extend([False] * len(extra))
-        out.tool_calls += 1
-        feed.extend(extra)
-    if r.n >= max_new_tokens:
-        out.finish = "length"
-    elif r.used + len(feed) > ctx:
-        out.finish = "context"
-    else:
-        r.pending.extend(feed)
-
-
 def sample_replies(engine: Any, prompts: Sequence[Sequence[int]], seeds: Sequence[Sequence[int]], *,
                    temperature: float, top_k: int | None, top_p: float | None, max_new_tokens: int,
                    fmt: ChatFormat, vocab_limit: int, tools: bool = True) -> list[list[Rollout]]:
@@ -116,32 +80,41 @@ def sample_replies(engine: Any, prompts: Sequence[Sequence[int]], seeds: Sequenc
     for p in prompts:
         if not 0 < len(p) < ctx:
             raise ValueError(f"a prompt of {len(p)} tokens leaves no room for a reply in a context of {ctx}")
-    rows = [_Row(p, s, fmt if tools else None, engine.device) for p, ss in zip(prompts, seeds) for s in ss]
+    step = RowStep(token_bytes(fmt.tokenizer)[:vocab_limit])
     stops = set(stop_ids(fmt))
 
-    def pick(r: _Row, logits: torch.Tensor) -> None:  # logits (V,)
-        t = int(sample_next(logits[None, :vocab_limit], temperature, top_k, top_p, r.gen)[0])
-        _take(r, t, stops, max_new_tokens, ctx)
+    def row(prompt: Sequence[int], seed: int) -> Row:
+        tool = ToolUse(fmt) if tools else None  # its calls are counted from the row's owner
+        return Row(list(prompt), max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                   device=engine.device, stop_ids=stops, tool=tool.feed if tool else None, count_forced=False,
+                   owner=tool)
 
-    live = list(rows)  # live[b] decodes in engine row b
+    groups = [[row(p, s) for s in ss] for p, ss in zip(prompts, seeds)]
+    engine.open_slots(max(1, sum(len(g) for g in groups)), ctx)
+    live: list[Row] = []  # live[b] decodes in engine row b
     with torch.inference_mode():
-        logits = engine.prefill([r.out.prompt for r in rows], ctx)  # (B, V): the model's forward, all threads
-    with torch.inference_mode(), engine.serial_torch():  # decode steps and sampling: see Engine.serial_torch
-        for b, r in enumerate(live):
-            pick(r, logits[b])
-        while True:
-            for b in sorted((b for b, r in enumerate(live) if r.out.finish), reverse=True):
-                moved = engine.release(b)  # the last live row moves into row b
-                if moved is not None:
-                    live[b] = live[moved]
-                live.pop()
-            if not live:
-                break
-            feed = torch.tensor([r.pending.popleft() for r in live], dtype=torch.long, device=engine.device)
-            logits = engine.step(feed)
-            for b, r in enumerate(live):
-                r.used += 1
-                if not r.pending:  # a tool's output still to feed: no sampling until it is in
-                    pick(r, logits[b])
-    it = iter(r.out for r in rows)
-    return [[next(it) for _ in ss] for ss in seeds]
+        for g in (g for g in groups if g):
+            row, logits = engine.admit(g[0].prompt)  # the prompt's one prefill; its other rows are copies
+            for r in g[1:]:
+                engine.fork(row)
+            for r in g:
+                step.advance(r, logits)
+            live += g
+    while True:
+        step.end_full(engine, live)
+        for b in sorted((b for b, r in enumerate(live) if r.finish), reverse=True):
+            moved = engine.release(b)  # the last live row moves into row b
+            if moved is not None:
+                live[b] = live[moved]
+            live.pop()
+        if not live:
+            break
+        step.step(engine, live)
+    return [[_rollout(r) for r in g] for g in groups]
+
+
+def _rollout(r: Row) -> Rollout:
+    if r.error is not None:
+        raise ValueError(r.error)
+    return Rollout(prompt=list(r.prompt), ids=r.ids, sampled=r.sampled, stop=r.stop, finish=r.finish or "",
+                   tool_calls=len(r.owner.calls) if r.owner is not None else 0)

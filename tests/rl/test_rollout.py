@@ -34,6 +34,20 @@ def _seeds(n_prompts: int, k: int, step: int = 0) -> list[list[int]]:
     return [[rollout_seed(7, step, j, s) for s in range(k)] for j in range(n_prompts)]
 
 
+def test_each_prompt_is_prefilled_once_and_copied_into_its_k_rows(chat_run, monkeypatch) -> None:
+    """K = 8 replies to each of 4 prompts: 4 prefills of one prompt each (the prompt tokens run once, not 8 times)
+    and 7 copies of each prefilled row."""
+    model, tok, _ = load_model(chat_run, device="cpu")
+    fmt, engine = ChatFormat(tok), Engine(model)
+    prompts, prefilled, forks = _prompts(fmt), [], []
+    admit, fork = engine.admit, engine.fork
+    monkeypatch.setattr(engine, "admit", lambda p, *a: (prefilled.append(len(p)), admit(p, *a))[1])
+    monkeypatch.setattr(engine, "fork", lambda row: (forks.append(row), fork(row))[1])
+    groups = sample_replies(engine, prompts, _seeds(4, 8), fmt=fmt, vocab_limit=tok.vocab_size, **SAMPLING)
+    assert prefilled == [len(p) for p in prompts] and len(forks) == 4 * 7
+    assert [len(g) for g in groups] == [8] * 4 and all(r.ids or r.stop is not None for g in groups for r in g)
+
+
 def test_replies_are_the_chats_own_tool_calls_run_and_fed_back(chat_run) -> None:
     """Each row of a batch of 4 prompts x 4 samples equals ``Generator.turn`` alone on its prompt with its seed and
     a ``ToolUse`` (what ChatSession does): the same ids, forced output included, the same finish; the forced ids

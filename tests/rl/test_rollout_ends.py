@@ -5,6 +5,7 @@ of the chat's stop ids — ``<|assistant_end|>``, end of text, ``<|user_start|>`
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Iterator
 
 import pytest
@@ -48,7 +49,8 @@ def test_a_reply_fills_the_context_and_every_sampled_id_is_trained(fmt, use_kern
 
 
 class _Scripted:
-    """An engine whose row ``i`` emits ``scripts[i]`` in order (the logits of every other id at -1e4), keeping
+    """An engine whose row ``i`` (the prompt's one prefilled row and its copies, in order) emits ``scripts[i]`` in
+    order (the logits of every other id at -1e4; the copies take the first row's first token), keeping
     rows as :class:`~lmforge.generate.engine.Engine` does when one is released (the last moves into its place)."""
 
     def __init__(self, scripts: list[list[int]], vocab: int) -> None:
@@ -61,9 +63,21 @@ class _Scripted:
             out[b, self.scripts[i][k]] = 0.0
         return out
 
-    def prefill(self, rows: list[list[int]], capacity: int) -> torch.Tensor:
-        self.rows = [(i, 0) for i in range(len(rows))]
-        return self._logits()
+    def open_slots(self, n_slots: int, capacity: int) -> None:
+        self.rows, self.cache, self.prompt = [], types.SimpleNamespace(capacity=capacity), 0
+
+    def admit(self, prompt: list[int]) -> tuple[int, torch.Tensor]:
+        self.prompt = len(prompt)
+        row = self.fork(-1)
+        return row, self._logits()[row]
+
+    def fork(self, row: int) -> int:  # row i of the copies emits script i
+        self.rows.append((len(self.rows), 0))
+        return len(self.rows) - 1
+
+    @property
+    def lengths(self) -> list[int]:
+        return [self.prompt + k for _, k in self.rows]
 
     def step(self, feed: torch.Tensor) -> torch.Tensor:
         assert len(feed) == len(self.rows)
