@@ -40,6 +40,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                         "values and multiplies in integers, as llama.cpp does (faster); float32 multiplies the "
                         "rounded weights exactly")
     p.add_argument("--no-stream", action="store_true", help="print each result when done (batches several prompts)")
+    p.add_argument("--no-draft", action="store_true", help="decode one token per pass: no prompt-lookup drafts "
+                   "(a streamed prompt drafts by default; drafting gives the same tokens in fewer passes)")
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:
@@ -70,6 +72,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     gen = Generator.from_run(_run_dir(args), args.checkpoint, device=args.device, weight_dtype=args.weight_dtype,
                                activations=args.activations)
+    gen.speculative = not args.no_draft
     opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, stop=args.stop)
     if args.no_stream:

@@ -238,8 +238,12 @@ class Generator:
         if stop_ids is None:
             eot = getattr(self.tokenizer, "eot_id", None)
             stop_ids = [] if eot is None else [eot]
-        steps = self._token_steps(rows, n_new, temperature, top_k, top_p, seed, naive)
-        it = self._ids_stream(steps, len(rows), set(stop_ids))
+        if single and not naive:
+            it = ((0, t) for t, _, _ in self._one_row(rows[0], n_new, temperature, top_k, top_p, seed, set(stop_ids),
+                                                       ()) if t >= 0)
+        else:
+            it = self._ids_stream(self._token_steps(rows, n_new, temperature, top_k, top_p, seed, naive), len(rows),
+                                  set(stop_ids))
         if stream:
             return (t for _, t in it) if single else it
         out: list[list[int]] = [[] for _ in rows]
@@ -293,8 +297,41 @@ class Generator:
     def rows(self) -> RowStep:
         """The row step over this tokenizer's token bytes (built on first use)."""
         if self._rows is None:
-            self._rows = RowStep(token_bytes(self.tokenizer), self.tokenizer.decode)
+            tok = self.tokenizer
+            self._rows = RowStep(token_bytes(tok) if tok is not None else [b""] * self.vocab_limit,
+                                 tok.decode if tok is not None else None)
         return self._rows
+
+    def _decode(self, r: Row, capacity: int, slide: bool) -> Iterator[tuple[int, str, bool]]:
+        """Decode row ``r`` alone in a cache of ``capacity`` columns through the row step, drafting if it does; yield
+        ``(id, text, forced)`` per token taken, then ``(-1, tail, False)`` if its stream held text back. ``slide``: a
+        full context slides (:meth:`generate`); else the row ends there (``"context"``), its prompt's cached prefix
+        is not prefilled and its tokens are kept in :attr:`prefix_cache` for the next turn."""
+        engine, steps, cache = self.engine, self.rows, None if slide else self.prefix_cache
+        engine.open_slots(1, capacity)
+        with torch.inference_mode():
+            _, logits, r.cached = admit_cached(engine, cache, r.prompt)
+        try:
+            steps.advance(r, logits)
+            yield from _taken(r)
+            while r.finish is None:
+                if not slide:
+                    steps.end_full(engine, [r])
+                if r.finish is None and (r.drafter is None or not steps.speculate(engine, 0, r)):
+                    steps.step(engine, [r])
+                yield from _taken(r)
+            if r.error is not None:
+                raise ValueError(r.error)
+        finally:
+            if cache is not None and engine.active:
+                keep_row(engine, cache, 0)  # this turn's prompt and reply, for the next turn
+
+    def _one_row(self, prompt: list[int], n_new: int, temperature: float, top_k: int | None, top_p: float | None,
+                 seed: int | None, stop_ids: set[int], stops: Sequence[str]) -> Iterator[tuple[int, str, bool]]:
+        """One prompt (not naive) through the row step: :meth:`_decode` in the cache the batched path would make."""
+        r = Row(prompt, n_new, temperature=temperature, top_k=top_k, top_p=top_p, gen=self.rng(seed),
+                stop_ids=stop_ids, stop=stops, draft=self.speculative, log=True)
+        return self._decode(r, max(min(self.cfg.context_length, len(prompt) + n_new - 1), len(prompt)), slide=True)
 
     def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 128, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -320,8 +357,13 @@ class Generator:
         rows = [self.tokenizer.encode(t) for t in texts]
         n_new = self._check_prompts(rows, max_new_tokens, overflow)
         eot = getattr(self.tokenizer, "eot_id", None)
-        steps = self._token_steps(rows, n_new, temperature, top_k, top_p, seed, naive)
-        it = self._text_stream(steps, len(rows), set() if eot is None else {eot}, stops)
+        stop_ids = set() if eot is None else {eot}
+        if single and not naive:
+            it = ((0, p) for _, p, _ in self._one_row(rows[0], n_new, temperature, top_k, top_p, seed, stop_ids, stops)
+                  if p)
+        else:
+            it = self._text_stream(self._token_steps(rows, n_new, temperature, top_k, top_p, seed, naive), len(rows),
+                                   stop_ids, stops)
         if stream:
             return (p for _, p in it) if single else it
         out = [""] * len(rows)
@@ -360,7 +402,6 @@ class Turn:
 
     def __init__(self, gen: Generator, row: Row) -> None:
         self._gen, self._row = gen, row
-        self.prefilled = 0
 
     @property
     def ids(self) -> list[int]:
@@ -370,33 +411,19 @@ class Turn:
     def finish_reason(self) -> str | None:
         return self._row.finish
 
-    def __iter__(self) -> Iterator[tuple[int, str, bool]]:
-        gen, r, steps = self._gen, self._row, self._gen.rows
-        engine, ctx = gen.engine, gen.cfg.context_length
-        engine.open_slots(1, ctx)
-        with torch.inference_mode():
-            _, logits, cached = admit_cached(engine, gen.prefix_cache, r.prompt)
-        self.prefilled = len(r.prompt) - cached
-        try:
-            steps.advance(r, logits)
-            yield from self._taken()
-            while r.finish is None:
-                steps.end_full(engine, [r])
-                if r.finish is None and (r.drafter is None or not steps.speculate(engine, 0, r)):
-                    steps.step(engine, [r])
-                yield from self._taken()
-            if r.error is not None:
-                raise ValueError(r.error)
-        finally:
-            if gen.prefix_cache is not None and engine.active:
-                keep_row(engine, gen.prefix_cache, 0)  # this turn's prompt and reply, for the next turn
+    @property
+    def prefilled(self) -> int:
+        return len(self._row.prompt) - self._row.cached
 
-    def _taken(self) -> Iterator[tuple[int, str, bool]]:
-        """The tokens the row took since the last call, then (once it ended) the text its stream still held."""
-        r = self._row
-        log, r.log = r.log, []
-        yield from log
-        r.pending = r.pending[sum(len(p) for _, p, _ in log):]
-        if r.finish is not None and r.pending:
-            tail, r.pending = r.pending, ""
-            yield -1, tail, False
+    def __iter__(self) -> Iterator[tuple[int, str, bool]]:
+        return self._gen._decode(self._row, self._gen.cfg.context_length, slide=False)
+
+
+def _taken(r: Row) -> Iterator[tuple[int, str, bool]]:
+    """The tokens row ``r`` took since the last call, then (once it ended) the text its stream still held."""
+    log, r.log = r.log, []
+    yield from log
+    r.pending = r.pending[sum(len(p) for _, p, _ in log):]
+    if r.finish is not None and r.pending:
+        tail, r.pending = r.pending, ""
+        yield -1, tail, False

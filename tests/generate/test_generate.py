@@ -328,8 +328,10 @@ def test_cli_generate(tmp_path, tiny_tokenizer, capsys):
     model = make_run_dir(tmp_path / "run", tiny_tokenizer)
     want = Generator(model, tiny_tokenizer).generate(["the cat", "a dog"], 15, temperature=0)
     run = str(tmp_path / "run")
-    assert main(["generate", "--run", run, "--prompt", "the cat", "--temperature", "0", "--max-new-tokens", "15"]) == 0
-    assert capsys.readouterr().out == "the cat" + want[0] + "\n"
+    for draft in ([], ["--no-draft"]):  # one streamed prompt runs through the row step: the batched path's tokens
+        assert main(["generate", "--run", run, "--prompt", "the cat", "--temperature", "0", "--max-new-tokens", "15",
+                     *draft]) == 0
+        assert capsys.readouterr().out == "the cat" + want[0] + "\n"
     ckpt = str(tmp_path / "run/checkpoints/step_00000003.safetensors")
     assert main(["generate", "--checkpoint", ckpt, "--prompt", "the cat", "--prompt", "a dog", "--no-stream",
                  "--temperature", "0", "--max-new-tokens", "15", "--device", "cpu"]) == 0

@@ -68,3 +68,17 @@ def test_a_turn_drafts_and_prefills_only_the_new_tokens_with_the_same_replies(te
     st = fast.rows.spec_stats
     assert plain.rows.spec_stats.passes == 0 and (st.accepted > 0 or temperature > 0)  # the untrained model's
     # samples rarely repeat an n-gram: the greedy conversation is the one that drafts
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_generate_drafts_through_a_sliding_context_with_the_same_tokens(temperature):
+    """``Generator.generate_ids`` on one prompt (what ``lmforge generate`` streams) runs through the row step: 100
+    tokens in a 64-token context slide, and with drafts on or off the tokens are the same."""
+    m = model(context=64)
+    prompt = list(b"abcabcabc abcabcabc abc")
+    on, off = Generator(m, byte_tokenizer()), Generator(m, byte_tokenizer())
+    off.speculative = False
+    got = on.generate_ids(prompt, 100, temperature=temperature, seed=3, stop_ids=[])
+    assert got == off.generate_ids(prompt, 100, temperature=temperature, seed=3, stop_ids=[]) and len(got) == 100
+    assert off.rows.spec_stats.passes == 0
+    assert on.rows.spec_stats.accepted > 0 or temperature > 0  # (test_generate_window holds it to the naive path)
