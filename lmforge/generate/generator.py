@@ -2,26 +2,22 @@
 
 Layers, bottom up:
 
-* :func:`~lmforge.generate.sampling.sample_next` turns a ``(B, V)`` logits row into token ids: greedy (temperature 0), temperature,
-  top-k, top-p (nucleus), drawing from an explicit ``torch.Generator`` so a seed reproduces the output.
-* :class:`Engine` (in :mod:`lmforge.generate.engine`) is the inference engine. It speaks only token ids: it
-  prefills the prompts through the model's own forward into the model's KV cache, then decodes one token per
-  step (on CPU, one call into the C++ decode step per token, on weights packed once, optionally as
-  bfloat16/float16/int8). Several prompts run as one batch: right padding and a length per row, so each row
-  attends to its own tokens only. A row that fills the context slides: it drops its oldest quarter (by
-  default) and re-prefills the rest, so generation goes on at an amortized cost.
-* :class:`Generator` is the user API: ``generate_ids`` (ids in, ids out) and ``generate`` (text in, text
-  out, optionally streamed) with stop tokens and stop strings. ``naive=True`` recomputes the full
-  forward of the model itself at every step (no cache); it is the oracle the cached path is tested
-  against (greedy tokens must be identical).
-
-The text layer decodes token bytes with an incremental UTF-8 decoder, so a streamed piece never ends in
-half a character, and it holds back any tail that could be the start of a stop string, so a stop string
-split across tokens is found and never emitted.
+* :class:`Engine` (in :mod:`lmforge.generate.engine`) holds the tensors: it prefills prompts through the model's own
+  forward into the KV cache and decodes one token per step (on CPU one call into the C++ decode step, on weights
+  packed once, optionally as bfloat16/float16/int8/int4), verifies drafts, rolls back, forks rows. Several prompts
+  run as one batch (right padding, a length per row). A row that fills the context slides: it drops its oldest
+  quarter (by default) and re-prefills the rest, so generation goes on at an amortized cost.
+* :mod:`lmforge.generate.rows` decides what each token means: sampling, stop ids and strings, text (UTF-8 whole,
+  stop strings never emitted), forced tool ids, drafting.
+* :class:`Generator` is the user API: ``generate_ids`` (ids in, ids out), ``generate`` (text in, text out,
+  optionally streamed) and :meth:`Generator.turn` (a chat's reply, with tool output and the prefix cache).
+  ``naive=True`` recomputes the full forward of the model itself at every step (no cache); it is the oracle the
+  cached path is tested against (greedy tokens must be identical).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any, Callable, Iterator, Sequence
@@ -34,8 +30,8 @@ from lmforge.config import from_dict
 from lmforge.generate.engine import Engine
 from lmforge.generate.packed import weight_dtype_of
 from lmforge.generate.prefix_cache import PrefixCache, admit_cached, keep_row
-from lmforge.generate.rows import Row, RowStep, TextStream, token_bytes
-from lmforge.generate.sampling import check_sampling, check_seed, sample_next
+from lmforge.generate.rows import Row, RowStep, token_bytes
+from lmforge.generate.sampling import check_sampling, check_seed
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.run import open_run
 from lmforge.tokenizer import EOT, Tokenizer
@@ -97,7 +93,7 @@ class Generator:
         self.prefix_cache: PrefixCache | None = None
         """Set to keep the KV of each :meth:`turn`'s prompt and reply for the next (a chat re-sends its history)."""
         self.speculative = True
-        """:meth:`turn` drafts unless told otherwise (see :mod:`lmforge.generate.speculative`)."""
+        """:meth:`turn` and one prompt's :meth:`generate` draft unless told otherwise (:mod:`~lmforge.generate.speculative`)."""
 
     @classmethod
     def from_run(cls, run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
@@ -136,13 +132,6 @@ class Generator:
             gen.manual_seed(int(seed))
         return gen
 
-    def _pick(self, logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-              gen: torch.Generator) -> torch.Tensor:
-        """Sample ``(B,)`` ids from ``(B, V)`` logits, never a padding id past the tokenizer's vocabulary."""
-        if self.vocab_limit < logits.shape[-1]:
-            logits = logits[:, : self.vocab_limit]
-        return sample_next(logits, temperature, top_k, top_p, gen)
-
     # ---------------------------------------------------------------------------------------------
     # ids in, ids out
     # ---------------------------------------------------------------------------------------------
@@ -172,44 +161,47 @@ class Generator:
             return fit
         return max_new_tokens
 
-    def _token_steps(self, rows: list[list[int]], n_new: int, temperature: float, top_k: int | None,
-                     top_p: float | None, seed: int | None, naive: bool) -> Iterator[list[int]]:
-        """Yield the next token of every row, ``n_new`` times (rows that have stopped keep going; callers ignore them).
+    def _steps(self, prompts: list[list[int]], n_new: int, temperature: float, top_k: int | None,
+               top_p: float | None, seed: int | None, stop_ids: set[int], stops: Sequence[str],
+               naive: bool) -> Iterator[tuple[int, int, str]]:
+        """The prompts through the row step: ``(row, id, text)`` per token taken, ``(row, -1, tail)`` when a row's
+        stream held text back at its end.
 
-        A row that outgrows the context slides (:class:`Engine`); the naive path applies the same
-        policy to its window: after appending a token, a window longer than the context drops its
-        oldest ``window_drop`` tokens.
+        One prompt (not naive) decodes alone, drafting (:meth:`_decode`). Several decode as one batch: one seeded
+        generator, each row sampled in turn (on the CPU the draws of one ``(B, V)`` sample), and a row that ended
+        keeps stepping and drawing until all have, so a seed gives what it gave when they stepped in lockstep.
+        ``naive``: through :class:`_Recompute`. A row that outgrows the context slides (:class:`Engine`).
         """
         gen = self.rng(seed)
-
-        def pick(logits: torch.Tensor) -> torch.Tensor:
-            return self._pick(logits, temperature, top_k, top_p, gen)
-
-        ctx = self.cfg.context_length
-        if naive:
-            keep = ctx + 1 - self.engine.window_drop
-            seqs = [list(r) for r in rows]
-            for _ in range(n_new):
-                with torch.inference_mode():
-                    logits = torch.cat([self.model(torch.tensor([s], device=self.device))[:, -1] for s in seqs])
-                    nxt = pick(logits).tolist()
-                for b, t in enumerate(nxt):
-                    seqs[b].append(t)
-                    if len(seqs[b]) > ctx:
-                        seqs[b] = seqs[b][-keep:]
-                yield nxt
+        rows = [Row(p, n_new, temperature=temperature, top_k=top_k, top_p=top_p, gen=gen, stop_ids=stop_ids,
+                    stop=stops, draft=self.speculative and len(prompts) == 1 and not naive, log=True) for p in prompts]
+        longest = max(len(p) for p in prompts)
+        capacity = max(min(self.cfg.context_length, longest + n_new - 1), longest)  # a full cache slides
+        if len(rows) == 1 and not naive:
+            yield from ((0, t, piece) for t, piece, _ in self._decode(rows[0], capacity, slide=True))
             return
-        longest = max(len(r) for r in rows)
-        capacity = min(ctx, longest + n_new - 1)  # a full cache (capacity == ctx) slides, see Engine
-        engine = self.engine
+        engine, steps = _Recompute(self) if naive else self.engine, self.rows
+        feed = [0] * len(rows)
+
+        def take(logits: torch.Tensor) -> Iterator[tuple[int, int, str]]:
+            for b, r in enumerate(rows):
+                if r.finish is None:
+                    steps.advance(r, logits[b])
+                    feed[b] = r.next if r.stop is None else r.stop
+                    yield from ((b, t, piece) for t, piece, _ in _taken(r))
+                else:  # an ended row draws as it did in lockstep (its tokens are dropped)
+                    feed[b] = steps.sample(r, logits[b])
+
         with torch.inference_mode():
-            nxt = pick(engine.prefill(rows, max(capacity, longest)))
-        for i in range(n_new):
-            out = nxt.tolist()
-            if i + 1 < n_new:
-                with torch.inference_mode(), engine.serial_torch():  # sampling too: see Engine.serial_torch
-                    nxt = pick(engine.step(nxt))
-            yield out
+            logits = engine.prefill(prompts, capacity)
+        yield from take(logits)
+        while any(r.finish is None for r in rows):
+            with torch.inference_mode(), engine.serial_torch():  # sampling too: see Engine.serial_torch
+                logits = engine.step(torch.tensor(feed, dtype=torch.long, device=self.device))
+            yield from take(logits)
+        for r in rows:
+            if r.error is not None:
+                raise ValueError(r.error)
 
     def generate_ids(self, prompt_ids: Sequence[int] | Sequence[Sequence[int]], max_new_tokens: int = 128,
                      temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -238,32 +230,14 @@ class Generator:
         if stop_ids is None:
             eot = getattr(self.tokenizer, "eot_id", None)
             stop_ids = [] if eot is None else [eot]
-        if single and not naive:
-            it = ((0, t) for t, _, _ in self._one_row(rows[0], n_new, temperature, top_k, top_p, seed, set(stop_ids),
-                                                       ()) if t >= 0)
-        else:
-            it = self._ids_stream(self._token_steps(rows, n_new, temperature, top_k, top_p, seed, naive), len(rows),
-                                  set(stop_ids))
+        it = ((b, t) for b, t, _ in self._steps(rows, n_new, temperature, top_k, top_p, seed, set(stop_ids), (), naive)
+              if t >= 0)
         if stream:
             return (t for _, t in it) if single else it
         out: list[list[int]] = [[] for _ in rows]
         for b, t in it:
             out[b].append(t)
         return out[0] if single else out
-
-    @staticmethod
-    def _ids_stream(steps: Iterator[list[int]], n_rows: int, stop_ids: set[int]) -> Iterator[tuple[int, int]]:
-        done = [False] * n_rows
-        for toks in steps:
-            for b, t in enumerate(toks):
-                if done[b]:
-                    continue
-                if t in stop_ids:
-                    done[b] = True
-                else:
-                    yield b, t
-            if all(done):
-                return
 
     def turn(self, prompt_ids: Sequence[int], max_new_tokens: int = 256, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, rng: torch.Generator | None = None,
@@ -326,13 +300,6 @@ class Generator:
             if cache is not None and engine.active:
                 keep_row(engine, cache, 0)  # this turn's prompt and reply, for the next turn
 
-    def _one_row(self, prompt: list[int], n_new: int, temperature: float, top_k: int | None, top_p: float | None,
-                 seed: int | None, stop_ids: set[int], stops: Sequence[str]) -> Iterator[tuple[int, str, bool]]:
-        """One prompt (not naive) through the row step: :meth:`_decode` in the cache the batched path would make."""
-        r = Row(prompt, n_new, temperature=temperature, top_k=top_k, top_p=top_p, gen=self.rng(seed),
-                stop_ids=stop_ids, stop=stops, draft=self.speculative, log=True)
-        return self._decode(r, max(min(self.cfg.context_length, len(prompt) + n_new - 1), len(prompt)), slide=True)
-
     def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 128, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  stop: Sequence[str] | str | None = None, stream: bool = False, naive: bool = False,
@@ -358,35 +325,14 @@ class Generator:
         n_new = self._check_prompts(rows, max_new_tokens, overflow)
         eot = getattr(self.tokenizer, "eot_id", None)
         stop_ids = set() if eot is None else {eot}
-        if single and not naive:
-            it = ((0, p) for _, p, _ in self._one_row(rows[0], n_new, temperature, top_k, top_p, seed, stop_ids, stops)
-                  if p)
-        else:
-            it = self._text_stream(self._token_steps(rows, n_new, temperature, top_k, top_p, seed, naive), len(rows),
-                                   stop_ids, stops)
+        it = ((b, piece) for b, _, piece in self._steps(rows, n_new, temperature, top_k, top_p, seed, stop_ids, stops,
+                                                         naive) if piece)
         if stream:
             return (p for _, p in it) if single else it
         out = [""] * len(rows)
         for b, piece in it:
             out[b] += piece
         return out[0] if single else out
-
-    def _text_stream(self, steps: Iterator[list[int]], n_rows: int, stop_ids: set[int],
-                     stops: list[str]) -> Iterator[tuple[int, str]]:
-        rows = [TextStream(stops) for _ in range(n_rows)]
-        for b, t in self._ids_stream(steps, n_rows, stop_ids):
-            row = rows[b]
-            if row.done:
-                continue
-            piece = row.feed(self.rows.bytes[t])
-            if piece:
-                yield b, piece
-            if all(r.done for r in rows):
-                break
-        for b, row in enumerate(rows):
-            piece = row.finish()
-            if piece:
-                yield b, piece
 
 
 class Turn:
@@ -427,3 +373,31 @@ def _taken(r: Row) -> Iterator[tuple[int, str, bool]]:
     if r.finish is not None and r.pending:
         tail, r.pending = r.pending, ""
         yield -1, tail, False
+
+
+class _Recompute:
+    """The naive path as an engine (the oracle): each step runs the model's whole forward over every row's window,
+    no cache; a window over the context drops its oldest ``window_drop`` tokens, as the engine's rows slide."""
+
+    def __init__(self, gen: Generator) -> None:
+        self.model, self.device, self.ctx = gen.model, gen.device, gen.cfg.context_length
+        self.keep = self.ctx + 1 - gen.engine.window_drop
+        self.seqs: list[list[int]] = []
+
+    def prefill(self, rows: Sequence[Sequence[int]], capacity: int) -> torch.Tensor:
+        self.seqs = [list(r) for r in rows]
+        return self._logits()
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        for s, t in zip(self.seqs, tokens.tolist()):
+            s.append(t)
+            if len(s) > self.ctx:
+                del s[: len(s) - self.keep]
+        return self._logits()
+
+    def _logits(self) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.cat([self.model(torch.tensor([s], device=self.device))[:, -1] for s in self.seqs])
+
+    def serial_torch(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
