@@ -84,7 +84,7 @@ def softcap_reference(logits: Tensor, cap: float | None) -> Tensor:
 
 def rms_norm_heads(x: Tensor, eps: float) -> Tensor:
     """``x / sqrt(mean(x²) + eps)`` over the last (head) dimension, no gain, in float32 and cast back: QK-norm's
-    normalisation of each query and key head."""
+    normalisation of each query and key head, and the reference form of ``model.embed_norm`` over the embedding."""
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
 
