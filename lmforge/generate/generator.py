@@ -30,8 +30,8 @@ from lmforge.config import from_dict
 from lmforge.generate.engine import Engine
 from lmforge.generate.packed import weight_dtype_of
 from lmforge.generate.prefix_cache import PrefixCache, admit_cached, keep_row
-from lmforge.generate.rows import Row, RowStep, token_bytes
-from lmforge.generate.sampling import check_sampling, check_seed
+from lmforge.generate.rows import Row, RowStep
+from lmforge.generate.sampling import check_sampling, check_seed, seeded
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.run import open_run
 from lmforge.tokenizer import EOT, Tokenizer
@@ -82,13 +82,9 @@ class Generator:
         self.cfg = unwrap_model(model).cfg
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
-        self.vocab_limit = self.cfg.vocab_size
-        self._rows: RowStep | None = None
-        if tokenizer is not None:
-            if tokenizer.vocab_size > self.cfg.vocab_size:
-                raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {self.cfg.vocab_size}; "
-                                 "load the tokenizer the model was trained with (the run's tokenizer.json)")
-            self.vocab_limit = tokenizer.vocab_size  # never sample the model's padding ids
+        self.rows = RowStep.of(tokenizer, self.cfg.vocab_size)
+        """What each token means (:mod:`~lmforge.generate.rows`); ids past the tokenizer's (padding) never sampled."""
+        self.vocab_limit = self.rows.vocab_limit
         self.engine = Engine(model, window_drop, weight_dtype, activations=activations)
         self.prefix_cache: PrefixCache | None = None
         """Set to keep the KV of each :meth:`turn`'s prompt and reply for the next (a chat re-sends its history)."""
@@ -124,13 +120,7 @@ class Generator:
     def rng(self, seed: int | None = None) -> torch.Generator:
         """A random generator on the model's device: seeded with ``seed``, or from fresh entropy when None.
         ``ValueError`` for a seed outside a signed 64-bit integer (:func:`~lmforge.generate.sampling.check_seed`)."""
-        check_seed(seed)
-        gen = torch.Generator(device=self.device)
-        if seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(int(seed))
-        return gen
+        return seeded(seed, self.device)
 
     # ---------------------------------------------------------------------------------------------
     # ids in, ids out
@@ -267,15 +257,6 @@ class Generator:
     # ---------------------------------------------------------------------------------------------
     # text in, text out
     # ---------------------------------------------------------------------------------------------
-    @property
-    def rows(self) -> RowStep:
-        """The row step over this tokenizer's token bytes (built on first use)."""
-        if self._rows is None:
-            tok = self.tokenizer
-            self._rows = RowStep(token_bytes(tok) if tok is not None else [b""] * self.vocab_limit,
-                                 tok.decode if tok is not None else None)
-        return self._rows
-
     def _decode(self, r: Row, capacity: int, slide: bool) -> Iterator[tuple[int, str, bool]]:
         """Decode row ``r`` alone in a cache of ``capacity`` columns through the row step, drafting if it does; yield
         ``(id, text, forced)`` per token taken, then ``(-1, tail, False)`` if its stream held text back. ``slide``: a

@@ -35,7 +35,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 
 from lmforge.generate.constraints import RowConstraint
-from lmforge.generate.sampling import is_greedy, sample_next, sampling_logits
+from lmforge.generate.sampling import is_greedy, sample_next, sampling_logits, seeded
 from lmforge.generate.speculative import DraftPolicy, NgramDrafter, SpecStats
 
 logger = logging.getLogger("lmforge")
@@ -122,13 +122,7 @@ class Row:
         self.constraint, self.capture_regions, self.logprobs = constraint, capture_regions, logprobs
         self.drafter = NgramDrafter(prompt) if draft else None
         self.policy = DraftPolicy()
-        if gen is None:
-            gen = torch.Generator(device=device)
-            if seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(int(seed))
-        self.gen = gen
+        self.gen = gen if gen is not None else seeded(seed, device)
         self.stream = TextStream(list(stop))
         self.shown = {int(t): text.encode() for t, text in (token_text or {}).items()}  # ids shown as other text
         self.forced: collections.deque[int] = collections.deque()
@@ -146,11 +140,6 @@ class Row:
         if constraint is not None:
             self.forced.extend(constraint.force)
 
-    @property
-    def feeding(self) -> bool:
-        """True while the row has forced tokens to take (its next logits are not sampled)."""
-        return bool(self.forced)
-
 
 class RowStep:
     """Takes rows' next tokens from their logits (module docstring): ``token_bytes`` gives each id's bytes (ids at or
@@ -161,6 +150,17 @@ class RowStep:
         self.vocab_limit = len(token_bytes)
         self.decode = decode
         self.spec_stats = SpecStats()
+
+    @classmethod
+    def of(cls, tokenizer: Any, model_vocab: int) -> "RowStep":
+        """The row step over ``tokenizer``'s ids (None: ``model_vocab`` ids without text); ``ValueError`` if the
+        tokenizer has more ids than the model."""
+        if tokenizer is None:
+            return cls([b""] * model_vocab)
+        if tokenizer.vocab_size > model_vocab:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {model_vocab}; "
+                             "load the tokenizer the model was trained with (the run's tokenizer.json)")
+        return cls(token_bytes(tokenizer), tokenizer.decode)
 
     def step(self, engine: Any, rows: Sequence[Row]) -> None:
         """One batched engine step feeding row ``i`` (engine row ``i``) its next token, then each row's next token."""

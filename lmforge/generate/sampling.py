@@ -1,18 +1,19 @@
 """Sampling the next token from logits: greedy, temperature, top-k, top-p (nucleus), reproducible by seed.
 
 This module owns the sampling parameters' rules: which values are valid (:func:`check_sampling`,
-:func:`check_seed`), which temperatures are greedy (:func:`is_greedy`), and how a token is drawn
+:func:`check_seed`), the generator a seed gives (:func:`seeded`), which temperatures are greedy (:func:`is_greedy`), and how a token is drawn
 (:func:`sample_next`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 __all__ = ["MIN_TEMPERATURE", "SEED_MAX", "SEED_MIN", "check_sampling", "check_seed", "is_greedy", "sample_next",
-           "sampling_logits"]
+           "sampling_logits", "seeded"]
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy: dividing float32 logits by a smaller one overflows to inf (1e-40 gives
@@ -34,6 +35,17 @@ def check_seed(seed: int | None) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX:
         raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1] (got {seed!r:.40}); any number in that "
                          "range works, the same seed repeats the same sample")
+
+
+def seeded(seed: int | None, device: Any = "cpu") -> torch.Generator:
+    """A random generator on ``device`` seeded with ``seed`` (checked: :func:`check_seed`), or from fresh entropy."""
+    check_seed(seed)
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(int(seed))
+    return gen
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:

@@ -49,7 +49,7 @@ import torch
 from lmforge.generate.constraints import RowConstraint
 from lmforge.generate.engine import Engine
 from lmforge.generate.prefix_cache import PrefixCache, admit_cached, check_salt, keep_row
-from lmforge.generate.rows import Row, RowStep, TokenLogprob, token_bytes
+from lmforge.generate.rows import Row, RowStep, TokenLogprob
 from lmforge.generate.sampling import check_sampling, check_seed
 from lmforge.model.cache import check_context
 from lmforge.tokenizer import Tokenizer
@@ -156,14 +156,11 @@ class Scheduler:
         for name, v in (("max_batch", max_batch), ("max_queue", max_queue)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer (got {v!r})")
-        if tokenizer.vocab_size > engine.cfg.vocab_size:
-            raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {engine.cfg.vocab_size}; "
-                             "load the tokenizer the model was trained with (the run's tokenizer.json)")
+        self.rows = RowStep.of(tokenizer, engine.cfg.vocab_size)
         self.engine, self.tokenizer = engine, tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
         self.context_length = engine.context_length
         self.vocab_limit = tokenizer.vocab_size  # never sample the model's padding ids
-        self.rows = RowStep(token_bytes(tokenizer), tokenizer.decode)
         engine.open_slots(max_batch)
         self.prefix_cache = prefix_cache
         self.speculative = bool(speculative)
