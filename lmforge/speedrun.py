@@ -100,14 +100,17 @@ EVAL_BATCHES = 64
 """Validation batches of the final figure (the split's first 64, or all of a smaller split) and of the check that
 judges ``--target-bpb``: a target is judged on the figure the report states."""
 RECIPE: tuple[str, ...] = ("optimizer.name=muon", "optimizer.embed_lr=0.2", "optimizer.head_lr=0.004",
-                           "optimizer.scalar_lr=0.02")
+                           "optimizer.scalar_lr=0.02", "optimizer.weight_decay=0.0", "optimizer.betas=[0.8, 0.95]",
+                           "optimizer.eps=1e-10", "optimizer.muon_momentum_start=0.85", "optimizer.muon_momentum=0.95",
+                           "optimizer.muon_momentum_warmup_steps=300")
 """The pretraining recipe: ``section.key=value`` settings on top of the preset and the fitted schedule, each kept
 because it measured better (``benchmarks/bench_recipe.py``, ``benchmarks/bench_speedrun.py``; docs/benchmarks.md,
-"Training recipe ablation"): Muon for the blocks' matrices, and AdamW at learning rates of their own for the
-embeddings (0.2) and head (0.004: nanochat's base rates, without its ``(d_model / 768) ** -0.5`` scaling) and the
-norm gains (0.02). Every other setting is :func:`_run_config`'s AdamW recipe (weight decay 0.1 on embeddings and
-head, betas (0.9, 0.95), warmup and a cosine to a tenth), not nanochat's; docs/guide/pretraining.md lists the
-differences. ``optimizer.lr`` is then no group's rate: only the schedule's shape comes from it."""
+"Training recipe ablation"): Muon for the blocks' matrices, its momentum raised from 0.85 to 0.95 over the first 300
+steps, and AdamW at learning rates of their own for the embeddings (0.2) and head (0.004: nanochat's base rates,
+without its ``(d_model / 768) ** -0.5`` scaling) and the norm gains (0.02), with nanochat's betas (0.8, 0.95), eps
+1e-10 and no weight decay. The schedule is :func:`_run_config`'s (warmup and a cosine to a tenth), not nanochat's;
+docs/guide/pretraining.md lists the differences. ``optimizer.lr`` is then no group's rate: only the schedule's shape
+comes from it."""
 
 
 def parse_budget(budget: str | int | float) -> tuple[str, float]:
