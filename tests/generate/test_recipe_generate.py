@@ -60,7 +60,9 @@ OFF = dict(smear=False, smear_keys=False, value_embeds=0, unet_skips=False, mlp=
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    """Equal up to float32 summation order (a cached step and the full forward add in different orders, and on one
+    thread differently again: up to 5e-5 seen); a dropped soft-cap or option is off by whole units."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["engine", "static-steps"])
