@@ -125,7 +125,7 @@ def pinned_of(name: str, size: str) -> tuple[str, ...]:
     return (*BASELINE, f"optimizer.lr={lr}", f"optimizer.min_lr={lr / 10:.3g}", f"training.batch_size={batch}")
 
 
-PROBES = ("copy_", "natural_")
+PROBES = ("copy_", "natural_", "name_")
 """The fields of the speedrun's eval record (``lmforge.speedrun._evaluate``) that the table shows, by prefix."""
 
 
