@@ -110,7 +110,7 @@ def validity(tok: Any, lm: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     from lmforge.generate import Engine
     from lmforge.generate.constraints import Grammars, RowConstraint, json_grammar
-    from lmforge.generate.scheduler import Request, Scheduler
+    from lmforge.generate.scheduler import Job, Scheduler
 
     grammars = Grammars(tok)
     sched = Scheduler(Engine(lm), tok, max_batch=8, max_queue=args.requests)
@@ -119,7 +119,7 @@ def validity(tok: Any, lm: Any, args: argparse.Namespace) -> dict[str, Any]:
     schemas = [random_schema(rng) for _ in range(args.requests)]
     sinks = [Sink() for _ in schemas]
     prompt = tok.encode("Reply in JSON.")
-    reqs = [Request(prompt, args.context - len(prompt), s, temperature=1.0, seed=k, stop_ids=[end],
+    reqs = [Job(prompt, args.context - len(prompt), s, temperature=1.0, seed=k, stop_ids=[end],
                     constraint=RowConstraint(grammars, json_grammar(sc), close_id=end))
             for k, (sc, s) in enumerate(zip(schemas, sinks))]
     seconds = run_requests(sched, reqs)
@@ -141,7 +141,7 @@ def speed(tok: Any, lm: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Decode tokens/s, unconstrained vs constrained, batch 1 and 8, alternating rounds."""
     from lmforge.generate import Engine
     from lmforge.generate.constraints import Grammars, RowConstraint, json_grammar
-    from lmforge.generate.scheduler import Request, Scheduler
+    from lmforge.generate.scheduler import Job, Scheduler
 
     grammars = Grammars(tok)
     engine = Engine(lm)
@@ -154,7 +154,7 @@ def speed(tok: Any, lm: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         for _ in range(args.rounds):
             for mode in ("free", "json"):
                 sched = Scheduler(engine, tok, max_batch=batch)
-                reqs = [Request(prompt, args.new_tokens, Sink(), temperature=1.0, seed=k,
+                reqs = [Job(prompt, args.new_tokens, Sink(), temperature=1.0, seed=k,
                                 constraint=RowConstraint(grammars, json_grammar(schema), close_id=tok.eot_id)
                                 if mode == "json" else None) for k in range(batch)]
                 for r in reqs:
@@ -200,7 +200,7 @@ def masks(tok: Any, args: argparse.Namespace) -> dict[str, float]:
 
 def samples(tok: Any, lm: Any, args: argparse.Namespace) -> dict[str, Any]:
     from lmforge.generate import Engine
-    from lmforge.generate.scheduler import Request, Scheduler
+    from lmforge.generate.scheduler import Job, Scheduler
 
     engine = Engine(lm)
     prompt = tok.encode("To be, or not to be, that is the question: " * 4)[: args.context // 2]
@@ -208,23 +208,23 @@ def samples(tok: Any, lm: Any, args: argparse.Namespace) -> dict[str, Any]:
     t_many, t_sep = [], []
     for _ in range(args.rounds):
         sched = Scheduler(engine, tok, max_batch=8)
-        reqs = [Request(prompt, n_new, Sink(), temperature=1.0, seed=k) for k in range(8)]
+        reqs = [Job(prompt, n_new, Sink(), temperature=1.0, seed=k) for k in range(8)]
         t0 = time.perf_counter()
         sched.submit_many(reqs)
         while sched.run_once():
             pass
         t_many.append(time.perf_counter() - t0)
         sched = Scheduler(engine, tok, max_batch=8)
-        t_sep.append(run_requests(sched, [Request(prompt, n_new, Sink(), temperature=1.0, seed=k) for k in range(8)]))
+        t_sep.append(run_requests(sched, [Job(prompt, n_new, Sink(), temperature=1.0, seed=k) for k in range(8)]))
     # seeded determinism: alone vs in a batch of 8 mixed requests
     def text_of(reqs: list[Any], sink: Sink) -> str:
         run_requests(Scheduler(engine, tok, max_batch=8), reqs)
         return "".join(sink.text)
 
     alone_sink, mixed_sink = Sink(), Sink()
-    alone = text_of([Request(prompt, n_new, alone_sink, temperature=0.8, seed=42)], alone_sink)
-    others = [Request(tok.encode(f"other {k}"), n_new, Sink(), temperature=0.5 + 0.1 * k, seed=k) for k in range(7)]
-    mixed = text_of(others[:3] + [Request(prompt, n_new, mixed_sink, temperature=0.8, seed=42)] + others[3:],
+    alone = text_of([Job(prompt, n_new, alone_sink, temperature=0.8, seed=42)], alone_sink)
+    others = [Job(tok.encode(f"other {k}"), n_new, Sink(), temperature=0.5 + 0.1 * k, seed=k) for k in range(7)]
+    mixed = text_of(others[:3] + [Job(prompt, n_new, mixed_sink, temperature=0.8, seed=42)] + others[3:],
                     mixed_sink)
     return {"n8": spread(t_many), "separate8": spread(t_sep), "ratio": statistics.median(t_sep) / statistics.median(t_many),
             "prompt_tokens": len(prompt), "seeded_same": alone == mixed}

@@ -34,7 +34,7 @@ from _common import add_json_flag, alternate, median, spread, write_json  # noqa
 
 from lmforge.generate import Engine  # noqa: E402
 from lmforge.generate.prefix_cache import PrefixCache  # noqa: E402
-from lmforge.generate.scheduler import Request, Scheduler, Update  # noqa: E402
+from lmforge.generate.scheduler import Job, Scheduler, Update  # noqa: E402
 from lmforge.model import ModelConfig, TransformerLM  # noqa: E402
 from lmforge.tokenizer import Tokenizer  # noqa: E402
 
@@ -75,7 +75,7 @@ class Timed:
             self.done.set()
 
 
-def run_all(s: Scheduler, reqs: list[Request]) -> None:
+def run_all(s: Scheduler, reqs: list[Job]) -> None:
     for r in reqs:
         s.submit(r)
     while s.run_once() or s.load()["waiting"]:
@@ -93,7 +93,7 @@ def conversation(model: Any, tok: Tokenizer, turns: int, cache_mb: float) -> dic
         history = history + ids(100, 1 + t, V)
         out = Timed()
         before = s.load()["prefix_hit_tokens"]
-        run_all(s, [Request(list(history), 81, out, temperature=0, token_text=SHOWN)])  # on this thread
+        run_all(s, [Job(list(history), 81, out, temperature=0, token_text=SHOWN)])  # on this thread
         ttft.append(out.first)
         work.append(len(history) - (s.load()["prefix_hit_tokens"] - before))
         # the reply's first 80 tokens, fed to the row and still in its token buffer
@@ -109,7 +109,7 @@ def shared_system(model: Any, tok: Tokenizer, clients: int, cache_mb: float) -> 
     system = ids(1000, 0, V)
     prompts = [system + ids(20, 100 + c, V) for c in range(clients)]
     outs = [Timed() for _ in prompts]
-    run_all(s, [Request(p, 1, o, temperature=0) for p, o in zip(prompts, outs)])
+    run_all(s, [Job(p, 1, o, temperature=0) for p, o in zip(prompts, outs)])
     load = s.load()
     return {"prefilled": sum(map(len, prompts)) - load["prefix_hit_tokens"], "prompt_tokens": sum(map(len, prompts))}
 

@@ -33,7 +33,7 @@ from _common import alternate, median, spread, write_json  # noqa: E402
 from bench_prefix import SHOWN, Timed, build, ids, parser, run_all  # noqa: E402
 
 from lmforge.generate import Engine  # noqa: E402
-from lmforge.generate.scheduler import Request, Scheduler  # noqa: E402
+from lmforge.generate.scheduler import Job, Scheduler  # noqa: E402
 
 TASKS = {"repeat": dict(temperature=0.0), "free": dict(temperature=1.0, seed=1)}
 
@@ -43,7 +43,7 @@ def decode(engine: Engine, tok: Any, prompt: list[int], n: int, spec: bool, **sa
     s = Scheduler(engine, tok, max_batch=1, speculative=spec)
     out = Timed()
     with torch.inference_mode():
-        run_all(s, [Request(prompt, n + 1, out, token_text=SHOWN, **sampling)])
+        run_all(s, [Job(prompt, n + 1, out, token_text=SHOWN, **sampling)])
     load = s.load()
     return {"tokens": engine.tokens[0, len(prompt): len(prompt) + n].tolist(), "passes": load["spec_passes"],
             "drafted": load["spec_drafted"], "accepted": load["spec_accepted"], "n": out.n, "first": out.first}

@@ -56,7 +56,7 @@ from lmforge.tokenizer import Tokenizer
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["MAX_LOGPROBS", "QueueFull", "Request", "Scheduler", "TokenLogprob", "Update"]
+__all__ = ["Job", "MAX_LOGPROBS", "QueueFull", "Scheduler", "TokenLogprob", "Update"]
 
 MAX_LOGPROBS = 20
 """The most alternatives a request may ask for per token (the OpenAI API's bound)."""
@@ -84,7 +84,7 @@ class Update:
 
 
 @dataclass(eq=False)
-class Request:
+class Job:
     """One generation: prompt ids, limits and sampling parameters, and where its updates go.
 
     ``emit`` is called on the engine thread; it must not block (a server hands the update to its event
@@ -136,7 +136,7 @@ class QueueFull(RuntimeError):
     """:meth:`Scheduler.submit` found ``max_queue`` requests already waiting (a server answers 429)."""
 
 
-def _row(req: Request, device: torch.device, speculative: bool, emit: Callable[[Row], None]) -> Row:
+def _row(req: Job, device: torch.device, speculative: bool, emit: Callable[[Row], None]) -> Row:
     """The row a request decodes in (its sampling, stops, tool, constraint; drafts unless it opts out)."""
     return Row(req.prompt, req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                seed=req.seed, device=device, stop_ids=req.stop_ids, stop=req.stop, tool=req.tool,
@@ -145,7 +145,7 @@ def _row(req: Request, device: torch.device, speculative: bool, emit: Callable[[
 
 
 class Scheduler:
-    """Continuous batching of :class:`Request` objects on ``engine`` (see the module docstring).
+    """Continuous batching of :class:`Job` objects on ``engine`` (see the module docstring).
 
     ``max_batch`` rows are decoded together; up to ``max_queue`` more requests wait for a free row.
     Thread-safe: :meth:`submit` and :meth:`cancel` may be called from any thread while the loop runs.
@@ -166,7 +166,7 @@ class Scheduler:
         self.speculative = bool(speculative)
         self.spec_stats = self.rows.spec_stats
         self._rows: list[Row] = []  # _rows[i] decodes in engine row i; its owner is its request
-        self._waiting: collections.deque[list[Request]] = collections.deque()  # entries: requests joining together
+        self._waiting: collections.deque[list[Job]] = collections.deque()  # entries: requests joining together
         self._cv = threading.Condition()
         self.engine_lock = threading.Lock()
         """Held by the engine thread while it uses the model; another thread using the model (a server's
@@ -183,7 +183,7 @@ class Scheduler:
         check_context(prompt_tokens + max_tokens, self.context_length,
                       f"{what} ({prompt_tokens} tokens) plus max_tokens ({max_tokens})")
 
-    def submit(self, req: Request) -> None:
+    def submit(self, req: Job) -> None:
         """Queue ``req``; it joins the batch at the next step with a free row.
 
         ``ValueError`` if it does not fit the context or holds out-of-range ids, :class:`QueueFull` if
@@ -191,7 +191,7 @@ class Scheduler:
         """
         self.submit_many([req])
 
-    def submit_many(self, reqs: Sequence[Request]) -> None:
+    def submit_many(self, reqs: Sequence[Job]) -> None:
         """Queue requests with one prompt as one entry (as :meth:`submit`): they join together, the prompt
         prefilled once and copied into their rows. ``ValueError`` also for more requests than rows, or prompts or
         cache salts that differ."""
@@ -216,12 +216,12 @@ class Scheduler:
             self._waiting.append(reqs)
             self._cv.notify()
 
-    def cancel(self, req: Request) -> None:
+    def cancel(self, req: Job) -> None:
         """Drop ``req``: it leaves the queue now (its place is free for another) or frees its row at the next
         step, and gets no more updates."""
         req.cancelled = True
         with self._cv:
-            for entry in self._waiting:  # at most max_queue entries; Request compares by identity
+            for entry in self._waiting:  # at most max_queue entries; Job compares by identity
                 if any(r is req for r in entry) and all(r.cancelled for r in entry):
                     self._waiting.remove(entry)
                     break
@@ -289,7 +289,7 @@ class Scheduler:
         for req, n in ended:
             self._send(req, Update("", len(req.prompt), n, reason, error))
 
-    def _send(self, req: Request, update: Update) -> None:
+    def _send(self, req: Job, update: Update) -> None:
         if req.cancelled:
             return
         try:
@@ -319,7 +319,7 @@ class Scheduler:
         self._finish_rows()
         return True
 
-    def _join(self, entry: list[Request]) -> None:
+    def _join(self, entry: list[Job]) -> None:
         """Requests with one prompt take rows (one prefill, copied for the others) and their first tokens. All or
         nothing: when any part of joining fails, these requests end with an error and every engine row they took
         is freed, so the engine's live rows stay the scheduler's (the others go on as if they had never come)."""

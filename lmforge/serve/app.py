@@ -31,8 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lmforge.generate.scheduler import Request as Job
-from lmforge.generate.scheduler import Update
+from lmforge.generate.scheduler import Job, Update
 from lmforge.serve import api, structured
 from lmforge.serve.access import AllowedHosts, HostCheck, Keys
 from lmforge.serve.api import APIError, ChatCompletionRequest, CompletionRequest, shown

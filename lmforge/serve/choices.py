@@ -6,8 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from lmforge.generate.scheduler import Request as Job
-from lmforge.generate.scheduler import Update
+from lmforge.generate.scheduler import Job, Update
 from lmforge.serve import structured
 from lmforge.serve.metrics import Metrics
 

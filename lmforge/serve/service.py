@@ -16,8 +16,7 @@ from typing import Any, Callable
 
 from fastapi import Request
 
-from lmforge.generate.scheduler import QueueFull, Update
-from lmforge.generate.scheduler import Request as Job
+from lmforge.generate.scheduler import Job, QueueFull, Update
 from lmforge.serve import structured
 from lmforge.serve.access import PUBLIC, Keys
 from lmforge.serve.api import APIError, ChatCompletionRequest, shown

@@ -10,7 +10,7 @@ import torch
 
 from lmforge.generate import Engine
 from lmforge.generate.prefix_cache import MAX_SALT_CHARS, PrefixCache, positional_fields
-from lmforge.generate.scheduler import Request, Scheduler
+from lmforge.generate.scheduler import Job, Scheduler
 from lmforge.model import KVCache, ModelConfig, TransformerLM
 from tests.conftest import torch_threads
 from tests.generate.test_scheduler import Collect, byte_tokenizer, drain
@@ -36,7 +36,7 @@ def replies(m, prompts, cache: PrefixCache | None, kernel: bool, temperature: fl
     with torch_threads(1):  # the PyTorch path's small ops: threads only contend on a shared machine
         for k, p in enumerate(prompts):
             c = Collect()
-            s.submit(Request(p, 12, c, temperature=temperature, seed=k))
+            s.submit(Job(p, 12, c, temperature=temperature, seed=k))
             drain(s)
             out.append((c.text, c.last.finish_reason))
     return out, s.load()
@@ -149,7 +149,7 @@ def salted_turns(m, turns, cache: PrefixCache | None = None) -> list[tuple[list[
     with torch_threads(1):
         for prompt, salt in turns:
             c = Collect()
-            s.submit(Request(prompt, 6, c, temperature=0.8, seed=sum(prompt), logprobs=0, cache_salt=salt))
+            s.submit(Job(prompt, 6, c, temperature=0.8, seed=sum(prompt), logprobs=0, cache_salt=salt))
             drain(s)
             assert c.last.finish_reason == "length", c.last
             out.append(([lp.token for u in c.updates for lp in u.logprobs], c.last.cached_tokens))

@@ -13,7 +13,7 @@ import torch
 
 from lmforge.generate import Engine, Generator
 from lmforge.generate.prefix_cache import MAX_SALT_CHARS, PrefixCache
-from lmforge.generate.scheduler import QueueFull, Request, Scheduler, Update
+from lmforge.generate.scheduler import Job, QueueFull, Scheduler, Update
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.tokenizer import Tokenizer
 
@@ -79,7 +79,7 @@ def test_staggered_greedy_requests_equal_each_alone(kernel):
     s = Scheduler(Engine(model, use_kernel=None if kernel else False), tok, max_batch=3)
     outs, lengths = [Collect() for _ in PROMPTS], [12, 5, 9, 15, 7]
     for k, (p, n, out) in enumerate(zip(PROMPTS, lengths, outs)):
-        s.submit(Request(p, n, out, temperature=0))
+        s.submit(Job(p, n, out, temperature=0))
         for _ in range(k):  # the k-th request joins k steps after the previous one
             s.run_once()
         assert s.engine.active <= 3
@@ -97,11 +97,11 @@ def test_seeded_sampling_is_independent_of_the_batch():
     kw = dict(temperature=0.9, top_p=0.95, seed=7)
     solo = Collect()
     s = Scheduler(Engine(model), tok, max_batch=4)
-    s.submit(Request(PROMPTS[0], 20, solo, **kw))
+    s.submit(Job(PROMPTS[0], 20, solo, **kw))
     drain(s)
     crowd = [Collect() for _ in range(4)]
     for i, c in enumerate(crowd):  # the same request among others with other seeds and temperatures
-        s.submit(Request(PROMPTS[0], 20, c, **(kw if i == 2 else dict(temperature=1.3, seed=i))))
+        s.submit(Job(PROMPTS[0], 20, c, **(kw if i == 2 else dict(temperature=1.3, seed=i))))
     drain(s)
     assert crowd[2].text == solo.text
     assert len({c.text for c in crowd}) > 1  # the others really sampled differently
@@ -114,9 +114,9 @@ def test_stop_ids_and_stop_strings():
     stop = free[5:7]
     s = Scheduler(Engine(model), tok)
     out, by_id = Collect(), Collect()
-    s.submit(Request(PROMPTS[2], 16, out, temperature=0, stop=[stop]))
+    s.submit(Job(PROMPTS[2], 16, out, temperature=0, stop=[stop]))
     k = ids.index(ids[3])
-    s.submit(Request(PROMPTS[2], 16, by_id, temperature=0, stop_ids=[ids[3]]))
+    s.submit(Job(PROMPTS[2], 16, by_id, temperature=0, stop_ids=[ids[3]]))
     drain(s)
     assert out.text == free[: free.index(stop)] and out.last.finish_reason == "stop"
     assert by_id.text == tok.decode(ids[:k]) and by_id.last.finish_reason == "stop"
@@ -127,10 +127,10 @@ def test_cancel_frees_the_row_at_the_next_step():
     model, tok = tiny_model(), byte_tokenizer()
     s = Scheduler(Engine(model), tok, max_batch=2)
     a, b, c = Collect(), Collect(), Collect()
-    ra = Request(PROMPTS[0], 30, a, temperature=0)
+    ra = Job(PROMPTS[0], 30, a, temperature=0)
     s.submit(ra)
-    s.submit(Request(PROMPTS[1], 30, b, temperature=0))
-    s.submit(Request(PROMPTS[3], 5, c, temperature=0))
+    s.submit(Job(PROMPTS[1], 30, b, temperature=0))
+    s.submit(Job(PROMPTS[3], 5, c, temperature=0))
     s.run_once()
     assert s.engine.active == 2 and s.load()["waiting"] == 1
     s.cancel(ra)
@@ -155,8 +155,8 @@ def test_forced_tokens_are_fed_before_sampling_again():
 
     out, other = Collect(), Collect()
     s = Scheduler(Engine(model), tok, max_batch=2)
-    s.submit(Request(PROMPTS[4], 3 + len(forced) + 6, out, temperature=0, tool=tool))
-    s.submit(Request(PROMPTS[0], 12, other, temperature=0))
+    s.submit(Job(PROMPTS[4], 3 + len(forced) + 6, out, temperature=0, tool=tool))
+    s.submit(Job(PROMPTS[0], 12, other, temperature=0))
     drain(s)
     head = alone_ids(model, tok, PROMPTS[4], 3, temperature=0)
     tail = alone_ids(model, tok, PROMPTS[4] + head + forced, 6, temperature=0)
@@ -173,9 +173,9 @@ def test_one_failing_request_does_not_disturb_the_others():
 
     s = Scheduler(Engine(model), tok, max_batch=3)
     bad, good = Collect(), [Collect(), Collect()]
-    s.submit(Request(PROMPTS[0], 10, good[0], temperature=0))
-    s.submit(Request(PROMPTS[1], 10, bad, temperature=0, tool=broken_tool))
-    s.submit(Request(PROMPTS[2], 10, good[1], temperature=0))
+    s.submit(Job(PROMPTS[0], 10, good[0], temperature=0))
+    s.submit(Job(PROMPTS[1], 10, bad, temperature=0, tool=broken_tool))
+    s.submit(Job(PROMPTS[2], 10, good[1], temperature=0))
     drain(s)
     assert bad.last.finish_reason == "error" and "tool exploded" in bad.last.error
     assert good[0].text == alone(model, tok, PROMPTS[0], 10, temperature=0)
@@ -186,17 +186,17 @@ def test_limits_queue_and_context():
     model, tok = tiny_model(), byte_tokenizer()
     s = Scheduler(Engine(model), tok, max_batch=1, max_queue=2)
     for _ in range(2):
-        s.submit(Request([1, 2], 2, Collect()))
+        s.submit(Job([1, 2], 2, Collect()))
     with pytest.raises(QueueFull, match="max_queue=2"):
-        s.submit(Request([1, 2], 2, Collect()))
+        s.submit(Job([1, 2], 2, Collect()))
     with pytest.raises(ValueError, match=r"\(40 tokens\) plus max_tokens \(9\) has 49 tokens .* is 48"):
         s.check(40, 9)
     with pytest.raises(ValueError, match="out of range"):
-        Scheduler(Engine(model), tok).submit(Request([300], 2, Collect()))
+        Scheduler(Engine(model), tok).submit(Job([300], 2, Collect()))
     with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
-        Request([1], 0, Collect())
+        Job([1], 0, Collect())
     with pytest.raises(ValueError, match="temperature"):
-        Request([1], 3, Collect(), temperature=-1)
+        Job([1], 3, Collect(), temperature=-1)
     with pytest.raises(ValueError, match="max_batch"):
         Scheduler(Engine(model), tok, max_batch=0)
 
@@ -208,17 +208,17 @@ def test_thread_runs_requests_and_stop_cancels_the_rest():
     try:
         outs = [Collect() for _ in range(5)]
         for p, o in zip(PROMPTS, outs):
-            s.submit(Request(p, 8, o, temperature=0))
+            s.submit(Job(p, 8, o, temperature=0))
         for p, o in zip(PROMPTS, outs):
             assert o.done.wait(30)
             assert o.text == alone(model, tok, p, 8, temperature=0)
         long = Collect()
-        s.submit(Request(PROMPTS[0], 30, long, temperature=0))
+        s.submit(Job(PROMPTS[0], 30, long, temperature=0))
     finally:
         s.stop()
     assert long.done.is_set() and long.last.finish_reason in ("cancelled", "length")
     with pytest.raises(RuntimeError, match="stopping"):
-        s.submit(Request([1], 1, Collect()))
+        s.submit(Job([1], 1, Collect()))
 
 
 def test_engine_release_moves_the_last_row():
@@ -255,11 +255,11 @@ def test_a_failure_while_joining_ends_that_request_only(monkeypatch):
     monkeypatch.setattr(scheduler_module, "_row", row)
     s = Scheduler(Engine(model), tok, max_batch=3)
     first, bad, after = Collect(), Collect(), Collect()
-    s.submit(Request(PROMPTS[0], 12, first, temperature=0))
+    s.submit(Job(PROMPTS[0], 12, first, temperature=0))
     s.run_once()
     s.run_once()  # the first request is running
-    s.submit(Request(PROMPTS[1], 12, bad, temperature=0, seed=666))
-    s.submit(Request(PROMPTS[2], 12, after, temperature=0))
+    s.submit(Job(PROMPTS[1], 12, bad, temperature=0, seed=666))
+    s.submit(Job(PROMPTS[2], 12, after, temperature=0))
     drain(s)
     assert bad.last.finish_reason == "error" and "injected fault while joining" in bad.last.error
     assert len(bad.updates) == 1 and s.engine.active == 0
@@ -305,7 +305,7 @@ def test_a_failure_at_any_step_of_joining_frees_the_rows_it_took(monkeypatch, wh
     model, tok = tiny_model(), byte_tokenizer()
     s = Scheduler(Engine(model), tok, max_batch=4, prefix_cache=PrefixCache(1 << 20, block=4), speculative=False)
     running, bad, after = Collect(), [Collect(), Collect()], Collect()
-    s.submit(Request(PROMPTS[2], 12, running, temperature=1.0, seed=1))
+    s.submit(Job(PROMPTS[2], 12, running, temperature=1.0, seed=1))
     s.run_once()
     s.run_once()
     owner = {"_row": scheduler_module, "lookup": s.prefix_cache, "restore": s.prefix_cache, "admit": s.engine,
@@ -314,8 +314,8 @@ def test_a_failure_at_any_step_of_joining_frees_the_rows_it_took(monkeypatch, wh
         extra_row_once(monkeypatch, s.engine)
     else:
         raise_once(monkeypatch, owner, where, MemoryError(f"injected at {where}"))
-    s.submit_many([Request(PROMPTS[0], 12, o, temperature=1.0, seed=2 + k) for k, o in enumerate(bad)])
-    s.submit(Request(PROMPTS[4], 12, after, temperature=1.0, seed=5))
+    s.submit_many([Job(PROMPTS[0], 12, o, temperature=1.0, seed=2 + k) for k, o in enumerate(bad)])
+    s.submit(Job(PROMPTS[4], 12, after, temperature=1.0, seed=5))
     for _ in range(100):
         busy = s.run_once()
         assert s.engine.active == len(s._rows)
@@ -336,7 +336,7 @@ def test_engine_and_scheduler_rows_that_disagree_end_the_batch_loudly():
     model, tok = tiny_model(), byte_tokenizer()
     s = Scheduler(Engine(model), tok, max_batch=3)
     live = Collect()
-    s.submit(Request(PROMPTS[0], 12, live, temperature=0))
+    s.submit(Job(PROMPTS[0], 12, live, temperature=0))
     s.run_once()
     s.engine.admit(PROMPTS[1])
     with pytest.raises(RuntimeError, match="the engine has 2 live rows but the scheduler 1"):
@@ -345,7 +345,7 @@ def test_engine_and_scheduler_rows_that_disagree_end_the_batch_loudly():
     try:
         assert live.done.wait(30) and live.last.finish_reason == "error" and "live rows" in live.last.error
         nxt = Collect()
-        s.submit(Request(PROMPTS[4], 6, nxt, temperature=0))
+        s.submit(Job(PROMPTS[4], 6, nxt, temperature=0))
         assert nxt.done.wait(30) and nxt.text == alone(model, tok, PROMPTS[4], 6, temperature=0)
     finally:
         s.stop()
@@ -354,27 +354,27 @@ def test_engine_and_scheduler_rows_that_disagree_end_the_batch_loudly():
 def test_cache_salt_is_checked():
     """``cache_salt``: None or a string of 1 to MAX_SALT_CHARS characters (one ValueError otherwise); requests that
     join together share one prefill, so they must share the salt too."""
-    Request([1], 2, Collect(), cache_salt="x" * MAX_SALT_CHARS)
+    Job([1], 2, Collect(), cache_salt="x" * MAX_SALT_CHARS)
     for bad in ("", "x" * (MAX_SALT_CHARS + 1), b"tenant", 7, ["a"]):
         with pytest.raises(ValueError, match=f"cache_salt must be a string of 1 to {MAX_SALT_CHARS} characters"):
-            Request([1], 2, Collect(), cache_salt=bad)
+            Job([1], 2, Collect(), cache_salt=bad)
     s = Scheduler(Engine(tiny_model()), byte_tokenizer(), max_batch=2)
     with pytest.raises(ValueError, match="same cache_salt"):
-        s.submit_many([Request([1], 2, Collect(), cache_salt="a"), Request([1], 2, Collect())])
+        s.submit_many([Job([1], 2, Collect(), cache_salt="a"), Job([1], 2, Collect())])
 
 def test_a_cancelled_waiting_request_leaves_the_queue_at_once():
     """Its place is free at once: the queue count drops and another request fits, with no engine step."""
     model, tok = tiny_model(), byte_tokenizer()
     s = Scheduler(Engine(model), tok, max_batch=1, max_queue=2)
-    reqs = [Request([1, 2], 2, Collect()) for _ in range(2)]
+    reqs = [Job([1, 2], 2, Collect()) for _ in range(2)]
     for r in reqs:
         s.submit(r)
     with pytest.raises(QueueFull):
-        s.submit(Request([1, 2], 2, Collect()))
+        s.submit(Job([1, 2], 2, Collect()))
     s.cancel(reqs[1])
     assert s.load()["waiting"] == 1
     late = Collect()
-    s.submit(Request([3, 4], 2, late, temperature=0))  # no QueueFull
+    s.submit(Job([3, 4], 2, late, temperature=0))  # no QueueFull
     drain(s)
     assert late.text == alone(model, tok, [3, 4], 2, temperature=0) and not reqs[1].emit.updates
 
@@ -385,15 +385,15 @@ def test_seed_range_tiny_temperature_and_token_text():
     model, tok = tiny_model(), byte_tokenizer()
     for seed in (2 ** 63, -(2 ** 63) - 1, 2 ** 70, 1.5):
         with pytest.raises(ValueError, match=r"seed must be an integer in \[-2\*\*63, 2\*\*63 - 1\]"):
-            Request([1], 2, Collect(), seed=seed)
+            Job([1], 2, Collect(), seed=seed)
     greedy = alone_ids(model, tok, PROMPTS[0], 8, temperature=0)
     s = Scheduler(Engine(model), tok, max_batch=4)
     outs = [Collect() for _ in range(4)]
-    s.submit(Request(PROMPTS[0], 8, outs[0], temperature=1e-40, seed=2 ** 63 - 1))
-    s.submit(Request(PROMPTS[0], 8, outs[1], temperature=1.0, top_p=1e-50, seed=-(2 ** 63)))
+    s.submit(Job(PROMPTS[0], 8, outs[0], temperature=1e-40, seed=2 ** 63 - 1))
+    s.submit(Job(PROMPTS[0], 8, outs[1], temperature=1.0, top_p=1e-50, seed=-(2 ** 63)))
     shown = {greedy[0]: "<first>", greedy[3]: ""}
-    s.submit(Request(PROMPTS[0], 8, outs[2], temperature=0, token_text=shown))
-    s.submit(Request(PROMPTS[0], 8, outs[3], temperature=0.9, seed=2 ** 63 - 1))
+    s.submit(Job(PROMPTS[0], 8, outs[2], temperature=0, token_text=shown))
+    s.submit(Job(PROMPTS[0], 8, outs[3], temperature=0.9, seed=2 ** 63 - 1))
     drain(s)
     assert outs[0].text == outs[1].text == tok.decode(greedy)
     want = b"".join(shown[t].encode() if t in shown else tok.decode_bytes([t]) for t in greedy)
@@ -464,7 +464,7 @@ def test_seeded_tokens_alone_and_in_a_batch_of_16_mixed_requests():
         s = Scheduler(Engine(model), tok, max_batch=16)
         outs = [Collect() for _ in reqs]
         for (p, kw), out in zip(reqs, outs):
-            s.submit(Request(p, 10, out, **kw))
+            s.submit(Job(p, 10, out, **kw))
         drain(s)
         return [o.text for o in outs]
 
@@ -501,9 +501,9 @@ def test_a_constrained_row_writes_schema_valid_json_beside_free_rows():
     outs = [Collect() for _ in range(4)]
     for k, out in enumerate(outs[:3]):
         c = RowConstraint(grammars, json_grammar(schema), close_id=eot)
-        s.submit(Request(list(b"j"), CTX - 1, out, temperature=0 if k == 0 else 1.0, seed=k, stop_ids=[eot],
+        s.submit(Job(list(b"j"), CTX - 1, out, temperature=0 if k == 0 else 1.0, seed=k, stop_ids=[eot],
                          constraint=c))
-    s.submit(Request(PROMPTS[0], 12, outs[3], temperature=0))
+    s.submit(Job(PROMPTS[0], 12, outs[3], temperature=0))
     drain(s)
     for out in outs[:3]:
         assert out.last.finish_reason == "stop", out.text
@@ -526,7 +526,7 @@ def test_regions_after_a_trigger_are_captured_and_bans_hold():
     c = RowConstraint(grammars, choice_grammar(["yes", "no"]), close_id=CLOSE, start=START, max_regions=1,
                       after=[START, END], force=[START])
     s = Scheduler(Engine(model), tok, max_batch=2)
-    s.submit(Request(list(b"q"), 20, out, temperature=1.0, seed=5, stop_ids=[END], constraint=c, capture_regions=True))
+    s.submit(Job(list(b"q"), 20, out, temperature=1.0, seed=5, stop_ids=[END], constraint=c, capture_regions=True))
     drain(s)
     regions = [r for u in out.updates for r in u.regions]
     assert regions in (["yes"], ["no"]) and out.text == "" and out.last.finish_reason == "stop"
@@ -535,7 +535,7 @@ def test_regions_after_a_trigger_are_captured_and_bans_hold():
     ban = RowConstraint(grammars, None, start=0)
     logits = torch.zeros(VOCAB)
     logits[0] = 100.0
-    s.submit(Request([0], 5, out2, temperature=0, constraint=ban))
+    s.submit(Job([0], 5, out2, temperature=0, constraint=ban))
     drain(s)
     assert out2.updates and "\x00" not in out2.text
     ban.apply(logits)
@@ -553,7 +553,7 @@ def test_logprobs_are_of_the_distribution_sampled_from():
     model, tok = tiny_model(), byte_tokenizer()
     out = Collect()
     s = Scheduler(Engine(model), tok, max_batch=2)
-    s.submit(Request(list(b"abc"), 3, out, temperature=0, logprobs=5))
+    s.submit(Job(list(b"abc"), 3, out, temperature=0, logprobs=5))
     drain(s)
     lps = [lp for u in out.updates for lp in u.logprobs]
     assert [lp.token for lp in lps] == alone_ids(model, tok, list(b"abc"), 3, temperature=0)
@@ -566,7 +566,7 @@ def test_logprobs_are_of_the_distribution_sampled_from():
     grammars = _grammars(tok)
     out = Collect()
     c = RowConstraint(grammars, regex_grammar("[ab]{4}"), close_id=tok.eot_id)
-    s.submit(Request(list(b"x"), 8, out, temperature=0.7, seed=3, stop_ids=[tok.eot_id], constraint=c, logprobs=20))
+    s.submit(Job(list(b"x"), 8, out, temperature=0.7, seed=3, stop_ids=[tok.eot_id], constraint=c, logprobs=20))
     drain(s)
     lps = [lp for u in out.updates for lp in u.logprobs]
     assert len(out.text) == 4 and set(out.text) <= {"a", "b"} and len(lps) == 4
@@ -586,7 +586,7 @@ def test_several_samples_of_one_prompt_share_one_prefill(monkeypatch):
     monkeypatch.setattr(engine, "admit", lambda p: admits.append(list(p)) or admit(p))
     s = Scheduler(engine, tok, max_batch=4)
     outs = [Collect() for _ in range(3)]
-    s.submit_many([Request(list(b"share"), 8, o, temperature=1.0, seed=10 + k) for k, o in enumerate(outs)])
+    s.submit_many([Job(list(b"share"), 8, o, temperature=1.0, seed=10 + k) for k, o in enumerate(outs)])
     drain(s)
     assert admits == [list(b"share")]
     for k, o in enumerate(outs):
@@ -612,16 +612,16 @@ def test_several_samples_of_one_prompt_share_one_prefill(monkeypatch):
                 else:
                     torch.testing.assert_close(other, logits[0], rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="max_batch"):
-        s.submit_many([Request([1], 2, Collect()) for _ in range(5)])
+        s.submit_many([Job([1], 2, Collect()) for _ in range(5)])
     with pytest.raises(ValueError, match="same prompt"):
-        s.submit_many([Request([1], 2, Collect()), Request([2], 2, Collect())])
+        s.submit_many([Job([1], 2, Collect()), Job([2], 2, Collect())])
     assert s.load()["waiting"] == 0
 
 
 EXIT_WHILE_GENERATING = """
 import time
 from lmforge.generate.engine import Engine
-from lmforge.generate.scheduler import Request, Scheduler
+from lmforge.generate.scheduler import Job, Scheduler
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.tokenizer import Tokenizer
 
@@ -629,7 +629,7 @@ tok = Tokenizer({i: bytes([i]) for i in range(256)}, [])
 cfg = ModelConfig(vocab_size=256, context_length=4096, d_model=128, n_layers=2, n_heads=2)
 s = Scheduler(Engine(TransformerLM(cfg)), tok, max_batch=1)
 s.start()
-s.submit(Request([65] * 4000, 90, lambda u: u.finish_reason and print(u.finish_reason, flush=True)))
+s.submit(Job([65] * 4000, 90, lambda u: u.finish_reason and print(u.finish_reason, flush=True)))
 while s.load()["waiting"]:  # the engine thread took it: it is prefilling 4,000 tokens (0.1-0.5 s in one kernel call)
     time.sleep(0.001)
 time.sleep(0.01)

@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 from lmforge.generate import Engine
-from lmforge.generate.scheduler import Request, Scheduler
+from lmforge.generate.scheduler import Job, Scheduler
 from lmforge.generate.speculative import DraftPolicy, NgramDrafter, reference_propose, rejection_sample
 from tests.conftest import torch_threads
 from tests.generate.test_prefix_cache import model as small_model
@@ -29,7 +29,7 @@ def decode(m, prompts, spec: bool, kernel: bool = False, n: int = 32, **kw):
     with torch_threads(1):  # the PyTorch path's small ops: threads only contend on a shared machine
         for k, p in enumerate(prompts):
             c = Collect()
-            s.submit(Request(p, n, c, seed=k, **kw))
+            s.submit(Job(p, n, c, seed=k, **kw))
             drain(s)
             out.append([(u.text, u.logprobs, u.finish_reason) for u in c.updates])
     return out, s.load()
@@ -128,7 +128,7 @@ def test_sampled_replies_over_many_seeds_are_unchanged_through_the_scheduler():
         texts = []
         for seed in range(30):
             c = Collect()
-            s.submit(Request(list(b"abababababababab"), 24, c, temperature=1.0, top_k=3, seed=seed))
+            s.submit(Job(list(b"abababababababab"), 24, c, temperature=1.0, top_k=3, seed=seed))
             drain(s)
             texts.append(c.text)
         outs.append((texts, s.load()))
@@ -154,7 +154,7 @@ def test_a_cancelled_row_mid_draft_leaves_the_next_replies_correct():
     m = model()
     s = Scheduler(Engine(m, use_kernel=False), byte_tokenizer(), max_batch=2, speculative=True)
     c = Collect()
-    r = Request(PROMPTS[1], 60, c, temperature=0)
+    r = Job(PROMPTS[1], 60, c, temperature=0)
     s.submit(r)
     torch.set_num_threads(1)  # restored after the test (conftest)
     for _ in range(40):
@@ -169,7 +169,7 @@ def test_a_cancelled_row_mid_draft_leaves_the_next_replies_correct():
     with torch_threads(1):
         for k, p in enumerate(PROMPTS[:5]):
             cc = Collect()
-            s.submit(Request(p, 32, cc, seed=k, temperature=0))
+            s.submit(Job(p, 32, cc, seed=k, temperature=0))
             drain(s)
             after.append("".join(u.text for u in cc.updates))
     off, _ = decode(m, PROMPTS[:5], False, temperature=0)

@@ -233,7 +233,7 @@ def test_random_schemas_are_always_valid(srv):
     decoded by the untrained model at temperature 1 on the server's scheduler, 8 rows at a time: every output
     finishes and validates with jsonschema."""
     from lmforge.generate.constraints import RowConstraint, json_grammar
-    from lmforge.generate.scheduler import Request, Update
+    from lmforge.generate.scheduler import Job, Update
 
     served = srv.served
     end = served.chat.assistant_end_id
@@ -253,7 +253,7 @@ def test_random_schemas_are_always_valid(srv):
     prompt = served.chat_prompt(MSG)
     for k, sc in enumerate(schemas):
         c = RowConstraint(served.grammars, json_grammar(sc), close_id=end)
-        served.scheduler.submit(Request(prompt, 500 - len(prompt), emit(k), temperature=1.0, seed=k,
+        served.scheduler.submit(Job(prompt, 500 - len(prompt), emit(k), temperature=1.0, seed=k,
                                         stop_ids=[end], constraint=c))
     for _ in schemas:
         assert done.acquire(timeout=120)
