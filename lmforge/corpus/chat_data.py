@@ -36,6 +36,17 @@ computing in its head or seeing letters inside its tokens; and ``spelling`` and 
 item for every word of the list that is not one of their own validation words. Measured: docs/benchmarks.md,
 "Chat tasks".
 
+**Spelling as nanochat teaches it** (``spell_words``): a token does not show its letters, so a model can spell a
+word only if it was shown spelled. Given a list of words (the speedrun passes the tokenizer's vocabulary words,
+:func:`vocabulary_words`, and the task words), every one of them gets one ``spelling_bee`` training item that
+spells it letter by letter and counts one letter with a running tally, as nanochat's SpellingBee does
+(``Spell honour letter by letter and count the letter o.`` -> ``h-o-n-o-u-r. Counting o: h 0, o 1, n 1, o 2, u 2,
+r 2. Answer: 2``). The spelled form is the ``spelling`` task's answer form, so a ``spelling`` validation word is
+shown spelled in training, never asked as its validation prompt is. The letter is drawn from
+``random.Random(seed + SPELL_SEED_OFFSET)`` (from the word 70% of the time, any letter otherwise), so validation
+items, and the other training items, stay those drawn without it; only the final shuffle sees more items. The
+question's form is its own, so the plain ``counting`` question is still answered with the number alone.
+
 **Chitchat** (:func:`chitchat_conversations`): the ``dataset.json`` of the PyPI package ``chitchat-dataset``
 (BYU PCC lab's Chit-Chat Challenge, MIT licence, 7,168 two-person conversations). Each conversation is a list of
 turns; a turn is one or more consecutive utterances of one sender, which we join with a space (the package's own
@@ -54,7 +65,8 @@ import random
 import re
 from typing import Any, Callable, Iterable
 
-__all__ = ["TASKS", "chat_tasks", "chitchat_conversations", "common_words", "to_jsonl"]
+__all__ = ["TASKS", "chat_tasks", "chitchat_conversations", "common_words", "to_jsonl", "vocabulary_words",
+           "spelling_bee", "SPELL_SEED_OFFSET"]
 
 Record = dict[str, Any]
 
@@ -65,6 +77,38 @@ def common_words(text: str, n: int = 1000, min_len: int = 3, max_len: int = 9) -
     counts = collections.Counter(w for w in re.findall(r"(?<![A-Za-z'])[a-z]+(?![A-Za-z'])", text)
                                  if min_len <= len(w) <= max_len)
     return [w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n]]
+
+
+def vocabulary_words(pieces: Iterable[bytes | str], min_len: int = 2) -> list[str]:
+    """The words among a tokenizer's pieces (its vocabulary's byte strings, in id order): a piece that is, after
+    at most one leading space, ``min_len`` or more ASCII letters, lowercased; each word once, in first-seen order."""
+    out: dict[str, None] = {}
+    for piece in pieces:
+        try:
+            text = piece.decode("utf-8") if isinstance(piece, bytes) else piece
+        except UnicodeDecodeError:
+            continue
+        word = text[1:] if text.startswith(" ") else text
+        if len(word) >= min_len and word.isascii() and word.isalpha():
+            out.setdefault(word.lower(), None)
+    return list(out)
+
+
+SPELL_SEED_OFFSET = 52
+"""``spelling_bee`` items draw their letters from ``random.Random(seed + SPELL_SEED_OFFSET)``."""
+
+
+def spelling_bee(word: str, letter: str) -> Record:
+    """A ``spelling_bee`` training item: ``word`` spelled letter by letter, then ``letter`` counted with a running
+    tally (see the module docstring)."""
+    if not word.isalpha() or len(letter) != 1:
+        raise ValueError(f"spelling_bee needs a word of letters and one letter, got {word!r} and {letter!r}")
+    tally, n = [], 0
+    for ch in word:
+        n += ch == letter
+        tally.append(f"{ch} {n}")
+    return _qa("spelling_bee", f"Spell {word} letter by letter and count the letter {letter}.",
+               f"{'-'.join(word)}. Counting {letter}: {', '.join(tally)}. Answer: {n}")
 
 
 def _qa(task: str, question: str, answer: str) -> Record:
@@ -148,13 +192,15 @@ _EVERY_WORD: dict[str, Callable[[str], Record]] = {
 
 
 def chat_tasks(words: list[str], n_train: int = 1000, n_val: int = 50, seed: int = 0,
-               tasks: Iterable[str] = tuple(TASKS), teach: bool = False) -> tuple[list[Record], list[Record]]:
+               tasks: Iterable[str] = tuple(TASKS), teach: bool = False,
+               spell_words: Iterable[str] = ()) -> tuple[list[Record], list[Record]]:
     """``(train, val)`` records: ``n_train`` / ``n_val`` per task (with ``teach``, also one ``spelling`` and one
-    ``uppercase`` item per word), train shuffled, val in task order.
+    ``uppercase`` item per word; with ``spell_words``, one ``spelling_bee`` item per word of it), train shuffled,
+    val in task order.
 
-    Validation prompts are distinct and never appear in training (see the module docstring); ``teach`` changes
-    the training items only. ``ValueError`` when the word list is too small to draw ``n_val`` distinct
-    validation items of a task.
+    Validation prompts are distinct and never appear in training (see the module docstring); ``teach`` and
+    ``spell_words`` change the training items only. ``ValueError`` when the word list is too small to draw
+    ``n_val`` distinct validation items of a task.
     """
     names = list(tasks)
     unknown = [t for t in names if t not in TASKS]
@@ -189,6 +235,10 @@ def chat_tasks(words: list[str], n_train: int = 1000, n_val: int = 50, seed: int
             every = (_EVERY_WORD[name](w) for w in dict.fromkeys(words))
             teach_one = _TEACH.get(name, lambda r: r)
             train.extend(teach_one(r) for r in every if r["messages"][0]["content"] not in seen)
+    bee_rng = random.Random(seed + SPELL_SEED_OFFSET)  # its own stream: every other item stays as drawn without it
+    for w in dict.fromkeys(spell_words):
+        letter = bee_rng.choice(w) if bee_rng.random() < 0.7 else bee_rng.choice("abcdefghijklmnopqrstuvwxyz")
+        train.append(spelling_bee(w, letter))
     rng.shuffle(train)
     return train, val
 

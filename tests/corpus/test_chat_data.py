@@ -17,7 +17,8 @@ import lmforge.corpus.datasets as corpora
 from lmforge.chat import ChatFormat, add_chat_tokens, calculate, load_conversations
 from lmforge.cli import main
 from lmforge.corpus import DATASETS, get_dataset
-from lmforge.corpus.chat_data import TASKS, chat_tasks, chitchat_conversations, common_words, to_jsonl
+from lmforge.corpus.chat_data import (TASKS, chat_tasks, chitchat_conversations, common_words, to_jsonl,
+                                      vocabulary_words)
 
 WORDS = common_words("the king and the queen went home; thou art a knave, sir, and thy honour is lost. " * 3 +
                      " ".join(f"word{c}" for c in "ab") + " lady lord night light sword crown heart blood " * 2 +
@@ -86,6 +87,41 @@ def test_teaching_changes_training_items_only():
     val_words = lambda task: {r["messages"][0]["content"].split()[-1 if task == "spelling" else 1].rstrip(".")
                               for r in val if r["task"] == task}
     assert val_words("spelling") & val_words("uppercase") != val_words("spelling")  # taught in the other task
+
+
+def test_spelling_bee_spells_every_vocabulary_word_in_training_only(tiny_tokenizer):
+    """With ``spell_words`` (the vocabulary's words) every one is shown spelled, letter by letter with a running
+    tally, in a training item; the validation items (pinned sha256) and every other training item stay as drawn."""
+    vocab_words = vocabulary_words(tiny_tokenizer.vocab[i] for i in range(tiny_tokenizer.vocab_size))
+    assert len(vocab_words) >= 40 and all(w.isalpha() and w == w.lower() and len(w) >= 2 for w in vocab_words)
+    train, val = chat_tasks(WORDS, n_train=200, n_val=20, seed=3, spell_words=vocab_words + WORDS)
+    plain_train, plain_val = chat_tasks(WORDS, n_train=200, n_val=20, seed=3)
+    pinned = "add2cd2ab8651e8c359b49e5edb62446d2cea03f84c4fa89b13be35ff4b76b3f"
+    assert val == plain_val and hashlib.sha256(to_jsonl(val).encode()).hexdigest() == pinned
+    bees = [r for r in train if r["task"] == "spelling_bee"]
+    key = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731
+    assert sorted(map(key, (r for r in train if r["task"] != "spelling_bee"))) == sorted(map(key, plain_train))
+    answers = [r["messages"][-1]["content"] for r in train if r["messages"][-1]["role"] == "assistant"]
+    spelled = {w for w in vocab_words if any(a.startswith("-".join(w) + ".") for a in answers)}
+    assert spelled == set(vocab_words) and len(bees) == len(set(vocab_words + WORDS))
+    val_prompts = {r["messages"][0]["content"] for r in val}
+    spelling_val_words = {r["messages"][0]["content"].split()[-1].rstrip(".") for r in val if r["task"] == "spelling"}
+    assert spelling_val_words <= {r["messages"][0]["content"].split()[1] for r in bees}  # shown spelled, not asked
+    fmt = ChatFormat(add_chat_tokens(tiny_tokenizer))
+    for r in bees:
+        assert r["messages"][0]["content"] not in val_prompts
+        fmt.render(r["messages"])
+        q, a = r["messages"][0]["content"], r["messages"][1]["content"]
+        word, letter = q.split()[1], q.rstrip(".").split()[-1]
+        spelled_part, _, rest = a.partition(". Counting ")
+        assert spelled_part.split("-") == list(word) and rest.startswith(f"{letter}: ")
+        steps = rest[len(letter) + 2:].partition(". Answer: ")
+        tally = [s.split() for s in steps[0].split(", ")]
+        assert [ch for ch, _ in tally] == list(word)
+        assert [int(k) for _, k in tally] == [word[:i + 1].count(letter) for i in range(len(word))]  # running
+        assert int(steps[2]) == word.count(letter)
+    assert chat_tasks(WORDS, n_train=20, n_val=5, seed=3, spell_words=["honour"]) == \
+        chat_tasks(WORDS, n_train=20, n_val=5, seed=3, spell_words=["honour"])  # deterministic
 
 
 def test_chat_tasks_refuse_too_few_words():
