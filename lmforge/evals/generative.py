@@ -1,15 +1,17 @@
-"""Generative exact match on chat conversations, through the one ``Generator`` (and its engine and KV cache).
+"""Generative exact match on chat conversations, through the one row step (:meth:`RowStep.run
+<lmforge.generate.rows.RowStep.run>`) on the ``Generator``'s engine.
 
-Each prompt is rendered by ``ChatFormat.render_for_completion``; replies are generated greedily, a batch of
-prompts at a time, until ``<|assistant_end|>`` (or the end-of-text token, or its own budget: the answer's token
-count plus :data:`EXTRA_NEW_TOKENS`, whatever else shares its batch, so scores do not depend on the batch size);
-a reply is correct when its final text equals the expected answer (case included) after stripping whitespace at
+Each prompt is rendered by ``ChatFormat.render_for_completion``; replies are decoded greedily, a batch of prompts
+at a time, each row until ``<|assistant_end|>`` (or the end-of-text token) or its own budget: the answer's token
+count plus :data:`EXTRA_NEW_TOKENS`, whatever else shares its batch, so scores do not depend on the batch size. A
+reply is correct when its final text equals the expected answer (case included) after stripping whitespace at
 both ends.
 
-A reply that calls the calculator (``<|python_start|>EXPR<|python_end|>``) is generated again alone, the way the
-chat runs it (:class:`~lmforge.chat.tools.ToolUse` feeds the tool's output back and generation goes on); its
-final text is the assistant's text after the last tool output (:func:`~lmforge.chat.session.messages_from_reply`),
-which is what a task file's final assistant message holds.
+A reply that calls the calculator (``<|python_start|>EXPR<|python_end|>``) within its budget has it run the way the
+chat runs it (:class:`~lmforge.chat.tools.ToolUse` feeds the tool's output back and generation goes on) and its
+budget raised by :data:`TOOL_NEW_TOKENS` from that call; its final text is the assistant's text after the last tool
+output (:func:`~lmforge.chat.session.messages_from_reply`), which is what a task file's final assistant message
+holds.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from lmforge.chat.session import messages_from_reply
 from lmforge.chat.tools import ToolUse
 from lmforge.evals.tasks import ChatItem
 from lmforge.generate import Generator
+from lmforge.generate.rows import Row
 
 __all__ = ["exact_match", "reply_text", "is_exact_match"]
 
@@ -49,6 +52,20 @@ def is_exact_match(text: str, answer: str) -> bool:
     return text.strip() == answer.strip()
 
 
+def _reply_row(fmt: ChatFormat, prompt: list[int], budget: int, tool_budget: int, stop: list[int],
+               device: Any) -> Row:
+    """A greedy row of ``budget`` sampled tokens whose first calculator call raises its budget to ``tool_budget``."""
+    use = ToolUse(fmt)
+
+    def feed(t: int) -> list[int] | None:
+        if t == use.start_id and row.max_tokens == budget:
+            row.max_tokens = tool_budget
+        return use.feed(t)
+
+    row = Row(prompt, budget, temperature=0.0, device=device, stop_ids=stop, tool=feed, count_forced=False)
+    return row
+
+
 def exact_match(generator: Generator, items: Sequence[ChatItem], batch_size: int = 16) -> dict[str, Any]:
     """``{"n", "correct", "truncated", "replies", "ended", "tool_calls"}`` of greedy replies to ``items``.
 
@@ -63,39 +80,22 @@ def exact_match(generator: Generator, items: Sequence[ChatItem], batch_size: int
     fmt = ChatFormat(tok)
     ctx = generator.cfg.context_length
     stop = [fmt.assistant_end_id] + ([tok.eot_id] if tok.eot_id is not None else [])
-    prompts, budgets, truncated = [], [], 0
+    rows, truncated = [], 0
     for it in items:
         ids = fmt.render_for_completion(list(it.prompt))
         budget = min(len(tok.encode(it.answer.strip(), special="plain")) + EXTRA_NEW_TOKENS, ctx - 1)
         room = ctx + 1 - budget  # the last new token is never fed back
         if len(ids) > room:
             ids, truncated = ids[len(ids) - room:], truncated + 1
-        prompts.append(ids)
-        budgets.append(budget)
-    call = fmt.ids["<|python_start|>"]
-    replies: list[str] = []
-    ended: list[bool] = []
-    tool_calls = 0
-    for i in range(0, len(prompts), batch_size):
-        rows, own = prompts[i: i + batch_size], budgets[i: i + batch_size]
-        # One pass to the batch's largest budget; each row is then cut to its own, so a reply (and whether it
-        # ended or called the calculator) never depends on its batch. A row past the context slides: only its
-        # tokens after its own budget (which always fits, see above) are affected, and those are cut.
-        outs = generator.generate_ids(rows, max_new_tokens=max(own), temperature=0.0, stop_ids=stop,
-                                      overflow="slide")
-        for row, budget, full in zip(rows, own, outs):
-            out = full[:budget]
-            if call not in out:
-                replies.append(reply_text(fmt, out))
-                ended.append(len(full) < budget)  # stopped before its budget: an end token
-                continue
-            tool_calls += 1  # run it again as the chat does: the calculator's output is fed back
-            turn = generator.turn(row, max_new_tokens=max(1, min(budget + TOOL_NEW_TOKENS, ctx - len(row))),
-                                  temperature=0.0, stop_ids=stop, inject=ToolUse(fmt).feed)
-            for _ in turn:
-                pass
-            replies.append(reply_text(fmt, turn.ids))
-            ended.append(turn.finish_reason == "stop")
+        tool_budget = max(1, min(budget + TOOL_NEW_TOKENS, ctx - len(ids)))
+        rows.append(_reply_row(fmt, ids, budget, tool_budget, stop, generator.device))
+    for i in range(0, len(rows), batch_size):
+        generator.rows.run(generator.engine, [[r] for r in rows[i: i + batch_size]])
+    for r in rows:
+        if r.error is not None:
+            raise ValueError(r.error)
+    replies = [reply_text(fmt, r.ids) for r in rows]
     correct = [is_exact_match(r, it.answer) for r, it in zip(replies, items)]
-    return {"n": len(items), "correct": correct, "truncated": truncated, "replies": replies, "ended": ended,
-            "tool_calls": tool_calls}
+    return {"n": len(items), "correct": correct, "truncated": truncated, "replies": replies,
+            "ended": [r.finish == "stop" for r in rows], "tool_calls": sum(fmt.ids["<|python_start|>"] in r.ids
+                                                                           for r in rows)}

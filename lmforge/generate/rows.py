@@ -103,7 +103,8 @@ class Row:
     """One sequence being decoded (module docstring): its sampler, stops, text, forced tokens, constraint, drafts.
 
     ``seed`` None draws fresh entropy, unless ``gen`` (a generator shared across turns) is given. ``tool(token_id)
-    -> list[int] | None`` is called with each sampled token; ids it returns are forced next. ``token_text`` maps ids
+    -> list[int] | None`` is called with each sampled token before the row's end is decided (so it may raise
+    ``max_tokens``); ids it returns are forced next. ``token_text`` maps ids
     to the text shown for them instead of their own. ``log``: keep ``(id, text, forced)`` of each taken token in
     :attr:`log` (a driver that streams tokens). ``owner``: whatever the driver keeps with the row.
     """
@@ -181,6 +182,33 @@ class RowStep:
                 r.finish = "context"
                 r.pending += r.stream.finish()
 
+    def run(self, engine: Any, groups: Sequence[Sequence[Row]]) -> None:
+        """Decode ``groups`` of rows to their ends as one batch on ``engine``, a cache row each: a group's rows share
+        its first row's prompt, prefilled once (``Engine.admit``) and copied (``Engine.fork``) into the others; then
+        one batched step per token (a row alone drafts, if it does), each row leaving as it ends (a stop, its
+        ``max_tokens``, or a full context: :meth:`end_full`; no sliding)."""
+        engine.open_slots(max(1, sum(map(len, groups))), engine.context_length)
+        live: list[Row] = []  # live[b] decodes in engine row b
+        with torch.inference_mode():
+            for g in (g for g in groups if g):
+                first, logits = engine.admit(g[0].prompt)
+                for _ in g[1:]:
+                    engine.fork(first)
+                for r in g:
+                    self.advance(r, logits)
+                live += g
+        while True:
+            self.end_full(engine, live)
+            for b in sorted((b for b, r in enumerate(live) if r.finish), reverse=True):
+                moved = engine.release(b)  # the last live row moves into row b
+                if moved is not None:
+                    live[b] = live[moved]
+                live.pop()
+            if not live:
+                return
+            if not (len(live) == 1 and self.speculate(engine, 0, live[0])):
+                self.step(engine, live)
+
     def speculate(self, engine: Any, index: int, r: Row) -> bool:
         """One pass of engine row ``index`` with its next token and its drafts, if it has any; False when it
         drafted nothing (the caller steps it plainly)."""
@@ -234,11 +262,9 @@ class RowStep:
             r.pending += r.stream.finish()  # a held-back tail that turned out not to be a stop string
             return
         self.take(r, t, True)
-        if r.finish is None or (r.finish == "length" and not r.count_forced):
-            self.force(r, t)  # with count_forced=False the tool's output after the last sampled token is kept
 
     def force(self, r: Row, t: int) -> None:
-        """Queue the ids the row's tool returns for its sampled token ``t``."""
+        """Queue the ids the row's tool returns for its sampled token ``t`` (the tool may raise ``r.max_tokens``)."""
         extra = r.tool(t) if r.tool is not None else None
         if extra:
             for x in extra:
@@ -302,6 +328,8 @@ class RowStep:
             r.pending += piece
         if r.log is not None:
             r.log.append((t, piece, not sampled))
+        if sampled and not r.stream.done and (r.n < r.max_tokens or not r.count_forced):
+            self.force(r, t)  # with count_forced=False the tool's output after the last sampled token is kept
         if r.stream.done:
             r.finish = "stop"
         elif r.n >= r.max_tokens and (sampled or r.count_forced):

@@ -1,12 +1,11 @@
 """Rollouts: K sampled replies per prompt through the one generation engine, tool calls run as the chat runs them.
 
 :func:`sample_replies` decodes a batch of prompts, ``K`` rows each, on an :class:`~lmforge.generate.engine.Engine`
-through the row step (:mod:`lmforge.generate.rows`, as :meth:`Generator.turn
-<lmforge.generate.generator.Generator.turn>` does): each prompt is prefilled once into one row and that row is
-copied (``Engine.fork``) into its other ``K - 1``, then every row decodes in one batched step per token. Each row
-samples with its own seeded ``torch.Generator`` (:func:`rollout_seed`), as the server's scheduler does per request,
-so a reply is a function of its prompt, its seed, the weights and the batch it is decoded in; rows leave the batch
-as they end. A calculator call is run by one :class:`~lmforge.chat.tools.ToolUse` per row, exactly as
+through the row step (:meth:`RowStep.run <lmforge.generate.rows.RowStep.run>`): each prompt is prefilled once
+into one row and that row is copied (``Engine.fork``) into its other ``K - 1``, then every row decodes in one
+batched step per token. Each row samples with its own seeded ``torch.Generator`` (:func:`rollout_seed`), as the
+server's scheduler does per request, so a reply is a function of its prompt, its seed, the weights and the batch it
+is decoded in; rows leave the batch as they end. A calculator call is run by one :class:`~lmforge.chat.tools.ToolUse` per row, exactly as
 :class:`~lmforge.chat.session.ChatSession` runs it: each sampled id is fed to it, the output ids it returns are fed
 to the model one per step before sampling goes on, and they belong to the reply but are not sampled (RL masks them
 out of the loss). A reply ends at a stop id (``<|assistant_end|>``, end of text, ``<|user_start|>``: the chat's),
@@ -22,8 +21,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from typing import Any, Sequence
-
-import torch
 
 from lmforge.chat.format import ChatFormat
 from lmforge.chat.tools import ToolUse
@@ -90,26 +87,7 @@ def sample_replies(engine: Any, prompts: Sequence[Sequence[int]], seeds: Sequenc
                    owner=tool)
 
     groups = [[row(p, s) for s in ss] for p, ss in zip(prompts, seeds)]
-    engine.open_slots(max(1, sum(len(g) for g in groups)), ctx)
-    live: list[Row] = []  # live[b] decodes in engine row b
-    with torch.inference_mode():
-        for g in (g for g in groups if g):
-            row, logits = engine.admit(g[0].prompt)  # the prompt's one prefill; its other rows are copies
-            for r in g[1:]:
-                engine.fork(row)
-            for r in g:
-                step.advance(r, logits)
-            live += g
-    while True:
-        step.end_full(engine, live)
-        for b in sorted((b for b, r in enumerate(live) if r.finish), reverse=True):
-            moved = engine.release(b)  # the last live row moves into row b
-            if moved is not None:
-                live[b] = live[moved]
-            live.pop()
-        if not live:
-            break
-        step.step(engine, live)
+    step.run(engine, groups)  # each prompt prefilled once, its row copied into its other K - 1
     return [[_rollout(r) for r in g] for g in groups]
 
 
