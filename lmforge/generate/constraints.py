@@ -15,12 +15,11 @@ valid document (multi-byte and partial-UTF-8 tokens included). lmforge's part is
   place, so the row's sampler (temperature, top-p, its own seeded generator) draws from the constrained
   distribution; :meth:`RowConstraint.take` advances the state with the token taken.
 
-Hostile grammars: :func:`json_grammar` refuses a schema over :class:`SchemaLimits` (``$ref``/nesting depth,
-size, properties, enum values; llguidance's recursive compile overflows the stack on a 2,500-``$ref`` chain) or
-one that admits no finite document (``{"$ref": "#"}``); :class:`Grammars` compiles each new grammar first in a
-sacrificial process with a deadline (:mod:`~lmforge.generate.grammar_check`), so a crash or a runaway compile
-costs that process, never the server; a grammar that fails while decoding ends its row with an error, never a
-``stop``. Errors are one bounded line (never llguidance's grammar dump).
+Hostile grammars: :func:`json_grammar` runs the caller's ``check`` on a schema before llguidance sees it (the
+server's size and finiteness limits, :mod:`lmforge.serve.limits`); :class:`Grammars` compiles each new grammar
+first in a sacrificial process with a deadline (:mod:`~lmforge.generate.grammar_check`), so a crash or a runaway
+compile costs that process, never the server; a grammar that fails while decoding ends its row with an error,
+never a ``stop``. Errors are one bounded line (never llguidance's grammar dump).
 
 A region opens at once (``start=None``: a response format) or after a trigger token (a tool call's
 ``<|call_start|>``); ``force`` lists tokens fed before the row samples (a tool call the request requires).
@@ -38,10 +37,9 @@ import collections
 import json
 import re
 import threading
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
@@ -49,8 +47,8 @@ from lmforge.common import is_unicode
 from lmforge.generate.grammar_check import LIMITS, GrammarCheck, lower_priority, one_line
 from lmforge.tokenizer import Tokenizer
 
-__all__ = ["ConstraintError", "Grammar", "Grammars", "RowConstraint", "SchemaLimits", "check_schema", "choice_grammar",
-           "json_grammar", "regex_grammar"]
+__all__ = ["ConstraintError", "Grammar", "Grammars", "RowConstraint", "choice_grammar", "json_grammar",
+           "regex_grammar"]
 
 JSON_SEPARATORS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 """How constrained JSON is laid out: Python's ``json.dumps`` defaults (``", "`` and ``": "``, no other
@@ -59,7 +57,7 @@ whitespace), the layout the chat format renders tool-call arguments in."""
 
 class ConstraintError(ValueError):
     """A grammar that cannot be used: ``keyword`` names the JSON-Schema keyword at fault when there is one,
-    ``limit`` the :class:`SchemaLimits` field a schema is over."""
+    ``limit`` the limit a schema is over (a field of :class:`lmforge.serve.limits.SchemaLimits`)."""
 
     def __init__(self, message: str, keyword: str | None = None, limit: str | None = None) -> None:
         super().__init__(message)
@@ -85,205 +83,6 @@ def _llg() -> Any:
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 
 
-@dataclass(frozen=True)
-class SchemaLimits:
-    """How large a JSON Schema :func:`json_grammar` takes (beyond: ``ConstraintError`` naming the limit).
-
-    llguidance compiles ``$ref``s and nesting recursively: a chain of ~2,500 ``$ref``s (~1,100 nested arrays)
-    overflows an 8 MiB stack and kills the process, ~300 / ~140 a 1 MiB one; ``max_depth`` stops far below.
-    ``max_depth`` counts the schema objects on the longest path through nesting and ``$ref``s (a recursive
-    group of definitions counts all its members); ``max_nodes`` the schema objects in all; ``max_properties``
-    one object's properties; ``max_enum`` one enum's values; ``max_bytes`` the schema as JSON text.
-    """
-
-    max_bytes: int = 200_000
-    max_nodes: int = 5_000
-    max_depth: int = 128
-    max_properties: int = 1_000
-    max_enum: int = 2_000
-
-
-_ONE = ("additionalProperties", "additionalItems", "items", "contains", "not", "if", "then", "else",
-        "propertyNames", "unevaluatedProperties", "unevaluatedItems")
-_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
-_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def subschemas(node: dict[str, Any]) -> list[tuple[str, Any]]:
-    """``node``'s subschemas as (JSON-pointer suffix, schema) pairs."""
-    out: list[tuple[str, Any]] = []
-    for k in _ONE:
-        if isinstance(node.get(k), (dict, bool)):
-            out.append((f"/{k}", node[k]))
-    for k in _LIST:
-        if isinstance(node.get(k), list):
-            out += [(f"/{k}/{i}", v) for i, v in enumerate(node[k]) if isinstance(v, (dict, bool))]
-    for k in _MAP:
-        if isinstance(node.get(k), dict):
-            out += [(f"/{k}/{_escape(name)}", v) for name, v in node[k].items() if isinstance(v, (dict, bool))]
-    return out
-
-
-def _escape(name: str) -> str:
-    return name.replace("~", "~0").replace("/", "~1")
-
-
-def local_pointer(ref: Any) -> str | None:
-    """A local ``$ref``'s JSON pointer (``#/$defs/a`` -> ``/$defs/a``), None for any other reference."""
-    if not isinstance(ref, str) or not ref.startswith("#") or (len(ref) > 1 and ref[1] != "/"):
-        return None
-    return "/".join(_escape(urllib.parse.unquote(p).replace("~1", "/").replace("~0", "~"))
-                    for p in ref[1:].split("/"))
-
-
-def check_schema(schema: dict[str, Any], limits: SchemaLimits) -> None:
-    """``ConstraintError`` if ``schema`` is over ``limits`` or admits no finite document (a ``$ref`` cycle with
-    no way out: ``{"$ref": "#"}``, a required property that is the schema itself). Iterative: a schema nested
-    deeper than Python's recursion limit is refused, not a crash."""
-    nodes, pointers, index = [schema], [""], {"": 0}
-    k = 0
-    while k < len(nodes):
-        node = nodes[k]
-        if isinstance(node, dict):
-            props, enum = node.get("properties"), node.get("enum")
-            if isinstance(props, dict) and len(props) > limits.max_properties:
-                raise ConstraintError(f"the JSON Schema's object at #{pointers[k]} has {len(props):,} properties, "
-                                      f"over this server's limit of {limits.max_properties:,}", limit="max_properties")
-            if isinstance(enum, list) and len(enum) > limits.max_enum:
-                raise ConstraintError(f"the JSON Schema's enum at #{pointers[k]} has {len(enum):,} values, over "
-                                      f"this server's limit of {limits.max_enum:,}", limit="max_enum")
-            for suffix, sub in subschemas(node):
-                index[pointers[k] + suffix] = len(nodes)
-                nodes.append(sub)
-                pointers.append(pointers[k] + suffix)
-            if len(nodes) > limits.max_nodes:
-                raise ConstraintError(f"the JSON Schema has more subschemas than this server's limit of "
-                                      f"{limits.max_nodes:,}; send a smaller one", limit="max_nodes")
-        k += 1
-    edges = [[index[pointers[i] + suffix] for suffix, _ in subschemas(n)] if isinstance(n, dict) else []
-             for i, n in enumerate(nodes)]
-    targets = [local_pointer(n.get("$ref")) if isinstance(n, dict) else None for n in nodes]
-    refs = [None if t is None else index.get(t) for t in targets]
-    for i, r in enumerate(refs):
-        if r is not None:
-            edges[i].append(r)
-    depth = _longest_path(edges)
-    if depth > limits.max_depth:
-        raise ConstraintError(f"the JSON Schema nests {depth:,} levels deep (through $ref), over this server's "
-                              f"limit of {limits.max_depth}", limit="max_depth")
-    if not _productive(nodes, pointers, index, refs):
-        raise ConstraintError("the JSON Schema admits no finite document (a $ref cycle with no way out like "
-                              '{"$ref": "#"}, a required property that needs the schema itself, or one that is '
-                              "false); give any recursion an end (an optional property, an empty array, an anyOf "
-                              "branch)")
-
-
-def _longest_path(edges: list[list[int]]) -> int:
-    """The most nodes on a path from node 0 (an upper bound through cycles: each strongly connected group
-    counts all its members). Tarjan's algorithm, iteratively: groups come out successors first."""
-    n = len(edges)
-    order, low, on, stack, group = [-1] * n, [0] * n, [False] * n, [], [-1] * n
-    longest: list[int] = []
-    counter = 0
-    for s in range(n):
-        if order[s] >= 0:
-            continue
-        order[s] = low[s] = counter
-        counter += 1
-        stack.append(s)
-        on[s] = True
-        work = [(s, iter(edges[s]))]
-        while work:
-            v, it = work[-1]
-            for w in it:
-                if order[w] < 0:
-                    order[w] = low[w] = counter
-                    counter += 1
-                    stack.append(w)
-                    on[w] = True
-                    work.append((w, iter(edges[w])))
-                    break
-                if on[w]:
-                    low[v] = min(low[v], order[w])
-            else:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
-                if low[v] == order[v]:
-                    members = []
-                    while True:
-                        w = stack.pop()
-                        on[w], group[w] = False, len(longest)
-                        members.append(w)
-                        if w == v:
-                            break
-                    g = len(longest)
-                    after = [longest[group[x]] for m in members for x in edges[m] if group[x] != g]
-                    longest.append(len(members) + max(after, default=0))
-    return longest[group[0]]
-
-
-def _productive(nodes: list[Any], pointers: list[str], index: dict[str, int], refs: list[int | None]) -> bool:
-    """Whether the root admits a finite document: the least fixpoint of "a schema is productive when its
-    ``$ref``, each ``allOf`` member, one ``anyOf``/``oneOf`` member, each required property and each item an
-    array must have are" (other keywords are taken as satisfiable; llguidance judges them)."""
-    terms: list[list[list[int]]] = []  # per node: conditions, each met by any one of its ids
-    for i, node in enumerate(nodes):
-        t: list[list[int]] = []
-        if node is False:
-            t.append([])
-        elif isinstance(node, dict):
-            p = pointers[i]
-            if refs[i] is not None:
-                t.append([refs[i]])
-            if isinstance(node.get("allOf"), list):
-                t += [[index[f"{p}/allOf/{j}"]] for j in range(len(node["allOf"])) if f"{p}/allOf/{j}" in index]
-            for k in ("anyOf", "oneOf"):
-                if isinstance(node.get(k), list):
-                    t.append([index[f"{p}/{k}/{j}"] for j in range(len(node[k])) if f"{p}/{k}/{j}" in index])
-            for name in node["required"] if isinstance(node.get("required"), list) else ():
-                if isinstance(name, str) and f"{p}/properties/{_escape(name)}" in index:
-                    t.append([index[f"{p}/properties/{_escape(name)}"]])
-            t += _items_terms(node, p, index)
-        terms.append(t)
-    need = [len(t) for t in terms]
-    met = [[False] * len(t) for t in terms]
-    watch: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
-    for i, t in enumerate(terms):
-        for j, ids in enumerate(t):
-            for x in ids:
-                watch[x].append((i, j))
-    done, todo = [False] * len(nodes), [i for i in range(len(nodes)) if need[i] == 0]
-    while todo:
-        x = todo.pop()
-        if done[x]:
-            continue
-        done[x] = True
-        for i, j in watch[x]:
-            if not met[i][j]:
-                met[i][j] = True
-                need[i] -= 1
-                if need[i] == 0:
-                    todo.append(i)
-    return done[0]
-
-
-def _items_terms(node: dict[str, Any], p: str, index: dict[str, int]) -> list[list[int]]:
-    """The conditions an array schema's required items put on productivity (``minItems``, ``contains``)."""
-    t: list[list[int]] = []
-    low = node.get("minItems")
-    prefix = "prefixItems" if isinstance(node.get("prefixItems"), list) else "items"
-    n_prefix = len(node[prefix]) if isinstance(node.get(prefix), list) else 0
-    if isinstance(low, int) and not isinstance(low, bool) and low > 0:
-        for j in range(min(low, n_prefix + 1)):
-            at = f"{p}/{prefix}/{j}" if j < n_prefix else f"{p}/items"
-            if at in index:
-                t.append([index[at]])
-    if f"{p}/contains" in index and node.get("minContains", 1) != 0:
-        t.append([index[f"{p}/contains"]])
-    return t
-
-
 def _refusal(grammar: Grammar, err: str) -> ConstraintError:
     """The ConstraintError for llguidance's error ``err`` on ``grammar`` (one line; unsupported keywords named)."""
     found = _UNIMPLEMENTED.search(err)
@@ -295,23 +94,19 @@ def _refusal(grammar: Grammar, err: str) -> ConstraintError:
     return ConstraintError(f"the {grammar.what} cannot be used: {one_line(err)}")
 
 
-def json_grammar(schema: Any, limits: SchemaLimits | None = None) -> Grammar:
+def json_grammar(schema: Any, check: Callable[[dict[str, Any]], None] | None = None) -> Grammar:
     """The grammar of JSON documents valid under ``schema`` (a JSON Schema as a dict; ``True``/``{}``: any JSON),
-    laid out as :data:`JSON_SEPARATORS`. ``ConstraintError`` for a schema that is not an object, is over
-    ``limits`` (default :class:`SchemaLimits`) or admits no finite document (:func:`check_schema`); unsupported
-    keywords are found when the grammar is compiled (:meth:`Grammars.compile`)."""
+    laid out as :data:`JSON_SEPARATORS`. ``ConstraintError`` for a schema that is not an object or that ``check``
+    refuses (it raises ``ConstraintError``: a server's limits); unsupported keywords are found when the grammar is
+    compiled (:meth:`Grammars.compile`)."""
     if schema is True:
         schema = {}
     if not isinstance(schema, dict):
         raise ConstraintError(f"a JSON Schema must be an object, got {type(schema).__name__} {schema!r:.60}")
-    limits = limits or SchemaLimits()
-    check_schema(schema, limits)
-    text = json.dumps(schema)
-    if len(text) > limits.max_bytes:
-        raise ConstraintError(f"the JSON Schema has {len(text):,} bytes, over this server's limit of "
-                              f"{limits.max_bytes:,}; send a smaller one", limit="max_bytes")
+    if check is not None:
+        check(schema)
     try:
-        text = _llg().LLMatcher.grammar_from_json_schema(text, overrides=JSON_SEPARATORS)
+        text = _llg().LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_SEPARATORS)
     except ValueError as e:
         raise ConstraintError(f"the JSON Schema is not valid: {one_line(str(e))}") from None
     return Grammar(text, "JSON Schema")

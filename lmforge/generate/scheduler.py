@@ -177,11 +177,11 @@ class Scheduler:
     # ---------------------------------------------------------------------------------------------
     # Any thread
     # ---------------------------------------------------------------------------------------------
-    def check(self, prompt_tokens: int, max_tokens: int, what: str = "the prompt") -> None:
+    def check(self, prompt_tokens: int, max_tokens: int, what: str = "the prompt", limit: str = "max_tokens") -> None:
         """``ValueError`` unless a prompt of ``prompt_tokens`` plus ``max_tokens`` new ones fits the context
-        (the message names both numbers)."""
+        (the message names both numbers, and the limit ``limit``)."""
         check_context(prompt_tokens + max_tokens, self.context_length,
-                      f"{what} ({prompt_tokens} tokens) plus max_tokens ({max_tokens})")
+                      f"{what} ({prompt_tokens} tokens) plus {limit} ({max_tokens})")
 
     def submit(self, req: Job) -> None:
         """Queue ``req``; it joins the batch at the next step with a free row.

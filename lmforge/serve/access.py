@@ -23,7 +23,7 @@ import json
 import secrets
 from typing import Any, Iterable
 
-from lmforge.serve.api import error_body, shown
+from lmforge.serve.errors import error_body, shown
 
 __all__ = ["API_KEY_ENV", "AllowedHosts", "HostCheck", "Keys", "PUBLIC", "check_api_key", "exposure_warning"]
 

@@ -22,57 +22,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from lmforge.common import is_unicode
 from lmforge.generate.sampling import SEED_MAX, SEED_MIN
 from lmforge.generate.scheduler import MAX_LOGPROBS
+from lmforge.serve.errors import APIError, shown
+from lmforge.serve.limits import SALT_MAX, TOKENS_MAX
+from lmforge.serve.request import ChatRequest, Dialect, Format
 
-__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest", "TokenizeRequest",
-           "DetokenizeRequest", "error_body", "parse", "shown"]
+__all__ = ["CHAT", "ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest", "TokenizeRequest",
+           "DetokenizeRequest", "parse"]
 
-MESSAGE_MAX = 800
-"""The longest error message (characters): a last bound, each echoed value is cut by :func:`shown` first."""
-
-
-def shown(value: Any, limit: int = 60, quote: bool = True) -> str:
-    """A client's value as an error message echoes it: quoted (``repr`` of a string, JSON of anything else;
-    ``quote=False``: the string as it is), cut to ``limit`` characters ending ``...``, so no value a client
-    sends makes a long error."""
-    if not quote:
-        text = str(value)
-    elif isinstance(value, str):
-        text = repr(value)
-    else:
-        try:
-            text = json.dumps(value, default=str)
-        except ValueError:  # (an integer over Python's digit limit for str)
-            text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[:max(limit - 3, 0)] + "..."
-
-
-class APIError(Exception):
-    """An error answered in the OpenAI shape: HTTP ``status`` and ``{"error": {message, type, param, code}}``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
-        message = shown(message, MESSAGE_MAX, quote=False)
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """``{"error": {"message", "type", "param", "code"}}``: the OpenAI error object."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-# --------------------------------------------------------------------------------------------------
-# Requests
-# --------------------------------------------------------------------------------------------------
-TOKENS_MAX = 2 ** 31 - 1
-"""The largest ``max_tokens`` a request may name (any context is far shorter; larger is refused by the schema)."""
-SALT_MAX = 512
-"""The longest ``cache_salt`` (characters): a random 256-bit salt is 43 in base64."""
+CHAT = Dialect({"tool.parameters": "tools.{k}.function.parameters"})
+"""Chat Completions' names of the internal request's fields (the others are its own)."""
 STRICT = ConfigDict(extra="ignore", strict=True)
 """Every request model's configuration: unknown fields ignored, a value of the wrong type refused, never coerced
 (``"stream": "yes"``, ``"max_tokens": "5"`` or ``5.0``, ``"n": true``: 400s, as OpenAI's API answers them)."""
@@ -110,12 +68,11 @@ class _Request(BaseModel):
     def check_supported(self) -> None:
         """400 for options lmforge does not implement or combinations that mean nothing."""
 
-    def choice_seed(self, k: int) -> int | None:
-        """Choice ``k``'s seed: ``seed`` for the first (so ``n=1`` and choice 0 agree), then ``seed + k`` wrapped
-        into the signed 64-bit range (distinct samples, each reproducible)."""
-        if self.seed is None:
-            return None
-        return (self.seed + k - SEED_MIN) % 2 ** 64 + SEED_MIN
+    def sampling(self) -> dict[str, Any]:
+        """The :class:`~lmforge.serve.request.Sampling` fields of this request."""
+        return dict(max_tokens=self.limit(), temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                    n=self.n, stop=self.stops(), logprobs=self.n_logprobs(), speculative=self.speculative,
+                    cache_salt=self.cache_salt)
 
 
 class TextPart(BaseModel):
@@ -155,6 +112,15 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def as_chat(self) -> dict[str, Any]:
+        """This message as the chat format's message (text content; tool calls and ids kept)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class FunctionDef(BaseModel):
@@ -226,13 +192,9 @@ class ChatCompletionRequest(_Request):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         constrained = self.response_format is not None and self.response_format.type != "text"
-        if self.tools and (constrained or self.structured_outputs is not None):
-            raise APIError(400, "response_format (or structured_outputs) cannot be combined with tools: a tool "
-                                "call's arguments are constrained to its function's schema already; send one",
-                           "response_format" if constrained else "structured_outputs")
-        if constrained and self.structured_outputs is not None:
+        if constrained and self.structured_outputs is not None and not self.tools:
             raise APIError(400, "give response_format or structured_outputs, not both", "structured_outputs")
-        if (constrained or self.structured_outputs is not None) and self.stops():
+        if (constrained or self.structured_outputs is not None) and self.stops() and not self.tools:
             raise APIError(400, "stop cannot be combined with response_format or structured_outputs: a stop string "
                                 "would cut the document short of its format; remove stop", "stop")
         so = self.structured_outputs
@@ -242,26 +204,30 @@ class ChatCompletionRequest(_Request):
                 and self.response_format.json_schema is None:
             raise APIError(400, "response_format of type json_schema needs json_schema: {name, schema}",
                            "response_format.json_schema")
-        for k, t in enumerate(self.tools or ()):
-            kind = (t.function.parameters or {}).get("type", "object")
-            if kind != "object":
-                raise APIError(400, f"tools.{k}.function.parameters: a function's parameters must be a JSON Schema "
-                                    f'of an object ("type": "object"), got type {shown(kind, 40)}',
-                               f"tools.{k}.function.parameters")
-        names = [t.function.name for t in self.tools or ()]
-        if len(set(names)) != len(names):
-            raise APIError(400, "tools: two functions have the same name", "tools")
-        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
-            raise APIError(400, "tool_choice needs tools: give the functions the model may call", "tool_choice")
-        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise APIError(400, f"tool_choice names function {shown(self.tool_choice.function.name)}, which is not "
-                                f"in tools ({shown(', '.join(names), 200, quote=False)})", "tool_choice")
         for k, m in enumerate(self.messages):
             if m.role == "tool" and m.tool_call_id is None:
                 raise APIError(400, f"messages.{k}: a tool message needs tool_call_id, the id of the call it "
                                     "answers", f"messages.{k}.tool_call_id")
             if m.tool_calls is not None and m.role != "assistant":
                 raise APIError(400, f"messages.{k}: only assistant messages have tool_calls", f"messages.{k}.tool_calls")
+
+    def chat_request(self) -> ChatRequest:
+        """This request as the service runs it (the checks both dialects share raise here)."""
+        rf, so, choice = self.response_format, self.structured_outputs, self.tool_choice
+        fmt = None
+        if rf is not None and rf.type == "json_schema":
+            assert rf.json_schema is not None
+            fmt = Format("json_schema", rf.json_schema.schema_, "response_format", "response_format.json_schema.schema")
+        elif rf is not None and rf.type == "json_object":
+            fmt = Format("json_object", None, "response_format", "response_format")
+        elif so is not None:
+            kind = "regex" if so.regex is not None else "choice"
+            fmt = Format(kind, getattr(so, kind), "structured_outputs", f"structured_outputs.{kind}")
+        named = isinstance(choice, NamedToolChoice)
+        return ChatRequest(**self.sampling(), messages=[m.as_chat() for m in self.messages], dialect=CHAT,
+                           tools=[t.function for t in self.tools] if self.tools else None,
+                           tool_choice=None if named else choice, tool_name=choice.function.name if named else None,
+                           parallel_tool_calls=self.parallel_tool_calls, format=fmt)
 
     def n_logprobs(self) -> int | None:
         """Alternatives per token for the scheduler (None: no log-probabilities)."""

@@ -1,10 +1,10 @@
 """The HTTP layer: a FastAPI app over a :class:`~lmforge.serve.server.ServedModel`. It only calls the scheduler.
 
 Routes: ``GET /`` (the web chat page, static files shipped in the package), ``GET /health``, ``GET /v1/models``,
-``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (the Responses API, answered
-through the chat path; ``GET``/``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``),
-``POST /v1/embeddings``, ``POST /tokenize``, ``POST /detokenize`` and ``GET /metrics`` (Prometheus text; the
-Responses routes are :mod:`~lmforge.serve.response_routes`, what routes share :mod:`~lmforge.serve.service`).
+``POST /v1/embeddings``, ``POST /tokenize``, ``POST /detokenize`` and ``GET /metrics`` (Prometheus text) here;
+``POST /v1/chat/completions`` and ``POST /v1/completions`` in :mod:`~lmforge.serve.chat_routes`; ``POST
+/v1/responses``, ``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` in
+:mod:`~lmforge.serve.response_routes`; what routes share in :mod:`~lmforge.serve.service`.
 ``/health`` (open, as the page is) says the server is up and how busy it is, never what requests asked: counts of
 tokens, cache hits and drafts are on ``/metrics``, behind the key. A request is turned into prompt ids, submitted
 to the scheduler (which runs the engine in its own thread) and answered from the updates the engine thread hands
@@ -28,18 +28,17 @@ from importlib import resources
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lmforge.generate.scheduler import Job, Update
-from lmforge.serve import api, structured
+from lmforge.serve import api
 from lmforge.serve.access import AllowedHosts, HostCheck, Keys
-from lmforge.serve.api import APIError, ChatCompletionRequest, CompletionRequest, shown
-from lmforge.serve.choices import Choice, Timing
+from lmforge.serve.chat_routes import add_chat_routes
+from lmforge.serve.errors import APIError, shown
 from lmforge.serve.metrics import CONTENT_TYPE, Metrics
 from lmforge.serve.response_routes import add_response_routes
 from lmforge.serve.response_store import ResponseStore
-from lmforge.serve.service import Service, as_chat_message, endpoint
+from lmforge.serve.service import Service, endpoint
 
 logger = logging.getLogger("lmforge")
 
@@ -151,25 +150,8 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
         ok(request)
         return _model_card(name)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        tenant = authorize(request)
-        req = api.parse(ChatCompletionRequest, await body(request))
-        check_model(req.model)
-        return await _answer(request, await svc.chat_jobs(req, tenant), req, "chat")
-
+    add_chat_routes(app, svc)
     add_response_routes(app, svc)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        tenant = authorize(request)
-        req = api.parse(CompletionRequest, await body(request))
-        check_model(req.model)
-        prompt = served.text_prompt(req.text())
-        limit = served.max_tokens(req.limit(), len(prompt), "prompt", req.n)
-        stops = [] if served.eot_id is None else [served.eot_id]
-        jobs = [svc.job(req, tenant, prompt, limit, stops, None, None, k) for k in range(req.n)]
-        return await _answer(request, jobs, req, "text")
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict[str, Any]:
@@ -203,7 +185,7 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
             ids = served.text_prompt(req.prompt) if req.prompt else []
         else:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            ids = served.chat_prompt([as_chat_message(m) for m in req.messages], tools)
+            ids = served.chat_prompt([m.as_chat() for m in req.messages], tools)
         ok(request)
         return {"tokens": ids, "count": len(ids), "max_model_len": served.context_length}
 
@@ -225,101 +207,6 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
         return Response(metrics.text(), headers={"Content-Type": CONTENT_TYPE})
 
     # ---------------------------------------------------------------------------------------------
-    async def _answer(request: Request, jobs: list[Job], req: Any, kind: str) -> Response:
-        updates, timing = svc.submit(jobs)
-        rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
-        route = endpoint(request)
-        if req.stream:
-            return StreamingResponse(_stream(jobs, updates, rid, kind, req, timing, route),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        choices = [Choice(job) for job in jobs]
-        if not await svc.collect(request, jobs, updates, timing, lambda k, u: choices[k].add(u)):
-            return Response(status_code=499)
-        for c in choices:
-            if c.last.finish_reason in ("error", "cancelled"):
-                raise APIError(500, c.last.error or "the request was cancelled: the server is stopping",
-                               type="server_error")
-        prompt_tokens = choices[0].last.prompt_tokens
-        use = api.usage(prompt_tokens, sum(c.last.completion_tokens for c in choices), choices[0].last.cached_tokens)
-        metrics.request(route, 200)
-        metrics.tokens(prompt_tokens, use["completion_tokens"])
-        tb = svc.token_bytes
-        if kind == "chat":
-            out = [{"message": api.chat_message(c.text(), c.calls), "finish_reason": c.finish(),
-                     "logprobs": api.chat_logprobs(c.lps, tb) if req.logprobs else None} for c in choices]
-            return JSONResponse(api.chat_completion(rid, served.model_id, out, use))
-        body = api.completion(rid, served.model_id, "", None, use)
-        body["choices"] = [{"index": k, "text": c.text(), "finish_reason": c.finish(),
-                            "logprobs": api.completion_logprobs(c.lps, tb) if req.logprobs is not None else None}
-                           for k, c in enumerate(choices)]
-        return JSONResponse(body)
-
-    async def _stream(jobs: list[Job], updates: asyncio.Queue[Any], rid: str, kind: str, req: Any,
-                      timing: Timing, route: str) -> AsyncIterator[bytes]:
-        model_id, failed = served.model_id, False
-        open_rows = set(range(len(jobs)))
-        calls = [0] * len(jobs)  # tool calls sent per choice
-        total = [0] * len(jobs)
-        tb = svc.token_bytes
-        offsets = [0] * len(jobs)
-
-        def chunk(k: int, text: str, u: Update | None = None, finish: str | None = None,
-                  use: dict[str, int] | None = None, choices: bool = True) -> bytes:
-            lps = u.logprobs if u is not None else ()
-            if kind == "chat":
-                lp = api.chat_logprobs(lps, tb) if req.logprobs and lps else None
-                return api.sse(api.chat_chunk(rid, model_id, {"content": text} if text else {}, finish, use, choices,
-                                              k, lp))
-            lp = api.completion_logprobs(lps, tb, offsets[k]) if req.logprobs is not None and lps else None
-            offsets[k] += len(text)
-            return api.sse(api.completion(rid, model_id, text, finish, use, choices, k, lp))
-
-        try:
-            if kind == "chat":
-                for k in range(len(jobs)):
-                    yield api.sse(api.chat_chunk(rid, model_id, {"role": "assistant", "content": ""}, index=k))
-            while open_rows:
-                if not updates.empty():  # a burst: let the loop notice a client that left before writing again
-                    await asyncio.sleep(0)  # (asyncio logs a warning for every write to a lost connection)
-                got = await updates.get()
-                assert got is not None  # (only the non-streaming watcher sends None)
-                k, u = got
-                timing.update(k, u)
-                if u.finish_reason in ("error", "cancelled"):
-                    failed = True
-                    msg = u.error or "the request was cancelled: the server is stopping"
-                    metrics.request(route, 500)
-                    yield api.sse(api.error_body(msg, "server_error"))
-                    break
-                if u.text or (u.logprobs and u.finish_reason is None):
-                    yield chunk(k, u.text, u)
-                for text in u.regions:
-                    call = structured.parse_call(text)
-                    delta = {"tool_calls": [{"index": calls[k], **call}]}
-                    calls[k] += 1
-                    yield api.sse(api.chat_chunk(rid, model_id, delta, index=k))
-                if u.finish_reason is None:
-                    continue
-                open_rows.discard(k)
-                total[k] = u.completion_tokens
-                finish = "tool_calls" if calls[k] and u.finish_reason == "stop" else u.finish_reason
-                cut = structured.cut_call(jobs[k]) if finish == "length" else ""
-                if cut:  # a call cut by max_tokens: what was generated, as text
-                    yield chunk(k, cut)
-                yield chunk(k, "", None, finish,
-                            api.usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens) if len(jobs) == 1 else None)
-                if not open_rows:
-                    use = api.usage(u.prompt_tokens, sum(total), u.cached_tokens)
-                    metrics.request(route, 200)
-                    metrics.tokens(u.prompt_tokens, sum(total))
-                    if req.include_usage():
-                        yield chunk(k, "", None, None, use, choices=False)
-            yield api.SSE_DONE
-        finally:
-            if open_rows or failed:  # the client went away, a choice failed, or the server is stopping: free rows
-                for job in jobs:
-                    sched.cancel(job)
-
     return app
 
 

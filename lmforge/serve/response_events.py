@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Callable
 
 from lmforge.generate.scheduler import Update
 from lmforge.serve import api, structured
-from lmforge.serve.api import APIError
+from lmforge.serve.errors import APIError
 from lmforge.serve.responses import ResponseRequest, new_id
 
 __all__ = ["ResponseBuilder", "stream"]

@@ -1,4 +1,4 @@
-"""The Responses API's routes: ``POST /v1/responses`` (answered through the chat path,
+"""The Responses API's routes: ``POST /v1/responses`` (parsed into the one internal chat request,
 :mod:`~lmforge.serve.responses`; events and objects by :mod:`~lmforge.serve.response_events`), ``GET`` and
 ``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``.
 
@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmforge.generate.scheduler import Update
 from lmforge.serve import response_events, responses, structured
-from lmforge.serve.api import APIError, parse
+from lmforge.serve.api import parse
+from lmforge.serve.errors import APIError
 from lmforge.serve.response_events import ResponseBuilder
 from lmforge.serve.service import Service, endpoint
 
@@ -36,9 +37,7 @@ def add_response_routes(app: FastAPI, svc: Service) -> None:
         previous = svc.stored(tenant, req.previous_response_id, "previous_response_id") \
             if req.previous_response_id else None
         messages, where = responses.conversation(req, previous.history if previous is not None else [])
-        chat, origins = responses.chat_request(req, messages, where)
-        with responses.renamed_errors(origins):  # (the chat path's errors, with the Responses names)
-            jobs = await svc.chat_jobs(chat, tenant)
+        jobs = await svc.chat_jobs(responses.chat_request(req, messages, where), tenant)
 
         def keep(b: ResponseBuilder) -> bool:
             calls = b.calls()
@@ -52,7 +51,7 @@ def add_response_routes(app: FastAPI, svc: Service) -> None:
         def take(u: Update) -> list[Any]:
             failed = structured.constraint_failure(job) if u.finish_reason == "error" else None
             if failed is not None:
-                raise responses.renamed(failed)
+                raise failed
             return builder.add(u, lambda: structured.cut_call(job))
 
         def done(b: ResponseBuilder) -> None:

@@ -1,12 +1,12 @@
 """``POST /v1/responses``, the OpenAI Responses API: its request schema and the request read as a chat request.
 
-A Responses request is answered through the chat endpoint's own path: :func:`chat_request` turns it into a
-:class:`~lmforge.serve.api.ChatCompletionRequest` (the conversation as chat messages, function ``tools`` as chat
-tools, ``text.format`` as ``response_format``, ``max_output_tokens`` as ``max_completion_tokens``), so the prompt,
-the constraint (:mod:`~lmforge.serve.structured`), the checks and the sampled tokens are the chat endpoint's: a
-greedy or seeded reply is the one ``/v1/chat/completions`` gives for the same conversation. Errors raised on that
-path name the chat parameter; :func:`renamed` names the Responses one instead (``text.format.schema``,
-``tools.0.parameters``, ``input``, ``max_output_tokens``).
+A Responses request is validated against its own schema (errors name its fields), then read as the one internal
+chat request (:meth:`ResponseRequest.chat_request`, a :class:`~lmforge.serve.request.ChatRequest`: the
+conversation as chat messages, function ``tools``, ``text.format`` as the output format, ``max_output_tokens``
+as the limit), which the service runs as it runs a chat completion: a greedy or seeded reply is the one
+``/v1/chat/completions`` gives for the same conversation. Errors found on that path name the Responses
+parameters through :data:`RESPONSES` and, for a message, the client's item it came from (``input.3
+(function_call_output)``, ``instructions``, or the stored conversation of ``previous_response_id``).
 
 The conversation: ``instructions`` (never carried to the next response), then the stored conversation of
 ``previous_response_id``, then ``input`` (a string: one user message; or a list of items: messages with role
@@ -15,9 +15,7 @@ parts, ``function_call`` items, which join the assistant message before them as 
 ``function_call_output`` items, which become ``tool`` messages). The chat format has one system message, first:
 ``instructions`` and the system/developer messages that open the conversation are joined into it; a system or
 developer message later on (OpenAI accepts one anywhere) is read as user text, joined to the user message beside
-it (or standing as a user message where one may come). Errors of the chat path that name a message name the
-client's item instead (``input.3 (function_call_output)``, ``instructions``, or the stored conversation of
-``previous_response_id``).
+it (or standing as a user message where one may come).
 
 Request fields have strict types, as OpenAI's API has (``"stream": "yes"`` or ``"max_output_tokens": "5"`` is a
 400, never coerced), and ``metadata`` OpenAI's bounds: at most 16 pairs, keys of up to 64 characters, string values
@@ -32,19 +30,22 @@ bookkeeping fields are accepted (``metadata`` and ``user`` are echoed in the res
 
 from __future__ import annotations
 
-import contextlib
-import re
 import uuid
-from typing import Annotated, Any, Iterator, Literal, Sequence, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, field_validator
 
 from lmforge.generate.sampling import SEED_MAX, SEED_MIN
 from lmforge.generate.scheduler import MAX_LOGPROBS
-from lmforge.serve.api import SALT_MAX, STRICT, TOKENS_MAX, APIError, ChatCompletionRequest, shown
+from lmforge.serve.api import STRICT
+from lmforge.serve.errors import APIError, shown
+from lmforge.serve.limits import SALT_MAX, TOKENS_MAX
+from lmforge.serve.request import ChatRequest, Dialect, Format
 
-__all__ = ["ResponseRequest", "UNSUPPORTED", "chat_request", "conversation", "input_items", "items_page", "new_id",
-           "renamed", "renamed_errors"]
+__all__ = ["RESPONSES", "ResponseRequest", "UNSUPPORTED", "conversation", "input_items", "items_page", "new_id"]
+
+RESPONSES = Dialect({"messages": "input", "max_tokens": "max_output_tokens", "tool.parameters": "tools.{k}.parameters"})
+"""The Responses API's names of the internal request's fields (the others are its own)."""
 
 TEXT_PARTS = ("input_text", "output_text")
 LOGPROBS = "message.output_text.logprobs"
@@ -292,19 +293,21 @@ def items_page(items: list[dict[str, Any]], query: Any) -> dict[str, Any]:
             "last_id": data[-1]["id"] if data else None, "has_more": start + len(data) < len(items)}
 
 
-Origins = list[str]
-"""Where each chat message of a Responses request came from, as an error names it: ``input.3 (user)``,
-``instructions``, ``message 2 of the conversation of previous_response_id``."""
+Origins = list[tuple[str, str]]
+"""Where each chat message of a Responses request came from: the parameter and the words an error names it by
+(``("input.3", "input.3 (user)")``, ``("instructions", "instructions")``, ``("previous_response_id", "message 2 of
+the conversation of previous_response_id")``)."""
 
 
 def conversation(req: ResponseRequest, history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Origins]:
     """``history`` (the stored conversation of ``previous_response_id``) followed by ``req.input`` as chat messages
     (``{"role", "content", "tool_calls", "tool_call_id"}``, as a chat request sends them; a developer message is a
-    system one); no instructions. Also where each message came from, as errors name it (:data:`Origins`)."""
+    system one); no instructions. Also where each message came from (:data:`Origins`)."""
     out = [dict(m) for m in history]
-    where = [f"message {k} of the conversation of previous_response_id" for k in range(len(history))]
+    where = [("previous_response_id", f"message {k} of the conversation of previous_response_id")
+             for k in range(len(history))]
     for j, item in enumerate(req.input):
-        label = f"input.{j} ({item.role if isinstance(item, InputMessage) else item.type})"
+        origin = (f"input.{j}", f"input.{j} ({item.role if isinstance(item, InputMessage) else item.type})")
         if isinstance(item, InputMessage):
             out.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
@@ -316,7 +319,7 @@ def conversation(req: ResponseRequest, history: list[dict[str, Any]]) -> tuple[l
             out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
             out.append({"role": "tool", "content": item.text(), "tool_call_id": item.call_id})
-        where.append(label)
+        where.append(origin)
     return out, where
 
 
@@ -330,7 +333,7 @@ def _chat_messages(req: ResponseRequest, messages: list[dict[str, Any]],
         lead += 1
     system = ([req.instructions] if req.instructions else []) + [m["content"] for m in messages[:lead]]
     out = [{"role": "system", "content": "\n\n".join(system)}] if system else []
-    origins = ["instructions" if req.instructions else where[0]] if system else []
+    origins = [("instructions", "instructions") if req.instructions else where[0]] if system else []
     joins: list[bool] = [False] * len(out)  # whether a message holds a developer's text (the next user joins it)
     for m, w in zip(messages[lead:], where[lead:]):
         developer = m["role"] == "system"
@@ -346,85 +349,20 @@ def _chat_messages(req: ResponseRequest, messages: list[dict[str, Any]],
     return out, origins
 
 
-def chat_request(req: ResponseRequest, messages: list[dict[str, Any]],
-                 where: Origins) -> tuple[ChatCompletionRequest, Origins]:
-    """The chat request that answers ``req`` over ``messages`` (:func:`conversation`, from ``where``) and where
-    each of its messages came from; APIError 400 (Responses names) when it is not valid."""
+def chat_request(req: ResponseRequest, messages: list[dict[str, Any]], where: Origins) -> ChatRequest:
+    """The chat request that answers ``req`` over ``messages`` (:func:`conversation`, from ``where``); APIError
+    400 in the Responses names when the two dialects' shared checks refuse it."""
     chat_messages, origins = _chat_messages(req, messages, where)
-    chat: dict[str, Any] = {
-        "model": req.model, "stream": req.stream, "seed": req.seed, "parallel_tool_calls": req.parallel_tool_calls,
-        "speculative": req.speculative, "cache_salt": req.cache_salt, "messages": chat_messages,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "max_completion_tokens": req.max_output_tokens,
-        "logprobs": req.logprobs(), "top_logprobs": req.top_logprobs if req.logprobs() else None,
-    }
-    if req.tools:
-        chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                         for t in req.tools]
-    if req.tool_choice is not None:
-        chat["tool_choice"] = req.tool_choice if isinstance(req.tool_choice, str) else \
-            {"type": "function", "function": {"name": req.tool_choice.name}}
     fmt = req.text.format if req.text is not None else None
-    if fmt is not None and fmt.type != "text":
-        chat["response_format"] = {"type": fmt.type}
-        if fmt.type == "json_schema":
-            chat["response_format"]["json_schema"] = {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}
-    with renamed_errors(origins):
-        try:
-            out = ChatCompletionRequest.model_validate(chat)
-        except ValidationError as e:
-            err = e.errors()[0]
-            field = ".".join(str(x) for x in err["loc"][:3])
-            raise APIError(400, f"{field}: {err['msg']}", field.partition(".")[0]) from None
-        out.check_supported()
-    return out, origins
-
-
-_RENAMES = [
-    (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
-    (re.compile(r"\bresponse_format(\.json_schema)?\b"), "text.format"),
-    (re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
-]
-_MESSAGE = re.compile(r"\b(?:messages: )?message (\d+)(?: \(\w+\))?|\bmessages\.(\d+)(?:\.[a-z_]+)?|\bmessages\b")
-
-
-def _rename(text: str, origins: Sequence[str]) -> str:
-    for pattern, new in _RENAMES:
-        text = pattern.sub(new, text)
-
-    def origin(m: re.Match[str]) -> str:
-        k = m.group(1) or m.group(2)
-        if k is None or int(k) >= len(origins):
-            return "input"
-        return origins[int(k)] if m.group(1) else _param(origins[int(k)])
-
-    return _MESSAGE.sub(origin, text)
-
-
-def _param(origin: str) -> str:
-    """The request field an origin is in: ``input.3``, ``instructions`` or ``previous_response_id``."""
-    if origin.startswith("input.") or origin == "instructions":
-        return origin.partition(" (")[0]
-    return "previous_response_id"
-
-
-def renamed(e: APIError, origins: Sequence[str] = ()) -> APIError:
-    """``e`` (raised on the chat path) with the Responses names of its parameter, in its message too; a message
-    of the chat request named by where it came from (``origins``, :func:`chat_request`)."""
-    param = e.param
-    if param == "messages":  # (the chat renderer names its message in the text: name its item)
-        found = re.search(r"\bmessage (\d+)", e.message)
-        param = f"messages.{found.group(1)}" if found else param
-    return APIError(e.status, _rename(e.message, origins), _rename(param, origins) if param else param,
-                    e.code, e.type, e.headers)
-
-
-@contextlib.contextmanager
-def renamed_errors(origins: Sequence[str] = ()) -> Iterator[None]:
-    """Re-raise any :class:`APIError` of the enclosed chat-path code :func:`renamed` (``origins``: where the chat
-    request's messages came from)."""
-    try:
-        yield
-    except APIError as e:
-        raise renamed(e, origins) from None
+    choice = req.tool_choice
+    return ChatRequest(
+        max_tokens=req.max_output_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, speculative=req.speculative,
+        cache_salt=req.cache_salt, logprobs=(req.top_logprobs or 0) if req.logprobs() else None,
+        messages=chat_messages, dialect=RESPONSES, origins=origins, tools=req.tools or None,
+        tool_choice=choice if isinstance(choice, str) or choice is None else None,
+        tool_name=None if isinstance(choice, str) or choice is None else choice.name,
+        parallel_tool_calls=req.parallel_tool_calls,
+        format=None if fmt is None or fmt.type == "text" else
+        Format("json_schema", fmt.schema_, "text.format", "text.format.schema") if fmt.type == "json_schema" else
+        Format("json_object", None, "text.format", "text.format"))

@@ -29,12 +29,12 @@ from typing import Any, Callable, Sequence
 from lmforge.chat.format import ChatFormat, Message, check_conversation
 from lmforge.chat.tools import ToolUse
 from lmforge.generate import Generator
-from lmforge.generate.constraints import ConstraintError, Grammars
+from lmforge.generate.constraints import Grammars
 from lmforge.generate.engine import Engine
 from lmforge.generate.prefix_cache import PrefixCache
 from lmforge.generate.scheduler import Scheduler
 from lmforge.serve.access import AllowedHosts, Keys, exposure_warning
-from lmforge.serve.api import APIError
+from lmforge.serve.errors import APIError
 from lmforge.serve.response_store import ResponseStore
 from lmforge.tokenizer import Tokenizer
 
@@ -124,10 +124,13 @@ class ServedModel:
         return cls(gen.engine, gen.tokenizer, Path(run_dir).resolve().name, **kw)
 
     # ---------------------------------------------------------------------------------------------
-    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    error: Callable[[int | None, str], APIError] | None = None) -> list[int]:
         """Prompt ids of a conversation (ends with ``<|assistant_start|>``), each assistant message split at its
         calculator calls (:func:`messages_from_text`; its function calls stay on the last part), with the
-        function definitions ``tools``; APIError 400 when it is not valid."""
+        function definitions ``tools``. A conversation the renderer refuses raises ``error(k, why)``: ``why``
+        names message ``k`` ``message k`` (None: the conversation as a whole); by default a 400 naming
+        ``messages``."""
         if self.chat is None:
             raise APIError(400, self.no_chat, "messages", "chat_not_supported")
         try:
@@ -143,16 +146,16 @@ class ServedModel:
                 split += parts
             return self.chat.render_for_completion(split, tools)
         except ValueError as e:
-            raise APIError(400, f"messages: {e}", "messages") from None
+            why = str(e)
+            k = next((k for k in range(len(messages)) if why.startswith(f"message {k} ")), None)
+            raise (error or _messages_error)(k, why) from None
 
     @property
     def grammars(self) -> Grammars:
-        """The tokenizer's vocabulary for constrained decoding and its grammar cache (built on first use)."""
+        """The tokenizer's vocabulary for constrained decoding and its grammar cache (built on first use;
+        ``ConstraintError`` without llguidance)."""
         if self._grammars is None:
-            try:
-                self._grammars = Grammars(self.tokenizer)
-            except ConstraintError as e:  # llguidance is not installed
-                raise APIError(400, str(e), "response_format", "constraints_not_supported") from None
+            self._grammars = Grammars(self.tokenizer)
         return self._grammars
 
     def embed(self, inputs: list[list[int]]) -> list[list[float]]:
@@ -190,19 +193,20 @@ class ServedModel:
         except ValueError as e:
             raise APIError(400, f"prompt: {e}", "prompt") from None
 
-    def max_tokens(self, asked: int | None, prompt_tokens: int, prompt_param: str, n: int = 1) -> int:
-        """The request's ``max_tokens`` per choice: as asked (checked against the cap and the context), or by
-        default what fits in the context (up to the cap). ``n`` choices share the cap (``n × max_tokens``) and
-        need as many free rows."""
+    def max_tokens(self, asked: int | None, prompt_tokens: int, prompt_param: str, n: int = 1,
+                   param: str = "max_tokens") -> int:
+        """The request's ``max_tokens`` per choice (``param``: the parameter that asked, ``prompt_param`` the one
+        holding the prompt): as asked (checked against the cap and the context), or by default what fits in the
+        context (up to the cap). ``n`` choices share the cap (``n × max_tokens``) and need as many free rows."""
         if n > self.scheduler.max_batch:
             raise APIError(400, f"n is {n} but this server decodes at most {self.scheduler.max_batch} rows together "
                                 "(--max-batch); ask for fewer choices", "n")
         if n > 1:
-            per = self.max_tokens(asked, prompt_tokens, prompt_param)
+            per = self.max_tokens(asked, prompt_tokens, prompt_param, 1, param)
             if asked is None:
                 return max(1, min(per, self.max_tokens_cap // n))
             if n * asked > self.max_tokens_cap:
-                raise APIError(400, f"n × max_tokens is {n} × {asked} = {n * asked} but this server allows at most "
+                raise APIError(400, f"n × {param} is {n} × {asked} = {n * asked} but this server allows at most "
                                     f"{self.max_tokens_cap} tokens per request (--max-tokens-cap); ask for fewer",
                                "n")
             return per
@@ -214,13 +218,17 @@ class ServedModel:
         if asked is None:
             return min(room, self.max_tokens_cap)
         try:
-            self.scheduler.check(prompt_tokens, asked, f"the {prompt_param}")
+            self.scheduler.check(prompt_tokens, asked, f"the {prompt_param}", param)
         except ValueError as e:
-            raise APIError(400, f"{e}; or lower max_tokens", "max_tokens", "context_length_exceeded") from None
+            raise APIError(400, f"{e}; or lower {param}", param, "context_length_exceeded") from None
         if asked > self.max_tokens_cap:
-            raise APIError(400, f"max_tokens is {asked} but this server allows at most {self.max_tokens_cap} "
-                                "(--max-tokens-cap); ask for fewer", "max_tokens")
+            raise APIError(400, f"{param} is {asked} but this server allows at most {self.max_tokens_cap} "
+                                "(--max-tokens-cap); ask for fewer", param)
         return asked
+
+
+def _messages_error(k: int | None, why: str) -> APIError:
+    return APIError(400, f"messages: {why}", "messages")
 
 
 def bind(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:

@@ -1,11 +1,11 @@
 """What every API route of one app shares (:class:`Service`): the served model, the keys and the tenant a request
-belongs to, its body read within bounds, the scheduler requests of an API request and their updates.
+belongs to, its body read within bounds, the scheduler jobs of an API request and their updates.
 
 A route authorizes its request (:meth:`Service.authorize`: the tenant, or 401), reads and parses its body, builds
-its scheduler requests (:meth:`Service.job`, :meth:`Service.chat_jobs`: each under its prefix-cache salt,
+its scheduler jobs (:meth:`Service.job`; :meth:`Service.chat_jobs` for the one internal chat request both OpenAI
+dialects parse into, :class:`~lmforge.serve.request.ChatRequest`: each job under its prefix-cache salt,
 :func:`cache_salt`), submits them (:meth:`Service.submit`) and reads their updates (:meth:`Service.collect`, which
-cancels them when the client goes away). ``app`` holds the chat and completions routes, ``response_routes`` the
-Responses API's.
+cancels them when the client goes away).
 """
 
 from __future__ import annotations
@@ -17,14 +17,16 @@ from typing import Any, Callable
 from fastapi import Request
 
 from lmforge.generate.scheduler import Job, QueueFull, Update
+from lmforge.generate.constraints import ConstraintError
 from lmforge.serve import structured
 from lmforge.serve.access import PUBLIC, Keys
-from lmforge.serve.api import APIError, ChatCompletionRequest, shown
 from lmforge.serve.choices import Timing
+from lmforge.serve.errors import APIError, shown
 from lmforge.serve.metrics import Metrics
+from lmforge.serve.request import ChatRequest, Sampling
 from lmforge.serve.response_store import ResponseStore, Stored
 
-__all__ = ["RETRY_AFTER_S", "Service", "as_chat_message", "cache_salt", "endpoint"]
+__all__ = ["RETRY_AFTER_S", "Service", "cache_salt", "endpoint"]
 
 RETRY_AFTER_S = 1
 CLOSE = {"Connection": "close"}  # a slow body's 408: the connection closes, the rest is never read
@@ -44,16 +46,6 @@ def endpoint(request: Request) -> str:
     """The matched route's path template (``/v1/models/{name}``), or ``other``: a metric label is never a path
     a client wrote (each would be a new series)."""
     return getattr(request.scope.get("route"), "path", None) or "other"
-
-
-def as_chat_message(m: Any) -> dict[str, Any]:
-    """An API message as the chat format's message (text content; tool calls and ids kept)."""
-    out: dict[str, Any] = {"role": m.role, "content": m.text()}
-    if m.tool_calls:
-        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
-    return out
 
 
 def _noop(update: Update) -> None:
@@ -130,37 +122,43 @@ class Service:
         return found
 
     # ---------------------------------------------------------------------------------------------
-    async def chat_jobs(self, req: ChatCompletionRequest, tenant: str) -> list[Job]:
-        """The scheduler requests of a chat request of ``tenant``: its constraints, prompt, limit and stops."""
-        served = self.served
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        constrained = (req.tools or req.response_format is not None or req.structured_outputs is not None) \
-            and not (req.response_format is not None and req.response_format.type == "text" and not req.tools)
+    async def chat_jobs(self, req: ChatRequest, tenant: str) -> list[Job]:
+        """The scheduler jobs of a chat request of ``tenant``: its constraints, prompt, limit and stops (errors in
+        its dialect's names)."""
+        served, names = self.served, req.dialect
+        if served.chat is None:
+            raise APIError(400, served.no_chat, names.param("messages"), "chat_not_supported")
         constraints = [None] * req.n
-        if constrained and served.chat is not None:  # schemas first: their errors name the parameter at fault
+        if req.tools or req.format is not None:  # schemas first: their errors name the parameter at fault
+            try:
+                grammars = served.grammars
+            except ConstraintError as e:  # llguidance is not installed
+                raise APIError(400, str(e), req.format.field if req.format else "tools",
+                               "constraints_not_supported") from None
+
             def build() -> list[Any]:  # compiles (bounded by a deadline in a child process) run off the event loop
-                return [structured.request_constraint(req, served.chat, served.grammars) for _ in range(req.n)]
+                return [structured.request_constraint(req, served.chat, grammars) for _ in range(req.n)]
 
             constraints = await asyncio.to_thread(build)
-        prompt = served.chat_prompt([as_chat_message(m) for m in req.messages], tools)
-        limit = served.max_tokens(req.limit(), len(prompt), "messages", req.n)
+        prompt = served.chat_prompt(req.messages, req.tool_dicts(), req.message_error)
+        limit = served.max_tokens(req.max_tokens, len(prompt), names.param("messages"), req.n,
+                                  names.param("max_tokens"))
         token_text = dict(served.tool_text)
-        if served.chat is not None and served.chat.has_tools:
+        if served.chat.has_tools:
             token_text.update({served.chat.ids[t]: "" for t in ("<|call_start|>", "<|call_end|>")})
-        return [self.job(req, tenant, prompt, limit, served.chat_stops(), served.chat_tool, token_text, k, c)
-                for k, c in enumerate(constraints)]
+        return [self.job(req, tenant, prompt, limit, served.chat_stops(), served.chat_tool, token_text, k, c,
+                         capture=c is not None and bool(req.tools)) for k, c in enumerate(constraints)]
 
-    def job(self, req: Any, tenant: str, prompt: list[int], limit: int, stop_ids: list[int],
+    def job(self, s: Sampling, tenant: str, prompt: list[int], limit: int, stop_ids: list[int],
             tool: Callable[[], Callable[[int], list[int] | None]] | None, token_text: dict[int, str] | None,
-            k: int, constraint: Any = None) -> Job:
-        """Choice ``k``'s scheduler request for ``req`` of ``tenant``; APIError 400 for a value the engine refuses."""
+            k: int, constraint: Any = None, capture: bool = False) -> Job:
+        """Choice ``k``'s scheduler job for a request of ``tenant`` sampling as ``s``; APIError 400 for a value
+        the engine refuses."""
         try:
-            return Job(prompt, limit, _noop, temperature=req.temperature,
-                       top_p=None if req.top_p >= 1 else req.top_p, seed=req.choice_seed(k), stop_ids=stop_ids,
-                       stop=req.stops(), tool=tool() if tool is not None else None, token_text=token_text or {},
-                       constraint=constraint, capture_regions=constraint is not None and bool(getattr(req, "tools", None)),
-                       logprobs=req.n_logprobs(), speculative=req.speculative,
-                       cache_salt=cache_salt(tenant, req.cache_salt))
+            return Job(prompt, limit, _noop, temperature=s.temperature, top_p=None if s.top_p >= 1 else s.top_p,
+                       seed=s.seed_of(k), stop_ids=stop_ids, stop=s.stop, tool=tool() if tool is not None else None,
+                       token_text=token_text or {}, constraint=constraint, capture_regions=capture,
+                       logprobs=s.logprobs, speculative=s.speculative, cache_salt=cache_salt(tenant, s.cache_salt))
         except ValueError as e:  # a value the schema let through but the engine refuses
             raise APIError(400, str(e)) from None
 

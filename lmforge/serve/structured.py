@@ -1,5 +1,6 @@
-"""Structured output over the API: a chat request's ``response_format``, ``structured_outputs`` and ``tools`` turned
-into one row constraint (:class:`~lmforge.generate.constraints.RowConstraint`), and function calls read back.
+"""Structured output over the API: a chat request's format (``response_format``, ``structured_outputs``,
+``text.format``) and ``tools`` turned into one row constraint
+(:class:`~lmforge.generate.constraints.RowConstraint`), and function calls read back.
 
 * ``response_format`` ``json_schema`` / ``json_object``, ``structured_outputs`` ``regex`` / ``choice``: the whole
   reply is one grammar region, closed by ``<|assistant_end|>``.
@@ -20,15 +21,17 @@ from typing import Any
 
 from lmforge.chat.format import ChatFormat
 from lmforge.generate.constraints import (ConstraintError, Grammars, RowConstraint, choice_grammar, json_grammar,
-                                          local_pointer, regex_grammar, subschemas)
-from lmforge.serve.api import APIError, ChatCompletionRequest, NamedToolChoice
+                                          regex_grammar)
+from lmforge.serve.errors import APIError
+from lmforge.serve.limits import check_schema, local_pointer, subschemas
+from lmforge.serve.request import ChatRequest
 
 __all__ = ["call_schema", "constraint_failure", "cut_call", "parse_call", "request_constraint"]
 
 
 def call_schema(functions: list[Any]) -> dict[str, Any]:
     """The JSON Schema of one call's text ``{"name": NAME, "arguments": ARGS}`` to any of ``functions``
-    (``Tool.function`` objects; no ``parameters``: any object)."""
+    (``name`` and ``parameters``; no ``parameters``: any object)."""
     defs: dict[str, Any] = {}
     alternatives = []
     for k, f in enumerate(functions):
@@ -65,6 +68,11 @@ def _rebased(schema: dict[str, Any], base: str) -> dict[str, Any]:
     return schema
 
 
+def _schema(schema: Any) -> Any:
+    """The grammar of a JSON Schema within the server's limits (:func:`~lmforge.serve.limits.check_schema`)."""
+    return json_grammar(schema, check_schema)
+
+
 def _compiled(grammars: Grammars, make: Any, value: Any, param: str) -> Any:
     try:
         grammar = make(value)
@@ -76,23 +84,20 @@ def _compiled(grammars: Grammars, make: Any, value: Any, param: str) -> Any:
         raise APIError(400, what, param, code) from None
 
 
-def request_constraint(req: ChatCompletionRequest, fmt: ChatFormat, grammars: Grammars) -> RowConstraint | None:
+_GRAMMARS = {"json_schema": _schema, "regex": regex_grammar, "choice": choice_grammar}
+
+
+def request_constraint(req: ChatRequest, fmt: ChatFormat, grammars: Grammars) -> RowConstraint | None:
     """The row constraint of a chat request (None: unconstrained); APIError 400 naming the parameter (and the
     JSON-Schema keyword) for a schema, regex or choice list that cannot be used."""
-    end = fmt.assistant_end_id
-    rf, so = req.response_format, req.structured_outputs
-    if rf is not None and rf.type == "json_schema":
-        assert rf.json_schema is not None
-        param = "response_format.json_schema.schema"
-        g = _compiled(grammars, json_grammar, rf.json_schema.schema_, param)
-        return RowConstraint(grammars, g, close_id=end, max_regions=1, source=param)
-    if rf is not None and rf.type == "json_object":
+    end, out = fmt.assistant_end_id, req.format
+    if out is not None and out.kind == "json_object":
         return RowConstraint(grammars, json_grammar({"type": "object"}), close_id=end, max_regions=1,
-                             source="response_format")
-    if so is not None:
-        g = (_compiled(grammars, regex_grammar, so.regex, "structured_outputs.regex") if so.regex is not None else
-             _compiled(grammars, choice_grammar, so.choice, "structured_outputs.choice"))
-        return RowConstraint(grammars, g, close_id=end, max_regions=1, source="structured_outputs")
+                             source=out.field)
+    if out is not None:
+        g = _compiled(grammars, _GRAMMARS[out.kind], out.value, out.param)
+        return RowConstraint(grammars, g, close_id=end, max_regions=1,
+                             source=out.param if out.kind == "json_schema" else out.field)
     if not req.tools:
         return None
     if not fmt.has_tools:
@@ -101,14 +106,14 @@ def request_constraint(req: ChatCompletionRequest, fmt: ChatFormat, grammars: Gr
     start, close = fmt.ids["<|call_start|>"], fmt.ids["<|call_end|>"]
     if req.tool_choice == "none":
         return RowConstraint(grammars, None, start=start)
-    functions = [t.function for t in req.tools]
+    functions = req.tools
     for k, f in enumerate(functions):  # each schema alone first: the error names the function that is wrong
         if f.parameters is not None:
-            _compiled(grammars, json_grammar, f.parameters, f"tools.{k}.function.parameters")
-    forced = isinstance(req.tool_choice, NamedToolChoice) or req.tool_choice == "required"
-    if isinstance(req.tool_choice, NamedToolChoice):
-        functions = [f for f in functions if f.name == req.tool_choice.function.name]
-    g = _compiled(grammars, json_grammar, call_schema(functions), "tools")
+            _compiled(grammars, _schema, f.parameters, req.dialect.param("tool.parameters", k=k))
+    if req.tool_name is not None:
+        functions = [f for f in functions if f.name == req.tool_name]
+    g = _compiled(grammars, _schema, call_schema(functions), "tools")
+    forced = req.tool_name is not None or req.tool_choice == "required"
     return RowConstraint(grammars, g, close_id=close, start=start, max_regions=None if req.parallel_tool_calls else 1,
                          after=[start, end], force=[start] if forced else (), source="tools")
 

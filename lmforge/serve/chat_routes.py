@@ -1,0 +1,153 @@
+"""The generation routes of the Chat Completions dialect: ``POST /v1/chat/completions`` (the request parsed into the
+one internal chat request, :class:`~lmforge.serve.request.ChatRequest`, and run by
+:meth:`~lmforge.serve.service.Service.chat_jobs`) and ``POST /v1/completions`` (a raw prompt). Each answers as one
+JSON object or, with ``stream``, as server-sent events (``data: {chunk}`` lines, then ``data: [DONE]``); a client
+that goes away cancels its jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from lmforge.generate.scheduler import Job, Update
+from lmforge.serve import api, structured
+from lmforge.serve.api import ChatCompletionRequest, CompletionRequest
+from lmforge.serve.choices import Choice, Timing
+from lmforge.serve.errors import APIError, error_body
+from lmforge.serve.request import Sampling
+from lmforge.serve.service import Service, endpoint
+
+__all__ = ["add_chat_routes", "completion_jobs"]
+
+
+def completion_jobs(svc: Service, req: CompletionRequest, tenant: str) -> list[Job]:
+    """The scheduler jobs of a completions request of ``tenant``: its prompt continued, ``n`` choices."""
+    served = svc.served
+    prompt = served.text_prompt(req.text())
+    limit = served.max_tokens(req.limit(), len(prompt), "prompt", req.n)
+    stops = [] if served.eot_id is None else [served.eot_id]
+    s = Sampling(**req.sampling())
+    return [svc.job(s, tenant, prompt, limit, stops, None, None, k) for k in range(req.n)]
+
+
+def add_chat_routes(app: FastAPI, svc: Service) -> None:
+    """Add ``/v1/chat/completions`` and ``/v1/completions`` to ``app``."""
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        tenant = svc.authorize(request)
+        req = api.parse(ChatCompletionRequest, await svc.body(request))
+        svc.check_model(req.model)
+        return await _answer(svc, request, await svc.chat_jobs(req.chat_request(), tenant), req, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        tenant = svc.authorize(request)
+        req = api.parse(CompletionRequest, await svc.body(request))
+        svc.check_model(req.model)
+        return await _answer(svc, request, completion_jobs(svc, req, tenant), req, "text")
+
+
+async def _answer(svc: Service, request: Request, jobs: list[Job], req: Any, kind: str) -> Response:
+    """The answer to ``req`` (``kind`` ``chat`` or ``text``) from ``jobs``: one JSON object, or a stream."""
+    served, metrics = svc.served, svc.metrics
+    updates, timing = svc.submit(jobs)
+    rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
+    route = endpoint(request)
+    if req.stream:
+        return StreamingResponse(_stream(svc, jobs, updates, rid, kind, req, timing, route),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    choices = [Choice(job) for job in jobs]
+    if not await svc.collect(request, jobs, updates, timing, lambda k, u: choices[k].add(u)):
+        return Response(status_code=499)
+    for c in choices:
+        if c.last.finish_reason in ("error", "cancelled"):
+            raise APIError(500, c.last.error or "the request was cancelled: the server is stopping",
+                           type="server_error")
+    prompt_tokens = choices[0].last.prompt_tokens
+    use = api.usage(prompt_tokens, sum(c.last.completion_tokens for c in choices), choices[0].last.cached_tokens)
+    metrics.request(route, 200)
+    metrics.tokens(prompt_tokens, use["completion_tokens"])
+    tb = svc.token_bytes
+    if kind == "chat":
+        out = [{"message": api.chat_message(c.text(), c.calls), "finish_reason": c.finish(),
+                 "logprobs": api.chat_logprobs(c.lps, tb) if req.logprobs else None} for c in choices]
+        return JSONResponse(api.chat_completion(rid, served.model_id, out, use))
+    body = api.completion(rid, served.model_id, "", None, use)
+    body["choices"] = [{"index": k, "text": c.text(), "finish_reason": c.finish(),
+                        "logprobs": api.completion_logprobs(c.lps, tb) if req.logprobs is not None else None}
+                       for k, c in enumerate(choices)]
+    return JSONResponse(body)
+
+async def _stream(svc: Service, jobs: list[Job], updates: asyncio.Queue[Any], rid: str, kind: str, req: Any,
+                  timing: Timing, route: str) -> AsyncIterator[bytes]:
+    """The server-sent events of ``jobs``' updates; jobs still running when the stream stops are cancelled."""
+    metrics = svc.metrics
+    model_id, failed = svc.served.model_id, False
+    open_rows = set(range(len(jobs)))
+    calls = [0] * len(jobs)  # tool calls sent per choice
+    total = [0] * len(jobs)
+    tb = svc.token_bytes
+    offsets = [0] * len(jobs)
+
+    def chunk(k: int, text: str, u: Update | None = None, finish: str | None = None,
+              use: dict[str, int] | None = None, choices: bool = True) -> bytes:
+        lps = u.logprobs if u is not None else ()
+        if kind == "chat":
+            lp = api.chat_logprobs(lps, tb) if req.logprobs and lps else None
+            return api.sse(api.chat_chunk(rid, model_id, {"content": text} if text else {}, finish, use, choices,
+                                          k, lp))
+        lp = api.completion_logprobs(lps, tb, offsets[k]) if req.logprobs is not None and lps else None
+        offsets[k] += len(text)
+        return api.sse(api.completion(rid, model_id, text, finish, use, choices, k, lp))
+
+    try:
+        if kind == "chat":
+            for k in range(len(jobs)):
+                yield api.sse(api.chat_chunk(rid, model_id, {"role": "assistant", "content": ""}, index=k))
+        while open_rows:
+            if not updates.empty():  # a burst: let the loop notice a client that left before writing again
+                await asyncio.sleep(0)  # (asyncio logs a warning for every write to a lost connection)
+            got = await updates.get()
+            assert got is not None  # (only the non-streaming watcher sends None)
+            k, u = got
+            timing.update(k, u)
+            if u.finish_reason in ("error", "cancelled"):
+                failed = True
+                msg = u.error or "the request was cancelled: the server is stopping"
+                metrics.request(route, 500)
+                yield api.sse(error_body(msg, "server_error"))
+                break
+            if u.text or (u.logprobs and u.finish_reason is None):
+                yield chunk(k, u.text, u)
+            for text in u.regions:
+                call = structured.parse_call(text)
+                delta = {"tool_calls": [{"index": calls[k], **call}]}
+                calls[k] += 1
+                yield api.sse(api.chat_chunk(rid, model_id, delta, index=k))
+            if u.finish_reason is None:
+                continue
+            open_rows.discard(k)
+            total[k] = u.completion_tokens
+            finish = "tool_calls" if calls[k] and u.finish_reason == "stop" else u.finish_reason
+            cut = structured.cut_call(jobs[k]) if finish == "length" else ""
+            if cut:  # a call cut by max_tokens: what was generated, as text
+                yield chunk(k, cut)
+            yield chunk(k, "", None, finish,
+                        api.usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens) if len(jobs) == 1 else None)
+            if not open_rows:
+                use = api.usage(u.prompt_tokens, sum(total), u.cached_tokens)
+                metrics.request(route, 200)
+                metrics.tokens(u.prompt_tokens, sum(total))
+                if req.include_usage():
+                    yield chunk(k, "", None, None, use, choices=False)
+        yield api.SSE_DONE
+    finally:
+        if open_rows or failed:  # the client went away, a choice failed, or the server is stopping: free rows
+            for job in jobs:
+                svc.sched.cancel(job)
+
