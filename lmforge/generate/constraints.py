@@ -24,11 +24,9 @@ never a ``stop``. Errors are one bounded line (never llguidance's grammar dump).
 A region opens at once (``start=None``: a response format) or after a trigger token (a tool call's
 ``<|call_start|>``); ``force`` lists tokens fed before the row samples (a tool call the request requires).
 
-Why llguidance: on lmforge's byte-level vocabularies it gave no invalid document where xgrammar 0.2.8 let raw
-control characters into JSON strings; it compiles a schema in about a millisecond (xgrammar ~0.1 s, outlines-core
-~0.3 s); its per-token mask time is like theirs (tens of microseconds); it depends on nothing (xgrammar pulls in
-triton, ~1 GB); and it refuses the JSON-Schema keywords it does not implement by name, which the server turns into
-a 400 naming the keyword. Figures: ``benchmarks/bench_constrained.py --libraries``, docs/benchmarks.md.
+Why llguidance (over xgrammar and outlines-core): no invalid document on lmforge's byte-level vocabularies, fast
+compiles, no dependencies, and unsupported JSON-Schema keywords refused by name, which the server turns into a 400
+naming the keyword. Figures: ``benchmarks/bench_constrained.py --libraries``, docs/benchmarks.md.
 """
 
 from __future__ import annotations

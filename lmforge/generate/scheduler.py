@@ -369,8 +369,7 @@ class Scheduler:
     def _finish_rows(self) -> None:
         done = [i for i, r in enumerate(self._rows) if r.finish is not None]
         for i in done:
-            r = self._rows[i]
-            self._send(r.owner, self._update(r))
+            self._emit(self._rows[i])
         self._release(done)
 
     def _release(self, rows: list[int]) -> None:

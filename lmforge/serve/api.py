@@ -440,19 +440,20 @@ def chat_completion(rid: str, model: str, choices: list[dict[str, Any]], use: di
 def chat_chunk(rid: str, model: str, delta: dict[str, Any], finish: str | None = None,
                use: dict[str, int] | None = None, choices: bool = True, index: int = 0,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                           "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
-                           if choices else []}
-    if use is not None:
-        out["usage"] = use
-    return out
+    """A ``chat.completion.chunk``: one streamed piece of choice ``index`` (no choice: the usage alone)."""
+    return _answer("chat.completion.chunk", rid, model, {"delta": delta}, finish, use, choices, index, logprobs)
 
 
 def completion(rid: str, model: str, text: str, finish: str | None, use: dict[str, int] | None = None,
                choices: bool = True, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """A ``text_completion`` object: one choice of the answer, or one streamed chunk of it."""
-    out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-                           "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
+    return _answer("text_completion", rid, model, {"text": text}, finish, use, choices, index, logprobs)
+
+
+def _answer(kind: str, rid: str, model: str, content: dict[str, Any], finish: str | None,
+            use: dict[str, int] | None, choices: bool, index: int, logprobs: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices":
+                           [{"index": index, **content, "logprobs": logprobs, "finish_reason": finish}]
                            if choices else []}
     if use is not None:
         out["usage"] = use

@@ -33,11 +33,11 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, field_validator
+from pydantic import BaseModel, Discriminator, Field, StringConstraints, Tag, field_validator
 
 from lmforge.generate.sampling import SEED_MAX, SEED_MIN
 from lmforge.generate.scheduler import MAX_LOGPROBS
-from lmforge.serve.api import STRICT
+from lmforge.serve.api import STRICT, FunctionDef, JsonSchemaFormat, NamedFunction
 from lmforge.serve.errors import APIError, shown
 from lmforge.serve.limits import SALT_MAX, TOKENS_MAX
 from lmforge.serve.request import ChatRequest, Dialect, Format
@@ -126,33 +126,22 @@ InputItem = Annotated[Union[Annotated[InputMessage, Tag("type=message")],
                       Discriminator(_item_tag)]
 
 
-class FunctionTool(BaseModel):
+class FunctionTool(FunctionDef):
     """``{"type": "function", "name", "description", "parameters", "strict"}``: the Responses form of a chat tool."""
 
-    model_config = STRICT
     type: Literal["function"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
-class FunctionChoice(BaseModel):
-    model_config = STRICT
+class FunctionChoice(NamedFunction):
     type: Literal["function"]
-    name: str
 
 
-class TextFormat(BaseModel):
+class TextFormat(JsonSchemaFormat):
     """``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema", "name",
     "schema", "description", "strict"}``."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
-    name: str = Field(default="response", max_length=64)
-    description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
-    strict: bool | None = None
 
 
 class TextConfig(BaseModel):
