@@ -5,7 +5,9 @@ assistant turns) and renders them with the one renderer (:meth:`ChatFormat.rende
 reply, so what the model sees is exactly what SFT trained on. A reply streams token by token from
 :meth:`Generator.turn <lmforge.generate.Generator.turn>` and stops at ``<|assistant_end|>``; a calculator call
 (``<|python_start|>EXPR<|python_end|>``) is run by :class:`~lmforge.chat.tools.ToolUse` and its output
-(``<|output_start|>RESULT<|output_end|>``) is fed to the model in the same turn.
+(``<|output_start|>RESULT<|output_end|>``) is fed to the model in the same turn. With the generator's
+``prefix_cache`` set (``lmforge chat`` sets one), a turn prefills only what the previous turn did not leave in it
+(its new message: :attr:`Reply.prefilled`); the replies are the same.
 
 History and the context: before each reply, the prompt must leave room for the reply (``reserve`` tokens: at
 most half the context, or ``max_new_tokens`` if smaller). While it does not, the oldest turn (a user message
@@ -49,6 +51,8 @@ class Reply:
     """Oldest turns dropped from the history so the prompt fits the context."""
     tool_calls: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """``(expression, output)`` of each calculator call in the reply."""
+    prefilled: int = 0
+    """Prompt tokens run through the model; the rest came from the generator's prefix cache (the previous turns)."""
 
 
 def messages_from_reply(fmt: ChatFormat, ids: list[int]) -> list[Message]:
@@ -213,7 +217,7 @@ class ReplyStream:
             if piece:
                 yield piece
         r = self.reply
-        r.ids, r.finish_reason = turn.ids, turn.finish_reason or ""
+        r.ids, r.finish_reason, r.prefilled = turn.ids, turn.finish_reason or "", turn.prefilled
         r.tool_calls = list(tool.calls) if tool else []
         r.messages = messages_from_reply(s.fmt, turn.ids)
         if r.messages:
