@@ -18,6 +18,12 @@ rest on top: ``recipe+nc-wd0`` is nanochat's weight decay on the current recipe,
   (``lmforge.speedrun._step_seconds``: forward, backward, the run's optimizer) with the fp32 matmul peak measured
   before and after in the same run; median and range over rounds.
 * ``table``: both joined; wall time to a target = tokens to it / the variant's quiet tokens per second.
+* ``isoflop`` (load-independent, deterministic): the speedrun's recipe at each of ``--shapes``
+  (``lmforge.sizing.CANDIDATES``) trained for the **same number of FLOPs** (``--flops``; steps = FLOPs / (FLOPs per
+  token x tokens per step), the schedule fitted to them); recorded: parameters, tokens, tokens per parameter and the
+  final bits/byte over the speedrun's final-figure batches. ``isoflop-table`` averages the seeds per shape and fits
+  the best tokens-per-parameter ratio of each budget (``lmforge.sizing.fit_ratio``): the ratio
+  ``--model-size auto`` aims at.
 
 Results append to ``OUT/results.jsonl``, so an ablation can run in pieces.
 
@@ -25,6 +31,8 @@ Results append to ``OUT/results.jsonl``, so an ablation can run in pieces.
     python benchmarks/bench_recipe.py train --size tiny --variants recipe recipe+nc-wd0 recipe+nanochat --seeds 1337 1338
     python benchmarks/bench_recipe.py time --variants baseline muon --rounds 5
     python benchmarks/bench_recipe.py table --json recipe.json
+    python benchmarks/bench_recipe.py isoflop --shapes d128x2 d192x3 d256x4 --flops 8.6e12 --seeds 1337 1338 --threads 1
+    python benchmarks/bench_recipe.py isoflop-table --json isoflop.json
     python benchmarks/bench_recipe.py --quick      # seconds: train, time and table on a synthetic corpus
 """
 
@@ -224,6 +232,87 @@ def time_mode(a: argparse.Namespace) -> None:
         print(f"| {n} | {spread(ts)} |")
 
 
+def isoflop_mode(a: argparse.Namespace) -> None:
+    import torch
+
+    from lmforge.config import to_dict
+    from lmforge.sizing import CANDIDATES, flops_of, params_of
+    from lmforge.speedrun import EVAL_BATCHES, RECIPE, _run_config
+    from lmforge.tokenizer import Tokenizer
+    from lmforge.train import evaluate_run, load_run_config, train
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prep = prepared(Path(a.cache), a.vocab, a.quick)
+    vocab = Tokenizer.load(prep / "tokenizer.json").vocab_size
+    for seed in a.seeds:
+        for shape in a.shapes:
+            if shape not in CANDIDATES:
+                raise SystemExit(f"bench_recipe: unknown shape {shape!r}; have {', '.join(CANDIDATES)}")
+            preset = CANDIDATES[shape]
+            per_step = preset.batch_size * preset.context_length
+            fpt = flops_of(preset, vocab)
+            steps = max(10, round(a.flops / (fpt * per_step)))
+            cfg = _run_config(preset, vocab, prep / "data", prep / "tokenizer.json", torch.device("cpu"), steps, None,
+                              recipe=RECIPE)
+            cfg = load_run_config(base=to_dict(cfg), overrides=[
+                f"training.seed={seed}", f"training.eval_every={steps}", f"training.checkpoint_every={steps}",
+                f"training.log_every={max(1, steps // 10)}", "training.keep_last=1",
+                f"training.num_threads={'null' if a.threads is None else a.threads}"])
+            with tempfile.TemporaryDirectory(dir=out) as tmp:
+                t0 = time.perf_counter()
+                res = train(cfg, Path(tmp) / "run", progress=False)
+                wall = time.perf_counter() - t0
+                ev = evaluate_run(Path(tmp) / "run", split="val", max_batches=EVAL_BATCHES, device="cpu")
+            params = params_of(preset, vocab)
+            row = {"mode": "isoflop", "shape": shape, "preset": vars(preset), "seed": seed, "flops": a.flops,
+                   "flops_per_token": fpt, "steps": steps, "tokens": steps * per_step, "params": params,
+                   "tokens_per_param": steps * per_step / params, "final_bpb": ev["bpb"], "val_tokens": ev["tokens"],
+                   "train_seconds": res["train_seconds"], "wall_seconds": wall, "threads": a.threads,
+                   "load": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            with open(out / "isoflop.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{shape} seed {seed}: {steps} steps, {row['tokens']:,} tokens, {row['tokens_per_param']:.2f} "
+                  f"tokens/param -> {ev['bpb']:.4f} bpb ({wall:.0f} s, load {row['load']:.1f})", flush=True)
+
+
+def isoflop_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per FLOP budget: each shape's seeds averaged (tokens per parameter, final bits/byte) and the fitted best
+    ratio (``lmforge.sizing.fit_ratio`` over the shapes' means; absent with fewer than 3 shapes)."""
+    from lmforge.sizing import fit_ratio
+
+    out: dict[str, Any] = {}
+    for r in rows:
+        b = out.setdefault(f"{r['flops']:.3g}", {"shapes": {}})
+        s = b["shapes"].setdefault(r["shape"], {"params": r["params"], "tokens": r["tokens"],
+                                                "tokens_per_param": r["tokens_per_param"], "seeds": [], "bpb": []})
+        s["seeds"].append(r["seed"])
+        s["bpb"].append(r["final_bpb"])
+    for b in out.values():
+        for s in b["shapes"].values():
+            s["mean_bpb"] = statistics.mean(s["bpb"])
+        points = [(s["tokens_per_param"], s["mean_bpb"]) for s in b["shapes"].values()]
+        if len({p for p, _ in points}) >= 3:
+            b["fit"] = fit_ratio(points)
+    return out
+
+
+def isoflop_table_mode(a: argparse.Namespace) -> None:
+    rows = [json.loads(x) for x in (Path(a.out) / "isoflop.jsonl").read_text().splitlines() if x.strip()]
+    summary = isoflop_summary(rows)
+    write_json(a.json, {"budgets": summary})
+    for flops, b in summary.items():
+        print(f"\n{flops} FLOPs per run\n\n| shape | params | tokens | tokens/param | seeds | final bpb (each) | mean |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for shape, s in sorted(b["shapes"].items(), key=lambda kv: kv[1]["params"]):
+            print(f"| {shape} | {s['params']:,} | {s['tokens']:,} | {s['tokens_per_param']:.2f} | {len(s['seeds'])} | "
+                  f"{', '.join(f'{x:.4f}' for x in s['bpb'])} | {s['mean_bpb']:.4f} |")
+        if "fit" in b:
+            f = b["fit"]
+            how = "the parabola's minimum" if f["bracketed"] else "no minimum inside the measured ratios: the best point"
+            print(f"\nfitted best tokens/param: {f['ratio']:.3g} ({how}; {f['loss']:.4f} bpb)")
+
+
 def _cell(x: Any) -> str:
     """One probe value in the table: a number to 2 decimals, nothing recorded as ``-``, anything else as JSON."""
     if x is None:
@@ -302,7 +391,8 @@ def table_mode(a: argparse.Namespace) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", nargs="?", choices=["train", "time", "table"], help="omit with --quick: all three")
+    ap.add_argument("mode", nargs="?", choices=["train", "time", "table", "isoflop", "isoflop-table"],
+                    help="omit with --quick: train, time and table")
     ap.add_argument("--variants", nargs="+", default=["baseline"], help=f"of {', '.join(VARIANTS)}; a+b")
     ap.add_argument("--size", default="small", choices=list(BASELINE_SHAPE),
                     help="the speedrun preset (small: the demo's model); --quick uses tiny")
@@ -318,8 +408,11 @@ def main() -> int:
     ap.add_argument("--full", action="store_true",
                     help="train mode: every run to --steps (no stop at the lowest target): copy probes at one step")
     ap.add_argument("--threads", type=int, default=None,
-                    help="train mode: torch threads per run (1 on a shared machine: no thread waits on a busy core)")
+                    help="train and isoflop modes: torch threads per run (1 on a shared machine: no thread waits on a busy core)")
     ap.add_argument("--keep", action="store_true", help="train mode: keep each run in OUT/runs/ (else deleted)")
+    ap.add_argument("--shapes", nargs="+", default=["d128x2", "d192x3", "d256x4"],
+                    help="isoflop mode: shapes of lmforge.sizing.CANDIDATES")
+    ap.add_argument("--flops", type=float, default=8.6e12, help="isoflop mode: training FLOPs of every run")
     ap.add_argument("--quick", action="store_true", help="a synthetic corpus and the tiny preset: a smoke run")
     add_json_flag(ap)
     a = ap.parse_args()
@@ -330,7 +423,8 @@ def main() -> int:
     elif a.mode is None:
         ap.error("give a mode (train, time, table) or --quick")
     for mode in [a.mode] if a.mode else ["train", "time", "table"]:
-        {"train": train_mode, "time": time_mode, "table": table_mode}[mode](a)
+        {"train": train_mode, "time": time_mode, "table": table_mode, "isoflop": isoflop_mode,
+         "isoflop-table": isoflop_table_mode}[mode](a)
     return 0
 
 

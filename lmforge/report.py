@@ -81,8 +81,8 @@ def environment(device: Any) -> str:
             f"{platform.machine()})")
 
 
-def _num(x: Any) -> str:
-    return f"{x:.4f}" if isinstance(x, (int, float)) else "n/a"
+def _num(x: Any, spec: str = ".4f") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else "n/a"
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -165,6 +165,14 @@ def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[s
         [(name, fmt_seconds(st[name]["seconds"]), "ran" if name in ran else "reused") for name in stages])
     how = f"from a measured {plan['step_seconds']:.3f} s/step" if plan["step_seconds"] else "as asked"
     report.paragraph(f"Planned {plan['max_steps']} training steps {how}.")
+    if plan.get("sizing"):
+        size = plan["sizing"]
+        report.section("Model size").paragraph(f"`--model-size auto` chose {size['text']}. Rule: {size['rule']}.")
+        report.table(("candidate", "parameters", "s/step", "GFLOP/s", "steps", "tokens", "tokens/param", "FLOPs"), [
+            (f"**{r['name']}**" if r["name"] == size["chosen"] else r["name"], f"{r['params']:,}",
+             _num(r["step_seconds"], ".3f"), _num(r["flops_per_s"] / 1e9 if r["flops_per_s"] else None, ".0f"),
+             f"{r['steps']:,}", f"{r['tokens']:,}", f"{r['tokens_per_param']:.3g}", f"{r['compute']:.3g}")
+            for r in size["candidates"]])
     report.section("Tokenizer").paragraph(
         f"Byte-level BPE (GPT-2 pre-tokenizer) with {tok['vocab_size']:,} tokens including `{EOT}`, "
         f"trained on the corpus: `tokenizer.json` (fingerprint `{tok['fingerprint'][:16]}`).")

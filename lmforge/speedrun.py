@@ -10,7 +10,7 @@ stage                 call                                                    ar
 corpus                ``corpora.get_dataset`` / ``sources.expand_inputs``      (the input files)
 tokenizer             ``tokenizer.train_bpe_from_iterator``                   ``tokenizer.json``
 data                  ``data.prepare`` (train/val split by document)          ``data/``
-plan                  a few timed training steps -> ``max_steps``              ``speedrun.json``
+plan                  timed training steps -> shape (``auto``), ``max_steps``  ``speedrun.json``
 train                 ``train.train`` (resumes from its checkpoints)           ``run/``
 eval                  bits/byte over the validation split; context probes    ``speedrun.json``
 samples               ``generate.Generator`` with the KV cache                ``speedrun.json``
@@ -57,7 +57,8 @@ from lmforge.model import TransformerLM
 from lmforge.report import REPORT_FILE, write_speedrun_report
 from lmforge.tokenizer import Tokenizer, train_bpe_from_iterator
 from lmforge.train import evaluate_run, load_run_config, train
-from lmforge.train.loop import _build_optimizer  # the loop's own builder: the step timed is the step trained
+from lmforge import sizing
+from lmforge.sizing import Preset, plan_tokens, step_seconds
 
 from lmforge.speedrun_chat import (  # noqa: F401  (the chat stages; tests import them from here too)
     CHAT_SAMPLE, RL_DIR, RL_SETTINGS, RL_TASKS_DIR, RL_WINDOW, SFT_SETTINGS, _chat_base, _chat_data, _chat_data_rules,
@@ -65,19 +66,7 @@ from lmforge.speedrun_chat import (  # noqa: F401  (the chat stages; tests impor
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["speedrun", "parse_budget", "PRESETS", "Preset"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    """Model and batch shape of a ``--model-size``."""
-
-    d_model: int
-    n_layers: int
-    n_heads: int
-    context_length: int
-    batch_size: int
-    lr: float
+__all__ = ["speedrun", "parse_budget", "PRESETS", "Preset", "AUTO"]
 
 
 PRESETS: dict[str, Preset] = {
@@ -89,6 +78,8 @@ PRESETS: dict[str, Preset] = {
     # for a GPU (or a patient CPU)
     "medium": Preset(d_model=384, n_layers=6, n_heads=6, context_length=256, batch_size=32, lr=1.5e-3),
 }
+AUTO = "auto"
+"""The ``model_size`` that sizes the model to the machine and the budget (:func:`lmforge.sizing.size`)."""
 
 DEFAULT_CORPUS = "shakespeare"
 SAMPLE_PROMPTS = ["ROMEO:\n", "To be, or not to be", "KING HENRY.\n", "The "]
@@ -212,31 +203,7 @@ def _data_stats(data_dir: Path) -> dict[str, Any]:
     return out
 
 
-def _step_seconds(cfg: Any, device: Any, steps: int = 4) -> float:
-    """Wall time of one training step (forward, backward, the run's optimizer) at ``cfg``'s shapes, on random
-    tokens.
-
-    The fastest of ``steps`` (after a warm-up step): what the machine does when nothing else competes
-    for it, so the planned number of steps, and with it the result, does not depend on momentary load.
-    """
-    tc = cfg.training
-    model = TransformerLM(cfg.model).to(device)
-    opt = _build_optimizer(model, cfg.optimizer)
-    bf16 = resolve_train_dtype(tc.dtype, device) == "bf16"
-    x = torch.randint(0, cfg.model.vocab_size, (tc.batch_size, cfg.context_length), device=device)
-    best = float("inf")
-    for i in range(steps + 1):
-        t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = model(x, targets=x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:  # the first step pays one-time costs
-            best = min(best, time.perf_counter() - t0)
-    return best
+_step_seconds = step_seconds  # the name benchmarks and tests know
 
 
 def _run_config(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, device: Any, max_steps: int,
@@ -259,24 +226,37 @@ def _run_config(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path
     })
 
 
-def _plan(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, device: Any,
+def _plan(preset: Preset | None, vocab_size: int, data_dir: Path, tokenizer: Path, device: Any,
           budget: tuple[str, float]) -> dict[str, Any]:
-    """Decide ``max_steps``: the budget in steps, or minutes divided by a measured step time."""
+    """Decide the shape and ``max_steps``: ``preset``, or (``None``) the candidate :func:`lmforge.sizing.size`
+    chooses from the candidates' measured step times; then the budget in steps, or minutes divided by the shape's
+    measured step time. The record keeps the shape (``preset``), so a resumed run trains the same one."""
     kind, amount = budget
     # CUDA: the datasheet figure. A budget in steps needs the peak only for the MFU it reports: a short measurement
     # (5 products, as the run card's) instead of the 30 that a budget in minutes plans its steps beside.
     quick = {} if kind == "minutes" else {"repeats": 5}
     # elsewhere the matmul peak measured in the precision the run trains in (bf16 where native: auto)
-    dtype = _run_config(preset, vocab_size, data_dir, tokenizer, device, 10, None).training.dtype
+    dtype = _run_config(preset or PRESETS["tiny"], vocab_size, data_dir, tokenizer, device, 10, None).training.dtype
     peak, peak_dtype = (None, None) if device.type == "cuda" else train_peak_flops(dtype, device, **quick)
     peak = None if peak is None else float(f"{peak:.4g}")
-    if kind == "steps":
-        logger.info("plan: %d steps as asked", int(amount))
-        return {"max_steps": int(amount), "step_seconds": None, "peak_flops": peak, "peak_dtype": peak_dtype}
-    step_s = _step_seconds(_run_config(preset, vocab_size, data_dir, tokenizer, device, 10, peak), device)
-    max_steps = max(10, int(0.9 * amount * 60 / step_s))  # ~10% of the budget left for evaluations and checkpoints
-    logger.info("plan: %.3f s/step measured -> %d steps (~%.1f min)", step_s, max_steps, max_steps * step_s / 60)
-    return {"max_steps": max_steps, "step_seconds": step_s, "peak_flops": peak, "peak_dtype": peak_dtype}
+    info: dict[str, Any] = {"peak_flops": peak, "peak_dtype": peak_dtype}
+
+    def timed(shape: Preset) -> float:
+        return step_seconds(_run_config(shape, vocab_size, data_dir, tokenizer, device, 10, peak), device)
+
+    if preset is None:
+        info["sizing"] = sizing.size(budget, vocab_size, timed)
+        row = next(r for r in info["sizing"]["candidates"] if r["name"] == info["sizing"]["chosen"])
+        preset, step_s = Preset(**row["preset"]), row["step_seconds"]
+        logger.info("plan: model size %s", info["sizing"]["text"])
+    else:
+        step_s = None if kind == "steps" else timed(preset)
+    max_steps = plan_tokens(preset, budget, step_s)[0]
+    if step_s is None:
+        logger.info("plan: %d steps as asked", max_steps)
+    else:
+        logger.info("plan: %.3f s/step measured -> %d steps (~%.1f min)", step_s, max_steps, max_steps * step_s / 60)
+    return {"max_steps": max_steps, "step_seconds": step_s, "preset": dataclasses.asdict(preset), **info}
 
 
 def _evaluate(run_dir: Path, device: Any, max_batches: int = EVAL_BATCHES) -> dict[str, Any]:
@@ -345,7 +325,9 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     """Run (or resume) the whole pipeline in ``out`` and write ``out/report.md``; returns the stage records.
 
     ``corpus``: ``"shakespeare"`` or a path/glob of text/jsonl/parquet files. ``model_size``: a key of
-    :data:`PRESETS`. ``budget``: training minutes (``"8min"``) or steps (``"300steps"``). ``device``:
+    :data:`PRESETS`, or ``"auto"``: the shape of :data:`lmforge.sizing.CANDIDATES` that the plan stage chooses for
+    this machine and budget (its record ``stages["plan"]["sizing"]``: the candidates, their measured step times,
+    the rule and the choice; a resumed run keeps the recorded shape). ``budget``: training minutes (``"8min"``) or steps (``"300steps"``). ``device``:
     ``auto`` uses CUDA (with bf16) when present. ``sft_budget``: the chat fine-tuning on the built-in chat
     tasks after pretraining (minutes or steps, like ``budget``; ``None`` skips the chat stages), scored before
     and after on the first ``chat_eval_items`` validation items of each task. ``target_bpb``: stop pretraining
@@ -355,13 +337,13 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     ``rl_budget``: reinforcement learning after SFT on the tasks whose exact match lies in :data:`RL_WINDOW`
     (minutes or steps; ``None`` or ``0`` skips it), then every task scored again.
     """
-    if model_size not in PRESETS:
-        raise ValueError(f"unknown model size {model_size!r}; choose one of {', '.join(PRESETS)}")
+    if model_size not in PRESETS and model_size != AUTO:
+        raise ValueError(f"unknown model size {model_size!r}; choose {AUTO} or one of {', '.join(PRESETS)}")
     if not 256 + 1 <= vocab_size <= 65536:
         raise ValueError(f"vocab_size must be in [257, 65536] (256 bytes + {EOT} at least), got {vocab_size}")
     if sample_tokens < 1:
         raise ValueError(f"sample_tokens must be >= 1, got {sample_tokens}")
-    preset, plan_budget = PRESETS[model_size], parse_budget(budget)
+    preset, plan_budget = PRESETS.get(model_size), parse_budget(budget)
     chat_budget = parse_budget(sft_budget) if sft_budget is not None else None
     off = rl_budget is None or re.fullmatch(r"0*\.?0*(min|m|minutes?)?", str(rl_budget).strip().lower()) is not None
     rl_plan = parse_budget(rl_budget) if not off and chat_budget is not None else None
@@ -412,10 +394,13 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
           lambda: _prepare(paths, tok_path, data_dir, val_fraction, rebuild="tokenizer" in ran, progress=progress),
           lambda rec: _shards_fingerprint(data_dir) == tok["fingerprint"])
     # ---- plan: how many steps fit in the budget --------------------------------------------------------
-    plan = stage("plan", _digest(tok["fingerprint"], dataclasses.asdict(preset), plan_budget),
+    shapes = (dataclasses.asdict(preset) if preset is not None else  # auto: what the choice depends on
+              {AUTO: {n: dataclasses.asdict(p) for n, p in sizing.CANDIDATES.items()}, "ratio": sizing.TOKENS_PER_PARAM})
+    plan = stage("plan", _digest(tok["fingerprint"], shapes, plan_budget),
                  lambda: _plan(preset, vocab_size, data_dir, tok_path, dev, plan_budget))
     stop_at = target_bpb if target_bpb is not None and target_bpb > 0 else None
-    cfg = _run_config(preset, vocab_size, data_dir, tok_path, dev, plan["max_steps"], plan["peak_flops"],
+    shape = Preset(**plan["preset"]) if "preset" in plan else preset  # a plan recorded before it kept its shape
+    cfg = _run_config(shape, vocab_size, data_dir, tok_path, dev, plan["max_steps"], plan["peak_flops"],
                       target_bpb=stop_at)
     # ---- train (resumes from the newest checkpoint in run/) -------------------------------------------
     cfg_dict = to_dict(cfg)

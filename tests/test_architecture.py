@@ -30,8 +30,8 @@ STAGES = {
 }
 # On top: each may import everything below and the top units named here; nothing imports the CLI.
 # report.py owns run reports (it may import any stage); the speedrun writes its report.md through it.
-TOP = {"report": set(), "speedrun_chat": set(), "speedrun": {"report", "speedrun_chat"},
-       "cli": {"report", "speedrun", "speedrun_chat"}}
+TOP = {"report": set(), "speedrun_chat": set(), "sizing": set(), "speedrun": {"report", "speedrun_chat", "sizing"},
+       "cli": {"report", "speedrun", "speedrun_chat", "sizing"}}
 # report.py's run cards read eval results (lmforge.evals) and the loss plot (lmforge.train.metrics).
 MAX_LINES = 600
 

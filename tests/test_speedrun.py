@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -31,6 +32,15 @@ def run(out, corpus, **kw):
                 sample_tokens=16, progress=False, sft_budget=None, rl_budget=None)
     args.update(kw)
     return speedrun(out, **args)
+
+
+def _interrupt_after_step_10(out):
+    """Make ``out`` look like a 12-step speedrun interrupted after its step-10 checkpoint (before training ended)."""
+    (out / "run/checkpoints/step_00000012.safetensors").unlink()
+    state = json.loads((out / "speedrun.json").read_text())
+    for stage in ("train", "eval", "samples"):
+        del state["stages"][stage]
+    (out / "speedrun.json").write_text(json.dumps(state))
 
 
 @pytest.mark.slow
@@ -74,11 +84,7 @@ def test_speedrun_end_to_end_then_reuse_and_resume(tmp_path, corpus, caplog):
     assert json.loads((out / "speedrun.json").read_text())["stages"] == report_before["stages"]
 
     # Training interrupted after step 10: the rerun resumes from that checkpoint, not from scratch.
-    (out / "run/checkpoints/step_00000012.safetensors").unlink()
-    state = json.loads((out / "speedrun.json").read_text())
-    for stage in ("train", "eval", "samples"):
-        del state["stages"][stage]
-    (out / "speedrun.json").write_text(json.dumps(state))
+    _interrupt_after_step_10(out)
     with caplog.at_level(logging.INFO, logger="lmforge"):
         stages = run(out, corpus)
     assert "resumed from" in caplog.text and "step_00000010" in caplog.text
@@ -208,6 +214,43 @@ def test_speedrun_target_bpb_is_judged_on_the_figure_the_report_states(tmp_path,
     assert "cannot be reached" in caplog.text
     with pytest.raises(ValueError, match="target_bpb must be a number"):
         run(tmp_path / "nan", corpus, target_bpb=float("nan"))
+
+
+@pytest.mark.slow
+def test_speedrun_auto_size_chooses_by_measured_steps_and_a_resume_keeps_the_plan(tmp_path, corpus, monkeypatch,
+                                                                                 caplog):
+    """``model_size="auto"``: the plan times every candidate, trains the one nearest the fitted tokens per parameter
+    and records why (the report's Model size section); a resumed run reuses that plan even where timing the
+    candidates again would choose another shape and step count."""
+    import lmforge.speedrun as sr
+    from lmforge import sizing
+
+    tiny = {"d32x1": sizing.Preset(32, 1, 2, 64, 8, 3e-3), "d64x2": sizing.Preset(64, 2, 4, 64, 8, 3e-3)}
+    monkeypatch.setattr(sizing, "CANDIDATES", tiny)
+    monkeypatch.setattr(sizing, "TOKENS_PER_PARAM", 0.1)
+    monkeypatch.setattr(sr, "train_peak_flops", lambda dtype, device, **kw: (1e11, "fp32"))
+    times = {32: 0.9, 64: 0.9}  # 0.2 min -> 12 steps each: d64x2 sees 0.05 tokens/param, d32x1 0.3
+    monkeypatch.setattr(sr, "step_seconds", lambda cfg, device: times[cfg.model.d_model])
+    out = tmp_path / "sr"
+    stages = run(out, corpus, model_size="auto", budget="0.2min")
+    plan = stages["plan"]
+    assert plan["sizing"]["chosen"] == "d64x2" and plan["preset"] == dataclasses.asdict(tiny["d64x2"])
+    assert plan["max_steps"] == 12 and stages["train"]["step"] == 12
+    assert [r["step_seconds"] for r in plan["sizing"]["candidates"]] == [0.9, 0.9]
+    report = (out / "report.md").read_text(encoding="utf-8")
+    assert "## Model size" in report and "`--model-size auto` chose d64x2 (d_model 64, 2 layers" in report
+    assert "| **d64x2** |" in report and "| d32x1 |" in report
+    # interrupted at step 10; timed again now, d32x1 (10 steps, 0.25 tokens/param) would beat d64x2 (120 steps, 0.48)
+    times.update({32: 9.0, 64: 0.09})
+    _interrupt_after_step_10(out)
+    with caplog.at_level(logging.INFO, logger="lmforge"):
+        stages = run(out, corpus, model_size="auto", budget="0.2min")
+    assert "stage plan: reusing" in caplog.text and "resumed from" in caplog.text
+    assert stages["plan"] == plan and stages["train"]["step"] == 12
+    assert json.loads((out / "speedrun.json").read_text())["stages"]["plan"] == plan
+    assert sr.load_run_config(out / "run/config.yaml").model.d_model == 64
+    fresh = sr._plan(None, 300, out / "data", out / "tokenizer.json", sr.resolve_device("cpu"), ("minutes", 0.2))
+    assert fresh["sizing"]["chosen"] == "d32x1" and fresh["max_steps"] == 10  # what a fresh plan would pick now
 
 
 def test_speedrun_bad_input(tmp_path, corpus):

