@@ -15,6 +15,16 @@ time of a conversation; ratios are HF / lmforge (> 1: lmforge faster).
 
     python benchmarks/bench_chat.py            # d_model 512, 4 layers, 4 turns, 64 tokens per reply
     python benchmarks/bench_chat.py --quick    # smaller and shorter, a smoke run
+
+``--prefix-reuse``: lmforge alone, a ~2,000-token conversation (the demo's small shape, d_model 256, 4 layers, 8
+heads, context 2048, random weights): turn 1 is a long user message, turn 2 a short one. Each round holds the
+conversation twice, alternating: with the prefix cache (``lmforge chat``'s default) and without
+(``--prefix-cache-mb 0``). Reported per side and turn: time to the first token (the turn's first token out of
+``Generator.turn``, median and range over rounds) and the prompt tokens prefilled; the ratio turn 1 / turn 2 with
+reuse (the issue's target: >= 5x); the replies must be the same on both sides.
+
+    python benchmarks/bench_chat.py --prefix-reuse            # ~1,900-token turn 1, 32 tokens per reply, 5 rounds
+    python benchmarks/bench_chat.py --prefix-reuse --quick    # a smoke run
 """
 
 from __future__ import annotations
@@ -70,9 +80,103 @@ class Stamps:
         pass
 
 
+class FirstToken:
+    """``Generator.turn`` as the chat calls it, stamping when each turn's first token comes out."""
+
+    def __init__(self, gen) -> None:
+        self.turn, self.times = gen.turn, []
+
+    def __call__(self, *args, **kwargs):
+        return Stamped(self.turn(*args, **kwargs), self.times)
+
+
+class Stamped:
+    """A turn that appends the time of its first token to ``times``."""
+
+    def __init__(self, turn, times: list[float]) -> None:
+        self.turn, self.times = turn, times
+
+    def __iter__(self):
+        for i, item in enumerate(self.turn):
+            if i == 0:
+                self.times.append(time.perf_counter())
+            yield item
+
+    def __getattr__(self, name: str):
+        return getattr(self.turn, name)
+
+
+def prefix_reuse(args: argparse.Namespace) -> None:
+    """Time to first token of a long conversation's turns 1 and 2, with the prefix cache and without."""
+    from lmforge.chat.session import ChatSession
+    from lmforge.generate import Generator
+    from lmforge.generate.prefix_cache import PrefixCache
+    from lmforge.model import ModelConfig, TransformerLM
+
+    ctx, d, layers, heads, vocab, n = (512, 64, 2, 4, 400, 8) if args.quick else (2048, 256, 4, 8, 4000, 32)
+    tok = chat_tokenizer(vocab, args.quick)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64 * -(-tok.vocab_size // 64), context_length=ctx, d_model=d, n_layers=layers,
+                      n_heads=heads)
+    gen = Generator(TransformerLM(cfg).eval(), tok)
+    stamp = gen.turn = FirstToken(gen)
+    docs = synthetic_documents(200_000) if args.quick else shakespeare_documents()
+    short = MESSAGES[1]
+    room = ctx - 2 * n - len(tok.encode(short)) - 24  # turn 2 holds turn 1, its reply, the short message, chat tokens
+    long = tok.decode(tok.encode(" ".join(" ".join(docs[:3]).split()))[:room])
+    sides = {"prefix cache": True, "no prefix cache": False}
+    ttft: dict[str, list[list[float]]] = {s: [[], []] for s in sides}
+    prefilled: dict[str, list[int]] = {}
+    prompts: list[int] = []
+    replies: dict[str, list[list[int]]] = {}
+
+    def conversation(side: str) -> None:
+        gen.prefix_cache = PrefixCache(256 << 20) if sides[side] else None
+        session = ChatSession(gen, max_new_tokens=n, temperature=0, tools=False)
+        session.stop_ids = []  # fixed-length replies
+        out, counts = [], []
+        for turn, msg in enumerate((long, short)):
+            t0 = time.perf_counter()
+            stream = session.send(msg)
+            for _ in stream:
+                pass
+            if stream.reply.dropped_turns:
+                raise SystemExit("turn 2 dropped turn 1 to fit the context: shorten the first message")
+            ttft[side][turn].append(stamp.times[-1] - t0)
+            out.append(stream.reply.ids)
+            counts.append(getattr(stream.reply, "prefilled", None))  # None: a tree without Reply.prefilled
+            prompts[turn:turn + 1] = [len(stream.prompt)]
+        replies[side], prefilled[side] = out, counts
+
+    alternate({s: (lambda s=s: conversation(s)) for s in sides}, args.repeats, warmup=1)
+    for side in sides:  # drop the warm-up round
+        ttft[side] = [xs[1:] for xs in ttft[side]]
+    same = replies["prefix cache"] == replies["no prefix cache"]
+    print(f"model: d_model {d}, {layers} layers, {heads} heads, vocab {cfg.vocab_size}, context {ctx}, random "
+          f"weights; 2 turns: prompts of {prompts[0]:,} and {prompts[1]:,} tokens, {n} new tokens each, greedy, cpu, "
+          f"{torch.get_num_threads()} threads; {args.repeats} alternating rounds\n")
+    print("| side | turn 1: time to first token, ms | turn 2: time to first token, ms | turn 1 / turn 2 | "
+          "prompt tokens prefilled (turn 1, turn 2) |")
+    print("|---|---:|---:|---:|---:|")
+    for side in sides:
+        t1, t2 = ttft[side]
+        print(f"| {side} | {spread([t * 1e3 for t in t1], '.1f')} | {spread([t * 1e3 for t in t2], '.1f')} | "
+              f"{median(t1) / median(t2):.1f}x | {', '.join(map(str, prefilled[side]))} |")
+    reuse = ttft["prefix cache"]
+    print(f"\nwith the prefix cache turn 2 answers its first token {median(reuse[0]) / median(reuse[1]):.1f}x faster "
+          f"than turn 1, {median(ttft['no prefix cache'][1]) / median(reuse[1]):.1f}x faster than turn 2 without it")
+    print(f"same replies with and without the prefix cache: {same}")
+    write_json(args.json, {"time_to_first_token_s": ttft, "prefilled_tokens": prefilled, "prompt_tokens": prompts,
+                           "same_tokens": same})
+    if not same:
+        raise SystemExit("the replies differ with and without the prefix cache")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small model, 2 turns of 16 tokens, 2 rounds")
+    p.add_argument("--prefix-reuse", action="store_true", help="lmforge alone: a long conversation's turn 1 vs turn "
+                   "2, with and without the prefix cache (see the docstring)")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per reply")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (each side once per round)")
@@ -85,6 +189,8 @@ def main() -> None:
         args.turns, args.new_tokens, args.repeats = 2, 16, 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.prefix_reuse:
+        return prefix_reuse(args)
     if not 1 <= args.turns <= len(MESSAGES):
         raise SystemExit(f"--turns must be in [1, {len(MESSAGES)}]")
 

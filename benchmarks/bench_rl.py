@@ -19,6 +19,17 @@ pretraining and five SFT steps: its replies mostly run to ``max_new_tokens``, wh
     python benchmarks/bench_rl.py                 # P 8, K 8, 48 new tokens, 3 rounds; steps of 8 x 8 replies
     python benchmarks/bench_rl.py --base runs/speedrun/sft
     python benchmarks/bench_rl.py --quick         # a smoke run (tiny model)
+
+``--sampling DIR``: only what one RL step spends drawing its rollouts, ``P`` prompts x ``K`` replies through
+:func:`lmforge.rl.sample_replies` on a fresh ``Engine`` (``rl.prompts_per_decode`` prompts per batch), for
+``--rounds`` timed rounds after a warm-up: seconds per step (median, range), reply tokens/s, and the prompt prefills
+the engine ran (prompt rows through ``Engine.prefill``/``Engine.admit`` and their tokens; forked rows are copies,
+not prefills), with a digest of every reply's ids. ``DIR`` holds the chat run and task files, made there by the
+first run that finds none, so two source trees measure the same model on the same prompts; it calls only public
+APIs that ``7fda0be`` also has, so the tree on ``PYTHONPATH`` (or installed) is the one measured, and it prints
+which. Make ``DIR`` with the older tree (a newer tree reads an older run's config, not the reverse):
+
+    python benchmarks/bench_rl.py --sampling /tmp/rl-sampling            # P 8, K 8, 48 new tokens, 3 rounds
 """
 
 from __future__ import annotations
@@ -147,6 +158,75 @@ def bench_rollouts(base: Path, root: Path, args: argparse.Namespace) -> dict[str
     return {"rollout_seconds": times, "reply_tokens": n_tokens, "same_replies": same}
 
 
+def bench_sampling(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One step's rollout sampling, timed, with the engine's prompt prefills counted (module docstring)."""
+    import hashlib
+
+    import torch
+
+    import lmforge
+    from lmforge.chat import ChatFormat
+    from lmforge.evals import load_model
+    from lmforge.generate.engine import Engine
+    from lmforge.rl import rollout_seed, sample_replies
+    from lmforge.rl.data import read_prompts
+
+    base = root / "sft"
+    if not (base / "config.yaml").exists():
+        _chat_run(root, args.quick)
+    model, tok, _ = load_model(base, device="cpu")
+    fmt = ChatFormat(tok)
+    prompts, _ = read_prompts(_tasks(root, "train"), fmt, model.cfg.context_length, args.new_tokens)
+    ids = prompts.ids[: args.prompts]
+    seeds = [[rollout_seed(0, 0, j, k) for k in range(args.k)] for j in range(len(ids))]
+    counts = {"rows": 0, "tokens": 0}
+
+    def step() -> list[list[int]]:
+        engine = Engine(model)  # as RL builds one per step (not timed)
+        prefill, admit = engine.prefill, engine.admit
+
+        def counted_prefill(rows, capacity):
+            counts["rows"], counts["tokens"] = counts["rows"] + len(rows), counts["tokens"] + sum(map(len, rows))
+            return prefill(rows, capacity)
+
+        def counted_admit(prompt, start=0):
+            counts["rows"], counts["tokens"] = counts["rows"] + 1, counts["tokens"] + len(prompt) - start
+            return admit(prompt, start)
+
+        engine.prefill, engine.admit = counted_prefill, counted_admit
+        counts.update(rows=0, tokens=0)
+        out = []
+        t0 = time.perf_counter()
+        for c in range(0, len(ids), args.per_decode):
+            out += [r.ids for g in sample_replies(engine, ids[c:c + args.per_decode], seeds[c:c + args.per_decode],
+                                                  temperature=1.0, top_k=None, top_p=None,
+                                                  max_new_tokens=args.new_tokens, fmt=fmt, vocab_limit=tok.vocab_size)
+                    for r in g]
+        times.append(time.perf_counter() - t0)
+        return out
+
+    times: list[float] = []
+    replies = [step() for _ in range(args.rounds + 1)][1:]  # round 0 warms up
+    times = times[1:]
+    same = all(r == replies[0] for r in replies)
+    n_tokens = sum(map(len, replies[0]))
+    digest = hashlib.sha256(json.dumps(replies[0]).encode()).hexdigest()[:16]
+    print(f"## Rollout sampling: lmforge from {Path(lmforge.__file__).parent}; {len(ids)} prompts x {args.k} replies, "
+          f"{args.per_decode} prompts per batch, up to {args.new_tokens} sampled tokens ({n_tokens:,} reply tokens; "
+          f"d_model {model.cfg.d_model}, {model.cfg.n_layers} layers, {torch.get_num_threads()} threads, "
+          f"{args.rounds} rounds)\n")
+    print("| sampling seconds per step: median (range) | reply tokens/s | prompt rows prefilled | prompt tokens "
+          "prefilled | replies sha256 |")
+    print("|---|---|---|---|---|")
+    print(f"| {spread(times)} | {n_tokens / median(times):,.0f} | {counts['rows']} | {counts['tokens']:,} | "
+          f"{digest} |")
+    print(f"\nEvery round sampled the same replies: {same}")
+    if not same:
+        sys.exit("the rounds sampled different replies: seeds are not honoured")
+    return {"sampling_seconds": times, "reply_tokens": n_tokens, "prefill_rows": counts["rows"],
+            "prefill_tokens": counts["tokens"], "replies_sha256": digest}
+
+
 # ----------------------------------------------------------------------------------------------------
 # 2. A step: rollouts vs the update, LoRA vs full
 # ----------------------------------------------------------------------------------------------------
@@ -218,6 +298,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=None, help="rounds; default 3 (quick 1)")
     p.add_argument("--steps", type=int, default=None, help="RL steps per run; default 4 (quick 2)")
     add_json_flag(p)
+    p.add_argument("--sampling", default=None, metavar="DIR", help="only one step's rollout sampling, timed, its "
+                   "prompt prefills counted; DIR holds (or gets) the chat run and task files (see the docstring)")
     p.add_argument("--child", nargs=5, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     q = args.quick
@@ -236,6 +318,10 @@ def main() -> None:
     from lmforge.hardware import matmul_peak_flops
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    if args.sampling:
+        Path(args.sampling).mkdir(parents=True, exist_ok=True)
+        write_json(args.json, bench_sampling(Path(args.sampling), args))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         base = Path(args.base) if args.base else _chat_run(root, q)
