@@ -100,9 +100,11 @@ def sft_config(base_config: dict[str, Any], vocab_size: int, run_dir: Path, base
     return from_dict(RunConfig, d)
 
 
-def render_file(path: str | os.PathLike, fmt: ChatFormat, context_length: int) -> tuple[list, int]:
+def render_file(path: str | os.PathLike, fmt: ChatFormat, context_length: int,
+                every_token: bool = False) -> tuple[list, int]:
     """``([(ids, mask), ...], skipped)``: the conversations of a JSONL file rendered; those longer than
-    ``context_length + 1`` tokens are skipped and counted."""
+    ``context_length + 1`` tokens are skipped and counted. ``every_token``: the mask trains every token (the user's,
+    the tool's output and the format's too, as midtraining does), not the assistant's alone."""
     rendered, skipped = [], 0
     conversations = read_records(path)
     if not conversations:
@@ -116,7 +118,7 @@ def render_file(path: str | os.PathLike, fmt: ChatFormat, context_length: int) -
         if len(ids) > context_length + 1:
             skipped += 1
             continue
-        rendered.append((ids, mask))
+        rendered.append((ids, [1] * len(ids) if every_token else mask))
     if not rendered:
         raise ValueError(f"{path}: every conversation is longer than context_length + 1 = {context_length + 1} "
                          f"tokens ({skipped} skipped); shorten them or raise training.context_length")
@@ -159,24 +161,34 @@ def check_lora_targets(cfg: RunConfig) -> None:
             apply_lora(TransformerLM(cfg.model), cfg.lora)
 
 
-def _check_sources(run_dir: Path, split: str, sources: list[dict[str, str]]) -> None:
-    """Refuse a data file that changed since the run started (its conversations were rendered then)."""
+def _check_sources(run_dir: Path, split: str, sources: list[dict[str, str]], targets: str) -> None:
+    """Refuse a data file that changed since the run started (its conversations were rendered then), or trained
+    targets (``assistant`` or ``all``) other than those it was rendered with."""
     try:
-        old = ConversationDataset(run_dir / DATA_DIR, split).info.get("sources")
+        info = ConversationDataset(run_dir / DATA_DIR, split).info
     except ValueError:
-        old = None
+        return
+    old = info.get("sources")
     if old is not None and [s["sha256"] for s in old] != [s["sha256"] for s in sources]:
         raise ValueError(f"the {split} data ({', '.join(s['path'] for s in sources)}) changed since this run "
                          f"started (sha256 differs from the one recorded in {run_dir / DATA_DIR}); restore the "
                          "file to resume, or fine-tune into a new --run-dir")
+    if info.get("targets", "assistant") != targets:
+        raise ValueError(f"this run was started training the {info.get('targets', 'assistant')} tokens of its "
+                         f"conversations, not {targets}; resume it as it started, or use a new --run-dir")
 
 
 def sft(base: str | os.PathLike, data: str | os.PathLike, run_dir: str | os.PathLike, *,
         val_data: str | os.PathLike | None = None, config: str | os.PathLike | None = None,
         overrides: Sequence[str] = (), checkpoint: str | os.PathLike | None = None, force: bool = False,
-        progress: bool = True) -> dict[str, Any]:
+        progress: bool = True, defaults: dict[str, dict[str, Any]] | None = None,
+        every_token: bool = False) -> dict[str, Any]:
     """Fine-tune the base run ``base`` on the conversations of ``data`` (JSONL of ``{"messages": [...]}``) into
     ``run_dir``; resumes ``run_dir`` if it is this fine-tuning run already. See the module docstring.
+
+    ``defaults``: the config on top of the base's (default :data:`SFT_DEFAULTS`); ``every_token``: train every
+    token of the conversations, not only the assistant's (``lmforge midtrain`` sets both,
+    :mod:`lmforge.chat.midtrain`).
 
     Returns :func:`lmforge.train.train`'s metrics plus ``conversations``, ``skipped`` (too long) and
     ``val_skipped``. ``ValueError`` for every bad input, before anything is written.
@@ -192,16 +204,18 @@ def sft(base: str | os.PathLike, data: str | os.PathLike, run_dir: str | os.Path
     except ValueError as e:
         raise ValueError(f"the base run's tokenizer {base_run.tokenizer_path} cannot take the chat tokens: {e}") from None
     record = base_record(base_dir, base_run, run_dir, started)
-    cfg = sft_config(base_run.config, tok.vocab_size, run_dir, record, val_data is not None, config, overrides)
+    cfg = sft_config(base_run.config, tok.vocab_size, run_dir, record, val_data is not None, config, overrides,
+                     SFT_DEFAULTS if defaults is None else defaults)
+    targets = "all" if every_token else "assistant"
     check_lora_targets(cfg)
     T = cfg.context_length
     splits = {"train": data} if val_data is None else {"train": data, "val": val_data}
     rendered = {}
     for split, path in splits.items():
         sources = [{"path": str(Path(path).absolute()), "sha256": sha256_file(path)}] if Path(path).is_file() else []
-        rendered[split] = (*render_file(path, fmt, T), sources)
+        rendered[split] = (*render_file(path, fmt, T, every_token), sources)
         if started:
-            _check_sources(run_dir, split, sources)
+            _check_sources(run_dir, split, sources, targets)
     # Under torchrun every rank checked the same inputs above; rank 0 alone writes, the others wait for it.
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = setup_distributed(cfg.training.device)
@@ -213,7 +227,8 @@ def sft(base: str | os.PathLike, data: str | os.PathLike, run_dir: str | os.Path
             mark(run_dir)
             write_base(run_dir, {**record, "lora": lora_record(cfg)})
             tok.save(run_dir / DATA_DIR / "tokenizer.json", force=True)
-            write_conversations(run_dir / DATA_DIR, {split: (convs, {"skipped": skipped, "sources": sources})
+            write_conversations(run_dir / DATA_DIR, {split: (convs, {"skipped": skipped, "sources": sources,
+                                                                     "targets": targets})
                                                      for split, (convs, skipped, sources) in rendered.items()},
                                 tok.fingerprint(), tok.special_tokens[EOT])
         barrier()

@@ -1,7 +1,8 @@
 """The ``lmforge`` command line: a table of subcommands, each parsing flags and calling one library function.
 
 One module per command group: :mod:`~lmforge.cli.tokenizer`, :mod:`~lmforge.cli.data`, :mod:`~lmforge.cli.train`
-(train), :mod:`~lmforge.cli.sft` (sft, lora merge), :mod:`~lmforge.cli.rl`, :mod:`~lmforge.cli.eval` (eval, report),
+(train), :mod:`~lmforge.cli.midtrain`, :mod:`~lmforge.cli.sft` (sft, lora merge), :mod:`~lmforge.cli.rl`,
+:mod:`~lmforge.cli.eval` (eval, report),
 :mod:`~lmforge.cli.generate`, :mod:`~lmforge.cli.chat` (chat, chat render), :mod:`~lmforge.cli.serve`,
 :mod:`~lmforge.cli.interop` (export, import), :mod:`~lmforge.cli.checkpoint` (consolidate),
 :mod:`~lmforge.cli.speedrun`. The table below names the module of
@@ -69,6 +70,8 @@ COMMANDS = {
     "eval": ("a run's checkpoint: validation loss/perplexity/bits per byte, or --task accuracy (offline evals)",
              "lmforge.cli.eval"),
     "report": ("write each run's card (report.md + report.json) and compare runs side by side", "lmforge.cli.eval"),
+    "midtrain": ("continue a pretrained run on its corpus mixed with chat conversations (every token trained, "
+                 "before sft); resumes automatically", "lmforge.cli.midtrain"),
     "sft": ("fine-tune a run on conversations (JSONL messages), fully or with LoRA; resumes automatically",
             "lmforge.cli.sft"),
     "rl": ("reinforcement learning from verifiable rewards on a chat run (exact-match rewards, K samples per "

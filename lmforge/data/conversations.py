@@ -245,6 +245,10 @@ class MixedLoader:
         (xc, yc), (xt, yt) = self.conversations.next_batch(), self.tokens.next_batch()[:2]
         return torch.cat([xc, xt]), torch.cat([yc, yt])  # (Bc + Bt, T) each
 
+    def step_metrics(self) -> dict[str, float]:
+        """The pretraining blocks' figures (``copy_data_share`` with a copy mixture)."""
+        return self.tokens.step_metrics()
+
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "mixed", "conversations": self.conversations.state_dict(), "tokens": self.tokens.state_dict()}
 

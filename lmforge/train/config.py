@@ -170,7 +170,8 @@ class DataConfig:
     copy_fraction: float = 0.0
     """Share of each pretraining block's tokens overwritten on the fly by synthetic text that repeats itself, so
     that in-context copying is learned early (``lmforge.data.mixture``); 0 = off, at most 0.5. Seeded by the block's
-    place in the run: resuming is exact. The share measured is logged as ``copy_data_share``."""
+    place in the run: resuming is exact. The share measured is logged as ``copy_data_share``. In a fine-tuning run
+    (``lmforge midtrain``) it applies to the blocks of ``sft.pretrain_mix``."""
     copy_sources: tuple[Literal["repeat", "names", "random"], ...] = ("repeat", "names", "random")
     """The synthetic sources, drawn in equal shares: ``repeat`` (a span of the block's text repeated after a gap),
     ``names`` (template sentences that mention a made-up name twice), ``random`` (random ids, a gap, the same ids)."""
@@ -181,9 +182,9 @@ class DataConfig:
         if not self.dir:
             raise ValueError("data.dir is empty; set it to a shard directory made by `lmforge data prepare`")
         check_copy_settings(self.copy_fraction, self.copy_sources, self.copy_span)
-        if self.copy_fraction and self.kind != "tokens":
-            raise ValueError(f"data.copy_fraction mixes copy data into pretraining blocks (data.kind: tokens), not "
-                             f"{self.kind}; set it to 0")
+        if self.copy_fraction and self.kind == "prompts":
+            raise ValueError("data.copy_fraction mixes copy data into pretraining blocks (data.kind: tokens, or the "
+                             "blocks of sft.pretrain_mix), not into prompts; set it to 0")
 
 
 @dataclasses.dataclass
@@ -416,6 +417,11 @@ class RunConfig:
         if self.sft is not None and self.sft.pretrain_rows(self.training.batch_size) >= self.training.batch_size:
             raise ValueError(f"sft.pretrain_mix={self.sft.pretrain_mix} leaves no conversation row in a batch of "
                              f"training.batch_size={self.training.batch_size}; lower the mix or raise the batch size")
+        if self.data.copy_fraction and self.data.kind == "conversations" and \
+                (self.sft is None or not self.sft.pretrain_mix):
+            raise ValueError("data.copy_fraction mixes copy data into pretraining blocks, which conversations have "
+                             "only with sft.pretrain_mix > 0 (as lmforge midtrain mixes them); set it to 0 or mix "
+                             "pretraining blocks in")
         if (self.rl is None) != (self.data.kind != "prompts"):
             raise ValueError("an rl section and data.kind: prompts go together (reinforcement learning samples its "
                              "batches from prompts); start such a run with `lmforge rl --base RUN`")

@@ -8,7 +8,8 @@ target count, and what a fine-tuning checkpoint holds.
   head to ``model.vocab_size`` (new rows = the mean rows, :meth:`TransformerLM.resize_vocab`) and, with a
   ``lora`` section, wraps the targeted projections with adapters and freezes everything else.
 * ``_check``: :func:`conversation_data` opens the rendered conversations (``data.kind: conversations``) and
-  makes the packed, masked loader (mixed with the base's token shards for ``sft.pretrain_mix``).
+  makes the packed, masked loader (mixed with the base's token shards for ``sft.pretrain_mix``, the copy mixture
+  of ``data.copy_fraction`` written into those blocks).
 * ``_train_step``: :func:`global_target_count` is the number of trained targets of the whole step (every
   micro-batch, every rank), the loss's denominator, so accumulation and data parallelism equal one big batch.
 * ``_snapshot``/``_resume``: :func:`trained_state` is what a checkpoint holds: the whole model, or for a LoRA
@@ -24,7 +25,7 @@ from typing import Any
 
 from lmforge.checkpoint import apply_checkpoint
 from lmforge.common import sha256_file
-from lmforge.data import BlockLoader, TokenDataset
+from lmforge.data import BlockLoader, TokenDataset, copy_mixture
 from lmforge.data.conversations import (IGNORE_INDEX, ConversationDataset, ConversationLoader, MixedLoader,
                                         conversation_val_batches)
 from lmforge.model import TransformerLM
@@ -109,7 +110,7 @@ def conversation_data(cfg: Any, tokenizer: Any, info: Any, micro_batch: int) -> 
 
     ``micro_batch`` rows per micro-batch (the loop's batch plan). The loader mixes in the base's pretraining blocks
     when ``sft.pretrain_mix > 0``: ``round(mix * micro_batch)`` rows of every micro-batch (at least one), the rest
-    conversations.
+    conversations; ``data.copy_fraction`` writes its copy segments into those blocks.
     """
     dc, tc, T = cfg.data, cfg.training, cfg.context_length
     train_ds = ConversationDataset(dc.dir, dc.train_split)
@@ -133,7 +134,7 @@ def conversation_data(cfg: Any, tokenizer: Any, info: Any, micro_batch: int) -> 
             raise ValueError(f"the pretraining shards {shards.dir} hold token id {shards.max_token_id}, beyond "
                              f"model.vocab_size={V}")
         loader = MixedLoader(conv, BlockLoader(shards, n_tok, T, seed=tc.seed, rank=info.rank,
-                                               world_size=info.world_size))
+                                               world_size=info.world_size, mixture=copy_mixture(dc, tokenizer)))
         logger.info("pretraining mix: %d of %d rows per micro-batch from %s", n_tok, micro_batch, shards.dir)
     val_set = (conversation_val_batches(val_ds, tc.eval_batch_size or tc.batch_size, T, tc.eval_batches)
                if val_ds is not None else [])

@@ -6,6 +6,7 @@ import json
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -258,36 +259,32 @@ def _sft_cmd(base_run: Path, convs: dict, run_dir: Path, *sets: str) -> list[str
     return cmd
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_sigkill_and_restart_equals_uninterrupted(base_run, convs, tmp_path) -> None:
+def kill_and_restart(script: Path, argv_of: Any, full: Path, killed: Path, kill_at: int, steps: int) -> None:
+    """Run ``script DELAY *argv_of(run)`` into ``full`` and, slowed, into ``killed`` at once; SIGKILL the slowed one
+    once it has logged step ``kill_at`` (before step ``steps``), start it again, and wait for both to finish."""
     import signal
     import subprocess
     import sys
     import time
 
-    sets = SMALL + ("training.max_steps=20", "training.checkpoint_every=5", "training.eval_every=10")
-    script = tmp_path / "slow_main.py"
-    script.write_text(_SLOW_MAIN)
     start = lambda run, delay: subprocess.Popen(  # noqa: E731
-        [sys.executable, str(script), str(delay), *_sft_cmd(base_run, convs, run, *sets)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    full, killed = tmp_path / "full", tmp_path / "killed"
+        [sys.executable, str(script), str(delay), *argv_of(run)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     procs = [start(full, 0.0), start(killed, 0.05)]
     try:
         proc = procs[1]
         metrics, deadline = killed / "metrics.jsonl", time.time() + 90
-        while time.time() < deadline:  # between the checkpoints at 5 and 10
-            if metrics.exists() and any(json.loads(ln).get("step", 0) >= 7
+        while time.time() < deadline:
+            if metrics.exists() and any(json.loads(ln).get("step", 0) >= kill_at
                                         for ln in metrics.read_text().splitlines() if ln.endswith("}")):
                 break
             assert proc.poll() is None, proc.stderr.read().decode()
             time.sleep(0.005)
         else:
-            pytest.fail("the run to be killed logged no step 7 within 90 s")
+            pytest.fail(f"the run to be killed logged no step {kill_at} within 90 s")
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
-        assert 7 <= _losses(killed)[-1][0] < 20
+        logged = [json.loads(ln)["step"] for ln in metrics.read_text().splitlines() if '"loss"' in ln]
+        assert kill_at <= logged[-1] < steps
         restart = start(killed, 0.0)
         procs.append(restart)
         assert restart.wait(timeout=90) == 0, restart.stderr.read().decode()
@@ -297,6 +294,16 @@ def test_sigkill_and_restart_equals_uninterrupted(base_run, convs, tmp_path) -> 
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sigkill_and_restart_equals_uninterrupted(base_run, convs, tmp_path) -> None:
+    sets = SMALL + ("training.max_steps=20", "training.checkpoint_every=5", "training.eval_every=10")
+    script = tmp_path / "slow_main.py"
+    script.write_text(_SLOW_MAIN)
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    kill_and_restart(script, lambda run: _sft_cmd(base_run, convs, run, *sets), full, killed, 7, 20)  # ckpts 5, 10
     assert [s for s, _ in _losses(killed)] == list(range(1, 21))
     assert _losses(killed) == _losses(full)  # bit for bit
     vals = lambda r: [(e["step"], e["val_loss"]) for e in map(json.loads, (r / "metrics.jsonl").read_text()  # noqa: E731
