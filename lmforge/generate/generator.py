@@ -84,7 +84,6 @@ class Generator:
         self.device = next(model.parameters()).device
         self.rows = RowStep.of(tokenizer, self.cfg.vocab_size)
         """What each token means (:mod:`~lmforge.generate.rows`); ids past the tokenizer's (padding) never sampled."""
-        self.vocab_limit = self.rows.vocab_limit
         self.engine = Engine(model, window_drop, weight_dtype, activations=activations)
         self.prefix_cache: PrefixCache | None = None
         """Set to keep the KV of each :meth:`turn`'s prompt and reply for the next (a chat re-sends its history)."""
@@ -243,10 +242,8 @@ class Generator:
         The prompt's longest prefix held by :attr:`prefix_cache` is not prefilled again.
         """
         check_sampling(temperature, top_k, top_p)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer (got {max_new_tokens!r})")
         rows = [list(prompt_ids)]
-        self._check_prompts(rows, 1, "stop")
+        self._check_prompts(rows, max_new_tokens, "slide")  # (a turn ends at a full context: it never slides)
         if self.tokenizer is None:
             raise ValueError("this Generator has no tokenizer; pass tokenizer= to stream text")
         row = Row(rows[0], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, gen=rng or self.rng(),
