@@ -71,8 +71,8 @@ from typing import Any, Sequence
 from lmforge.common import check_input_file
 from lmforge.tokenizer import EOT, Tokenizer
 
-__all__ = ["CHAT_SPECIAL_TOKENS", "ROLES", "TOOL_SPECIAL_TOKENS", "ChatFormat", "add_chat_tokens", "call_text",
-           "check_conversation", "check_tools", "load_conversations", "read_conversations", "read_records"]
+__all__ = ["CHAT_SPECIAL_TOKENS", "ROLES", "TOOL_SPECIAL_TOKENS", "ChatFormat", "ConversationError", "add_chat_tokens",
+           "call_text", "check_conversation", "check_tools", "load_conversations", "read_conversations", "read_records"]
 
 CHAT_SPECIAL_TOKENS: tuple[str, ...] = (
     EOT,  # conversation start (the pretraining document separator)
@@ -117,8 +117,17 @@ def call_text(call: Any) -> str:
 # --------------------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------------------
+class ConversationError(ValueError):
+    """A conversation :func:`check_conversation` refuses; ``index``: the message at fault (None: the whole)."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+
 def check_conversation(messages: Any, for_training: bool = True) -> list[Message]:
-    """The messages, checked against the rules in the module docstring (``ValueError`` naming the message).
+    """The messages, checked against the rules in the module docstring (:class:`ConversationError` naming the
+    message).
 
     ``for_training``: the conversation must end with a finished assistant reply (else it trains nothing);
     otherwise (a prompt for :meth:`ChatFormat.render_for_completion`) it must end with a user message, and an
@@ -129,47 +138,52 @@ def check_conversation(messages: Any, for_training: bool = True) -> list[Message
         messages = list(messages)
     if not isinstance(messages, list) or not messages:
         hint = "; pass record[\"messages\"], not the record" if isinstance(messages, dict) else ""
-        raise ValueError(f"a conversation is a non-empty list of messages, got {type(messages).__name__} "
-                         f"{messages!r:.60}{hint}")
+        raise ConversationError(f"a conversation is a non-empty list of messages, got {type(messages).__name__} "
+                                f"{messages!r:.60}{hint}")
     expect = {"system", "user"}  # roles allowed at the next position
     pending: list[dict[str, Any]] = []  # function calls not yet answered by a tool message
     for k, m in enumerate(messages):
         where = f"message {k}"
         if not isinstance(m, dict):
-            raise ValueError(f"{where} must be an object {{\"role\": ..., \"content\": ...}}, got {m!r:.60}")
+            raise ConversationError(f"{where} must be an object {{\"role\": ..., \"content\": ...}}, got {m!r:.60}",
+                                    k)
         role = m.get("role")
         if role not in ROLES:
-            raise ValueError(f"{where} has unknown role {role!r}; use one of {', '.join(ROLES)}")
+            raise ConversationError(f"{where} has unknown role {role!r}; use one of {', '.join(ROLES)}", k)
         extra = set(m) - {"role", "content", "tool_call", "tool_calls", "tool_call_id"}
         misplaced = [k for k in ("tool_call", "tool_calls") if k in m and role != "assistant"] + \
             (["tool_call_id"] if "tool_call_id" in m and role != "tool" else [])
         if extra or misplaced or ("tool_call" in m and "tool_calls" in m):
             bad = sorted(extra)[0] if extra else misplaced[0] if misplaced else "tool_calls"
-            raise ValueError(f"{where} ({role}) has key {bad!r}; messages hold role and content, an assistant "
-                             "message may add tool_call: \"EXPR\" (a calculator call) or tool_calls (function "
-                             "calls), and a tool message tool_call_id")
+            raise ConversationError(f"{where} ({role}) has key {bad!r}; messages hold role and content, an assistant "
+                                    "message may add tool_call: \"EXPR\" (a calculator call) or tool_calls (function "
+                                    "calls), and a tool message tool_call_id", k)
         content, call, calls = m.get("content"), m.get("tool_call"), m.get("tool_calls")
         if not isinstance(content, str) or ("tool_call" in m and not isinstance(call, str)):
-            raise ValueError(f"{where} ({role}): content and tool_call must be strings, got {content!r:.60}")
+            raise ConversationError(f"{where} ({role}): content and tool_call must be strings, got {content!r:.60}",
+                                    k)
         if call is not None and not call.strip():
-            raise ValueError(f"{where} (assistant) has an empty tool_call; give the expression or drop the key")
+            raise ConversationError(f"{where} (assistant) has an empty tool_call; give the expression or drop the "
+                                    "key", k)
         if calls is not None:
             if not isinstance(calls, list) or not calls:
-                raise ValueError(f"{where} (assistant): tool_calls must be a non-empty list, got {calls!r:.60}")
+                raise ConversationError(f"{where} (assistant): tool_calls must be a non-empty list, got "
+                                        f"{calls!r:.60}", k)
             for c in calls:
                 call_text(c)
         if not content.strip() and call is None and not calls and (for_training or role != "assistant"):
-            raise ValueError(f"{where} ({role}) has empty content; give it text or drop the message")
+            raise ConversationError(f"{where} ({role}) has empty content; give it text or drop the message", k)
         if role not in expect:
-            raise ValueError(f"{where} has role {role!r} but {' or '.join(sorted(expect))} must come here: "
-                             "an optional system message first, then user and assistant turns alternating, "
-                             "and a tool message right after each assistant tool_call (one per tool_calls entry)")
+            raise ConversationError(f"{where} has role {role!r} but {' or '.join(sorted(expect))} must come here: "
+                                    "an optional system message first, then user and assistant turns alternating, "
+                                    "and a tool message right after each assistant tool_call (one per tool_calls "
+                                    "entry)", k)
         if role == "tool" and pending:
             tid = m.get("tool_call_id")
             ids = [c.get("id") for c in pending]
             if tid is not None and any(ids) and tid not in ids:
-                raise ValueError(f"{where} (tool) answers tool_call_id {tid!r:.60}, which no unanswered call of the "
-                                 f"assistant has ({', '.join(map(str, filter(None, ids)))})")
+                raise ConversationError(f"{where} (tool) answers tool_call_id {tid!r:.60}, which no unanswered call "
+                                        f"of the assistant has ({', '.join(map(str, filter(None, ids)))})", k)
             pending.pop(ids.index(tid) if tid in ids else 0)
             expect = {"tool"} if pending else {"assistant", "user"}
             continue
@@ -182,19 +196,19 @@ def check_conversation(messages: Any, for_training: bool = True) -> list[Message
     last = messages[-1]
     if for_training:
         if not any(m["role"] == "assistant" for m in messages):
-            raise ValueError("the conversation has no assistant message, so it has nothing to train on; "
-                             "add the assistant's reply")
+            raise ConversationError("the conversation has no assistant message, so it has nothing to train on; "
+                                    "add the assistant's reply")
         if "tool_call" in last or pending or last.get("tool_calls"):
-            raise ValueError("the conversation ends with an assistant tool call; add the tool message with its "
-                             "result and the assistant's reply")
+            raise ConversationError("the conversation ends with an assistant tool call; add the tool message with "
+                                    "its result and the assistant's reply")
         if last["role"] != "assistant":
-            raise ValueError(f"the conversation ends with a {last['role']} message that is not answered; end it "
-                             "with the assistant's reply")
+            raise ConversationError(f"the conversation ends with a {last['role']} message that is not answered; end "
+                                    "it with the assistant's reply")
     elif pending or last.get("tool_calls"):
-        raise ValueError(f"the prompt's last assistant message has {len(pending) or len(last['tool_calls'])} "
-                         "function call(s) without a tool message answering each; add the results")
+        raise ConversationError(f"the prompt's last assistant message has {len(pending) or len(last['tool_calls'])} "
+                                "function call(s) without a tool message answering each; add the results")
     elif last["role"] != "user" and not (last["role"] == "tool" and _answers_functions(messages)):
-        raise ValueError(f"a prompt must end with a user message (the reply is generated), not {last['role']}")
+        raise ConversationError(f"a prompt must end with a user message (the reply is generated), not {last['role']}")
     return messages
 
 

@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from lmforge.chat.format import ChatFormat, Message, check_conversation
+from lmforge.chat.format import ChatFormat, ConversationError, Message, check_conversation
 from lmforge.chat.tools import ToolUse
 from lmforge.generate import Generator
 from lmforge.generate.constraints import Grammars
@@ -128,27 +128,29 @@ class ServedModel:
                     error: Callable[[int | None, str], APIError] | None = None) -> list[int]:
         """Prompt ids of a conversation (ends with ``<|assistant_start|>``), each assistant message split at its
         calculator calls (:func:`messages_from_text`; its function calls stay on the last part), with the
-        function definitions ``tools``. A conversation the renderer refuses raises ``error(k, why)``: ``why``
-        names message ``k`` ``message k`` (None: the conversation as a whole); by default a 400 naming
-        ``messages``."""
+        function definitions ``tools``. A conversation the renderer refuses raises ``error(k, why)``: ``k`` is the
+        client's message at fault (None: the conversation as a whole), which ``why`` names ``message k``; by
+        default a 400 naming ``messages``."""
         if self.chat is None:
             raise APIError(400, self.no_chat, "messages", "chat_not_supported")
+        error = error or _messages_error
         try:
             check_conversation(messages, for_training=False)  # errors name the messages as the client sent them
-            split = []
-            for m in messages:
-                if m["role"] != "assistant":
-                    split.append(m)
-                    continue
-                parts = messages_from_text(m["content"])
-                if m.get("tool_calls"):
-                    parts[-1]["tool_calls"] = m["tool_calls"]
-                split += parts
+        except ValueError as e:  # (a ConversationError names the message at fault; a malformed call does not)
+            raise error(e.index if isinstance(e, ConversationError) else None, str(e)) from None
+        split = []
+        for m in messages:
+            if m["role"] != "assistant":
+                split.append(m)
+                continue
+            parts = messages_from_text(m["content"])
+            if m.get("tool_calls"):
+                parts[-1]["tool_calls"] = m["tool_calls"]
+            split += parts
+        try:
             return self.chat.render_for_completion(split, tools)
-        except ValueError as e:
-            why = str(e)
-            k = next((k for k in range(len(messages)) if why.startswith(f"message {k} ")), None)
-            raise (error or _messages_error)(k, why) from None
+        except ValueError as e:  # (the split conversation, or its tools: no message of the client's to name)
+            raise error(None, str(e)) from None
 
     @property
     def grammars(self) -> Grammars:

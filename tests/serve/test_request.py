@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 
+from lmforge.chat.format import ConversationError, check_conversation  # noqa: E402
 from lmforge.serve import ServedModel, responses  # noqa: E402
 from lmforge.serve.api import ChatCompletionRequest, parse  # noqa: E402
 from lmforge.serve.errors import APIError  # noqa: E402
@@ -90,3 +91,19 @@ def test_errors_after_parsing_name_each_dialects_parameters(svc):
     tool = {**FN, "parameters": {"type": "array"}}
     resp = _error(lambda: svc.chat_jobs(_responses(input="x", tools=[{"type": "function", **tool}]), ""))
     assert resp.param == "tools.0.parameters" and resp.message.startswith("tools.0.parameters: ")
+
+
+def test_renderer_faults_carry_the_message_index(svc):
+    """check_conversation's error holds the index of the message at fault (``ConversationError.index``), which
+    names the client's item; a fault only the split of a reply's calculator markup shows (its empty output) names
+    no item of the client's."""
+    with pytest.raises(ConversationError) as e:
+        check_conversation([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], for_training=False)
+    assert e.value.index == 1
+    items = [{"role": "user", "content": "q"}, {"role": "user", "content": "r"}]
+    assert _error(lambda: svc.chat_jobs(_responses(input=items), "")).param == "input.1"
+    items = [{"role": "user", "content": "q"},
+             {"role": "assistant", "content": "<calculator>1</calculator><output></output>"},
+             {"role": "user", "content": "r"}]
+    resp = _error(lambda: svc.chat_jobs(_responses(input=items), ""))
+    assert resp.param == "input" and "(tool) has empty content" in resp.message, (resp.param, resp.message)
