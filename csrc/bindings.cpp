@@ -212,7 +212,7 @@ struct StepModel {
 
 NB_MODULE(_core, m) {
     m.doc() = "lmforge C++ core: pre-tokenization, pre-token counting, BPE training and encoding, document splitting, decode-time matrix products and attention";
-    m.attr("ABI_VERSION") = 8;  // checked by lmforge._native.core(): bump both when a binding changes
+    m.attr("ABI_VERSION") = 9;  // checked by lmforge._native.core(): bump both when a binding changes
     m.attr("PATTERN_GPT2") = (int)kGPT2;
     m.attr("PATTERN_GPT4") = (int)kGPT4;
     m.attr("PATTERN_NANOCHAT") = (int)kNanochat;
@@ -358,7 +358,8 @@ NB_MODULE(_core, m) {
         "Run `jobs` tiny jobs back to back on the decode kernels' pool; the number of chunks that ran other than "
         "exactly once (0 when the pool is right; for tests).");
     m.def("linear_isa", &linear_isa,
-          "Instruction set the decode kernels use on this CPU: 'avx512_vnni' (the int8-activation products on "
+          "Instruction set the decode kernels use on this CPU: 'avx512_bf16' (linear_bf16_activations is on and "
+          "runs: the bf16-weight products on AVX-512 BF16), 'avx512_vnni' (the int8-activation products on "
           "AVX-512 VNNI, the rest on AVX-512), 'avx512', 'avx2' or 'scalar'.");
     m.def("linear_force_scalar", &linear_force_scalar, nb::arg("on"),
           "Run the decode kernels' scalar code even on AVX2 CPUs (for tests).");
@@ -366,6 +367,10 @@ NB_MODULE(_core, m) {
           "Run the decode kernels' AVX2 code even on AVX-512 CPUs (for tests).");
     m.def("linear_force_avx512", &linear_force_avx512, nb::arg("on"),
           "Run the decode kernels' AVX-512F code (no VNNI) even on AVX-512 VNNI CPUs (for tests).");
+    m.def("linear_bf16_activations", &linear_bf16_activations, nb::arg("on"),
+          "Opt-in numerics of bf16-weight products (kind 1): round each row of x to bf16, sum the products in "
+          "float32 with vdpbf16ps (k = 1, 0, 3, 2, ..). Runs where the CPU has AVX-512 BF16 and no force switch "
+          "is on (linear_isa() says 'avx512_bf16'); elsewhere nothing changes. Process-wide.");
 
     using F2 = nb::ndarray<nb::ro, float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
     nb::class_<StepModel>(m, "DecodeModel",

@@ -12,7 +12,7 @@ import numpy
 from numpy.typing import NDArray
 
 
-ABI_VERSION: int = 8
+ABI_VERSION: int = 9
 
 PATTERN_GPT2: int = 0
 
@@ -57,7 +57,7 @@ def pool_selfcheck(jobs: int, threads: int) -> int:
 
 def linear_isa() -> str:
     """
-    Instruction set the decode kernels use on this CPU: 'avx512_vnni' (the int8-activation products on AVX-512 VNNI, the rest on AVX-512), 'avx512', 'avx2' or 'scalar'.
+    Instruction set the decode kernels use on this CPU: 'avx512_bf16' (linear_bf16_activations is on and runs: the bf16-weight products on AVX-512 BF16), 'avx512_vnni' (the int8-activation products on AVX-512 VNNI, the rest on AVX-512), 'avx512', 'avx2' or 'scalar'.
     """
 
 def linear_force_scalar(on: bool) -> None:
@@ -69,6 +69,11 @@ def linear_force_avx2(on: bool) -> None:
 def linear_force_avx512(on: bool) -> None:
     """
     Run the decode kernels' AVX-512F code (no VNNI) even on AVX-512 VNNI CPUs (for tests).
+    """
+
+def linear_bf16_activations(on: bool) -> None:
+    """
+    Opt-in numerics of bf16-weight products (kind 1): round each row of x to bf16, sum the products in float32 with vdpbf16ps (k = 1, 0, 3, 2, ..). Runs where the CPU has AVX-512 BF16 and no force switch is on (linear_isa() says 'avx512_bf16'); elsewhere nothing changes. Process-wide.
     """
 
 class DecodeModel:

@@ -15,14 +15,18 @@ The extension is imported on the first call, not when this module is imported.
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
-__all__ = ["ABI_VERSION", "REBUILD_COMMAND", "available", "core"]
+__all__ = ["ABI_VERSION", "BF16_ACTIVATIONS_ENV", "REBUILD_COMMAND", "available", "core"]
 
 # The ABI_VERSION these Python sources are written against; csrc/bindings.cpp sets the built one. Bump
 # both together when a binding changes, so that a stale build says so instead of failing mid-call.
-ABI_VERSION = 8
+ABI_VERSION = 9
 REBUILD_COMMAND = "pip install --no-build-isolation -e ."
+# "1": the decode kernels' opt-in bf16-activation products (``_core.linear_bf16_activations``) from the first
+# ``core()`` on; "0" or unset: off.
+BF16_ACTIVATIONS_ENV = "LMFORGE_BF16_ACTIVATIONS"
 
 
 _loaded: ModuleType | None = None  # set once the extension has loaded and its ABI checked
@@ -32,8 +36,9 @@ def core() -> ModuleType:
     """The ``lmforge._core`` module, built from these sources.
 
     Raises ``ImportError`` with the command that builds it when the extension is missing, does not load,
-    or was built from other sources (its ``ABI_VERSION`` differs). After the first success this is one global
-    read: the decode kernels call it on every product.
+    or was built from other sources (its ``ABI_VERSION`` differs), ``ValueError`` when ``BF16_ACTIVATIONS_ENV``
+    is set to other than "0" or "1" (when "1", the first call switches that mode on). After the first success
+    this is one global read: the decode kernels call it on every product.
     """
     global _loaded
     if _loaded is not None:
@@ -48,6 +53,11 @@ def core() -> ModuleType:
     if built != ABI_VERSION:
         raise ImportError(f"lmforge._core was built from other sources (ABI_VERSION {built}, these sources "
                           f"need {ABI_VERSION}); rebuild it from the repository root with `{REBUILD_COMMAND}`")
+    mode = os.environ.get(BF16_ACTIVATIONS_ENV, "")
+    if mode not in ("", "0", "1"):
+        raise ValueError(f"{BF16_ACTIVATIONS_ENV} must be 0 or 1 (the decode kernels' bf16 activations), got {mode!r}")
+    if mode == "1":
+        mod.linear_bf16_activations(True)
     _loaded = mod
     return mod
 

@@ -143,6 +143,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             fcntl.flock(door, fcntl.LOCK_UN)
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (those the kernel lets programs use); empty elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 @pytest.fixture(params=["avx512_vnni", "avx512", "avx2", "scalar"])
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run a test on each instruction set of the C++ decode kernels (``_core.linear_isa()``'s names) that this
@@ -150,7 +159,8 @@ def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     and so is a forced "avx512" on a VNNI CPU: it runs the AVX-512 float tiles, which "avx512_vnni" runs too, and the
     AVX2 integer tiles, which "avx2" runs (tests/generate/test_decode_step.py compares the sets' bits directly).
     ``LMFORGE_TEST_ISAS`` (comma-separated names, "widest" for the CPU's widest) limits the sets (tools/sanitize.sh).
-    Needs the extension: use it in modules that skip without it."""
+    The bf16-activation mode is off throughout (the default arithmetic; tests/generate/test_bf16_activations.py
+    holds the mode to its own reference). Needs the extension: use it in modules that skip without it."""
     from lmforge._native import core
 
     _core = core()
@@ -159,6 +169,7 @@ def isa(request: pytest.FixtureRequest) -> Iterator[str]:
         pytest.skip(f"LMFORGE_TEST_ISAS={os.environ['LMFORGE_TEST_ISAS']}")
     if request.param == "avx512" and _core.linear_isa() == "avx512_vnni":
         pytest.skip("on an AVX-512 VNNI CPU the avx512_vnni and avx2 runs cover every kernel a forced avx512 runs")
+    _core.linear_bf16_activations(False)
     _core.linear_force_scalar(request.param == "scalar")
     _core.linear_force_avx2(request.param == "avx2")
     _core.linear_force_avx512(request.param == "avx512")

@@ -3,9 +3,9 @@ spans that cut characters or leave the buffer, cache rows and lengths at and pas
 included), shapes that disagree, counts near 2**63, every packed weight kind. Each call must give the answer its
 contract says or refuse with ValueError/TypeError, and leave its outputs alone when it refuses. Each iteration runs
 on one of the decode kernels' instruction sets that the CPU has (``_core.linear_isa()``'s names, the wider ones
-switched off), picked at random, and a product's answer must be the scalar code's bits. ``make sanitize`` runs it
-against the ASan + UBSan build, where a read or write out of bounds aborts; ``tests/tools/test_fuzz_core.py`` runs
-a few hundred iterations on the normal build.
+switched off; "avx512_bf16": the bf16-activation mode on), picked at random, and a product's answer must be the
+scalar code's bits. ``make sanitize`` runs it against the ASan + UBSan build, where a read or write out of bounds
+aborts; ``tests/tools/test_fuzz_core.py`` runs a few hundred iterations on the normal build.
 
 Usage: python tools/fuzz_core.py [--iterations N] [--seed S]
 """
@@ -90,11 +90,14 @@ def fuzz_counts(c, rng: random.Random) -> None:
         assert "pair counts" in str(e)
 
 
-ISAS = ("avx512_vnni", "avx512", "avx2", "scalar")  # the decode kernels' instruction sets, widest first
+# the decode kernels' instruction sets, widest first; "avx512_bf16" is the opt-in bf16-activation mode, whose
+# products equal the others' bits here: activations and weights are small integers, exact in bf16
+ISAS = ("avx512_bf16", "avx512_vnni", "avx512", "avx2", "scalar")
 
 
 def use_isa(c, name: str) -> str:
     """Switch the decode kernels to instruction set ``name`` or the widest below it; returns what they run."""
+    c.linear_bf16_activations(name == "avx512_bf16")
     c.linear_force_scalar(name == "scalar")
     c.linear_force_avx2(name == "avx2")
     c.linear_force_avx512(name == "avx512")
@@ -104,7 +107,7 @@ def use_isa(c, name: str) -> str:
 def isas_of(c) -> list[str]:
     """The instruction sets this CPU runs the kernels on (the switches left off)."""
     found = [name for name in ISAS if use_isa(c, name) == name]
-    use_isa(c, ISAS[0])
+    use_isa(c, ISAS[1])  # the default: the widest set, the bf16-activation mode off
     return found
 
 
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             step.fuzz(rng)
             fuzz_linear_rows(c, rng, isa)
     finally:
-        use_isa(c, ISAS[0])
+        use_isa(c, ISAS[1])
     print(f"fuzz_core: {args.iterations} iterations of each binding on the decode kernels' {', '.join(isas)}, all "
           "answers as their contracts say")
     return 0

@@ -63,8 +63,9 @@ void linear_rows_q8(const float* x, size_t M, size_t K, const void* w, WeightTyp
 // codes xq (M, 32 G) in [-127, 127], scales d (M, G), code sums xsum (M, G) (qdot.cpp says how).
 void quantize_rows_q8(const float* x, size_t M, size_t K, int8_t* xq, float* d, int32_t* xsum);
 
-// Which instruction set the kernels use on this CPU: "avx512_vnni" (AVX-512 with VNNI: the integer products
-// of I8Q8 and I4Q8 use vpdpbusd, the rest the AVX-512 code), "avx512", "avx2" or "scalar".
+// Which instruction set the kernels use on this CPU: "avx512_bf16" (the bf16-activation mode is on and runs:
+// BF16 products on vdpbf16ps, the rest as under "avx512_vnni" or "avx512"), "avx512_vnni" (AVX-512 with VNNI: the
+// integer products of I8Q8 and I4Q8 use vpdpbusd, the rest the AVX-512 code), "avx512", "avx2" or "scalar".
 const char* linear_isa();
 
 // Use the scalar kernels even where AVX2 is available (for tests holding both to the same reference).
@@ -75,6 +76,12 @@ void linear_force_avx2(bool on);
 
 // Use at most AVX-512F (no VNNI) even where AVX-512 VNNI is available (tests, as above).
 void linear_force_avx512(bool on);
+
+// Opt-in numerics for BF16 weights (off: the products above, unchanged): each row of x is rounded to bf16 (to
+// nearest even) and the products summed in fp32 by vdpbf16ps, in the order k = 1, 0, 3, 2, .. (tiles.inc says
+// exactly), subnormal bf16 inputs and fp32 partial sums flushed to zero. Runs only where the CPU has AVX-512 BF16
+// and no force switch is on (linear_isa() then says "avx512_bf16"); elsewhere BF16 products stay as they are.
+void linear_bf16_activations(bool on);
 
 // ---------------------------------------------------------------------------------------------------
 // A whole decode step (step.cpp). The pointers are borrowed: the caller keeps the arrays alive and unchanged.

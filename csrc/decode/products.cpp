@@ -1,7 +1,8 @@
 // Decode-time skinny matrix products y = x . W^T for a few rows x (contract in kernels.h; Python:
 // lmforge.generate.packed.PackedLinear; the decode step of step.cpp), and the switches of the kernels'
 // instruction set: scalar, AVX2 or AVX-512, picked at run time (the vector kernels in tiles.inc; AVX-512 VNNI
-// serves only the integer products of qdot.cpp).
+// serves only the integer products of qdot.cpp), and the opt-in bf16-activation mode of bf16 weights (AVX-512
+// BF16's vdpbf16ps, a third build of tiles.inc).
 //
 // Shape of the work: one decode step multiplies a few activation rows (M = batch size, 1..8) by every
 // weight matrix of the model once. At M = 1 each weight is used for a single multiply-add, so the time
@@ -115,15 +116,21 @@ constexpr size_t kPrefetch = 1024;  // weights ahead (in elements): software pre
 // The vector kernels (simd.h says when each runs), one source compiled for two instruction sets.
 #define LMFORGE_TILES LMFORGE_AVX2
 namespace avx2 {
-constexpr bool kWide = false;
+constexpr bool kWide = false, kBf16Dot = false;
 #include "decode/tiles.inc"
 }  // namespace avx2
 #undef LMFORGE_TILES
 #define LMFORGE_TILES LMFORGE_AVX512
 namespace avx512 {
-constexpr bool kWide = true;
+constexpr bool kWide = true, kBf16Dot = false;
 #include "decode/tiles.inc"
 }  // namespace avx512
+#undef LMFORGE_TILES
+#define LMFORGE_TILES LMFORGE_AVX512_BF16
+namespace avx512bf16 {  // only block<BF16> is used: bf16 weights times bf16 activations
+constexpr bool kWide = true, kBf16Dot = true;
+#include "decode/tiles.inc"
+}  // namespace avx512bf16
 #undef LMFORGE_TILES
 #endif  // LMFORGE_X86
 
@@ -154,7 +161,7 @@ BlockFn pick_block(WeightType wt) {
 struct Job {
     BlockFn block;
     const float* x;
-    const float* xs;  // int4: the group sums of x (M, G); else null
+    const float* xs;  // int4: the group sums of x (M, G); bf16 activations: x's bf16 pairs; else null
     size_t M, K;
     const void* w;
     size_t N;
@@ -188,17 +195,30 @@ void linear_rows(const float* x, size_t M, size_t K, const void* w, WeightType w
     if (wt == WeightType::I8Q8 || wt == WeightType::I4Q8)
         return linear_rows_q8(x, M, K, w, wt, N, y, ldy, threads, scales);
     std::lock_guard<ForkSafeMutex> lk(g_pool_mu);
-    const BlockFn block = pick_block(wt);
+    BlockFn block = pick_block(wt);
     // int4: each row's sum over each group of 32 k, in order (the tiles take 8 * xs off per group)
     thread_local std::vector<float> xs;
+    // bf16 activations: each row's x rounded to bf16 once, k = 2t and 2t + 1 in word t (the odd K's last high half 0)
+    thread_local std::vector<uint32_t> xp;
+    const float* side = nullptr;
     if (wt == WeightType::I4) {
         const size_t G = (K + 31) / 32;
         xs.assign(M * G, 0.0f);
         for (size_t m = 0; m < M; ++m)
             for (size_t k = 0; k < K; ++k) xs[m * G + k / 32] += x[m * K + k];
+        side = xs.data();
     }
-    Job job{block, x, wt == WeightType::I4 ? xs.data() : nullptr, M, K, w, N, y, ldy, 0, scales,
-            wt == WeightType::I8};
+#ifdef LMFORGE_X86
+    if (wt == WeightType::BF16 && bf16_dot_runs()) {
+        const size_t KH = (K + 1) / 2;
+        xp.assign(M * KH, 0u);
+        for (size_t m = 0; m < M; ++m)
+            for (size_t k = 0; k < K; ++k) xp[m * KH + k / 2] |= (uint32_t)f32_to_bf16(x[m * K + k]) << (16 * (k & 1));
+        block = avx512bf16::block<WeightType::BF16>;
+        side = reinterpret_cast<const float*>(xp.data());  // the block reads them back as uint32_t
+    }
+#endif
+    Job job{block, x, side, M, K, w, N, y, ldy, 0, scales, wt == WeightType::I8};
     const size_t panels = (N + kPanel - 1) / kPanel;
     // Below ~64k weights (a 256 x 256 matrix) the hand-off costs more than the second thread saves.
     if (threads <= 1 || N * K < (size_t)65536 || N < 64) {
@@ -214,6 +234,7 @@ void linear_rows(const float* x, size_t M, size_t K, const void* w, WeightType w
 }
 
 const char* linear_isa() {
+    if (bf16_dot_runs()) return "avx512_bf16";
     switch (kernel_isa()) {
         case Isa::Avx512Vnni: return "avx512_vnni";
         case Isa::Avx512: return "avx512";
@@ -227,5 +248,7 @@ void linear_force_scalar(bool on) { g_force_scalar.store(on); }
 void linear_force_avx2(bool on) { g_force_avx2.store(on); }
 
 void linear_force_avx512(bool on) { g_force_avx512.store(on); }
+
+void linear_bf16_activations(bool on) { g_bf16_activations.store(on); }
 
 }  // namespace lmforge

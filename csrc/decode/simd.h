@@ -1,7 +1,8 @@
 // CPU dispatch shared by the decode kernels in csrc/decode/ (Python: lmforge.generate.engine): whether
-// the AVX2, AVX-512 and AVX-512 VNNI code may run, the switches that force a narrower set (tests), the widest
-// set allowed (kernel_isa), the scalar fp16 conversion (fp16 weights, int4 scales), and the AVX2 helpers
-// f16x8_to_f32, store8, hsum and exp8.
+// the AVX2, AVX-512, AVX-512 VNNI and AVX-512 BF16 code may run, the switches that force a narrower set (tests),
+// the widest set allowed (kernel_isa), the opt-in bf16-activation mode (bf16_dot_runs), the scalar fp16 and bf16
+// conversions (fp16 weights, int4 scales; bf16 activations), and the AVX2 helpers f16x8_to_f32, store8, hsum
+// and exp8.
 #pragma once
 #include <atomic>
 #include <cstddef>
@@ -18,6 +19,9 @@ namespace lmforge {
 inline std::atomic<bool> g_force_scalar{false};  // tests: run the scalar kernels on an AVX2 machine too
 inline std::atomic<bool> g_force_avx2{false};    // tests: run the AVX2 kernels on an AVX-512 machine too
 inline std::atomic<bool> g_force_avx512{false};  // tests: run the AVX-512F kernels (no VNNI) on a VNNI machine too
+// Opt-in numerics (linear_bf16_activations): bf16-weight products round the activations to bf16 and use vdpbf16ps
+// where the CPU has AVX-512 BF16; elsewhere, or while a force switch is on, it changes nothing.
+inline std::atomic<bool> g_bf16_activations{false};
 
 // An IEEE fp16 bit pattern as fp32 (exact; what F16C's vcvtph2ps gives, subnormals, inf and NaN included).
 inline float f16_to_f32(uint16_t h) {
@@ -37,6 +41,14 @@ inline float f16_to_f32(uint16_t h) {
     float f;
     std::memcpy(&f, &bits, 4);
     return f;
+}
+
+// fp32 to the nearest bf16, ties to even, NaN to the quiet NaN 0x7fc0: torch's .to(torch.bfloat16), bit for bit.
+inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 #ifdef LMFORGE_X86
@@ -66,6 +78,15 @@ inline bool cpu_has_avx512() {
     __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
 inline bool cpu_has_avx512_vnni() {
     static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+    return ok;
+}
+
+// AVX-512 BF16 (vdpbf16ps: per fp32 lane, two bf16 products added in turn, the odd element's first) on top of
+// AVX-512F: the bf16-activation build of the bf16-weight products (products.cpp, tiles.inc), opt-in.
+#define LMFORGE_AVX512_BF16 \
+    __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512bf16")))
+inline bool cpu_has_avx512_bf16() {
+    static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
     return ok;
 }
 
@@ -127,6 +148,18 @@ inline Isa kernel_isa() {
     return Isa::Avx512Vnni;
 #else
     return Isa::Scalar;
+#endif
+}
+
+// Whether the bf16-weight products run the bf16-activation tiles: the mode is on, the CPU has AVX-512 BF16 and no
+// force switch caps the set.
+inline bool bf16_dot_runs() {
+#ifdef LMFORGE_X86
+    return g_bf16_activations.load(std::memory_order_relaxed) && cpu_has_avx512_bf16() &&
+           !g_force_scalar.load(std::memory_order_relaxed) && !g_force_avx2.load(std::memory_order_relaxed) &&
+           !g_force_avx512.load(std::memory_order_relaxed);
+#else
+    return false;
 #endif
 }
 

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import cpu_flags
 from conftest import tiny_lm as _model
 
 from lmforge._native import core
@@ -75,20 +76,11 @@ def test_int4_rounds_as_llama_cpp_q4_0():
     np.testing.assert_array_equal(PackedLinear(w, INT4).weight().numpy(), back.reshape(24, 128))
 
 
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux reports them (those the kernel lets programs use); empty elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 def test_the_widest_instruction_set_the_cpu_has_is_chosen_and_each_switch_caps_it():
     """``linear_isa()`` names what the kernels run: the widest set whose instructions the CPU reports (AVX-512
     VNNI where it has avx512_vnni: the integer products then use vpdpbusd), and each test switch caps it, the
     narrowest one winning."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if not flags:
         pytest.skip("no x86 feature flags in /proc/cpuinfo to check the choice against")
     order = ["scalar", "avx2", "avx512", "avx512_vnni"]
