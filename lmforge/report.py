@@ -199,21 +199,34 @@ def write_speedrun_report(out: Path, cfg: Any, data: dict[str, Any], ran: list[s
 
 
 def _chat_section(report: RunReport, st: dict[str, Any], out: Path) -> None:
-    """The speedrun's chat stages: task accuracy before and after fine-tuning, ended replies, a conversation."""
+    """The speedrun's chat stages: task accuracy after each stage (base, midtrained, SFT, RL), ended replies, a
+    conversation."""
     base, after, ft = st["chat-base"], st["chat-sft"], st["sft"]
-    report.section("Chat: fine-tuned on the built-in tasks").paragraph(
+    report.section("Chat: fine-tuned on the built-in tasks")
+    if "chat-mid" in st:
+        mt, mid = st["midtrain"], st["chat-mid"]
+        report.paragraph(
+            f"`lmforge midtrain` first continued the pretrained model for {mt['step']} steps "
+            f"({fmt_seconds(mt['seconds'])}) into `midtrain/` on its corpus mixed with the chat tasks' training "
+            "conversations (half of each batch's rows; every token trained, as nanochat's midtraining), then "
+            f"fine-tuning started from it. Validation bits per byte after midtraining: {mid['val_bpb']:.4f} "
+            f"(after pretraining: {st['eval']['val_bpb']:.4f}, the same {mid['val_tokens']:,} tokens).")
+    report.paragraph(
         f"`lmforge sft` on the built-in chat tasks (`lmforge data get chat-tasks`) for {ft['step']} steps "
         f"({fmt_seconds(ft['seconds'])}, the same training loop with the loss on assistant tokens only) into `sft/`. "
-        "Exact match of greedy replies (calculator calls run) on validation items never seen in training, "
-        "before (the pretrained model with the chat tokens added) and after:")
+        "Exact match of greedy replies (calculator calls run) on validation items never seen in training, after "
+        "each stage (base: the pretrained model with the chat tokens added):")
+    stages = [("base", base)] + ([("midtrained", st["chat-mid"])] if "chat-mid" in st else []) + [("SFT", after)] + \
+        ([("RL", st["chat-rl"])] if "chat-rl" in st else [])
     rows = []
-    for tag, b in base["tasks"].items():
+    for tag in base["tasks"]:
         a = after["tasks"][tag]
-        rows.append((tag, f"{a['n']}", f"{100 * b['correct'] / b['n']:.0f}%", f"{100 * a['correct'] / a['n']:.0f}%",
-                     f"{100 * a['ended'] / a['n']:.0f}%"))
-    rows.append(("all", f"{sum(a['n'] for a in after['tasks'].values())}", f"{100 * base['accuracy']:.1f}%",
-                 f"{100 * after['accuracy']:.1f}%", f"{100 * after['ended']:.0f}%"))
-    report.table(("task", "items", "before", "after", "replies ending with `<|assistant_end|>` (after)"), rows)
+        rows.append((tag, f"{a['n']}", *(f"{100 * r['tasks'][tag]['correct'] / r['tasks'][tag]['n']:.0f}%"
+                                          for _, r in stages), f"{100 * a['ended'] / a['n']:.0f}%"))
+    rows.append(("all", f"{sum(a['n'] for a in after['tasks'].values())}",
+                 *(f"{100 * r['accuracy']:.1f}%" for _, r in stages), f"{100 * after['ended']:.0f}%"))
+    report.table(("task", "items", *(name for name, _ in stages), "replies ending with `<|assistant_end|>` (SFT)"),
+                 rows)
     report.paragraph(f"Before fine-tuning, {100 * base['ended']:.0f}% of replies ended with the end token.",
                      f"A conversation with the fine-tuned model (greedy; `lmforge chat --run {out / 'sft'}` to talk "
                      "to it):")

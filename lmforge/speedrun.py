@@ -16,6 +16,8 @@ eval                  bits/byte over the validation split; context probes    ``s
 samples               ``generate.Generator`` with the KV cache                ``speedrun.json``
 chat-data             ``corpus.chat_data.chat_tasks`` (the corpus's words)    ``chat-tasks/``
 chat-base             ``evals.exact_match`` on the base + chat tokens          ``speedrun.json``
+midtrain              ``chat.midtrain`` (corpus + chat tasks, every token)     ``midtrain/``
+chat-mid              ``evals.exact_match`` + bits/byte on the corpus          ``speedrun.json``
 sft                   ``chat.sft`` (the same loop, masked loss)                ``sft/``
 chat-sft              ``evals.exact_match`` + a ``ChatSession`` sample         ``speedrun.json``
 rl                    ``rl.rl`` on the tasks the SFT model half solves        ``rl/``, ``rl-tasks/``
@@ -55,6 +57,7 @@ from lmforge.generate import Generator
 from lmforge.hardware import resolve_train_dtype, train_peak_flops
 from lmforge.model import TransformerLM
 from lmforge.report import REPORT_FILE, write_speedrun_report
+from lmforge.run import read_base
 from lmforge.tokenizer import Tokenizer, train_bpe_from_iterator
 from lmforge.train import evaluate_run, load_run_config, train
 from lmforge import sizing
@@ -62,7 +65,8 @@ from lmforge.sizing import Preset, plan_tokens, step_seconds
 
 from lmforge.speedrun_chat import (  # noqa: F401  (the chat stages; tests import them from here too)
     CHAT_SAMPLE, RL_DIR, RL_SETTINGS, RL_TASKS_DIR, RL_WINDOW, SFT_SETTINGS, _chat_base, _chat_data, _chat_data_rules,
-    _chat_eval, _chat_sft, _digest, _jsonable, _rl, _sft, _sft_steps)
+    _chat_eval, _chat_sft, _digest, _jsonable, _rl, _sft, _sft_steps, MIDTRAIN_DIR, MIDTRAIN_CHAT_FRACTION,
+    MIDTRAIN_SETTINGS, _chat_mid, _midtrain)
 
 logger = logging.getLogger("lmforge")
 
@@ -85,8 +89,11 @@ DEFAULT_CORPUS = "shakespeare"
 SAMPLE_PROMPTS = ["ROMEO:\n", "To be, or not to be", "KING HENRY.\n", "The "]
 STATE_FILE = "speedrun.json"
 CHAT_DIR = "chat-tasks"
-_STAGES = ("tokenizer", "data", "plan", "train", "eval", "samples", "chat-data", "chat-base", "sft", "chat-sft", "rl",
+_STAGES = ("tokenizer", "data", "plan", "train", "eval", "samples", "chat-data", "chat-base", "midtrain", "chat-mid",
+           "sft", "chat-sft", "rl",
            "chat-rl")
+MIDTRAIN_SHARE = 0.4
+"""The part of the chat budget ``midtrain_budget="auto"`` gives to midtraining (the demo: 1 of 2.5 minutes)."""
 EVAL_BATCHES = 64
 """Validation batches of the final figure (the split's first 64, or all of a smaller split) and of the check that
 judges ``--target-bpb``: a target is judged on the figure the report states."""
@@ -168,7 +175,7 @@ def _remove_artifacts(out: Path) -> None:
     logger.info("--force: removing the previous speedrun in %s", out)
     for name in ("tokenizer.json", REPORT_FILE, "loss.png", STATE_FILE):
         (out / name).unlink(missing_ok=True)
-    for name in ("data", "run", CHAT_DIR, "sft", RL_DIR, RL_TASKS_DIR):
+    for name in ("data", "run", CHAT_DIR, MIDTRAIN_DIR, "sft", RL_DIR, RL_TASKS_DIR):
         shutil.rmtree(out / name, ignore_errors=True)
 
 
@@ -321,7 +328,8 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
              val_fraction: float = 0.1, sample_tokens: int = 200, force: bool = False,
              progress: bool = True, sft_budget: str | int | float | None = "2.5min",
              chat_eval_items: int = 40, target_bpb: float | None = None,
-             rl_budget: str | int | float | None = "2min") -> dict[str, Any]:
+             rl_budget: str | int | float | None = "2min",
+             midtrain_budget: str | int | float | None = None) -> dict[str, Any]:
     """Run (or resume) the whole pipeline in ``out`` and write ``out/report.md``; returns the stage records.
 
     ``corpus``: ``"shakespeare"`` or a path/glob of text/jsonl/parquet files. ``model_size``: a key of
@@ -335,7 +343,10 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     periodic estimate reaches the target) is at or below it, and report the time to it (a target <= 0, or one not
     reached within the budget, is reported at the end with the best reached); the record is ``stages["target"]``.
     ``rl_budget``: reinforcement learning after SFT on the tasks whose exact match lies in :data:`RL_WINDOW`
-    (minutes or steps; ``None`` or ``0`` skips it), then every task scored again.
+    (minutes or steps; ``None`` or ``0`` skips it), then every task scored again. ``midtrain_budget``: the part of
+    ``sft_budget`` (in its unit; ``"auto"``: :data:`MIDTRAIN_SHARE` of it) given to midtraining before SFT (:mod:`lmforge.chat.midtrain`: the corpus mixed
+    with the chat tasks, :data:`MIDTRAIN_CHAT_FRACTION` of the rows; ``None`` or ``0`` skips it), the rest to SFT;
+    the midtrained model is scored on the tasks and on the corpus's validation bits per byte.
     """
     if model_size not in PRESETS and model_size != AUTO:
         raise ValueError(f"unknown model size {model_size!r}; choose {AUTO} or one of {', '.join(PRESETS)}")
@@ -345,8 +356,16 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
         raise ValueError(f"sample_tokens must be >= 1, got {sample_tokens}")
     preset, plan_budget = PRESETS.get(model_size), parse_budget(budget)
     chat_budget = parse_budget(sft_budget) if sft_budget is not None else None
-    off = rl_budget is None or re.fullmatch(r"0*\.?0*(min|m|minutes?)?", str(rl_budget).strip().lower()) is not None
-    rl_plan = parse_budget(rl_budget) if not off and chat_budget is not None else None
+    off = lambda b: b is None or re.fullmatch(r"0*\.?0*(min|m|minutes?|steps?)?",  # noqa: E731
+                                              str(b).strip().lower()) is not None
+    rl_plan = parse_budget(rl_budget) if not off(rl_budget) and chat_budget is not None else None
+    if midtrain_budget == "auto" and chat_budget is not None:  # MIDTRAIN_SHARE of the chat budget, in its unit
+        part = chat_budget[1] * MIDTRAIN_SHARE
+        midtrain_budget = f"{int(part)}steps" if chat_budget[0] == "steps" else f"{part:g}min"
+    mid_plan = parse_budget(midtrain_budget) if not off(midtrain_budget) and chat_budget is not None else None
+    if mid_plan is not None and (mid_plan[0] != chat_budget[0] or mid_plan[1] >= chat_budget[1]):
+        raise ValueError(f"midtrain_budget {midtrain_budget!r} is a part of sft_budget {sft_budget!r}: give it in the "
+                         "same unit (minutes or steps) and smaller, so that SFT keeps the rest")
     if isinstance(chat_eval_items, bool) or not isinstance(chat_eval_items, int) or chat_eval_items < 1:
         raise ValueError(f"chat_eval_items must be a positive integer, got {chat_eval_items!r}")
     if target_bpb is not None and not (isinstance(target_bpb, (int, float)) and math.isfinite(target_bpb)):
@@ -423,16 +442,36 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
     # ---- chat: the built-in tasks, scored before and after fine-tuning on them ---------------------------
     if chat_budget is not None:
         train_path, val_path = out / CHAT_DIR / "train.jsonl", out / CHAT_DIR / "val.jsonl"
-        chat = stage("chat-data", _digest(settings["inputs"], _chat_data_rules()),
-                     lambda: _chat_data(paths, out / CHAT_DIR),
+        chat = stage("chat-data", _digest(settings["inputs"], _chat_data_rules(), tok["fingerprint"]),
+                     lambda: _chat_data(paths, out / CHAT_DIR, tokenizer=tok_path),
                      lambda rec: val_path.exists() and sha256_file(val_path) == rec["val_sha256"])
         stage("chat-base", _digest(tr["checkpoint"], tr["step"], chat["val_sha256"], chat_eval_items),
               lambda: _chat_base(run_dir, val_path, dev, chat_eval_items))
-        sft_dir, steps = out / "sft", _sft_steps(plan, chat_budget)
-        sft_key = _digest(tr["checkpoint"], tr["step"], chat, steps, SFT_SETTINGS)
-        if "train" in ran and sft_dir.exists():
-            shutil.rmtree(sft_dir)  # the base changed: fine-tune it from the start (else an interrupted one resumes)
-        ft = stage("sft", sft_key, lambda: _sft(run_dir, train_path, val_path, sft_dir, steps, dev, progress),
+        # ---- midtrain: the corpus mixed with the chat tasks, every token trained (a part of the chat budget) ----
+        sft_base, sft_budget_left, base_key = run_dir, chat_budget, (tr["checkpoint"], tr["step"])
+        mid_dir = out / MIDTRAIN_DIR
+        if mid_plan is not None:
+            mid_steps = _sft_steps(plan, mid_plan)
+            mid_key = _digest(tr["checkpoint"], tr["step"], chat, mid_steps, MIDTRAIN_SETTINGS, MIDTRAIN_CHAT_FRACTION)
+            old_mid = state.data["stages"].get("midtrain")
+            if mid_dir.exists() and ("train" in ran or (old_mid is not None and old_mid.get("key") != mid_key)):
+                shutil.rmtree(mid_dir)  # the base or the steps changed: midtrain from the start
+            mt = stage("midtrain", mid_key, lambda: _midtrain(run_dir, train_path, mid_dir, mid_steps, dev, progress),
+                       lambda rec: Path(rec.get("checkpoint") or "").exists())
+            stage("chat-mid", _digest(mt["checkpoint"], mt["step"], chat["val_sha256"], chat_eval_items, EVAL_BATCHES),
+                  lambda: _chat_mid(mid_dir, val_path, data_dir, dev, chat_eval_items, EVAL_BATCHES))
+            sft_base, base_key = mid_dir, (mt["checkpoint"], mt["step"])
+            sft_budget_left = (chat_budget[0], chat_budget[1] - mid_plan[1])
+        else:
+            for name in ("midtrain", "chat-mid"):  # a midtraining of an earlier run no longer shown
+                state.data["stages"].pop(name, None)
+        sft_dir, steps = out / "sft", _sft_steps(plan, sft_budget_left)
+        sft_key = _digest(*base_key, chat, steps, SFT_SETTINGS)
+        old_sft, started_on = state.data["stages"].get("sft"), (read_base(sft_dir) or {}).get("run")
+        if sft_dir.exists() and ("train" in ran or "midtrain" in ran or (old_sft is not None and old_sft.get("key") !=
+                                 sft_key) or started_on not in (None, str(sft_base.absolute()))):
+            shutil.rmtree(sft_dir)  # another base or length: fine-tune from the start (else an interrupted one resumes)
+        ft = stage("sft", sft_key, lambda: _sft(sft_base, train_path, val_path, sft_dir, steps, dev, progress),
                    lambda rec: Path(rec.get("checkpoint") or "").exists())
         after_sft = stage("chat-sft", _digest(ft["checkpoint"], ft["step"], chat["val_sha256"], chat_eval_items,
                                               CHAT_SAMPLE), lambda: _chat_sft(sft_dir, val_path, dev, chat_eval_items))

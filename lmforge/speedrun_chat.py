@@ -1,5 +1,6 @@
-"""The speedrun's chat stages: the built-in chat tasks from the corpus's words, their exact match before and after
-fine-tuning, the fine-tuning itself, and RL on the tasks the fine-tuned model half solves.
+"""The speedrun's chat stages: the built-in chat tasks from the corpus's words (every vocabulary word spelled in a
+training item), their exact match after each stage, midtraining (the corpus mixed with the chat tasks, every token
+trained), the fine-tuning itself, and RL on the tasks the fine-tuned model half solves.
 
 Each function is one stage's body; :func:`lmforge.speedrun.speedrun` decides when each runs (and reuses its record
 when what it depends on is unchanged)."""
@@ -15,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.chat import add_chat_tokens
+from lmforge.chat.midtrain import midtrain
 from lmforge.chat.session import ChatSession
 from lmforge.chat.sft import sft as fine_tune
 from lmforge.common import atomic_write_text, sha256_file
 from lmforge.corpus import iter_documents
-from lmforge.corpus.chat_data import chat_tasks, common_words, to_jsonl
+from lmforge.corpus.chat_data import chat_tasks, common_words, to_jsonl, vocabulary_words
+from lmforge.data import TokenDataset
 from lmforge.data.conversations import ConversationDataset
 from lmforge.evals import read_task_file
 from lmforge.evals.evaluate import load_model
@@ -27,6 +30,9 @@ from lmforge.evals.generative import exact_match
 from lmforge.generate import Generator
 from lmforge.rl import rl as reinforce
 from lmforge.rl.data import DATA_DIR as RL_DATA_DIR
+from lmforge.tokenizer import Tokenizer
+from lmforge.train import load_run_config
+from lmforge.train.evaluate import evaluate, validation_batches
 from lmforge.train.metrics import step_seconds
 
 logger = logging.getLogger("lmforge")
@@ -41,16 +47,23 @@ RL_DIR, RL_TASKS_DIR = "rl", "rl-tasks"
 RL_WINDOW = (0.05, 0.80)
 """RL trains on the chat tasks whose exact match after SFT lies in this range: below it the model rarely samples a
 right answer (no reward to learn from), above it there is little left to gain."""
+MIDTRAIN_DIR = "midtrain"
+MIDTRAIN_CHAT_FRACTION = 0.5
+"""The share of each midtraining batch's rows that are chat conversations (the rest: the corpus's blocks)."""
+MIDTRAIN_SETTINGS = ("training.eval_every=1000000",)
+"""The speedrun's midtraining settings on top of ``chat.midtrain``'s defaults (the base's recipe and batch)."""
 RL_SETTINGS = ("rl.samples_per_prompt=8", "rl.prompts_per_step=8", "rl.prompts_per_decode=4", "rl.max_new_tokens=24",
                "training.checkpoint_every=5")
 """The speedrun's RL settings on top of ``lmforge rl``'s defaults (64 replies per step, short replies)."""
 
 
 
-def _chat_data(paths: list[Path], dest: Path, max_bytes: int = 20 << 20, teach: bool = False) -> dict[str, Any]:
+def _chat_data(paths: list[Path], dest: Path, max_bytes: int = 20 << 20, teach: bool = False,
+               tokenizer: Path | None = None) -> dict[str, Any]:
     """The built-in chat tasks over the corpus's common words (the first ``max_bytes`` of text) in ``dest``:
     ``train.jsonl`` and ``val.jsonl``, as ``lmforge data get chat-tasks`` makes them from Shakespeare's
-    (``teach``: see :func:`~lmforge.corpus.chat_data.chat_tasks`)."""
+    (``teach``: see :func:`~lmforge.corpus.chat_data.chat_tasks`); with ``tokenizer``, one ``spelling_bee`` training
+    item for every word of its vocabulary and of the task words (validation items unchanged)."""
     text, size = [], 0
     for doc in iter_documents(paths):
         text.append(doc)
@@ -59,21 +72,29 @@ def _chat_data(paths: list[Path], dest: Path, max_bytes: int = 20 << 20, teach: 
             break
     words = common_words("\n".join(text))
     n_val = max(1, min(50, len(words) // 5))  # 50 per task (as `data get chat-tasks`) unless the corpus is tiny
-    train, val = chat_tasks(words, n_train=min(1000, 20 * n_val), n_val=n_val, teach=teach)
+    spell = _spell_words(Tokenizer.load(tokenizer), words) if tokenizer is not None else []
+    train, val = chat_tasks(words, n_train=min(1000, 20 * n_val), n_val=n_val, teach=teach, spell_words=spell)
     dest.mkdir(parents=True, exist_ok=True)
-    rec: dict[str, Any] = {"train_conversations": len(train), "val_conversations": len(val)}
+    rec: dict[str, Any] = {"train_conversations": len(train), "val_conversations": len(val),
+                           "spelled_words": len(spell)}
     for name, records in (("train", train), ("val", val)):
         atomic_write_text(dest / f"{name}.jsonl", to_jsonl(records))
         rec[f"{name}_sha256"] = sha256_file(dest / f"{name}.jsonl")
     return rec
 
 
+def _spell_words(tokenizer: Any, words: list[str]) -> list[str]:
+    """The words the spelling items cover: the task words, then every word of ``tokenizer``'s vocabulary."""
+    pieces = (tokenizer.vocab[i] for i in range(tokenizer.vocab_size))
+    return list(dict.fromkeys(words + vocabulary_words(pieces)))
+
+
 def _chat_data_rules(teach: bool = False) -> str:
     """A digest of how the chat tasks are generated and taught: the records ``chat_tasks`` draws from a fixed
-    word list. Part of the ``chat-data`` stage's key, so a speedrun directory made before the generator or its
-    teaching changed writes its chat data again instead of reusing the old."""
+    word list (with the spelling items). Part of the ``chat-data`` stage's key, so a speedrun directory made before
+    the generator or its teaching changed writes its chat data again instead of reusing the old."""
     words = ["honour", "sword", "crown", "light", "night", "heart"]
-    return _digest(to_jsonl(sum(chat_tasks(words, n_train=3, n_val=2, seed=0, teach=teach), [])))
+    return _digest(to_jsonl(sum(chat_tasks(words, n_train=3, n_val=2, seed=0, teach=teach, spell_words=words), [])))
 
 
 def _chat_eval(model: Any, tokenizer: Any, val_path: Path, per_task: int) -> dict[str, Any]:
@@ -113,6 +134,29 @@ def _chat_sft(sft_dir: Path, val_path: Path, device: Any, per_task: int) -> dict
             pass
     rec["conversation"] = chat.messages()
     return rec
+
+
+def _midtrain(run_dir: Path, train_path: Path, mid_dir: Path, steps: int, device: Any,
+              progress: bool) -> dict[str, Any]:
+    """Midtrain the pretrained run for ``steps`` steps: :data:`MIDTRAIN_CHAT_FRACTION` of each batch's rows the chat
+    tasks' training conversations, the rest the corpus's blocks, every token trained (:mod:`lmforge.chat.midtrain`)."""
+    return _jsonable(midtrain(run_dir, train_path, mid_dir, chat_fraction=MIDTRAIN_CHAT_FRACTION, progress=progress,
+                              overrides=[f"training.max_steps={steps}", f"optimizer.warmup_steps={min(10, steps // 4)}",
+                                         f"training.device={device.type}", *MIDTRAIN_SETTINGS]))
+
+
+def _chat_mid(mid_dir: Path, val_path: Path, data_dir: Path, device: Any, per_task: int,
+              eval_batches: int) -> dict[str, Any]:
+    """The chat tasks scored on the midtrained model, and its bits per byte on the corpus's validation split (its
+    first ``eval_batches`` batches: the blocks of the pretrained model's final figure)."""
+    model, tok, _ = load_model(mid_dir, device=str(device))
+    rec = _chat_eval(model, tok, val_path, per_task)
+    tc, T = load_run_config(mid_dir / "config.yaml").training, model.cfg.context_length
+    ds = TokenDataset(data_dir, "val")
+    batches, _, tokens = validation_batches(ds, tc.eval_batch_size or tc.batch_size, tc.context_length or T,
+                                            eval_batches)
+    ev = evaluate(model, batches, ds.bytes_per_token, tc.dtype, device)
+    return {**rec, "val_loss": ev.loss, "val_bpb": ev.bpb, "val_tokens": tokens}
 
 
 def _sft(run_dir: Path, train_path: Path, val_path: Path, sft_dir: Path, steps: int, device: Any,

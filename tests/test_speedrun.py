@@ -10,10 +10,12 @@ import re
 from unittest import mock
 
 import pytest
+import yaml
 from conftest import make_corpus_text
 
 import lmforge.corpus.chat_data as chat_data
 from lmforge.speedrun import _chat_data_rules, _digest, parse_budget, speedrun
+from lmforge.tokenizer import Tokenizer
 
 SECTIONS = ["# lmforge speedrun report", "## Results", "final validation loss", "bits per byte", "training throughput",
             "MFU", "![loss curves](run/loss.png)", "## Time per stage", "## Tokenizer", "## Data", "| train |",
@@ -120,7 +122,36 @@ def test_speedrun_chat_stages_fine_tune_and_score_before_and_after(tmp_path, cor
     again = run(out, corpus, budget="6steps", sft_budget="4steps", chat_eval_items=2)  # everything reused
     assert again["chat-sft"] == after
     settings = json.loads((out / "speedrun.json").read_text(encoding="utf-8"))["settings"]
-    assert again["chat-data"]["key"] == _digest(settings["inputs"], _chat_data_rules())  # the rules in the key
+    fingerprint = Tokenizer.load(out / "tokenizer.json").fingerprint()  # the vocabulary's words are spelled
+    assert again["chat-data"]["key"] == _digest(settings["inputs"], _chat_data_rules(), fingerprint)  # the rules too
+    assert 0 < again["chat-data"]["spelled_words"] and '"task": "spelling_bee"' in "\n".join(train)
+
+
+def test_speedrun_midtrain_stage_takes_its_part_of_the_chat_budget(tmp_path, corpus):
+    """With midtrain_budget the chat budget splits: midtraining (scored on the tasks and the corpus's bits per byte)
+    then SFT from it; the report shows every stage's scores; a rerun reuses all; without it, SFT starts again from
+    the pretrained run and the midtraining's records go."""
+    out = tmp_path / "sr"
+    stages = run(out, corpus, budget="6steps", sft_budget="6steps", midtrain_budget="2steps", chat_eval_items=2)
+    assert stages["midtrain"]["step"] == 2 and stages["sft"]["step"] == 4
+    mid = stages["chat-mid"]
+    assert set(mid["tasks"]) == set(stages["chat-sft"]["tasks"]) and 0 < mid["val_bpb"] < 20
+    assert mid["val_tokens"] == stages["eval"]["val_tokens"]  # the pretrained model's final figure's blocks
+    assert json.loads((out / "sft" / "base.json").read_text())["run"] == str((out / "midtrain").absolute())
+    mid_cfg = yaml.safe_load((out / "midtrain" / "config.yaml").read_text())
+    assert mid_cfg["sft"]["pretrain_mix"] == 0.5 and mid_cfg["optimizer"]["name"] == "muon"  # the base's recipe
+    report = (out / "report.md").read_text(encoding="utf-8")
+    assert "| task | items | base | midtrained | SFT |" in report and "after midtraining:" in report
+    again = run(out, corpus, budget="6steps", sft_budget="6steps", midtrain_budget="2steps", chat_eval_items=2)
+    assert again == stages  # every stage reused
+    auto = run(out, corpus, budget="6steps", sft_budget="6steps", midtrain_budget="auto", chat_eval_items=2)
+    assert auto == stages  # auto: 40% of the 6 SFT steps, 2 (reused)
+    plain = run(out, corpus, budget="6steps", sft_budget="6steps", chat_eval_items=2)
+    assert "midtrain" not in plain and "chat-mid" not in plain and plain["sft"]["step"] == 6
+    assert json.loads((out / "sft" / "base.json").read_text())["run"] == str((out / "run").absolute())
+    assert "| midtrained |" not in (out / "report.md").read_text(encoding="utf-8")
+    with pytest.raises(ValueError, match="a part of sft_budget"):
+        run(out, corpus, budget="6steps", sft_budget="6steps", midtrain_budget="1min", chat_eval_items=2)
 
 
 def test_chat_data_key_follows_the_teaching_rules(monkeypatch):

@@ -29,8 +29,12 @@ def _speedrun_args(p: argparse.ArgumentParser) -> None:
                    help="training budget: minutes ('8', '8min') or steps ('300steps'); default 8min (~15 min in all "
                         "with the chat and RL stages)")
     p.add_argument("--sft-budget", default="2.5min",
-                   help="chat fine-tuning on the built-in chat tasks after pretraining: minutes or steps, like "
-                        "--budget (default 2.5min)")
+                   help="chat training on the built-in chat tasks after pretraining, midtraining (--midtrain-budget "
+                        "of it) then fine-tuning: minutes or steps, like --budget (default 2.5min)")
+    p.add_argument("--midtrain-budget", default="auto",
+                   help="the part of --sft-budget (in its unit) given to midtraining before SFT: the corpus mixed "
+                        "with the chat tasks, every token trained (lmforge midtrain); 0 skips it (default auto: "
+                        "40%% of it, 1 of the default 2.5 minutes)")
     p.add_argument("--rl-minutes", default="2",
                    help="reinforcement learning after SFT on the tasks the fine-tuned model solves 5-80%% of the "
                         "time: minutes (or 'Nsteps'); 0 skips it (default 2; what it gains, measured, is in "
@@ -50,17 +54,21 @@ def _speedrun(args: argparse.Namespace) -> int:
     stages = speedrun(args.out, corpus=args.corpus, model_size=args.model_size, budget=args.budget,
                       device=args.device, vocab_size=args.vocab_size, force=args.force,
                       progress=not args.no_progress, sft_budget=None if args.no_chat else args.sft_budget,
-                      target_bpb=args.target_bpb, rl_budget=args.rl_minutes)
+                      target_bpb=args.target_bpb, rl_budget=args.rl_minutes,
+                      midtrain_budget=args.midtrain_budget)
     from lmforge.report import write_run_card
 
     write_run_card(Path(args.out) / "run")
     ev = stages["eval"]
     if "chat-sft" in stages:
         write_run_card(Path(args.out) / "sft")
+    if "chat-mid" in stages:
+        write_run_card(Path(args.out) / "midtrain")
     if stages.get("rl", {}).get("tasks"):
         write_run_card(Path(args.out) / "rl")
-    chat = (f"; chat tasks {100 * stages['chat-base']['accuracy']:.0f}% -> {100 * stages['chat-sft']['accuracy']:.0f}% "
-            "exact match after fine-tuning") if "chat-sft" in stages else ""
+    mid = f" -> {100 * stages['chat-mid']['accuracy']:.0f}% (midtrained)" if "chat-mid" in stages else ""
+    chat = (f"; chat tasks {100 * stages['chat-base']['accuracy']:.0f}%{mid} -> "
+            f"{100 * stages['chat-sft']['accuracy']:.0f}% exact match after fine-tuning") if "chat-sft" in stages else ""
     if "chat-rl" in stages:
         chat += f", {100 * stages['chat-rl']['accuracy']:.0f}% after RL on {', '.join(stages['rl']['tasks'])}"
     print(f"validation loss {ev['val_loss']:.4f} ({ev['val_bpb']:.4f} bits/byte) after {stages['train']['step']} "
