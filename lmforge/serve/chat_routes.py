@@ -134,7 +134,7 @@ async def _stream(svc: Service, jobs: list[Job], updates: asyncio.Queue[Any], ri
             open_rows.discard(k)
             total[k] = u.completion_tokens
             finish = "tool_calls" if calls[k] and u.finish_reason == "stop" else u.finish_reason
-            cut = structured.cut_call(jobs[k]) if finish == "length" else ""
+            cut = structured.reply_end(jobs[k], u)
             if cut:  # a call cut by max_tokens: what was generated, as text
                 yield chunk(k, cut)
             yield chunk(k, "", None, finish,

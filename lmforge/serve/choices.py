@@ -24,15 +24,10 @@ class Choice:
         self.last: Update | None = None
 
     def add(self, u: Update) -> None:
-        """Take ``u``; APIError 400 if the request's grammar failed while decoding (the schema's fault)."""
-        self.parts.append(u.text)
+        """Take ``u``; APIError 400 if the request's grammar failed (:func:`~lmforge.serve.structured.reply_end`)."""
+        self.parts.append(u.text + structured.reply_end(self.job, u))
         self.lps.extend(u.logprobs)
         self.calls.extend(structured.parse_call(t) for t in u.regions)
-        if u.finish_reason == "length":  # a call cut by max_tokens: what was generated, as text
-            self.parts.append(structured.cut_call(self.job))
-        failed = structured.constraint_failure(self.job) if u.finish_reason == "error" else None
-        if failed is not None:
-            raise failed
         if u.finish_reason is not None:
             self.last = u
 

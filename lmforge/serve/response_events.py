@@ -99,11 +99,10 @@ class ResponseBuilder:
         return self._numbered([_event("response.created", response=self.resource()),
                                _event("response.in_progress", response=self.resource())])
 
-    def add(self, u: Update, cut: Callable[[], str] = lambda: "") -> list[dict[str, Any]]:
-        """The events of update ``u`` (``cut()``: the text of a call ``max_output_tokens`` cut short, read when
-        the reply ends by length)."""
+    def add(self, u: Update, tail: str = "") -> list[dict[str, Any]]:
+        """The events of update ``u`` (``tail``: text after its own, a call ``max_output_tokens`` cut short)."""
         events: list[dict[str, Any]] = []
-        text = u.text + (cut() if u.finish_reason == "length" else "")
+        text = u.text + tail
         lps = api.chat_logprobs(u.logprobs, self.token_bytes)["content"] if self.req.logprobs() else []
         if text or lps:
             events += self._text(text, lps)

@@ -49,10 +49,7 @@ def add_response_routes(app: FastAPI, svc: Service) -> None:
         route, job = endpoint(request), jobs[0]
 
         def take(u: Update) -> list[Any]:
-            failed = structured.constraint_failure(job) if u.finish_reason == "error" else None
-            if failed is not None:
-                raise failed
-            return builder.add(u, lambda: structured.cut_call(job))
+            return builder.add(u, structured.reply_end(job, u))
 
         def done(b: ResponseBuilder) -> None:
             failed = b.error["code"] if b.error is not None else None

@@ -26,7 +26,7 @@ from lmforge.serve.errors import APIError
 from lmforge.serve.limits import check_schema, local_pointer, subschemas
 from lmforge.serve.request import ChatRequest
 
-__all__ = ["call_schema", "constraint_failure", "cut_call", "parse_call", "request_constraint"]
+__all__ = ["call_schema", "parse_call", "reply_end", "request_constraint"]
 
 
 def call_schema(functions: list[Any]) -> dict[str, Any]:
@@ -118,20 +118,14 @@ def request_constraint(req: ChatRequest, fmt: ChatFormat, grammars: Grammars) ->
                          after=[start, end], force=[start] if forced else (), source="tools")
 
 
-def cut_call(job: Any) -> str:
-    """The text of a function call that ``job`` (a scheduler request) had open when it ended ("" if none):
-    a reply cut by ``max_tokens`` inside a call returns it as content, with finish ``length``."""
+def reply_end(job: Any, u: Any) -> str:
+    """The text ``job``'s (a scheduler request's) last update ``u`` adds: a function call ``max_tokens`` cut short
+    (finish ``length``) comes back as text, else ""; APIError 400 if its grammar failed while decoding (a schema
+    llguidance compiles but cannot follow)."""
     c = job.constraint
-    return c.partial_text() if c is not None and job.capture_regions else ""
-
-
-def constraint_failure(job: Any) -> APIError | None:
-    """The 400 for a request whose grammar failed while decoding (a schema llguidance compiles but cannot
-    follow), None if ``job`` did not fail that way."""
-    c = job.constraint
-    if c is None or c.failure is None:
-        return None
-    return APIError(400, f"{c.source}: {c.failure}; simplify it", c.source, "unsupported_schema")
+    if c is not None and c.failure is not None and u.finish_reason == "error":
+        raise APIError(400, f"{c.source}: {c.failure}; simplify it", c.source, "unsupported_schema")
+    return c.partial_text() if c is not None and job.capture_regions and u.finish_reason == "length" else ""
 
 
 def parse_call(text: str) -> dict[str, Any]:
