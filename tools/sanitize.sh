@@ -4,7 +4,8 @@
 #   1. csrc/fuzz/fuzz_text.cpp: the pre-tokenizers, the encoder and the splitter on random non-UTF-8 bytes;
 #   2. tools/fuzz_core.py: random (often hostile) calls of every binding, each answered or refused with
 #      ValueError/TypeError, never a memory error, each iteration on one of the decode kernels' instruction sets
-#      the CPU has (scalar, AVX2, AVX-512, AVX-512 VNNI), every packed weight kind;
+#      the CPU has (scalar, AVX2, AVX-512, AVX-512 VNNI, the AVX-512 BF16 bf16-activation mode), every packed
+#      weight kind;
 #   3. the kernel and tokenizer tests (libasan preloaded into the uninstrumented Python; leaks not checked:
 #      CPython's are not ours), on the scalar and the CPU's widest instruction set (LMFORGE_TEST_ISAS; not the
 #      ones between as well: time), without the benchmark and timing tests. Not tests/test_native_fork.py: GCC 12's libasan does not hold its own
@@ -32,5 +33,6 @@ LD_PRELOAD=$PRELOAD "$PY" tools/fuzz_core.py --iterations "$ITER" --seed 1
 LMFORGE_TEST_ISAS=widest,scalar LD_PRELOAD=$PRELOAD "$PY" -m pytest -q -p no:cacheprovider \
     tests/tokenizer/test_core.py tests/tokenizer/test_core_untrusted.py tests/tokenizer/test_tokenizer.py \
     tests/generate/test_kernel_args.py tests/generate/test_decode_step.py tests/generate/test_packed_q8.py \
+    tests/generate/test_bf16_activations.py \
     tests/test_native.py tests/tools/test_fuzz_core.py tests/corpus/test_sources.py \
     -k "not benchmark and not perf and not release_the_gil" "$@"
