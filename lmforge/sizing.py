@@ -6,13 +6,16 @@ The rule (:func:`choose`) is compute-optimal sizing with a ratio fitted on this 
 step time (so a shape the machine runs at a poor FLOP rate pays for it), and the candidate whose tokens per
 parameter lie nearest :data:`TOKENS_PER_PARAM` (in log space) is chosen. Parameters are the weights each token
 multiplies through (:func:`~lmforge.model.transformer.matmul_params_per_token`: every projection and the LM head,
-not the embedding lookup), the ``N`` of ``6 N`` FLOPs per token.
+not the embedding lookup), the ``N`` of ``6 N`` FLOPs per token. Candidates that would pass over the training split
+more than :data:`MAX_EPOCHS` times are left out, since the ratio was fitted on runs that see their data about once
+(a smaller model trained for the whole budget would see a small corpus many times).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -24,7 +27,7 @@ from lmforge.model.transformer import flops_per_token, matmul_params_per_token
 from lmforge.train.loop import _build_optimizer  # the loop's own builder: the step timed is the step trained
 
 __all__ = ["Preset", "CANDIDATES", "TOKENS_PER_PARAM", "BUDGET_SHARE", "step_seconds", "params_of", "flops_of",
-           "plan_tokens", "choose", "fit_ratio", "size", "model_config"]
+           "plan_tokens", "choose", "fit_ratio", "size", "model_config", "family", "MAX_EPOCHS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,23 +42,30 @@ class Preset:
     lr: float
 
 
-def _shape(d_model: int, n_layers: int) -> Preset:
-    """A candidate of the depth-derived family: heads of 32 dimensions, context 256, batch 16 (4,096 tokens a step:
+def family(name: str) -> Preset:
+    """The shape ``d{width}x{depth}`` of the candidates' family (``d192x3``): heads of 32 dimensions, context 256, batch 16 (4,096 tokens a step:
     the demo's), the demo's schedule peak (under the speedrun's Muon recipe only the schedule's shape comes from it)."""
+    m = re.fullmatch(r"d(\d+)x(\d+)", name)
+    if m is None or int(m.group(1)) % 32 or int(m.group(1)) < 32 or int(m.group(2)) < 1:
+        raise ValueError(f"shape {name!r} is not d<width>x<depth> with a width that is a multiple of 32")
+    d_model, n_layers = int(m.group(1)), int(m.group(2))
     return Preset(d_model=d_model, n_layers=n_layers, n_heads=d_model // 32, context_length=256, batch_size=16,
                   lr=2e-3)
 
 
-CANDIDATES: dict[str, Preset] = {
-    "d128x2": _shape(128, 2), "d192x3": _shape(192, 3), "d256x4": _shape(256, 4), "d320x5": _shape(320, 5),
-    "d384x6": _shape(384, 6),
-}
-"""The shapes ``--model-size auto`` times and chooses from: width 64 x depth, from 0.9M to 12.2M parameters
-(``d256x4`` is the ``small`` preset)."""
+CANDIDATES: dict[str, Preset] = {name: family(name) for name in
+                                  ("d64x2", "d96x2", "d128x2", "d192x3", "d256x4", "d320x5", "d384x6")}
+"""The shapes ``--model-size auto`` times and chooses from: width 64 x depth from two layers up (two narrower
+two-layer shapes below), from 0.37M to 12.2M matmul parameters at a 4,096-token vocabulary (``d256x4`` is the
+``small`` preset)."""
 
 TOKENS_PER_PARAM = 1.0
 """The tokens-per-parameter ratio that :func:`choose` aims at: the best ratio of the isoFLOP screen
 (``benchmarks/bench_recipe.py isoflop``; docs/benchmarks.md, "Model sizing")."""
+
+MAX_EPOCHS = 4.0
+"""The most passes over the training split a candidate may plan (repeated tokens are worth nearly fresh ones up to
+about 4 epochs: Muennighoff et al., "Scaling Data-Constrained Language Models", 2023)."""
 
 BUDGET_SHARE = 0.9
 """The share of a minutes budget planned as training steps; the rest is left for evaluations and checkpoints."""
@@ -118,14 +128,22 @@ def plan_tokens(preset: Preset, budget: tuple[str, float], step_s: float | None)
     return steps, steps * preset.batch_size * preset.context_length
 
 
-def choose(rows: Sequence[dict[str, Any]], ratio: float = TOKENS_PER_PARAM) -> dict[str, Any]:
-    """The row whose ``tokens / params`` is nearest ``ratio`` in log space (a tie: the fewer parameters).
+def choose(rows: Sequence[dict[str, Any]], ratio: float = TOKENS_PER_PARAM,
+           max_epochs: float | None = None) -> dict[str, Any]:
+    """The row whose ``tokens / params`` is nearest ``ratio`` in log space (a tie: the fewer parameters), among the
+    rows whose ``epochs`` is at most ``max_epochs`` (``None``: every row; none within it: the fewest epochs).
 
-    ``rows``: one per candidate, each with ``params`` and ``tokens`` (:func:`plan_tokens`)."""
+    ``rows``: one per candidate, each with ``params`` and ``tokens`` (:func:`plan_tokens`), and ``epochs`` (planned
+    passes over the training split) when ``max_epochs`` is given."""
     if not rows:
         raise ValueError("no candidate shapes to choose from")
     if not ratio > 0:
         raise ValueError(f"the tokens-per-parameter ratio must be > 0, got {ratio!r}")
+    if max_epochs is not None:
+        within = [r for r in rows if r["epochs"] <= max_epochs]
+        if not within:
+            return min(rows, key=lambda r: r["epochs"])
+        rows = within
     return min(rows, key=lambda r: (abs(math.log(r["tokens"] / r["params"] / ratio)), r["params"]))
 
 
@@ -170,17 +188,23 @@ def _quadratic_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, flo
     return coef[0], coef[1], coef[2]
 
 
-def size(budget: tuple[str, float], vocab_size: int, time_step: Callable[[Preset], float],
-         candidates: Mapping[str, Preset] | None = None, ratio: float | None = None) -> dict[str, Any]:
+def size(budget: tuple[str, float], vocab_size: int, train_tokens: int, time_step: Callable[[Preset], float],
+         candidates: Mapping[str, Preset] | None = None, ratio: float | None = None,
+         max_epochs: float | None = None) -> dict[str, Any]:
     """Time each candidate (``time_step(preset)``: seconds per training step; not called for a budget in steps),
-    work out the tokens the budget buys each (:func:`plan_tokens`) and choose by :func:`choose`.
+    work out the tokens the budget buys each (:func:`plan_tokens`) and choose by :func:`choose`; ``train_tokens``:
+    the training split's size, for the epochs each would plan.
 
     Returns the plan stage's sizing record: ``candidates`` (one row each: shape, ``params``, ``flops_per_token``,
-    ``step_seconds``, the FLOP rate achieved, ``steps``, ``tokens``, ``tokens_per_param``, ``compute`` in FLOPs),
-    ``chosen`` (its name), ``ratio`` (the ratio aimed at), ``rule`` and ``text`` (the choice and why, in words).
-    ``candidates`` and ``ratio`` default to :data:`CANDIDATES` and :data:`TOKENS_PER_PARAM`."""
+    ``step_seconds``, the FLOP rate achieved, ``steps``, ``tokens``, ``tokens_per_param``, ``epochs``, ``compute``
+    in FLOPs), ``chosen`` (its name), ``ratio`` and ``max_epochs`` (the rule's constants), ``rule`` and ``text``
+    (the choice and why, in words). ``candidates``, ``ratio`` and ``max_epochs`` default to :data:`CANDIDATES`,
+    :data:`TOKENS_PER_PARAM` and :data:`MAX_EPOCHS`."""
     candidates = CANDIDATES if candidates is None else candidates
     ratio = TOKENS_PER_PARAM if ratio is None else ratio
+    max_epochs = MAX_EPOCHS if max_epochs is None else max_epochs
+    if train_tokens < 1:
+        raise ValueError(f"the training split has no tokens ({train_tokens})")
     rows = []
     for name, preset in candidates.items():
         step_s = None if budget[0] == "steps" else time_step(preset)
@@ -189,14 +213,18 @@ def size(budget: tuple[str, float], vocab_size: int, time_step: Callable[[Preset
         per_step = preset.batch_size * preset.context_length
         rows.append({"name": name, "preset": dataclasses.asdict(preset), "params": params, "flops_per_token": fpt,
                      "step_seconds": step_s, "flops_per_s": fpt * per_step / step_s if step_s else None,
-                     "steps": steps, "tokens": tokens, "tokens_per_param": tokens / params, "compute": tokens * fpt})
-    best = choose(rows, ratio)
+                     "steps": steps, "tokens": tokens, "tokens_per_param": tokens / params, "epochs": tokens / train_tokens,
+                     "compute": tokens * fpt})
+    best = choose(rows, ratio, max_epochs)
     basis = ("the budget in steps" if budget[0] == "steps" else
              f"{BUDGET_SHARE:.0%} of {budget[1]:g} min at each candidate's measured step time")
-    rule = (f"tokens = steps x batch x context from {basis}; choose the candidate whose tokens per parameter "
-            f"(matmul weights) is nearest {ratio:g} in log space")
+    rule = (f"tokens = steps x batch x context from {basis}; among the candidates that pass over the "
+            f"{train_tokens:,}-token training split at most {max_epochs:g} times, choose the one whose tokens per "
+            f"parameter (matmul weights) is nearest {ratio:g} in log space")
     text = (f"{best['name']} (d_model {best['preset']['d_model']}, {best['preset']['n_layers']} layers, context "
             f"{best['preset']['context_length']}, batch {best['preset']['batch_size']}): {best['tokens']:,} tokens for "
             f"{best['params']:,} parameters = {best['tokens_per_param']:.3g} tokens per parameter at "
-            f"{best['compute']:.3g} FLOPs, the nearest of {len(rows)} candidates to the fitted {ratio:g}")
-    return {"candidates": rows, "chosen": best["name"], "ratio": ratio, "rule": rule, "text": text}
+            f"{best['compute']:.3g} FLOPs and {best['epochs']:.2g} epochs, the nearest of {len(rows)} candidates to "
+            f"the fitted {ratio:g} within {max_epochs:g} epochs")
+    return {"candidates": rows, "chosen": best["name"], "ratio": ratio, "max_epochs": max_epochs, "rule": rule,
+            "text": text}

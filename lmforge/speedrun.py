@@ -252,7 +252,7 @@ def _plan(preset: Preset | None, vocab_size: int, data_dir: Path, tokenizer: Pat
         return step_seconds(_run_config(shape, vocab_size, data_dir, tokenizer, device, 10, peak), device)
 
     if preset is None:
-        info["sizing"] = sizing.size(budget, vocab_size, timed)
+        info["sizing"] = sizing.size(budget, vocab_size, TokenDataset(data_dir, "train").num_tokens, timed)
         row = next(r for r in info["sizing"]["candidates"] if r["name"] == info["sizing"]["chosen"])
         preset, step_s = Preset(**row["preset"]), row["step_seconds"]
         logger.info("plan: model size %s", info["sizing"]["text"])
@@ -414,7 +414,8 @@ def speedrun(out: str | os.PathLike = "runs/speedrun", corpus: str = DEFAULT_COR
           lambda rec: _shards_fingerprint(data_dir) == tok["fingerprint"])
     # ---- plan: how many steps fit in the budget --------------------------------------------------------
     shapes = (dataclasses.asdict(preset) if preset is not None else  # auto: what the choice depends on
-              {AUTO: {n: dataclasses.asdict(p) for n, p in sizing.CANDIDATES.items()}, "ratio": sizing.TOKENS_PER_PARAM})
+              {AUTO: {n: dataclasses.asdict(p) for n, p in sizing.CANDIDATES.items()}, "ratio": sizing.TOKENS_PER_PARAM,
+               "max_epochs": sizing.MAX_EPOCHS})
     plan = stage("plan", _digest(tok["fingerprint"], shapes, plan_budget),
                  lambda: _plan(preset, vocab_size, data_dir, tok_path, dev, plan_budget))
     stop_at = target_bpb if target_bpb is not None and target_bpb > 0 else None

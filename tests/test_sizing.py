@@ -32,6 +32,9 @@ def test_choose_takes_the_nearest_ratio_in_log_space():
     assert choose(tie, 1.0)["name"] == "y"  # the same ratio: the fewer parameters
     with pytest.raises(ValueError):
         choose([], 1.0)
+    rows = [{**rows[0], "epochs": 1.0}, {**rows[1], "epochs": 9.0}]
+    assert choose(rows, 1.0, max_epochs=4)["name"] == "big"  # "small" would repeat its data 9 times
+    assert choose(rows, 1.0, max_epochs=0.5)["name"] == "big"  # none within: the fewest epochs
 
 
 def test_plan_tokens_minutes_over_the_measured_step():
@@ -50,7 +53,7 @@ def test_size_times_every_candidate_and_records_the_choice():
         timed.append(p.d_model)
         return {32: 0.01, 64: 0.1}[p.d_model]
 
-    rec = size(("minutes", 1.0), 300, step, TINY, ratio=1.0)
+    rec = size(("minutes", 1.0), 300, 10**6, step, TINY, ratio=1.0)
     assert timed == [32, 64] and [r["name"] for r in rec["candidates"]] == ["a", "b"]
     a, b = rec["candidates"]
     assert a["steps"] == 5400 and b["steps"] == 540 and b["tokens"] == 540 * 4 * 32
@@ -58,9 +61,22 @@ def test_size_times_every_candidate_and_records_the_choice():
     assert b["flops_per_s"] == pytest.approx(b["flops_per_token"] * 128 / 0.1)
     want = min(rec["candidates"], key=lambda r: abs(math.log(r["tokens_per_param"])))
     assert rec["chosen"] == want["name"] and rec["text"].startswith(want["name"])
-    assert "nearest 1 in log space" in rec["rule"]
-    steps_rec = size(("steps", 100), 300, lambda p: pytest.fail("a budget in steps times nothing"), TINY, ratio=0.5)
+    assert "nearest 1 in log space" in rec["rule"] and a["epochs"] == a["tokens"] / 10**6
+    steps_rec = size(("steps", 100), 300, 10**6, lambda p: pytest.fail("a budget in steps times nothing"), TINY,
+                     ratio=0.5)
     assert [r["steps"] for r in steps_rec["candidates"]] == [100, 100] and steps_rec["candidates"][0]["step_seconds"] is None
+    # a small training split: "a" would pass over it 2.2 times, more than max_epochs allows, so "b" is chosen
+    assert size(("minutes", 1.0), 300, 10**6, step, TINY, ratio=100.0)["chosen"] == "a"
+    capped = size(("minutes", 1.0), 300, 312_000, step, TINY, ratio=100.0, max_epochs=2.0)
+    assert capped["chosen"] == "b" and capped["candidates"][0]["epochs"] > 2.0 >= capped["candidates"][1]["epochs"]
+    assert "at most 2 times" in capped["rule"]
+
+
+def test_family_names_a_shape():
+    assert sizing.family("d192x3") == Preset(192, 3, 6, 256, 16, 2e-3)
+    for bad in ("d100x2", "192x3", "d192", "d0x1", "d64x0"):
+        with pytest.raises(ValueError, match="not d<width>x<depth>"):
+            sizing.family(bad)
 
 
 def test_the_candidates_grow_in_width_and_depth_and_include_the_demos_shape():
