@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from lmforge.common import is_unicode
 from lmforge.generate.sampling import SEED_MAX, SEED_MIN
 from lmforge.generate.scheduler import MAX_LOGPROBS
-from lmforge.serve.errors import APIError, shown
+from lmforge.serve.errors import APIError, refuse_unsupported, shown, unsupported
 from lmforge.serve.limits import SALT_MAX, TOKENS_MAX
 from lmforge.serve.request import ChatRequest, Dialect, Format
 
@@ -333,14 +333,10 @@ _NEUTRAL = (None, 0, False, {}, "")
 
 
 def _refuse_unsupported(data: dict[str, Any], chat: bool) -> None:
-    for name, message in UNSUPPORTED.items():
-        value = data.get(name)
-        if value in _NEUTRAL or (name == "best_of" and value == 1):
-            continue
-        raise APIError(400, message, name, "unsupported_parameter")
+    refuse_unsupported({**data, "best_of": None} if data.get("best_of") == 1 else data, UNSUPPORTED, _NEUTRAL)
     if not chat and data.get("response_format") not in (None, {"type": "text"}):
-        raise APIError(400, "response_format is supported by /v1/chat/completions only; send the request there "
-                            "(as messages)", "response_format", "unsupported_parameter")
+        raise unsupported("response_format is supported by /v1/chat/completions only; send the request there (as "
+                          "messages)", "response_format")
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["APIError", "error_body", "shown"]
+__all__ = ["APIError", "error_body", "refuse_unsupported", "shown", "unsupported"]
 
 MESSAGE_MAX = 800
 """The longest error message (characters): a last bound, each echoed value is cut by :func:`shown` first."""
@@ -46,3 +46,16 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
                code: str | None = None) -> dict[str, Any]:
     """``{"error": {"message", "type", "param", "code"}}``: the OpenAI error object."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def unsupported(message: str, param: str) -> APIError:
+    """The 400 refusing a parameter lmforge does not implement (code ``unsupported_parameter``)."""
+    return APIError(400, message, param, "unsupported_parameter")
+
+
+def refuse_unsupported(data: dict[str, Any], messages: dict[str, str], neutral: tuple[Any, ...]) -> None:
+    """:func:`unsupported` with ``messages[name]`` for the first field ``name`` that ``data`` sets to a value not in
+    ``neutral``."""
+    for name, message in messages.items():
+        if data.get(name) not in neutral:
+            raise unsupported(message, name)

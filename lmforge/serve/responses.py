@@ -38,7 +38,7 @@ from pydantic import BaseModel, Discriminator, Field, StringConstraints, Tag, fi
 from lmforge.generate.sampling import SEED_MAX, SEED_MIN
 from lmforge.generate.scheduler import MAX_LOGPROBS
 from lmforge.serve.api import STRICT, FunctionDef, JsonSchemaFormat, NamedFunction
-from lmforge.serve.errors import APIError, shown
+from lmforge.serve.errors import APIError, refuse_unsupported, shown, unsupported
 from lmforge.serve.limits import SALT_MAX, TOKENS_MAX
 from lmforge.serve.request import ChatRequest, Dialect, Format
 
@@ -189,42 +189,37 @@ class ResponseRequest(BaseModel):
     def refuse_unsupported(cls, data: dict[str, Any]) -> None:
         """400 naming a field, tool, item or content part lmforge does not implement (before the schema's own
         checks, so the refusal names what is unsupported rather than a failed union)."""
-        for name, message in UNSUPPORTED.items():
-            if data.get(name) not in _NEUTRAL:
-                raise APIError(400, message, name, "unsupported_parameter")
+        refuse_unsupported(data, UNSUPPORTED, _NEUTRAL)
         if data.get("max_tool_calls") is not None:  # (0 is not neutral: it would forbid every call)
-            raise APIError(400, "max_tool_calls is not supported by lmforge serve; remove it (limit calls with "
-                                "tool_choice, or stop after the calls you want)", "max_tool_calls",
-                           "unsupported_parameter")
+            raise unsupported("max_tool_calls is not supported by lmforge serve; remove it (limit calls with "
+                              "tool_choice, or stop after the calls you want)", "max_tool_calls")
         text = data.get("text")
         if isinstance(text, dict) and text.get("verbosity") not in (None, "medium"):
-            raise APIError(400, "text.verbosity is not supported by lmforge serve; remove it (or send 'medium')",
-                           "text.verbosity", "unsupported_parameter")
+            raise unsupported("text.verbosity is not supported by lmforge serve; remove it (or send 'medium')",
+                              "text.verbosity")
         for k, tool in enumerate(data.get("tools") or () if isinstance(data.get("tools"), list) else ()):
             kind = tool.get("type") if isinstance(tool, dict) else None
             if isinstance(kind, str) and kind != "function":
-                raise APIError(400, f"tools.{k}: tools of type {shown(kind, 40)} (built-in tools) are not supported by "
-                                    "lmforge serve; give function tools {\"type\": \"function\", \"name\", "
-                                    "\"parameters\"}", f"tools.{k}.type", "unsupported_parameter")
+                raise unsupported(f"tools.{k}: tools of type {shown(kind, 40)} (built-in tools) are not supported by "
+                                  "lmforge serve; give function tools {\"type\": \"function\", \"name\", "
+                                  "\"parameters\"}", f"tools.{k}.type")
         choice = data.get("tool_choice")
         if isinstance(choice, dict) and isinstance(choice.get("type"), str) and choice["type"] != "function":
-            raise APIError(400, f"tool_choice of type {shown(choice['type'], 40)} is not supported by lmforge serve; "
-                                "send none, auto, required or {\"type\": \"function\", \"name\"}", "tool_choice",
-                           "unsupported_parameter")
+            raise unsupported(f"tool_choice of type {shown(choice['type'], 40)} is not supported by lmforge serve; "
+                              "send none, auto, required or {\"type\": \"function\", \"name\"}", "tool_choice")
         items = data.get("input")
         for k, item in enumerate(items if isinstance(items, list) else ()):
             kind = _item_kind(item) if isinstance(item, dict) else None
             if isinstance(kind, str) and kind not in ITEM_TYPES:
-                raise APIError(400, f"input.{k}: items of type {shown(kind, 40)} are not supported by lmforge serve; "
-                                    f"send {', '.join(ITEM_TYPES)} items", f"input.{k}.type", "unsupported_parameter")
+                raise unsupported(f"input.{k}: items of type {shown(kind, 40)} are not supported by lmforge serve; "
+                                  f"send {', '.join(ITEM_TYPES)} items", f"input.{k}.type")
             parts = item.get(kind == "message" and "content" or "output") if isinstance(item, dict) else None
             for j, part in enumerate(parts if isinstance(parts, list) else ()):
                 what = part.get("type") if isinstance(part, dict) else None
                 if isinstance(what, str) and what not in TEXT_PARTS:
                     field = f"input.{k}.{'content' if kind == 'message' else 'output'}.{j}"
-                    raise APIError(400, f"{field}: content of type {shown(what, 40)} is not supported by lmforge "
-                                        "serve (its models read text only); send input_text parts",
-                                   f"{field}.type", "unsupported_parameter")
+                    raise unsupported(f"{field}: content of type {shown(what, 40)} is not supported by lmforge "
+                                      "serve (its models read text only); send input_text parts", f"{field}.type")
 
     def check_supported(self) -> None:
         """400 for what the schema cannot say: an empty input, a json_schema format without its schema."""
@@ -232,9 +227,8 @@ class ResponseRequest(BaseModel):
             raise APIError(400, "input is empty; give a string or a list of items", "input")
         for k, name in enumerate(self.include or ()):
             if name != LOGPROBS:
-                raise APIError(400, f"include.{k}: {shown(name)} is not supported by lmforge serve (it has no tools or "
-                                    f"reasoning to add); the one value served is {LOGPROBS!r}", f"include.{k}",
-                               "unsupported_parameter")
+                raise unsupported(f"include.{k}: {shown(name)} is not supported by lmforge serve (it has no tools or "
+                                  f"reasoning to add); the one value served is {LOGPROBS!r}", f"include.{k}")
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
             raise APIError(400, "text.format of type json_schema needs schema (and a name)", "text.format.schema")
