@@ -13,9 +13,13 @@ lmforge's ``Engine`` at batch 1 on the same run with the decoder's weights store
 | int8 (a scale per row) | q8_0 (a scale per 32) |
 | int4 (Q4_0's rounding) | q4_0 |
 | int8+a8, int4+a8: the same weights, ``activations="int8"`` | q8_0, q4_0 |
+| bfloat16+bf16a: bf16 weights, the kernels' opt-in bf16 activations | f16 |
 
 The ``+a8`` rows round each product's input to int8 per block of 32 and sum in integers, as llama.cpp does with
-its Q8_0/Q8_K activations; the plain rows multiply float32 activations by the stored weights (exact).
+its Q8_0/Q8_K activations; the plain rows multiply float32 activations by the stored weights (exact). The
+``+bf16a`` row switches ``_core.linear_bf16_activations`` on around its own calls: each product's input rounded to
+bf16 and summed by AVX-512 BF16's vdpbf16ps (where the CPU has it; elsewhere the row is the bfloat16 row again,
+and its kernels column says so).
 
 lmforge's prefill is ``Engine.prefill`` of one prompt (its logits included); its decode is a 1-token prompt
 followed by N ``Engine.step`` calls, each fed the argmax of the last logits (greedy, as a ``Generator`` does).
@@ -24,7 +28,8 @@ Both sides run on ``--threads`` threads (``llama-bench -t``, ``torch.set_num_thr
 over the time per token as a share of the machine's read bandwidth, measured in the same run, and the fp32
 matmul peak and the load average, so a reader can tell a quiet run from a busy one. The last column is the
 instruction set lmforge's products ran on for the row (:func:`kernel_path`: ``avx512_vnni`` for the int8-activation
-rows on a CPU with AVX-512 VNNI, ``avx512``, ``avx2`` or ``scalar``).
+rows on a CPU with AVX-512 VNNI, ``avx512_bf16`` for the bf16-activation row on one with AVX-512 BF16, ``avx512``,
+``avx2`` or ``scalar``).
 
 llama-bench is not shipped with lmforge. The script finds it at ``$LLAMA_BENCH``, then ``.llama.cpp/bin/llama-bench``
 in the repository (an ignored folder); ``--build`` builds it there from the llama.cpp sources vendored in the
@@ -35,6 +40,7 @@ Without llama-bench it says how to get it and exits 0 (``make bench`` goes on).
     python benchmarks/bench_llamacpp.py                  # d512 x 4, vocab 8k, 3 rounds
     python benchmarks/bench_llamacpp.py --shape gpt2s    # the GPT-2-small shape
     python benchmarks/bench_llamacpp.py --quick          # a tiny model, 1 round (a smoke run)
+    python benchmarks/bench_llamacpp.py --only bfloat16 bfloat16+bf16a --rounds 5   # the bf16 products' two paths
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,7 +69,8 @@ SHAPES = {"d512": (8192, 512, 512, 4, 16, 1344, False), "gpt2s": (50304, 1024, 7
           "tiny": (512, 128, 64, 2, 4, 192, False)}
 # lmforge weight dtype -> the llama.cpp file type it is measured against
 PAIRS = [("float32", "f32"), ("bfloat16", "f16"), ("float16", "f16"), ("int8", "q8_0"), ("int4", "q4_0"),
-         ("int8+a8", "q8_0"), ("int4+a8", "q4_0")]
+         ("int8+a8", "q8_0"), ("int4+a8", "q4_0"), ("bfloat16+bf16a", "f16")]
+BF16A = "+bf16a"  # a row name's suffix: the kernels' bf16-activation mode on for that row
 
 
 def find_llama_bench() -> Path | None:
@@ -115,13 +124,27 @@ def llama_bench(exe: Path, model: Path, prompt: int, gen: int, threads: int) -> 
 
 
 def kernel_path(isa: str, activations: str) -> str:
-    """The instruction set a row's products run on, given ``_core.linear_isa()`` (the kernels' widest): AVX-512 VNNI
-    serves the products with int8 activations only, the float32 ones run the AVX-512 code there."""
+    """The instruction set a row's products run on, given ``_core.linear_isa()`` (the kernels' widest, with the row's
+    bf16-activation mode): AVX-512 VNNI serves the products with int8 activations only, the float32 ones run the
+    AVX-512 code there; "avx512_bf16" (the mode running) names the bf16 row's products."""
     return isa if activations == "int8" else isa.removesuffix("_vnni")
 
 
+@contextmanager
+def bf16_activations(on: bool) -> Iterator[None]:
+    """The decode kernels' bf16-activation mode ``on`` within the block, off after it."""
+    from lmforge._native import core
+
+    core().linear_bf16_activations(on)
+    try:
+        yield
+    finally:
+        core().linear_bf16_activations(False)
+
+
 class Lmforge:
-    """lmforge's engine on the run, its decoder's weights stored as ``dtype``: prefill and decode speed."""
+    """lmforge's engine on the run, its decoder's weights stored as ``dtype`` (a name of :data:`PAIRS`): prefill
+    and decode speed."""
 
     def __init__(self, model, dtype: str, prompt: int, gen: int, context: int) -> None:
         import torch
@@ -129,9 +152,11 @@ class Lmforge:
         from lmforge._native import core
         from lmforge.generate.engine import Engine
 
-        weights, activations = precision(dtype)
+        self.bf16a = dtype.endswith(BF16A)
+        weights, activations = precision(dtype.removesuffix(BF16A))
         self.engine = Engine(model, weight_dtype=weights, activations=activations)
-        self.path = kernel_path(core().linear_isa(), self.engine.activations)
+        with bf16_activations(self.bf16a):
+            self.path = kernel_path(core().linear_isa(), self.engine.activations)
         g = torch.Generator().manual_seed(1)
         self.prompt = torch.randint(0, model.cfg.vocab_size, (prompt,), generator=g).tolist()
         self.gen, self.capacity = gen, min(context, max(prompt, gen + 1))
@@ -151,7 +176,7 @@ class Lmforge:
     def prefill(self) -> float:
         import torch
 
-        with torch.inference_mode():
+        with torch.inference_mode(), bf16_activations(self.bf16a):
             t0 = time.perf_counter()
             self.engine.prefill([self.prompt], self.capacity)
             return len(self.prompt) / (time.perf_counter() - t0)
@@ -159,11 +184,12 @@ class Lmforge:
     def decode(self) -> float:
         import torch
 
-        with torch.inference_mode():
+        with torch.inference_mode(), bf16_activations(self.bf16a):
             logits = self.engine.prefill([self.prompt[:1]], self.capacity)
         from lmforge.generate.sampling import sample_next
 
-        with torch.inference_mode(), self.engine.serial_torch():  # the greedy pick too, as Generator decodes
+        # the greedy pick too, as Generator decodes
+        with torch.inference_mode(), self.engine.serial_torch(), bf16_activations(self.bf16a):
             t0 = time.perf_counter()
             for _ in range(self.gen):
                 logits = self.engine.step(sample_next(logits, 0.0))

@@ -67,7 +67,8 @@ def test_bytes_per_token_count_every_matrix_once(tied):
 
 def test_each_row_names_the_instruction_set_its_products_run_on():
     """The table's last column: VNNI is named only for the int8-activation rows (the float32 products have no VNNI
-    code), and it is the kernels' own name for the row's arithmetic."""
+    code), AVX-512 BF16 only for the bf16-activation row, whose mode is on around its own calls alone; it is the
+    kernels' own name for the row's arithmetic."""
     from bench_llamacpp import Lmforge, kernel_path
     from lmforge._native import available, core
     from lmforge.model import ModelConfig, TransformerLM
@@ -83,3 +84,9 @@ def test_each_row_names_the_instruction_set_its_products_run_on():
     isa = core().linear_isa()
     assert Lmforge(model, "int8+a8", 4, 2, 16).path == isa
     assert Lmforge(model, "bfloat16", 4, 2, 16).path == isa.removesuffix("_vnni")
+    core().linear_bf16_activations(True)  # the bf16-activation row: "avx512_bf16" where the CPU runs that mode
+    bf16a = core().linear_isa()
+    core().linear_bf16_activations(False)
+    row = Lmforge(model, "bfloat16+bf16a", 4, 2, 16)
+    assert row.path == bf16a.removesuffix("_vnni") and core().linear_isa() == isa  # the mode off again
+    assert row.prefill() > 0 and core().linear_isa() == isa
