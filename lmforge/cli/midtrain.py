@@ -24,7 +24,8 @@ def _midtrain_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", default=None, metavar="CONFIG.yaml",
                    help="optional YAML with sections to change (optimizer, training, data, sft); the base run's "
                         "model, batch and optimizer settings and the midtraining defaults apply otherwise")
-    p.add_argument("--base", required=True, metavar="RUN", help="the pretrained run to continue (its newest checkpoint)")
+    p.add_argument("--base", required=True, metavar="RUN",
+                   help="the pretrained run to continue (its newest checkpoint)")
     p.add_argument("--checkpoint", default=None, help="a checkpoint of the base run instead of its newest ('best' "
                    "for checkpoints/best.safetensors)")
     p.add_argument("--data", required=True, metavar="FILE.jsonl",
