@@ -1,40 +1,30 @@
 """Continuous batching: many requests decoded together on one :class:`~lmforge.generate.engine.Engine`.
 
 A :class:`Scheduler` owns an engine whose KV cache has ``max_batch`` rows (slots) and a queue of waiting
-requests. One iteration (:meth:`Scheduler.run_once`):
+requests (:class:`Job`). One iteration (:meth:`Scheduler.run_once`):
 
 1. rows whose request was cancelled (a client that disconnected) leave, freeing their slots (a cancelled
    request that was still waiting has already left the queue: :meth:`Scheduler.cancel` removes it at once);
-2. waiting requests join while slots are free: each prompt is prefilled alone into its row (anything that
-   fails while one request joins ends that request alone, with ``finish_reason="error"``, and frees every engine
-   row it took: the engine's live rows are always the scheduler's, checked at each step);
-3. one batched step feeds every live row one token: the token it sampled last, or the next of the tokens a
-   tool forces into it; each row then samples its next token with its own temperature/top-k/top-p and its
-   own seeded ``torch.Generator``, so a request's output does not depend on the others;
-4. rows that ended (a stop id, a stop string, ``max_tokens``) free their slots at once.
+2. waiting requests join while slots are free: a prompt is prefilled once into its row and copied (``Engine.fork``)
+   into the rows of the requests queued with it (:meth:`Scheduler.submit_many`: several samples of one prompt).
+   Anything that fails while a request joins ends that request alone (``finish_reason="error"``) and frees every
+   engine row it took: the engine's live rows are always the scheduler's, checked at each step;
+3. one batched step feeds every live row its next token, and the row layer (:mod:`lmforge.generate.rows`, shared
+   with the other drivers) takes each row's next one: forced tool ids (part of the completion, counted in
+   ``max_tokens``), a ``constraint``'s mask and ``capture_regions`` (their text in ``Update.regions``), the row's
+   own sampling and seeded ``torch.Generator`` (a request's output does not depend on the others), ``logprobs``,
+   stop ids and strings. A row decoding alone drafts (``speculative``; a request's ``speculative=False`` opts out);
+4. rows that ended free their slots at once.
 
-Text goes out through each request's ``emit`` callback, called on the engine thread with an
-:class:`Update`: pieces of text as they are final (UTF-8 whole, stop strings held back until decided and
-never emitted), then one update with ``finish_reason``. :meth:`Scheduler.start` runs the loop in its own
-thread, so a server's event loop never waits on the model; an error in one request ends that request only.
-
-What each token means (forced tool ids, which are part of the completion and count in ``max_tokens``; a
-``constraint``'s mask and ``capture_regions``, whose region text comes in ``Update.regions``; ``logprobs``; stop
-ids and strings) is decided by the row layer, :mod:`lmforge.generate.rows`, shared with the other drivers.
-
-Several samples of one prompt: :meth:`Scheduler.submit_many` queues requests with the same prompt as one entry;
-they join together, the prompt prefilled once and its cache row copied (``Engine.fork``) into the others.
+Text goes out through each request's ``emit``, called on the engine thread with an :class:`Update`: text as it is
+final (UTF-8 whole, stop strings never emitted), then one update with ``finish_reason``. :meth:`Scheduler.start`
+runs the loop in its own thread, so a server's event loop never waits on the model.
 
 Prefix cache (``prefix_cache``, a :class:`~lmforge.generate.prefix_cache.PrefixCache`): a joining prompt's longest
-cached prefix of whole blocks is copied into its row and only the rest is prefilled; the prompt's blocks are kept
-once prefilled, and a row's prompt and reply when it leaves (the next turn of a conversation starts with them). All
-of it under the request's ``cache_salt``: requests share cached blocks only with requests of the same salt (None:
-the shared, unsalted space), so a tenant's salt keeps others from learning its prompts through cache hits.
-
-Speculative decoding (``speculative``; a request's ``speculative=False`` opts out): while one row decodes alone, it
-drafts (:meth:`~lmforge.generate.rows.RowStep.speculate`): the same tokens, fewer passes.
+cached prefix of whole blocks is copied into its row and only the rest is prefilled; a row's prompt and reply are
+kept when it leaves. All of it under the request's ``cache_salt``: requests share blocks only with requests of the
+same salt (None: the shared, unsalted space), so a tenant's salt keeps others from learning its prompts.
 """
-
 from __future__ import annotations
 
 import atexit
@@ -160,11 +150,9 @@ class Scheduler:
         self.engine, self.tokenizer = engine, tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
         self.context_length = engine.context_length
-        self.vocab_limit = tokenizer.vocab_size  # never sample the model's padding ids
         engine.open_slots(max_batch)
         self.prefix_cache = prefix_cache
         self.speculative = bool(speculative)
-        self.spec_stats = self.rows.spec_stats
         self._rows: list[Row] = []  # _rows[i] decodes in engine row i; its owner is its request
         self._waiting: collections.deque[list[Job]] = collections.deque()  # entries: requests joining together
         self._cv = threading.Condition()
@@ -204,9 +192,9 @@ class Scheduler:
             raise ValueError("requests that join together must have the same cache_salt")
         for req in reqs:
             self.check(len(req.prompt), req.max_tokens)
-        bad = [t for t in reqs[0].prompt if not 0 <= t < self.vocab_limit]
+        bad = [t for t in reqs[0].prompt if not 0 <= t < self.rows.vocab_limit]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_limit})")
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.rows.vocab_limit})")
         with self._cv:
             if self._stopping:
                 raise RuntimeError("the scheduler is stopping; it takes no new requests")
@@ -237,7 +225,7 @@ class Scheduler:
         p = self.prefix_cache.stats if self.prefix_cache is not None else None
         for name in ("queries", "hits", "query_tokens", "hit_tokens", "bytes"):
             now["prefix_" + name] = getattr(p, name) if p is not None else 0
-        return now | self.spec_stats.as_dict()
+        return now | self.rows.spec_stats.as_dict()
 
     def start(self) -> None:
         """Run the loop in a daemon thread until :meth:`stop`, called at the latest when the interpreter exits:
