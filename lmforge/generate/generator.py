@@ -1,18 +1,10 @@
-"""Text generation from a trained ``TransformerLM``: KV-cache decoding, sampling, streaming, stop strings.
+"""Text generation from a trained ``TransformerLM``: :class:`Generator`, the user API over the
+:class:`~lmforge.generate.engine.Engine` (the tensors: prefill, step, verify, rollback, fork; a row that fills the
+context slides) and the row step (:mod:`lmforge.generate.rows`: what each token means).
 
-Layers, bottom up:
-
-* :class:`Engine` (in :mod:`lmforge.generate.engine`) holds the tensors: it prefills prompts through the model's own
-  forward into the KV cache and decodes one token per step (on CPU one call into the C++ decode step, on weights
-  packed once, optionally as bfloat16/float16/int8/int4), verifies drafts, rolls back, forks rows. Several prompts
-  run as one batch (right padding, a length per row). A row that fills the context slides: it drops its oldest
-  quarter (by default) and re-prefills the rest, so generation goes on at an amortized cost.
-* :mod:`lmforge.generate.rows` decides what each token means: sampling, stop ids and strings, text (UTF-8 whole,
-  stop strings never emitted), forced tool ids, drafting.
-* :class:`Generator` is the user API: ``generate_ids`` (ids in, ids out), ``generate`` (text in, text out,
-  optionally streamed) and :meth:`Generator.turn` (a chat's reply, with tool output and the prefix cache).
-  ``naive=True`` recomputes the full forward of the model itself at every step (no cache); it is the oracle the
-  cached path is tested against (greedy tokens must be identical).
+``generate_ids`` (ids in, ids out), ``generate`` (text in, text out, optionally streamed) and :meth:`Generator.turn`
+(a chat's reply, with tool output and the prefix cache). ``naive=True`` recomputes the model's full forward at every
+step (no cache): the oracle the cached path is tested against (greedy tokens must be identical).
 """
 
 from __future__ import annotations
