@@ -1,21 +1,15 @@
-"""The HTTP layer: a FastAPI app over a :class:`~lmforge.serve.server.ServedModel`. It only calls the scheduler.
+"""The HTTP layer: a FastAPI app over a :class:`~lmforge.serve.server.ServedModel` (:func:`create_app`).
 
 Routes: ``GET /`` (the web chat page, static files shipped in the package), ``GET /health``, ``GET /v1/models``,
 ``POST /v1/embeddings``, ``POST /tokenize``, ``POST /detokenize`` and ``GET /metrics`` (Prometheus text) here;
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` in :mod:`~lmforge.serve.chat_routes`; ``POST
 /v1/responses``, ``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` in
-:mod:`~lmforge.serve.response_routes`; what routes share in :mod:`~lmforge.serve.service`.
-``/health`` (open, as the page is) says the server is up and how busy it is, never what requests asked: counts of
-tokens, cache hits and drafts are on ``/metrics``, behind the key. A request is turned into prompt ids, submitted
-to the scheduler (which runs the engine in its own thread) and answered from the updates the engine thread hands
-to this event loop (``call_soon_threadsafe``): as one JSON object, or streamed as server-sent events
-(``data: {chunk}`` lines, then ``data: [DONE]``). A client that goes away cancels its request, which frees
-its row at the next step (or its place in the queue at once): a stream notices when it can no longer send, a
-plain request by watching the connection while it waits. A request body must arrive within ``body_timeout``
-seconds (else 408, and the connection is closed). API POST bodies must be sent as ``application/json`` (else
-415) and a request's ``Host`` must be one this server answers (:mod:`~lmforge.serve.access`, else 400): no
-cross-site page can post to it, by a simple request or by DNS rebinding. Every error has the OpenAI shape
-``{"error": {message, type, param, code}}``; after a 500 the keep-alive connection stays usable.
+:mod:`~lmforge.serve.response_routes`; what routes share (keys, bodies, the scheduler's jobs and their updates, a
+client that goes away cancelling its jobs) in :mod:`~lmforge.serve.service`. ``/health`` (open, as the page is)
+says the server is up and how busy it is, never what requests asked: counts of tokens, cache hits and drafts are
+on ``/metrics``, behind the key. No cross-site page can post to the API, by a simple request (bodies must come as
+``application/json``) or by DNS rebinding (the ``Host`` check, :mod:`~lmforge.serve.access`). Every error has the
+OpenAI shape ``{"error": {message, type, param, code}}``; after a 500 the keep-alive connection stays usable.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """``POST /v1/responses``, the OpenAI Responses API: its request schema and the request read as a chat request.
 
 A Responses request is validated against its own schema (errors name its fields), then read as the one internal
-chat request (:meth:`ResponseRequest.chat_request`, a :class:`~lmforge.serve.request.ChatRequest`: the
-conversation as chat messages, function ``tools``, ``text.format`` as the output format, ``max_output_tokens``
-as the limit), which the service runs as it runs a chat completion: a greedy or seeded reply is the one
-``/v1/chat/completions`` gives for the same conversation. Errors found on that path name the Responses
-parameters through :data:`RESPONSES` and, for a message, the client's item it came from (``input.3
-(function_call_output)``, ``instructions``, or the stored conversation of ``previous_response_id``).
+chat request (:func:`chat_request`, a :class:`~lmforge.serve.request.ChatRequest`), which the service runs as it
+runs a chat completion: a greedy or seeded reply is the one ``/v1/chat/completions`` gives for the same
+conversation. Errors found on that path name the Responses parameters through :data:`RESPONSES` and, for a
+message, the client's item it came from (``input.3 (function_call_output)``, ``instructions``, or the stored
+conversation of ``previous_response_id``).
 
 The conversation: ``instructions`` (never carried to the next response), then the stored conversation of
 ``previous_response_id``, then ``input`` (a string: one user message; or a list of items: messages with role
@@ -17,14 +16,9 @@ parts, ``function_call`` items, which join the assistant message before them as 
 developer message later on (OpenAI accepts one anywhere) is read as user text, joined to the user message beside
 it (or standing as a user message where one may come).
 
-Request fields have strict types, as OpenAI's API has (``"stream": "yes"`` or ``"max_output_tokens": "5"`` is a
-400, never coerced), and ``metadata`` OpenAI's bounds: at most 16 pairs, keys of up to 64 characters, string values
-of up to 512.
-
-Fields that would change the answer and lmforge does not implement are refused naming them (:data:`UNSUPPORTED`,
-``max_tool_calls``, built-in tools, input items and content parts other than text, ``include`` values but the
-output's log-probabilities);
-``metadata``, ``user``, ``store`` and other
+Request fields have strict types (:data:`~lmforge.serve.api.STRICT`) and ``metadata`` OpenAI's bounds (16 pairs,
+keys up to 64 characters, values up to 512). Fields that would change the answer and lmforge does not implement are
+refused naming them (:meth:`ResponseRequest.refuse_unsupported`); ``metadata``, ``user``, ``store`` and other
 bookkeeping fields are accepted (``metadata`` and ``user`` are echoed in the response).
 """
 
