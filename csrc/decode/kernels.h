@@ -15,7 +15,7 @@
 namespace lmforge {
 
 // F32 .. I4 multiply float32 activations by the weights converted to float32 (the model whose matrices are
-// rounded, exactly); I8Q8 and I4Q8 hold the same codes and scales as I8 and I4 in another layout and round the
+// rounded, exactly; BF16 with linear_bf16_activations on, where it runs: activations rounded to bf16); I8Q8 and I4Q8 hold the same codes and scales as I8 and I4 in another layout and round the
 // activations to int8 per block of 32 first (integer dot products, llama.cpp's arithmetic: qdot.cpp).
 enum class WeightType { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, I4 = 4, I8Q8 = 5, I4Q8 = 6 };
 
