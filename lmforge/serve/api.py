@@ -6,7 +6,7 @@ names the field (``messages.0.role``, ``temperature``). Fields that do not chang
 (``logit_bias``, non-zero ``presence_penalty``/``frequency_penalty``, ``echo``, ``suffix``, ``best_of``,
 ``response_format`` on completions, ``stop`` with a constrained reply) are refused with a 400 naming the field
 (:data:`UNSUPPORTED`); a value of the wrong type (``logprobs: true`` on completions, ``"stream": "yes"``,
-``"max_tokens": "5"``) is refused, never coerced (:data:`STRICT`).
+``"max_tokens": "5"``) is refused, never coerced (:class:`Strict`).
 """
 
 from __future__ import annotations
@@ -31,13 +31,16 @@ __all__ = ["CHAT", "ChatCompletionRequest", "CompletionRequest", "EmbeddingReque
 
 CHAT = Dialect({"tool.parameters": "tools.{k}.function.parameters"})
 """Chat Completions' names of the internal request's fields (the others are its own)."""
-STRICT = ConfigDict(extra="ignore", strict=True)
-"""Every request model's configuration: unknown fields ignored, a value of the wrong type refused, never coerced
-(``"stream": "yes"``, ``"max_tokens": "5"`` or ``5.0``, ``"n": true``: 400s, as OpenAI's API answers them)."""
 
-class _Request(BaseModel):
-    model_config = STRICT
 
+class Strict(BaseModel):
+    """Every request model's base: unknown fields ignored, a value of the wrong type refused, never coerced
+    (``"stream": "yes"``, ``"max_tokens": "5"`` or ``5.0``, ``"n": true``: 400s, as OpenAI's API answers them)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class _Request(Strict):
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=TOKENS_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -75,34 +78,30 @@ class _Request(BaseModel):
                     cache_salt=self.cache_salt)
 
 
-class TextPart(BaseModel):
+class TextPart(Strict):
     """One part of a message's content given as a list (``{"type": "text", "text": ...}``)."""
 
-    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
-class CallFunction(BaseModel):
-    model_config = STRICT
+class CallFunction(Strict):
     name: str = Field(min_length=1, max_length=64)
     arguments: str
 
 
-class ToolCall(BaseModel):
+class ToolCall(Strict):
     """A function call in an assistant message (as the API returned it)."""
 
-    model_config = STRICT
     id: str = Field(min_length=1, max_length=256)
     type: Literal["function"] = "function"
     function: CallFunction
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Strict):
     """A message: ``role`` and ``content`` (a string or a list of text parts); an assistant's ``tool_calls``, a
     tool message's ``tool_call_id``."""
 
-    model_config = STRICT
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None
@@ -123,18 +122,16 @@ class ChatMessage(BaseModel):
         return out
 
 
-class FunctionDef(BaseModel):
-    model_config = STRICT
+class FunctionDef(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(BaseModel):
+class Tool(Strict):
     """A function the model may call (``{"type": "function", "function": {name, description, parameters}}``)."""
 
-    model_config = STRICT
     type: Literal["function"]
     function: FunctionDef
 
@@ -147,10 +144,9 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Strict):
     """``{"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict}}``."""
 
-    model_config = STRICT
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -163,13 +159,11 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = Field(default=None, min_length=1, max_length=1000)
 
 
-class NamedFunction(BaseModel):
-    model_config = STRICT
+class NamedFunction(Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = STRICT
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: NamedFunction
 
@@ -267,10 +261,9 @@ class CompletionRequest(_Request):
         return self.max_tokens
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(Strict):
     """``POST /v1/embeddings``: texts (or token ids) to embed."""
 
-    model_config = STRICT
     model: str
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -292,10 +285,9 @@ class EmbeddingRequest(BaseModel):
         return list(self.input)  # type: ignore[arg-type]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Strict):
     """``POST /tokenize``: a raw ``prompt``, or chat ``messages`` rendered as the chat endpoint renders them."""
 
-    model_config = STRICT
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
@@ -306,10 +298,9 @@ class TokenizeRequest(BaseModel):
             raise APIError(400, "give prompt (text) or messages (a chat), one of them", "prompt")
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(Strict):
     """``POST /detokenize``: token ids back to text."""
 
-    model_config = STRICT
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
 

@@ -16,7 +16,7 @@ parts, ``function_call`` items, which join the assistant message before them as 
 developer message later on (OpenAI accepts one anywhere) is read as user text, joined to the user message beside
 it (or standing as a user message where one may come).
 
-Request fields have strict types (:data:`~lmforge.serve.api.STRICT`) and ``metadata`` OpenAI's bounds (16 pairs,
+Request fields have strict types (:class:`~lmforge.serve.api.Strict`) and ``metadata`` OpenAI's bounds (16 pairs,
 keys up to 64 characters, values up to 512). Fields that would change the answer and lmforge does not implement are
 refused naming them (:meth:`ResponseRequest.refuse_unsupported`); ``metadata``, ``user``, ``store`` and other
 bookkeeping fields are accepted (``metadata`` and ``user`` are echoed in the response).
@@ -27,11 +27,11 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, Discriminator, Field, StringConstraints, Tag, field_validator
+from pydantic import Discriminator, Field, StringConstraints, Tag, field_validator
 
 from lmforge.generate.sampling import SEED_MAX, SEED_MIN
 from lmforge.generate.scheduler import MAX_LOGPROBS
-from lmforge.serve.api import STRICT, FunctionDef, JsonSchemaFormat, NamedFunction
+from lmforge.serve.api import FunctionDef, JsonSchemaFormat, NamedFunction, Strict
 from lmforge.serve.errors import APIError, refuse_unsupported, shown, unsupported
 from lmforge.serve.limits import SALT_MAX, TOKENS_MAX
 from lmforge.serve.request import ChatRequest, Dialect, Format
@@ -61,18 +61,16 @@ but their neutral value (null, false, 0, {}, [], ``truncation: "disabled"``), wi
 _NEUTRAL = (None, False, 0, {}, [], "", "disabled")
 
 
-class TextPart(BaseModel):
+class TextPart(Strict):
     """A message's content part: ``input_text`` (or ``output_text``, a previous reply's text; annotations ignored)."""
 
-    model_config = STRICT
     type: Literal["input_text", "output_text"]
     text: str
 
 
-class InputMessage(BaseModel):
+class InputMessage(Strict):
     """A message item (``type`` may be left out, as the client's ``EasyInputMessage``)."""
 
-    model_config = STRICT
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[TextPart]
@@ -81,20 +79,18 @@ class InputMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class FunctionCallItem(BaseModel):
+class FunctionCallItem(Strict):
     """A function call the model made (a previous response's ``function_call`` output item, sent back)."""
 
-    model_config = STRICT
     type: Literal["function_call"]
     call_id: str = Field(min_length=1, max_length=256)
     name: str = Field(min_length=1, max_length=64)
     arguments: str
 
 
-class FunctionCallOutputItem(BaseModel):
+class FunctionCallOutputItem(Strict):
     """The result of the call ``call_id``, computed by the client."""
 
-    model_config = STRICT
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=256)
     output: str | list[TextPart]
@@ -138,16 +134,14 @@ class TextFormat(JsonSchemaFormat):
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
 
 
-class TextConfig(BaseModel):
-    model_config = STRICT
+class TextConfig(Strict):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class ResponseRequest(BaseModel):
+class ResponseRequest(Strict):
     """``POST /v1/responses``."""
 
-    model_config = STRICT
     model: str
     input: list[InputItem]  # a string is one user message
 
