@@ -12,10 +12,10 @@ give them. Everywhere else prefill and steps are the model's own forward over th
 output); tests hold the kernel path to that forward. A model with an option the C++ step does not implement
 (:func:`~lmforge.generate.packed.kernel_unsupported`) decodes through that forward.
 
-For serving, rows join and leave between steps (continuous batching): ``Engine.open_slots`` makes an empty
-cache of N rows, ``Engine.admit`` prefills one prompt into the next free row (``Engine.fork`` copies a row into
-the next free one), ``Engine.release`` frees a row,
-and ``Engine.step`` feeds the live rows in one batched step (:mod:`lmforge.generate.scheduler` drives this).
+Rows join and leave between steps (continuous batching): ``Engine.open_slots`` makes an empty cache of N rows,
+``Engine.admit`` prefills one prompt into the next free row (``Engine.fork`` copies a row into the next free one),
+``Engine.release`` frees a row, and ``Engine.step`` feeds the live rows in one batched step (the drivers of
+:mod:`lmforge.generate.rows` decide who waits: the scheduler, the generator's turns, RL rollouts).
 """
 
 from __future__ import annotations
@@ -74,9 +74,8 @@ class Engine:
     ``static_steps`` (the PyTorch path; default: on CUDA) runs each step with fixed shapes over the whole cache
     (:mod:`lmforge.generate.graphs`), replayed as a CUDA graph on a GPU: one launch per token instead of ~200.
     ``compile_steps`` (with static steps; True, or ``torch.compile`` options) compiles that step first, once per
-    batch size, so the graph replays fewer, fused kernels (H100, GPT-2-small shape, batch 1: 1,019 tokens/s against
-    630 for the graphs alone, after a ~23 s compile; so opt-in: worth it for long or repeated decoding at few batch
-    sizes).
+    batch size, so the graph replays fewer, fused kernels (opt-in: the compile takes tens of seconds; figures in
+    docs/benchmarks.md).
     """
 
     def __init__(self, model: Any, window_drop: int | None = None,
