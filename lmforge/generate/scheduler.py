@@ -345,14 +345,12 @@ class Scheduler:
             raise RuntimeError(f"the engine has {self.engine.active} live rows but the scheduler {len(self._rows)}")
 
     def _emit(self, r: Row) -> None:
-        self._send(r.owner, self._update(r))
-
-    def _update(self, r: Row) -> Update:
-        """An update with the row's pending text, log-probabilities and closed regions (then cleared)."""
+        """Send the row's request an update with its pending text, log-probabilities and closed regions (then
+        cleared)."""
         u = Update(r.pending, len(r.prompt), r.n, r.finish, r.error, tuple(r.pending_lp), tuple(r.regions),
                    r.cached)
         r.pending, r.pending_lp, r.regions = "", [], []
-        return u
+        self._send(r.owner, u)
 
     def _finish_rows(self) -> None:
         done = [i for i, r in enumerate(self._rows) if r.finish is not None]
@@ -371,8 +369,7 @@ class Scheduler:
                 self._rows.pop()
 
     def _keep(self, i: int) -> None:
-        """Keep engine row ``i``'s tokens (prompt and reply) in the prefix cache, under its request's salt, before
-        it is freed."""
+        """Keep engine row ``i``'s tokens in the prefix cache, under its request's salt, before it is freed."""
         try:
             keep_row(self.engine, self.prefix_cache, i, self._rows[i].owner.cache_salt)
         except Exception:  # noqa: BLE001  (a cache that cannot keep a row must not end the others)
