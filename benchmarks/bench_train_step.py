@@ -19,6 +19,15 @@
                                                           # T 512, B 4, V 32k (~130 M parameters; minutes per run)
     python benchmarks/bench_train_step.py --quick    # a few steps: a smoke run
     python benchmarks/bench_train_step.py --dtype bf16 --compile
+    python benchmarks/bench_train_step.py --profile  # the demo's own step (Muon, bf16 where native): where it goes
+
+``--profile``: the speedrun's training step at the demo's shape (``lmforge.speedrun``'s ``small`` preset and
+``RECIPE``: Muon, per-group AdamW, gradient clipping; bf16 autocast where ``training.dtype: auto`` picks it), its
+time split by ``torch.profiler`` into the blocks' and head's matrix products, attention, the optimizer (Newton-Schulz
+products apart), casts, norms, the loss, the remaining ops and what no op accounts for (Python, the autograd
+engine); MFU of unprofiled steps against the matmul peak measured in the same run, beside Hugging Face's
+``LlamaForCausalLM`` at the same shape in its strongest configuration here (bf16 autocast, the whole model under
+``torch.compile``, ``torch.optim.AdamW(fused=True)``), steps interleaved.
 """
 
 from __future__ import annotations
@@ -139,6 +148,183 @@ def check_losses(ours: list[float], theirs: list[float], tol: float) -> None:
                  "compare different computations; check the weight mapping (lmforge.interop.hf) and the loss targets")
 
 
+# (category, substrings of an op's name) in order: the first match names an op's own time (torch.profiler self time)
+OP_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("scaled_dot_product", "flash_attention")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation", "mkldnn_matmul")),
+    ("loss", ("log_softmax", "nll_loss", "cross_entropy")),
+    ("cast", ("aten::_to_copy", "aten::copy_", "aten::to")),
+    ("norm", ("rsqrt", "norm")),
+    ("embedding", ("embedding",)),
+)
+ANNOTATIONS = ("optimizer", "clip")  # record_function ranges of the step: their ops are counted as theirs
+
+
+def classify(name: str, within: str | None) -> str:
+    """The split category of an op called ``name`` run inside the ``within`` annotation (or none)."""
+    base = next((cat for cat, keys in OP_CATEGORIES if any(k in name for k in keys)), "other ops")
+    if within == "optimizer":
+        return "optimizer: matmul (Newton-Schulz)" if base == "matmul" else "optimizer: other"
+    if within == "clip":
+        return "gradient clipping"
+    return base
+
+
+def split_profile(events, steps: int) -> dict[str, float]:
+    """Seconds per step by :func:`classify` category from ``torch.profiler`` function events (self times); the
+    annotation ranges (:data:`ANNOTATIONS`) and the step range themselves count nothing."""
+    out: dict[str, float] = {}
+    for e in events:
+        if e.name in ANNOTATIONS or e.name == "step":
+            continue
+        within, p = None, e.cpu_parent
+        while p is not None:
+            if p.name in ANNOTATIONS:
+                within = p.name
+                break
+            p = p.cpu_parent
+        cat = classify(e.name, within)
+        out[cat] = out.get(cat, 0.0) + e.self_cpu_time_total / 1e6 / steps
+    return out
+
+
+def _demo_step(a: argparse.Namespace):
+    """(model config, batch size, bf16?, step function) of the speedrun's training step at preset ``a.preset``: the
+    run config the speedrun builds (its RECIPE), the loop's own optimizer builder, loss scaling and clipping."""
+    from pathlib import Path
+
+    import torch
+
+    from lmforge.hardware import resolve_train_dtype
+    from lmforge.model import TransformerLM
+    from lmforge.speedrun import PRESETS, _run_config
+    from lmforge.train.loop import _build_optimizer
+    from lmforge.train.optim import clip_grad_norm
+
+    preset = PRESETS["tiny" if a.quick else a.preset]  # --quick: a smoke run, the same recipe
+    cfg = _run_config(preset, a.vocab, Path("."), Path("tokenizer.json"), torch.device("cpu"), 500, None)
+    model = TransformerLM(cfg.model)
+    opt = _build_optimizer(model, cfg.optimizer)
+    bf16 = resolve_train_dtype(cfg.training.dtype if a.dtype_auto else a.dtype, "cpu") == "bf16"
+
+    def step(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(x, targets=y, reduction="sum")
+        (loss / y.numel()).backward()
+        with torch.profiler.record_function("clip"):
+            clip_grad_norm(model.parameters(), cfg.optimizer.grad_clip)
+        with torch.profiler.record_function("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return float(loss.detach()) / y.numel()
+
+    return model.cfg, cfg.training.batch_size, bf16, step
+
+
+def attention_ab(heads: tuple[int, int, int, int], rounds: int = 6) -> dict[str, float]:
+    """Best seconds of one causal attention forward + backward on bf16 heads ``(B, h, T, D)``, two ways, alternated:
+    torch's kernel in bf16, and the model's :func:`~lmforge.model.blocks.causal_attention` (float32 on the CPU)."""
+    import torch
+    import torch.nn.functional as F
+
+    from lmforge.model.blocks import causal_attention
+
+    g = torch.Generator().manual_seed(0)
+    q0, k0, v0, dy = (torch.randn(heads, generator=g).to(torch.bfloat16) for _ in range(4))
+    ways = {"bf16 kernel": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            "float32 (causal_attention)": lambda q, k, v: causal_attention(q, k, v, False, None)}
+    best = {name: float("inf") for name in ways}
+    for i in range(rounds + 1):
+        for name, fn in ways.items():
+            q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+            t0 = time.perf_counter()
+            fn(q, k, v).backward(dy)
+            if i:
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def profile_main(a: argparse.Namespace) -> None:
+    """``--profile``: the demo's step split by the profiler, its MFU and HF's strongest configuration beside it."""
+    import torch
+
+    from lmforge.hardware import matmul_peak_flops
+    from lmforge.model import flops_per_token
+    from lmforge.model.transformer import matmul_params_per_token
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    mcfg, batch, bf16, step = _demo_step(a)
+    a.d_model, a.layers, a.heads, a.d_ff, a.context, a.batch, a.vocab = (
+        mcfg.d_model, mcfg.n_layers, mcfg.n_heads, mcfg.d_ff, mcfg.context_length, batch, mcfg.vocab_size)
+    a.dtype, a.compile, a.reference = ("bf16" if bf16 else "fp32"), True, False
+    dt = torch.bfloat16 if bf16 else torch.float32
+    peak_n = 1024 if a.quick else 4096
+    tokens, fpt = a.batch * a.context, flops_per_token(mcfg, a.context)
+    print(f"the demo's step: d_model {a.d_model}, {a.layers} layers, {a.heads} heads, d_ff {a.d_ff}, T {a.context}, "
+          f"B {a.batch}, V {a.vocab}, {a.dtype}; the speedrun's RECIPE (Muon + AdamW groups, gradient clipping); "
+          f"threads {torch.get_num_threads()}")
+    peaks = [matmul_peak_flops("cpu", peak_n, dt, repeats=3, max_seconds=10.0)]
+    batches = _batches(a)
+    hf_step = None
+    if not a.no_hf:
+        torch.manual_seed(0)
+        _, hf_step = _build("hf", a)  # bf16 autocast, torch.compile of the whole loss (model), fused AdamW
+    times: dict[str, list[float]] = {"lmforge": [], "hf": []}
+    warm = max(a.warmup, 2)
+    for i in range(warm + a.steps):
+        b = batches[i % len(batches)]
+        for name, fn in (("lmforge", step), ("hf", hf_step)):
+            if fn is None:
+                continue
+            t0 = time.perf_counter()
+            fn(b[:, :-1], b[:, 1:])
+            if i >= warm:
+                times[name].append(time.perf_counter() - t0)
+    prof_steps = 2 if a.quick else 5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for i in range(prof_steps):
+            b = batches[i % len(batches)]
+            step(b[:, :-1], b[:, 1:])
+        prof_wall = (time.perf_counter() - t0) / prof_steps
+    peaks.append(matmul_peak_flops("cpu", peak_n, dt, repeats=3, max_seconds=10.0))
+    peak = max(peaks)
+    split = split_profile(prof.events(), prof_steps)
+    split["not in any op (Python, autograd engine)"] = max(0.0, prof_wall - sum(split.values()))
+    print(f"matmul peak ({peak_n}², {a.dtype}): {peak / 1e9:.1f} GFLOP/s (before {peaks[0] / 1e9:.0f}, after "
+          f"{peaks[1] / 1e9:.0f}); FLOPs/token {fpt / 1e6:.1f} M\n")
+    print(f"profiled: {prof_steps} steps, {1e3 * prof_wall:.1f} ms/step under the profiler\n")
+    print("| part of the step | ms/step | share |\n|---|---:|---:|")
+    for cat, sec in sorted(split.items(), key=lambda kv: -kv[1]):
+        print(f"| {cat} | {1e3 * sec:.1f} | {100 * sec / prof_wall:.0f}% |")
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    print("\nthe ops with the most own time: " + "; ".join(
+        f"{e.key} {e.self_cpu_time_total / 1e3 / prof_steps:.1f} ms ({e.count // prof_steps}x)" for e in ops))
+    if bf16:
+        ab = attention_ab((a.batch, a.heads, a.context, a.d_model // a.heads))
+        print("\none layer's causal attention, forward + backward, best of 6: " +
+              ", ".join(f"{name} {1e3 * sec:.1f} ms" for name, sec in ab.items()))
+    mm = split.get("matmul", 0.0)
+    if mm:
+        print(f"\nthe model's matrix products: {6 * matmul_params_per_token(mcfg) * tokens / mm / 1e9:.0f} GFLOP/s "
+              f"(6·N·tokens over their profiled time) = {100 * 6 * matmul_params_per_token(mcfg) * tokens / mm / peak:.0f}% "
+              "of the peak; everything else is what keeps the step from it")
+    print(f"\n| impl | tokens/s (median step) | tokens/s (best step) | MFU median | MFU best (vs the measured {a.dtype} "
+          "peak) |\n|---|---:|---:|---:|---:|")
+    label = {"lmforge": "lmforge, the speedrun's step (Muon, eager)",
+             "hf": "HF Llama, bf16 autocast + torch.compile(whole model) + AdamW(fused=True)"}
+    for name, ts in times.items():
+        if ts:
+            med, best = tokens / statistics.median(ts), tokens / min(ts)
+            print(f"| {label[name]} | {med:,.0f} | {best:,.0f} | {100 * med * fpt / peak:.0f}% | "
+                  f"{100 * best * fpt / peak:.0f}% |")
+    if times["hf"]:
+        print(f"\nlmforge / HF speed: {statistics.median(times['hf']) / statistics.median(times['lmforge']):.2f}x "
+              f"(median steps), {min(times['hf']) / min(times['lmforge']):.2f}x (best steps); HF runs AdamW, lmforge "
+              "the speedrun's Muon (more optimizer work)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small model, 2 warm-up + 3 timed steps each")
@@ -163,9 +349,21 @@ def main() -> None:
     ap.add_argument("--impls", default="lmforge,hf")
     ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the child-process RSS runs")
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true",
+                    help="the speedrun's own step at --preset, split by torch.profiler, beside HF's strongest setup")
+    ap.add_argument("--preset", default="small", help="--profile: the speedrun preset (default small: the demo's)")
+    ap.add_argument("--no-hf", action="store_true", help="--profile: lmforge alone")
     if ap.parse_known_args()[0].shape == "gpt2s":  # a preset of defaults: flags given explicitly still win
         ap.set_defaults(d_model=768, layers=12, heads=12, d_ff=2048, context=512, batch=4, vocab=32_000)
     a = ap.parse_args()
+    if a.profile:
+        a.dtype_auto = "--dtype" not in sys.argv
+        if a.quick:
+            a.steps, a.warmup, a.vocab = 3, 1, 1000
+        elif "--vocab" not in sys.argv:
+            a.vocab = 4096  # the demo's
+        profile_main(a)
+        return
     if a.quick:
         a.steps, a.warmup = 3, 1
         a.d_model, a.layers, a.heads, a.d_ff, a.context, a.batch, a.vocab = 128, 2, 4, 352, 64, 2, 1000

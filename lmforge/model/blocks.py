@@ -156,7 +156,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, h, T, D)
         if cache is None:
             k = self._attended_keys(k, reference=False)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=KV != H, scale=self.qk_scale)
+            y = causal_attention(q, k, v, KV != H, self.qk_scale)
         else:
             k, v = cache.write(layer_idx, k, v)  # (B, KV, S, D)
             k = self._attended_keys(k, reference=False)
@@ -167,6 +167,21 @@ class CausalSelfAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=KV != H, scale=self.qk_scale)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.output_proj(y)  # (B, T, d_model)
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, gqa: bool, scale: float | None) -> Tensor:
+    """Causal ``F.scaled_dot_product_attention`` of ``(B, h, T, D)`` heads over the whole sequence.
+
+    On the CPU, bf16 heads that need gradients (bf16 autocast training) are attended in float32 and the result is
+    cast back to bf16: torch's CPU flash-attention backward is slower in bf16 than in float32 at the model's head
+    sizes (``benchmarks/bench_train_step.py --profile`` times both), and float32 only rounds less. Elsewhere the
+    heads are attended in their own dtype."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_grad_enabled() and q.requires_grad:
+        with torch.autocast("cpu", enabled=False):  # autocast would cast the float32 heads back to bf16
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=gqa,
+                                               scale=scale)
+        return y.to(torch.bfloat16)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
 
 
 class FeedForward(SwiGLU):
