@@ -19,7 +19,7 @@ rest on top: ``recipe+nc-wd0`` is nanochat's weight decay on the current recipe,
   before and after in the same run; median and range over rounds.
 * ``table``: both joined; wall time to a target = tokens to it / the variant's quiet tokens per second.
 * ``isoflop`` (load-independent, deterministic): the speedrun's recipe at each of ``--shapes``
-  (``lmforge.sizing.CANDIDATES``) trained for the **same number of FLOPs** (``--flops``; steps = FLOPs / (FLOPs per
+  (``d<width>x<depth>`` of ``lmforge.sizing.family``, the candidates' family) trained for the **same number of FLOPs** (``--flops``; steps = FLOPs / (FLOPs per
   token x tokens per step), the schedule fitted to them); recorded: parameters, tokens, tokens per parameter and the
   final bits/byte over the speedrun's final-figure batches. ``isoflop-table`` averages the seeds per shape and fits
   the best tokens-per-parameter ratio of each budget (``lmforge.sizing.fit_ratio``): the ratio
@@ -236,7 +236,7 @@ def isoflop_mode(a: argparse.Namespace) -> None:
     import torch
 
     from lmforge.config import to_dict
-    from lmforge.sizing import CANDIDATES, flops_of, params_of
+    from lmforge.sizing import family, flops_of, params_of
     from lmforge.speedrun import EVAL_BATCHES, RECIPE, _run_config
     from lmforge.tokenizer import Tokenizer
     from lmforge.train import evaluate_run, load_run_config, train
@@ -247,9 +247,7 @@ def isoflop_mode(a: argparse.Namespace) -> None:
     vocab = Tokenizer.load(prep / "tokenizer.json").vocab_size
     for seed in a.seeds:
         for shape in a.shapes:
-            if shape not in CANDIDATES:
-                raise SystemExit(f"bench_recipe: unknown shape {shape!r}; have {', '.join(CANDIDATES)}")
-            preset = CANDIDATES[shape]
+            preset = family(shape)
             per_step = preset.batch_size * preset.context_length
             fpt = flops_of(preset, vocab)
             steps = max(10, round(a.flops / (fpt * per_step)))
@@ -411,7 +409,7 @@ def main() -> int:
                     help="train and isoflop modes: torch threads per run (1 on a shared machine: no thread waits on a busy core)")
     ap.add_argument("--keep", action="store_true", help="train mode: keep each run in OUT/runs/ (else deleted)")
     ap.add_argument("--shapes", nargs="+", default=["d128x2", "d192x3", "d256x4"],
-                    help="isoflop mode: shapes of lmforge.sizing.CANDIDATES")
+                    help="isoflop mode: shapes d<width>x<depth> of lmforge.sizing.family (the candidates' family)")
     ap.add_argument("--flops", type=float, default=8.6e12, help="isoflop mode: training FLOPs of every run")
     ap.add_argument("--quick", action="store_true", help="a synthetic corpus and the tiny preset: a smoke run")
     add_json_flag(ap)
