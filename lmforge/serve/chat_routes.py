@@ -8,12 +8,12 @@ that goes away cancels its jobs.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lmforge.generate.scheduler import Job, Update
+from lmforge.generate.scheduler import Job
 from lmforge.serve import api, structured
 from lmforge.serve.api import ChatCompletionRequest, CompletionRequest
 from lmforge.serve.choices import Choice, Timing
@@ -83,20 +83,20 @@ async def _answer(svc: Service, request: Request, jobs: list[Job], req: Any, kin
                        for k, c in enumerate(choices)]
     return JSONResponse(body)
 
+
 async def _stream(svc: Service, jobs: list[Job], updates: asyncio.Queue[Any], rid: str, kind: str, req: Any,
                   timing: Timing, route: str) -> AsyncIterator[bytes]:
     """The server-sent events of ``jobs``' updates; jobs still running when the stream stops are cancelled."""
     metrics = svc.metrics
-    model_id, failed = svc.served.model_id, False
+    model_id = svc.served.model_id
     open_rows = set(range(len(jobs)))
     calls = [0] * len(jobs)  # tool calls sent per choice
     total = [0] * len(jobs)
     tb = svc.token_bytes
     offsets = [0] * len(jobs)
 
-    def chunk(k: int, text: str, u: Update | None = None, finish: str | None = None,
+    def chunk(k: int, text: str, lps: Sequence[Any] = (), finish: str | None = None,
               use: dict[str, int] | None = None, choices: bool = True) -> bytes:
-        lps = u.logprobs if u is not None else ()
         if kind == "chat":
             lp = api.chat_logprobs(lps, tb) if req.logprobs and lps else None
             return api.sse(api.chat_chunk(rid, model_id, {"content": text} if text else {}, finish, use, choices,
@@ -116,14 +116,13 @@ async def _stream(svc: Service, jobs: list[Job], updates: asyncio.Queue[Any], ri
             assert got is not None  # (only the non-streaming watcher sends None)
             k, u = got
             timing.update(k, u)
-            if u.finish_reason in ("error", "cancelled"):
-                failed = True
+            if u.finish_reason in ("error", "cancelled"):  # (k stays open: every job is cancelled below)
                 msg = u.error or "the request was cancelled: the server is stopping"
                 metrics.request(route, 500)
                 yield api.sse(error_body(msg, "server_error"))
                 break
             if u.text or (u.logprobs and u.finish_reason is None):
-                yield chunk(k, u.text, u)
+                yield chunk(k, u.text, u.logprobs)
             for text in u.regions:
                 call = structured.parse_call(text)
                 delta = {"tool_calls": [{"index": calls[k], **call}]}
@@ -137,17 +136,17 @@ async def _stream(svc: Service, jobs: list[Job], updates: asyncio.Queue[Any], ri
             cut = structured.reply_end(jobs[k], u)
             if cut:  # a call cut by max_tokens: what was generated, as text
                 yield chunk(k, cut)
-            yield chunk(k, "", None, finish,
+            yield chunk(k, "", (), finish,
                         api.usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens) if len(jobs) == 1 else None)
             if not open_rows:
                 use = api.usage(u.prompt_tokens, sum(total), u.cached_tokens)
                 metrics.request(route, 200)
                 metrics.tokens(u.prompt_tokens, sum(total))
                 if req.include_usage():
-                    yield chunk(k, "", None, None, use, choices=False)
+                    yield chunk(k, "", (), None, use, choices=False)
         yield api.SSE_DONE
     finally:
-        if open_rows or failed:  # the client went away, a choice failed, or the server is stopping: free rows
+        if open_rows:  # the client went away, a choice failed, or the server is stopping: free rows
             for job in jobs:
                 svc.sched.cancel(job)
 
