@@ -74,3 +74,30 @@ def test_bench_recipe_quick(tmp_path):
     row = next(line for line in out.stdout.splitlines() if line.startswith("| recipe+nanochat @tiny | 1 | "))
     assert "%" not in row  # no recipe row to compare with in this run
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "out", "recipe.json"]
+
+
+@pytest.mark.timeout(900)
+def test_bench_recipe_isoflop_quick(tmp_path):
+    """isoflop: each shape trained for the same FLOPs (steps = FLOPs / (FLOPs per token x tokens per step)), its
+    tokens per parameter and final bits/byte recorded; isoflop-table fits the best ratio over the shapes."""
+    from lmforge.sizing import family, flops_of, params_of
+
+    args = [sys.executable, str(ROOT / "benchmarks/bench_recipe.py")]
+    common = ["--quick", "--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache")]
+    run = subprocess.run([*args, "isoflop", "--shapes", "d32x1", "d64x1", "d96x1", "--flops", "4e10", "--threads",
+                          "1", *common], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "out" / "isoflop.jsonl").read_text().splitlines()]
+    assert [r["shape"] for r in rows] == ["d32x1", "d64x1", "d96x1"]
+    for r in rows:
+        preset = family(r["shape"])
+        assert r["flops_per_token"] == flops_of(preset, 300) and r["params"] == params_of(preset, 300)
+        per_step = preset.batch_size * preset.context_length
+        assert r["steps"] == max(10, round(4e10 / (r["flops_per_token"] * per_step)))
+        assert r["tokens"] == r["steps"] * per_step and 0 < r["final_bpb"] < 20
+    assert rows[0]["steps"] > rows[1]["steps"] > rows[2]["steps"]  # the same FLOPs: smaller shapes train longer
+    table = subprocess.run([*args, "isoflop-table", *common, "--json", str(tmp_path / "iso.json")],
+                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert table.returncode == 0, table.stderr[-2000:]
+    fit = json.loads((tmp_path / "iso.json").read_text())["budgets"]["4e+10"]["fit"]
+    assert fit["ratio"] > 0 and "fitted best tokens/param:" in table.stdout
