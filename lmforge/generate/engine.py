@@ -62,9 +62,9 @@ class Engine:
     On the kernel path the weights are packed once: a copy, and CUDA graphs replay on the weights they were
     captured with, so build a new engine (``Generator.refresh()``) after changing the model. ``weight_dtype``
     (kernel path only) stores them as bfloat16, float16, int8 with a scale per row or int4 with a scale per 32
-    weights (llama.cpp's Q4_0 rounding); prefill and steps then
-    compute the model whose matrices are rounded that way, and ``self.model`` becomes a copy holding those
-    rounded matrices (what the reference, ``Engine(engine.model, use_kernel=False)``, runs).
+    weights (llama.cpp's Q4_0 rounding); prefill and steps then compute the model whose matrices are rounded that
+    way, and ``self.model`` becomes a copy holding them (what the reference, ``Engine(engine.model,
+    use_kernel=False)``, runs).
     ``activations`` is the products' arithmetic (:data:`~lmforge.generate.packed.ACTIVATIONS`): ``"float32"``
     multiplies float32 activations by the stored weights, exactly; ``"int8"`` (int8/int4 weights; their default)
     rounds each product's input to int8 per block of 32 and sums in integers, as llama.cpp does; ``self.model``'s

@@ -53,20 +53,18 @@ def _error(e: APIError) -> JSONResponse:
 def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body: int = 1 << 20,
                body_timeout: float = BODY_TIMEOUT_S, allowed_hosts: AllowedHosts | Sequence[str] = (),
                response_store: ResponseStore | None = None) -> FastAPI:
-    """The app serving ``served`` (a :class:`~lmforge.serve.server.ServedModel`).
+    """The app serving ``served`` (a :class:`~lmforge.serve.server.ServedModel`); its lifespan starts and stops
+    the scheduler's engine thread.
 
     ``api_key``: a key, or several (one per tenant, :class:`~lmforge.serve.access.Keys`), required as
     ``Authorization: Bearer KEY`` on ``/v1/*``, ``/tokenize``, ``/detokenize`` and ``/metrics`` (the page and
-    ``/health`` stay open); ``ValueError`` for one that could never match
-    (:func:`~lmforge.serve.access.check_api_key`). ``max_body``: the
-    largest request body in bytes (beyond: 413). ``body_timeout``: seconds a request body may take to arrive
-    (beyond: 408, connection closed). ``allowed_hosts``: the host names a request's ``Host`` may carry besides
-    ``localhost`` and IP addresses (others: 400; ``*``: any; :class:`~lmforge.serve.access.AllowedHosts`).
-    API POST bodies must come as ``Content-Type: application/json`` (else 415), which a cross-site page cannot
-    send without the CORS preflight this server never grants. ``response_store``: where ``/v1/responses`` keeps
-    stored responses, each key's apart (default: a :class:`~lmforge.serve.response_store.ResponseStore` with its
-    default bounds).
-    The app's lifespan starts and stops the scheduler's engine thread.
+    ``/health`` stay open); ``ValueError`` for one that could never match (:func:`~lmforge.serve.access.check_api_key`).
+    ``max_body``: the largest request body in bytes (beyond: 413). ``body_timeout``: seconds a request body may take
+    to arrive (beyond: 408, connection closed). ``allowed_hosts``: the host names a request's ``Host`` may carry
+    besides ``localhost`` and IP addresses (others: 400; ``*``: any; :class:`~lmforge.serve.access.AllowedHosts`).
+    API POST bodies must come as ``Content-Type: application/json`` (else 415), which a cross-site page cannot send
+    without the CORS preflight this server never grants. ``response_store``: where ``/v1/responses`` keeps stored
+    responses, each key's apart (default: a :class:`~lmforge.serve.response_store.ResponseStore`).
     """
     keys = None if api_key is None else Keys([api_key] if isinstance(api_key, str) else api_key)
     hosts = allowed_hosts if isinstance(allowed_hosts, AllowedHosts) else AllowedHosts(allowed_hosts)

@@ -4,9 +4,8 @@ Counters: requests by endpoint and status (every answer but a 401), prompt and g
 decoding and requests waiting (read from the scheduler when scraped); the prefix cache's lookups, hits, prompt tokens
 looked up and served from it, blocks evicted, and the bytes it holds; speculative decoding's passes, drafted and
 accepted tokens (read from the scheduler too); the Responses API's stored responses and their bytes (totals over
-every API key; no label names a key or tenant);
-histograms: time to first token and inter-token latency (seconds), each
-observed per request from the updates the engine thread sends. Each app has its own registry (several apps in
+every API key; no label names a key or tenant); histograms: time to first token and inter-token latency (seconds),
+each observed per request from the updates the engine thread sends. Each app has its own registry (several apps in
 one process do not share counts). The ``endpoint`` label is a route's path template (``/v1/models/{name}``) or
 ``other``, never a path a client wrote: the number of series is bounded whatever clients send, and the
 library escapes every label value.

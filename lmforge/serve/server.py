@@ -299,13 +299,12 @@ def serve(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, api_ke
           drain_timeout: float = 300.0, allowed_hosts: Sequence[str] = (),
           response_store: ResponseStore | None = None) -> None:
     """Serve ``served`` over HTTP until SIGTERM or Ctrl-C; requests in flight finish first (up to
-    ``drain_timeout`` seconds). ``on_ready(url)`` is called once the socket listens. ``response_store``: where the
-    Responses API keeps stored responses (default: a :class:`~lmforge.serve.response_store.ResponseStore` of its
-    default bounds). Requests may name in
-    ``Host`` an IP address, ``localhost``, ``host`` or one of ``allowed_hosts`` (``*``: any;
+    ``drain_timeout`` seconds). ``on_ready(url)`` is called once the socket listens. Requests may name in ``Host``
+    an IP address, ``localhost``, ``host`` or one of ``allowed_hosts`` (``*``: any;
     :class:`~lmforge.serve.access.AllowedHosts`). ``api_key``: a key or several, each its own tenant
-    (:class:`~lmforge.serve.access.Keys`). ``ValueError`` for a key that could never match
-    (:func:`~lmforge.serve.access.check_api_key`) or a malformed allowed host."""
+    (:class:`~lmforge.serve.access.Keys`); ``response_store``: where the Responses API keeps stored responses
+    (default: a :class:`~lmforge.serve.response_store.ResponseStore`). ``ValueError`` for a key that could never
+    match (:func:`~lmforge.serve.access.check_api_key`) or a malformed allowed host."""
     import uvicorn  # the optional extra: pip install lmforge[serve]
 
     from lmforge.serve.app import create_app
