@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Callable
 
 from lmforge.generate.scheduler import Update
 from lmforge.serve import api, structured
+from lmforge.serve.choices import Timing
 from lmforge.serve.errors import APIError
 from lmforge.serve.responses import ResponseRequest, new_id
 
@@ -197,11 +198,12 @@ def sse(event: dict[str, Any]) -> bytes:
     return (f"event: {event['type']}\ndata: " + json.dumps(event, ensure_ascii=False) + "\n\n").encode()
 
 
-async def stream(builder: ResponseBuilder, updates: "asyncio.Queue[Any]", take: Callable[[Update], list[Any]],
-                 cancel: Callable[[], None], done: Callable[[ResponseBuilder], None]) -> AsyncIterator[bytes]:
-    """The server-sent events of one response: ``take(u)`` turns each update into events (and may raise the
-    request's own APIError, sent as ``response.failed``); ``done(builder)`` runs once the response ended (any
-    status); ``cancel()`` frees the request's row if the stream stops first (the client went away)."""
+async def stream(builder: ResponseBuilder, updates: "asyncio.Queue[Any]", timing: Timing,
+                 take: Callable[[Update], list[Any]], cancel: Callable[[], None],
+                 done: Callable[[ResponseBuilder], None]) -> AsyncIterator[bytes]:
+    """The server-sent events of one response (its updates timed by ``timing``): ``take(u)`` turns each update
+    into events (and may raise the request's own APIError, sent as ``response.failed``); ``done(builder)`` runs
+    once the response ended (any status); ``cancel()`` frees the request's row if the stream stops first."""
     finished = False
     try:
         for e in builder.start():
@@ -209,7 +211,8 @@ async def stream(builder: ResponseBuilder, updates: "asyncio.Queue[Any]", take: 
         while not finished:
             if not updates.empty():  # a burst: let the loop notice a client that left before writing again
                 await asyncio.sleep(0)
-            _, u = await updates.get()
+            k, u = await updates.get()
+            timing.update(k, u)
             try:
                 events = take(u)
             except APIError as e:  # (the request's grammar failed while decoding: its error, as the event)

@@ -58,11 +58,7 @@ def add_response_routes(app: FastAPI, svc: Service) -> None:
                 metrics.tokens(b.usage["input_tokens"], b.usage["output_tokens"])
 
         if req.stream:
-            def timed(u: Update) -> list[Any]:
-                timing.update(0, u)
-                return take(u)
-
-            events = response_events.stream(builder, updates, timed, lambda: svc.sched.cancel(job), done)
+            events = response_events.stream(builder, updates, timing, take, lambda: svc.sched.cancel(job), done)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         if not await svc.collect(request, jobs, updates, timing, lambda k, u: take(u)):
             return Response(status_code=499)
