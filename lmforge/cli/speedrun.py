@@ -7,7 +7,7 @@ from pathlib import Path
 
 from lmforge.cli import AddArgs, Handler
 from lmforge.corpus import DATASETS
-from lmforge.sizing import CANDIDATES, TOKENS_PER_PARAM
+from lmforge.sizing import CANDIDATES, MAX_EPOCHS
 from lmforge.speedrun import AUTO, DEFAULT_CORPUS, PRESETS, speedrun
 
 _DEFAULT_SIZE = "small"
@@ -23,8 +23,9 @@ def _speedrun_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-size", default=_DEFAULT_SIZE, choices=[*PRESETS, AUTO],
                    help=f"model preset (default {_DEFAULT_SIZE}: d_model {size.d_model}, {size.n_layers} layers, "
                         f"context {size.context_length}), or {AUTO}: time each of {', '.join(CANDIDATES)} on this "
-                        f"machine and train the one whose tokens per parameter in the budget is nearest the fitted "
-                        f"{TOKENS_PER_PARAM:g} (the report says which and why)")
+                        "machine and train the one whose tokens per parameter in the budget is nearest the ratio "
+                        f"fitted on an isoFLOP screen, within {MAX_EPOCHS:g} passes over the data (the report says "
+                        "which and why)")
     p.add_argument("--budget", default="8min",
                    help="training budget: minutes ('8', '8min') or steps ('300steps'); default 8min (~15 min in all "
                         "with the chat and RL stages)")
