@@ -1,15 +1,15 @@
 """Rollouts: K sampled replies per prompt through the one generation engine, tool calls run as the chat runs them.
 
 :func:`sample_replies` decodes a batch of prompts, ``K`` rows each, on an :class:`~lmforge.generate.engine.Engine`
-through the row step (:meth:`RowStep.run <lmforge.generate.rows.RowStep.run>`): each prompt is prefilled once
-into one row and that row is copied (``Engine.fork``) into its other ``K - 1``, then every row decodes in one
-batched step per token. Each row samples with its own seeded ``torch.Generator`` (:func:`rollout_seed`), as the
-server's scheduler does per request, so a reply is a function of its prompt, its seed, the weights and the batch it
-is decoded in; rows leave the batch as they end. A calculator call is run by one :class:`~lmforge.chat.tools.ToolUse` per row, exactly as
-:class:`~lmforge.chat.session.ChatSession` runs it: each sampled id is fed to it, the output ids it returns are fed
-to the model one per step before sampling goes on, and they belong to the reply but are not sampled (RL masks them
-out of the loss). A reply ends at a stop id (``<|assistant_end|>``, end of text, ``<|user_start|>``: the chat's),
-after ``max_new_tokens`` sampled ids, or when the next ids would not fit the context (no sliding).
+through the row step (:meth:`RowStep.run <lmforge.generate.rows.RowStep.run>`: each prompt prefilled once, its row
+forked into its other ``K - 1``, one batched step per token, rows leaving as they end). Each row samples with its own
+seeded ``torch.Generator`` (:func:`rollout_seed`), as the server's scheduler does per request, so a reply is a
+function of its prompt, its seed, the weights and the batch it is decoded in. A calculator call is run by one
+:class:`~lmforge.chat.tools.ToolUse` per row, exactly as :class:`~lmforge.chat.session.ChatSession` runs it: each
+sampled id is fed to it, the output ids it returns are fed to the model one per step before sampling goes on, and
+they belong to the reply but are not sampled (RL masks them out of the loss). A reply ends at a stop id
+(``<|assistant_end|>``, end of text, ``<|user_start|>``: the chat's), after ``max_new_tokens`` sampled ids, or when
+the next ids would not fit the context (no sliding).
 
 The engine packs a copy of the weights for its decode kernel when it is built, so a new :class:`Engine` is
 made from the model after every optimizer step (:class:`~lmforge.rl.source.RolloutSource`); packing a 5M
