@@ -68,6 +68,14 @@ class _Request(Strict):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
+    @classmethod
+    def refuse_unsupported(cls, data: dict[str, Any]) -> None:
+        """400 naming a field of :data:`UNSUPPORTED` set (``best_of`` 1 is the default), before the schema's checks."""
+        refuse_unsupported({**data, "best_of": None} if data.get("best_of") == 1 else data, UNSUPPORTED, _NEUTRAL)
+        if cls is CompletionRequest and data.get("response_format") not in (None, {"type": "text"}):
+            raise unsupported("response_format is supported by /v1/chat/completions only; send the request there (as "
+                              "messages)", "response_format")
+
     def check_supported(self) -> None:
         """400 for options lmforge does not implement or combinations that mean nothing."""
 
@@ -323,13 +331,6 @@ but their neutral value (null, 0, false, {}, 1 for ``best_of``), with these mess
 _NEUTRAL = (None, 0, False, {}, "")
 
 
-def _refuse_unsupported(data: dict[str, Any], chat: bool) -> None:
-    refuse_unsupported({**data, "best_of": None} if data.get("best_of") == 1 else data, UNSUPPORTED, _NEUTRAL)
-    if not chat and data.get("response_format") not in (None, {"type": "text"}):
-        raise unsupported("response_format is supported by /v1/chat/completions only; send the request there (as "
-                          "messages)", "response_format")
-
-
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _SCHEMA_FIELD = re.compile(r"(tools\.\d+\.(function\.)?parameters|response_format\.json_schema\.schema"
                            r"|text\.format\.schema)(?=\.|$)")
@@ -366,9 +367,7 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
         raise APIError(400, f"the request body is not valid JSON ({str(e)[:200]}); send a JSON object") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    if cls in (ChatCompletionRequest, CompletionRequest):
-        _refuse_unsupported(data, cls is ChatCompletionRequest)
-    elif hasattr(cls, "refuse_unsupported"):  # (a request with its own table: /v1/responses)
+    if hasattr(cls, "refuse_unsupported"):  # (its own table: chat and completions, /v1/responses)
         cls.refuse_unsupported(data)
     try:
         req = cls.model_validate(data)
