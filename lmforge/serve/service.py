@@ -143,10 +143,7 @@ class Service:
         prompt = served.chat_prompt(req.messages, req.tool_dicts(), req.message_error)
         limit = served.max_tokens(req.max_tokens, len(prompt), names.param("messages"), req.n,
                                   names.param("max_tokens"))
-        token_text = dict(served.tool_text)
-        if served.chat.has_tools:
-            token_text.update({served.chat.ids[t]: "" for t in ("<|call_start|>", "<|call_end|>")})
-        return [self.job(req, tenant, prompt, limit, served.chat_stops(), served.chat_tool, token_text, k, c,
+        return [self.job(req, tenant, prompt, limit, served.chat_stops(), served.chat_tool, served.tool_text, k, c,
                          capture=c is not None and bool(req.tools)) for k, c in enumerate(constraints)]
 
     def job(self, s: Sampling, tenant: str, prompt: list[int], limit: int, stop_ids: list[int],
