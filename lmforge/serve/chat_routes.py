@@ -1,8 +1,8 @@
 """The generation routes of the Chat Completions dialect: ``POST /v1/chat/completions`` (the request parsed into the
 one internal chat request, :class:`~lmforge.serve.request.ChatRequest`, and run by
 :meth:`~lmforge.serve.service.Service.chat_jobs`) and ``POST /v1/completions`` (a raw prompt). Each answers as one
-JSON object or, with ``stream``, as server-sent events (``data: {chunk}`` lines, then ``data: [DONE]``); a client
-that goes away cancels its jobs.
+JSON object (its choices built by :class:`Choice` as the updates arrive) or, with ``stream``, as server-sent events
+(``data: {chunk}`` lines, then ``data: [DONE]``); a client that goes away cancels its jobs.
 """
 
 from __future__ import annotations
@@ -13,15 +13,14 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lmforge.generate.scheduler import Job
+from lmforge.generate.scheduler import Job, Update
 from lmforge.serve import api, structured
 from lmforge.serve.api import ChatCompletionRequest, CompletionRequest
-from lmforge.serve.choices import Choice, Timing
 from lmforge.serve.errors import APIError, error_body
 from lmforge.serve.request import Sampling
-from lmforge.serve.service import Service, endpoint
+from lmforge.serve.service import Service, Timing, endpoint
 
-__all__ = ["add_chat_routes", "completion_jobs"]
+__all__ = ["Choice", "add_chat_routes", "completion_jobs"]
 
 
 def completion_jobs(svc: Service, req: CompletionRequest, tenant: str) -> list[Job]:
@@ -50,6 +49,32 @@ def add_chat_routes(app: FastAPI, svc: Service) -> None:
         req = api.parse(CompletionRequest, await svc.body(request))
         svc.check_model(req.model)
         return await _answer(svc, request, completion_jobs(svc, req, tenant), req, "text")
+
+
+class Choice:
+    """One choice of a plain (non-streamed) answer to ``job``, as its updates arrive."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.parts: list[str] = []
+        self.lps: list[Any] = []
+        self.calls: list[dict[str, Any]] = []
+        self.last: Update | None = None
+
+    def add(self, u: Update) -> None:
+        """Take ``u``; APIError 400 if the request's grammar failed (:func:`~lmforge.serve.structured.reply_end`)."""
+        self.parts.append(u.text + structured.reply_end(self.job, u))
+        self.lps.extend(u.logprobs)
+        self.calls.extend(structured.parse_call(t) for t in u.regions)
+        if u.finish_reason is not None:
+            self.last = u
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def finish(self) -> str:
+        assert self.last is not None
+        return "tool_calls" if self.calls and self.last.finish_reason == "stop" else str(self.last.finish_reason)
 
 
 async def _answer(svc: Service, request: Request, jobs: list[Job], req: Any, kind: str) -> Response:

@@ -24,9 +24,9 @@ from typing import Any, AsyncIterator, Callable
 
 from lmforge.generate.scheduler import Update
 from lmforge.serve import api, structured
-from lmforge.serve.choices import Timing
 from lmforge.serve.errors import APIError
 from lmforge.serve.responses import ResponseRequest, new_id
+from lmforge.serve.service import Timing
 
 __all__ = ["ResponseBuilder", "stream"]
 

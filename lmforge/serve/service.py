@@ -5,13 +5,14 @@ A route authorizes its request (:meth:`Service.authorize`: the tenant, or 401), 
 its scheduler jobs (:meth:`Service.job`; :meth:`Service.chat_jobs` for the one internal chat request both OpenAI
 dialects parse into, :class:`~lmforge.serve.request.ChatRequest`: each job under its prefix-cache salt,
 :func:`cache_salt`), submits them (:meth:`Service.submit`) and reads their updates (:meth:`Service.collect`, which
-cancels them when the client goes away).
+cancels them when the client goes away), their tokens' latency timed into the metrics (:class:`Timing`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any, Callable
 
 from fastapi import Request
@@ -20,13 +21,12 @@ from lmforge.generate.scheduler import Job, QueueFull, Update
 from lmforge.generate.constraints import ConstraintError
 from lmforge.serve import structured
 from lmforge.serve.access import PUBLIC, Keys
-from lmforge.serve.choices import Timing
 from lmforge.serve.errors import APIError, shown
 from lmforge.serve.metrics import Metrics
 from lmforge.serve.request import ChatRequest, Sampling
 from lmforge.serve.response_store import ResponseStore, Stored
 
-__all__ = ["RETRY_AFTER_S", "Service", "cache_salt", "endpoint"]
+__all__ = ["RETRY_AFTER_S", "Service", "Timing", "cache_salt", "endpoint"]
 
 RETRY_AFTER_S = 1
 CLOSE = {"Connection": "close"}  # a slow body's 408: the connection closes, the rest is never read
@@ -50,6 +50,25 @@ def endpoint(request: Request) -> str:
 
 def _noop(update: Update) -> None:
     """Placeholder ``emit`` until the request is bound to its event loop."""
+
+
+class Timing:
+    """Time to first token and inter-token latency of one request's choices, into ``metrics``."""
+
+    def __init__(self, metrics: Metrics, n: int) -> None:
+        self.metrics, self.t0 = metrics, time.perf_counter()
+        self.seen = [0] * n
+        self.at = [self.t0] * n
+
+    def update(self, k: int, u: Update) -> None:
+        now, new = time.perf_counter(), u.completion_tokens - self.seen[k]
+        if new <= 0:
+            return
+        if self.seen[k] == 0:
+            self.metrics.first_token(now - self.t0)
+            new -= 1
+        self.metrics.between_tokens(now - self.at[k], new)
+        self.seen[k], self.at[k] = u.completion_tokens, now
 
 
 class Service:
