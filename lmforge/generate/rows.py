@@ -104,8 +104,8 @@ class Row:
 
     ``seed`` None draws fresh entropy, unless ``gen`` (a generator shared across turns) is given. ``tool(token_id)
     -> list[int] | None`` is called with each sampled token before the row's end is decided (so it may raise
-    ``max_tokens``); ids it returns are forced next. ``token_text`` maps ids
-    to the text shown for them instead of their own. ``log``: keep ``(id, text, forced)`` of each taken token in
+    ``max_tokens``); ids it returns are forced next. ``token_text`` maps ids to the text shown for them instead of
+    their own (a server's markup for special tokens). ``log``: keep ``(id, text, forced)`` of each taken token in
     :attr:`log` (a driver that streams tokens). ``owner``: whatever the driver keeps with the row.
     """
 

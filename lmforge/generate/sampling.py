@@ -1,8 +1,8 @@
 """Sampling the next token from logits: greedy, temperature, top-k, top-p (nucleus), reproducible by seed.
 
 This module owns the sampling parameters' rules: which values are valid (:func:`check_sampling`,
-:func:`check_seed`), the generator a seed gives (:func:`seeded`), which temperatures are greedy (:func:`is_greedy`), and how a token is drawn
-(:func:`sample_next`).
+:func:`check_seed`), the generator a seed gives (:func:`seeded`), which temperatures are greedy (:func:`is_greedy`),
+and how a token is drawn (:func:`sample_next`).
 """
 
 from __future__ import annotations

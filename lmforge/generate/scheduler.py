@@ -78,11 +78,8 @@ class Job:
     """One generation: prompt ids, limits and sampling parameters, and where its updates go.
 
     ``emit`` is called on the engine thread; it must not block (a server hands the update to its event
-    loop). ``stop_ids`` end the completion without being part of it; ``stop`` strings end it at their first
-    occurrence in the text (not emitted). ``tool(token_id) -> list[int] | None``: see the module docstring.
-    ``token_text`` maps token ids to the text emitted for them instead of their own (a server showing the
-    special tokens of a tool call in its own markup); ``seed`` is a signed 64-bit integer. ``constraint``,
-    ``capture_regions``, ``logprobs`` and ``speculative`` (False: never draft): see the module docstring.
+    loop). The sampling, stop, tool, text, constraint and log-probability fields are its
+    :class:`~lmforge.generate.rows.Row`'s; ``seed`` is a signed 64-bit integer; ``speculative`` False: never draft.
     ``cache_salt`` (None, or 1 to :data:`~lmforge.generate.prefix_cache.MAX_SALT_CHARS` characters): the prefix
     cache's space this request reads and writes; requests under different salts never reuse each other's blocks
     (and report 0 cached tokens). A server folds its tenant's identity into it.
