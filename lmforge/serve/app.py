@@ -90,7 +90,7 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
 
     metrics = Metrics(counts)
     svc = Service(served, keys, metrics, store, max_body, body_timeout)
-    authorize, body, check_model, ok = svc.authorize, svc.body, svc.check_model, svc.ok
+    authorize, check_model, ok = svc.authorize, svc.check_model, svc.ok
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -147,9 +147,7 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict[str, Any]:
-        authorize(request)
-        req = api.parse(api.EmbeddingRequest, await body(request))
-        check_model(req.model)
+        _, req = await svc.read(request, api.EmbeddingRequest)
         inputs = []
         for k, x in enumerate(req.items()):
             ids = served.text_prompt(x) if isinstance(x, str) else list(x)
@@ -169,10 +167,7 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        authorize(request)
-        req = api.parse(api.TokenizeRequest, await body(request))
-        if req.model is not None:
-            check_model(req.model)
+        _, req = await svc.read(request, api.TokenizeRequest)
         if req.prompt is not None:
             ids = served.text_prompt(req.prompt) if req.prompt else []
         else:
@@ -183,10 +178,7 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        authorize(request)
-        req = api.parse(api.DetokenizeRequest, await body(request))
-        if req.model is not None:
-            check_model(req.model)
+        _, req = await svc.read(request, api.DetokenizeRequest)
         bad = [t for t in req.tokens if not 0 <= t < served.tokenizer.vocab_size]
         if bad:
             raise APIError(400, f"token id {shown(bad[0])} is out of range [0, {served.tokenizer.vocab_size})", "tokens")

@@ -38,16 +38,12 @@ def add_chat_routes(app: FastAPI, svc: Service) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        tenant = svc.authorize(request)
-        req = api.parse(ChatCompletionRequest, await svc.body(request))
-        svc.check_model(req.model)
+        tenant, req = await svc.read(request, ChatCompletionRequest)
         return await _answer(svc, request, await svc.chat_jobs(req.chat_request(), tenant), req, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        tenant = svc.authorize(request)
-        req = api.parse(CompletionRequest, await svc.body(request))
-        svc.check_model(req.model)
+        tenant, req = await svc.read(request, CompletionRequest)
         return await _answer(svc, request, completion_jobs(svc, req, tenant), req, "text")
 
 

@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmforge.generate.scheduler import Update
 from lmforge.serve import response_events, responses, structured
-from lmforge.serve.api import parse
 from lmforge.serve.errors import APIError
 from lmforge.serve.response_events import ResponseBuilder
 from lmforge.serve.service import Service, endpoint
@@ -31,9 +30,7 @@ def add_response_routes(app: FastAPI, svc: Service) -> None:
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        tenant = svc.authorize(request)
-        req = parse(responses.ResponseRequest, await svc.body(request))
-        svc.check_model(req.model)
+        tenant, req = await svc.read(request, responses.ResponseRequest)
         previous = svc.stored(tenant, req.previous_response_id, "previous_response_id") \
             if req.previous_response_id else None
         messages, where = responses.conversation(req, previous.history if previous is not None else [])

@@ -16,11 +16,13 @@ import time
 from typing import Any, Callable
 
 from fastapi import Request
+from pydantic import BaseModel
 
 from lmforge.generate.scheduler import Job, QueueFull, Update
 from lmforge.generate.constraints import ConstraintError
 from lmforge.serve import structured
 from lmforge.serve.access import PUBLIC, Keys
+from lmforge.serve.api import parse
 from lmforge.serve.errors import APIError, shown
 from lmforge.serve.metrics import Metrics
 from lmforge.serve.request import ChatRequest, Sampling
@@ -120,6 +122,15 @@ class Service:
             raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} s ({size} bytes "
                                 "came); send it at once", code="request_timeout", headers=CLOSE) from None
         return b"".join(chunks)
+
+    async def read(self, request: Request, cls: type[BaseModel]) -> tuple[str, Any]:
+        """The request's tenant (:meth:`authorize`) and its body parsed as ``cls``
+        (:func:`~lmforge.serve.api.parse`), the ``model`` it names checked (:meth:`check_model`) when it names one."""
+        tenant = self.authorize(request)
+        req = parse(cls, await self.body(request))
+        if req.model is not None:
+            self.check_model(req.model)
+        return tenant, req
 
     def check_model(self, name: str) -> None:
         if name != self.served.model_id:
