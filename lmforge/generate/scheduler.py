@@ -57,8 +57,8 @@ class Update:
     """What a request gets from the engine thread: new ``text`` and, on its last update, why it ended.
 
     ``finish_reason``: None while it runs, then ``"stop"`` (a stop id or stop string), ``"length"``
-    (``max_tokens`` generated), ``"cancelled"`` (the scheduler stopped before it finished) or ``"error"``
-    (``error`` says what went wrong). ``completion_tokens`` counts generated tokens so far (a stop id is not
+    (``max_tokens`` generated), ``"cancelled"`` (the scheduler stopped before it finished) or ``"error"``;
+    ``error`` says why in either case. ``completion_tokens`` counts generated tokens so far (a stop id is not
     counted); ``prompt_tokens`` is the prompt's length, ``cached_tokens`` how many of them came from the prefix
     cache instead of being prefilled.
     """
@@ -243,7 +243,7 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-        self._drop_all("cancelled", None)
+        self._drop_all("cancelled", "the request was cancelled: the server is stopping")
 
     # ---------------------------------------------------------------------------------------------
     # The engine thread

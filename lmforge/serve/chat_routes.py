@@ -87,8 +87,7 @@ async def _answer(svc: Service, request: Request, jobs: list[Job], req: Any, kin
         return Response(status_code=499)
     for c in choices:
         if c.last.finish_reason in ("error", "cancelled"):
-            raise APIError(500, c.last.error or "the request was cancelled: the server is stopping",
-                           type="server_error")
+            raise APIError(500, str(c.last.error), type="server_error")
     prompt_tokens = choices[0].last.prompt_tokens
     use = api.usage(prompt_tokens, sum(c.last.completion_tokens for c in choices), choices[0].last.cached_tokens)
     metrics.request(route, 200)
@@ -138,9 +137,8 @@ async def _stream(svc: Service, jobs: list[Job], updates: asyncio.Queue[Any], ri
             k, u = got
             timing.update(k, u)
             if u.finish_reason in ("error", "cancelled"):  # (k stays open: every job is cancelled below)
-                msg = u.error or "the request was cancelled: the server is stopping"
                 metrics.request(route, 500)
-                yield api.sse(error_body(msg, "server_error"))
+                yield api.sse(error_body(str(u.error), "server_error"))
                 break
             if u.text or (u.logprobs and u.finish_reason is None):
                 yield chunk(k, u.text, u.logprobs)

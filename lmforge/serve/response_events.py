@@ -162,7 +162,7 @@ class ResponseBuilder:
 
     def _end(self, u: Update) -> list[dict[str, Any]]:
         if u.finish_reason in ("error", "cancelled"):
-            return self.fail(u.error or "the request was cancelled: the server is stopping", numbered=False)
+            return self.fail(str(u.error), numbered=False)
         self.status = "incomplete" if u.finish_reason == "length" else "completed"
         self.completed_at = int(time.time()) if self.status == "completed" else None
         if u.finish_reason == "length":
