@@ -1,12 +1,12 @@
-"""The OpenAI API's shapes: request schemas (pydantic), the error body, and response/chunk builders.
+"""The OpenAI API's shapes: the Chat Completions and completions request schemas (pydantic) and the builders of
+their answers (objects, chunks, log-probabilities, usage).
 
 Requests are validated by :func:`parse`, which turns any problem into an :class:`APIError` (400) whose ``param``
 names the field (``messages.0.role``, ``temperature``). Fields that do not change the answer (``user``,
-``metadata``, unknown names) are accepted and ignored; those that would change it and are not supported
-(``logit_bias``, non-zero ``presence_penalty``/``frequency_penalty``, ``echo``, ``suffix``, ``best_of``,
-``response_format`` on completions, ``stop`` with a constrained reply) are refused with a 400 naming the field
-(:data:`UNSUPPORTED`); a value of the wrong type (``logprobs: true`` on completions, ``"stream": "yes"``,
-``"max_tokens": "5"``) is refused, never coerced (:class:`Strict`).
+``metadata``, unknown names) are accepted and ignored; those that would change it and are not supported are refused
+with a 400 naming the field (:data:`UNSUPPORTED`, ``response_format`` on completions, ``stop`` with a constrained
+reply); a value of the wrong type (``logprobs: true`` on completions, ``"stream": "yes"``) is refused, never
+coerced (:class:`Strict`).
 """
 
 from __future__ import annotations
@@ -396,7 +396,7 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
 
 
 # --------------------------------------------------------------------------------------------------
-# Responses
+# Answers (objects, chunks, usage, log-probabilities)
 # --------------------------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
