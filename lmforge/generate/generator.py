@@ -116,9 +116,12 @@ class Generator:
     # ---------------------------------------------------------------------------------------------
     # ids in, ids out
     # ---------------------------------------------------------------------------------------------
-    def _check_prompts(self, rows: list[list[int]], max_new_tokens: int, overflow: str) -> int:
-        """Validate token rows; returns how many new tokens to generate (with ``overflow="stop"``: how many
-        fit in the context, with a warning if fewer than asked)."""
+    def _check_prompts(self, rows: list[list[int]], max_new_tokens: int, overflow: str, temperature: float,
+                       top_k: int | None, top_p: float | None, seed: int | None = None) -> int:
+        """Validate token rows and sampling; returns how many new tokens to generate (with ``overflow="stop"``: how
+        many fit in the context, with a warning if fewer than asked)."""
+        check_sampling(temperature, top_k, top_p)
+        check_seed(seed)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer (got {max_new_tokens!r})")
         if overflow not in ("slide", "stop"):
@@ -205,9 +208,7 @@ class Generator:
             prompt_ids = prompt_ids.tolist()
         single = len(prompt_ids) > 0 and not isinstance(prompt_ids[0], (list, tuple))
         rows = [list(prompt_ids)] if single else [list(r) for r in prompt_ids]
-        check_sampling(temperature, top_k, top_p)
-        check_seed(seed)
-        n_new = self._check_prompts(rows, max_new_tokens, overflow)
+        n_new = self._check_prompts(rows, max_new_tokens, overflow, temperature, top_k, top_p, seed)
         if stop_ids is None:
             eot = getattr(self.tokenizer, "eot_id", None)
             stop_ids = [] if eot is None else [eot]
@@ -233,9 +234,8 @@ class Generator:
         ``draft``: decode with prompt-lookup drafts (the same tokens, fewer passes; default :attr:`speculative`).
         The prompt's longest prefix held by :attr:`prefix_cache` is not prefilled again.
         """
-        check_sampling(temperature, top_k, top_p)
         rows = [list(prompt_ids)]
-        self._check_prompts(rows, max_new_tokens, "slide")  # (a turn ends at a full context: it never slides)
+        self._check_prompts(rows, max_new_tokens, "slide", temperature, top_k, top_p)  # (a turn never slides)
         if self.tokenizer is None:
             raise ValueError("this Generator has no tokenizer; pass tokenizer= to stream text")
         row = Row(rows[0], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, gen=rng or self.rng(),
@@ -289,10 +289,8 @@ class Generator:
             if not isinstance(t, str) or t == "":
                 raise ValueError(f"prompt {i} is empty (or not a string); give some text to continue")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        check_sampling(temperature, top_k, top_p)
-        check_seed(seed)
         rows = [self.tokenizer.encode(t) for t in texts]
-        n_new = self._check_prompts(rows, max_new_tokens, overflow)
+        n_new = self._check_prompts(rows, max_new_tokens, overflow, temperature, top_k, top_p, seed)
         eot = getattr(self.tokenizer, "eot_id", None)
         stop_ids = set() if eot is None else {eot}
         it = ((b, piece) for b, _, piece in self._steps(rows, n_new, temperature, top_k, top_p, seed, stop_ids, stops,
