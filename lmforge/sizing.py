@@ -63,9 +63,11 @@ TOKENS_PER_PARAM = 7.2
 """The tokens-per-parameter ratio that :func:`choose` aims at: the best ratio of the isoFLOP screen
 (``benchmarks/bench_recipe.py isoflop``; docs/benchmarks.md, "Model sizing")."""
 
-MAX_EPOCHS = 4.0
-"""The most passes over the training split a candidate may plan (repeated tokens are worth nearly fresh ones up to
-about 4 epochs: Muennighoff et al., "Scaling Data-Constrained Language Models", 2023)."""
+MAX_EPOCHS = 3.0
+"""The most passes over the training split a candidate may plan: below the ~4 epochs up to which repeated tokens are
+worth nearly fresh ones at scale (Muennighoff et al., "Scaling Data-Constrained Language Models", 2023), because a
+demo-sized model on Shakespeare was measured getting worse on validation between its third and fourth pass
+(docs/benchmarks.md, "Model sizing")."""
 
 BUDGET_SHARE = 0.9
 """The share of a minutes budget planned as training steps; the rest is left for evaluations and checkpoints."""
