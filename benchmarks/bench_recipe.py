@@ -15,7 +15,7 @@ rest on top: ``recipe+nc-wd0`` is nanochat's weight decay on the current recipe,
   ``natural_*`` fields, e.g. the copy probe's loss on the first and the second occurrence of a random sequence),
   each a column of the table. One training process at a time.
 * ``time`` (needs a quiet machine): the variants' full-batch training steps timed in alternating rounds
-  (``lmforge.speedrun._step_seconds``: forward, backward, the run's optimizer) with the fp32 matmul peak measured
+  (``lmforge.sizing.step_seconds``: forward, backward, the run's optimizer) with the fp32 matmul peak measured
   before and after in the same run; median and range over rounds.
 * ``table``: both joined; wall time to a target = tokens to it / the variant's quiet tokens per second.
 * ``isoflop`` (load-independent, deterministic): the speedrun's recipe at each of ``--shapes``
@@ -207,7 +207,7 @@ def time_mode(a: argparse.Namespace) -> None:
     import torch
 
     from lmforge.hardware import matmul_peak_flops
-    from lmforge.speedrun import _step_seconds
+    from lmforge.sizing import step_seconds
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -218,7 +218,7 @@ def time_mode(a: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {n: [] for n in cfgs}
     for _ in range(a.rounds):  # alternating: a, b, a, b, ... (drifts in the machine's speed hit every variant)
         for n, cfg in cfgs.items():
-            times[n].append(_step_seconds(cfg, torch.device("cpu"), steps=a.step_repeats))
+            times[n].append(step_seconds(cfg, torch.device("cpu"), steps=a.step_repeats))
     peak_after, load_after = matmul_peak_flops("cpu", repeats=repeats), os.getloadavg()[0]
     tokens = {n: c.training.batch_size * c.context_length for n, c in cfgs.items()}
     row = {"mode": "time", "size": a.size, "times": times, "tokens_per_step": tokens, "peak_flops": [peak_before, peak_after],

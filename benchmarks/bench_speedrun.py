@@ -9,7 +9,7 @@ Wall time on a shared machine is noise, so the two halves of the answer are meas
   reported: the first evaluated step at or below ``--target`` bits/byte and the final bits/byte over the whole
   validation split. One training process at a time.
 * **step time** (``time`` mode): the variants' training steps timed in alternating rounds in one process
-  (``lmforge.speedrun._step_seconds``: forward, backward and the run's optimizer), with the fp32 matmul peak
+  (``lmforge.sizing.step_seconds``: forward, backward and the run's optimizer), with the fp32 matmul peak
   and the load average of the same run; median and range over rounds.
 
 Time to target = steps to target × step time. Results append to ``OUT/results.jsonl`` (one line per run), so
@@ -143,7 +143,8 @@ def time_mode(a: argparse.Namespace) -> None:
     import torch
 
     from lmforge.hardware import matmul_peak_flops
-    from lmforge.speedrun import RECIPE, _step_seconds
+    from lmforge.sizing import step_seconds
+    from lmforge.speedrun import RECIPE
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,7 +155,7 @@ def time_mode(a: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {n: [] for n in cfgs}
     for _ in range(a.rounds):
         for n, cfg in cfgs.items():
-            times[n].append(_step_seconds(cfg, torch.device("cpu"), steps=a.step_repeats))
+            times[n].append(step_seconds(cfg, torch.device("cpu"), steps=a.step_repeats))
     peak_after, load_after = matmul_peak_flops("cpu", repeats=repeats), os.getloadavg()[0]
     row = {"mode": "time", "recipe": list(RECIPE), "times": times, "peak_flops": [peak_before, peak_after], "load": [load_before, load_after],
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

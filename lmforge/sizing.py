@@ -19,6 +19,7 @@ import re
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from lmforge.hardware import resolve_train_dtype
@@ -159,35 +160,13 @@ def fit_ratio(points: Sequence[tuple[float, float]]) -> dict[str, float]:
     xs = [math.log(r) for r, _ in points]
     if len(set(xs)) < 3:
         raise ValueError("fit_ratio needs points at 3 or more distinct ratios")
-    a, b, c = _quadratic_fit(xs, [y for _, y in points])
+    a, b, c = (float(v) for v in np.polyfit(xs, [y for _, y in points], 2))  # least squares
     lo, hi = min(xs), max(xs)
     if a > 0 and lo <= -b / (2 * a) <= hi:
         x = -b / (2 * a)
         return {"ratio": math.exp(x), "loss": a * x * x + b * x + c, "bracketed": 1.0}
     best = min(points, key=lambda p: p[1])
     return {"ratio": best[0], "loss": best[1], "bracketed": 0.0}
-
-
-def _quadratic_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
-    """Least-squares ``(a, b, c)`` of ``y = a x^2 + b x + c`` (the normal equations, solved by Cramer's rule)."""
-    s = [sum(x**k for x in xs) for k in range(5)]
-    t = [sum(y * x**k for x, y in zip(xs, ys)) for k in range(3)]
-    m = [[s[4], s[3], s[2]], [s[3], s[2], s[1]], [s[2], s[1], s[0]]]
-
-    def det(q: list[list[float]]) -> float:
-        return (q[0][0] * (q[1][1] * q[2][2] - q[1][2] * q[2][1]) - q[0][1] * (q[1][0] * q[2][2] - q[1][2] * q[2][0])
-                + q[0][2] * (q[1][0] * q[2][1] - q[1][1] * q[2][0]))
-
-    d = det(m)
-    if d == 0:
-        raise ValueError("fit_ratio: the points do not determine a parabola")
-    coef = []
-    for col in range(3):
-        q = [row[:] for row in m]
-        for i in range(3):
-            q[i][col] = t[2 - i]
-        coef.append(det(q) / d)
-    return coef[0], coef[1], coef[2]
 
 
 def size(budget: tuple[str, float], vocab_size: int, train_tokens: int, time_step: Callable[[Preset], float],

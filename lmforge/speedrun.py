@@ -210,7 +210,6 @@ def _data_stats(data_dir: Path) -> dict[str, Any]:
     return out
 
 
-_step_seconds = step_seconds  # the name benchmarks and tests know
 
 
 def _run_config(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, device: Any, max_steps: int,
