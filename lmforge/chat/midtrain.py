@@ -28,7 +28,8 @@ import os
 from typing import Any, Sequence
 
 from lmforge.chat.sft import sft
-from lmforge.run import open_run
+from lmforge.config import load_yaml
+from lmforge.run import require_run
 
 __all__ = ["midtrain", "midtrain_defaults", "MIDTRAIN_TRAINING", "MIDTRAIN_SCHEDULE"]
 
@@ -66,8 +67,7 @@ def midtrain(base: str | os.PathLike, data: str | os.PathLike, run_dir: str | os
 
     Returns :func:`lmforge.chat.sft.sft`'s metrics. ``ValueError`` for every bad input, before anything is written.
     """
-    check_chat_fraction(chat_fraction)
-    base_config = open_run(base, checkpoint).config
+    base_config = load_yaml(require_run(base) / "config.yaml")  # sft opens and checks the base and its checkpoint
     return sft(base, data, run_dir, val_data=val_data, config=config, overrides=overrides, checkpoint=checkpoint,
                force=force, progress=progress, defaults=midtrain_defaults(base_config, chat_fraction),
                every_token=every_token)
