@@ -79,10 +79,12 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_h = torch.empty_like(hc)  # (N, d)
             # a frozen head (LoRA) gets no gradient: skip its (V, d) GEMM per chunk
             grad_w = torch.empty(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
-            # Two chunk buffers reused by every chunk: a fresh 16 MB tensor per chunk costs page faults
-            # that made the logits GEMM ~25% slower on CPU.
+            # Chunk buffers reused by every chunk: a fresh tensor of a chunk's logits per chunk costs page faults
+            # (a 32 MB float32 chunk is above glibc's mmap threshold: every allocation maps fresh pages), which
+            # made the logits GEMM ~25% slower and bf16's float32 softmax ~5x slower on the CPU.
             logits_buf = torch.empty(min(chunk, N), w.shape[0], dtype=cdtype, device=h.device)
-            p_buf = torch.empty_like(logits_buf) if f32 else None
+            p_buf = torch.empty(logits_buf.shape, dtype=torch.float32, device=h.device)  # the float32 softmax
+            pc_buf = None if f32 else torch.empty_like(logits_buf)  # its gradient in the compute dtype
             losses = []
             for s in range(0, N, chunk):
                 e = min(N, s + chunk)
@@ -93,8 +95,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                     logits = th * softcap
                 if f32:
                     p = torch.ops.aten._softmax.out(logits, -1, False, out=p_buf[:e - s])  # (n, V)
-                else:
-                    p = torch.softmax(logits.float(), dim=-1)
+                else:  # a float32 copy of the logits, softmaxed in place (the same numbers as softmax(l.float()))
+                    p = p_buf[:e - s].copy_(logits)
+                    p = torch.ops.aten._softmax.out(p, -1, False, out=p)
                 pt = p.gather(1, t).squeeze(1)  # (n,)
                 nll = pt.log().neg_()
                 tiny = pt < 1e-30
@@ -116,7 +119,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 else:
                     if scale != 1.0:
                         p.mul_(scale)
-                    p = p.to(cdtype)
+                    p = pc_buf[:e - s].copy_(p)
                     torch.mm(p, wc, out=grad_h[s:e])
                     if grad_w is not None and s == 0:
                         grad_w.copy_(p.T @ hc[s:e])
