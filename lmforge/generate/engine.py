@@ -265,13 +265,15 @@ class Engine:
         return logits
 
     @_serial_torch
-    def _prompt_kernel(self, row: int, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def _prompt_kernel(self, row: int, ids: torch.Tensor, start: int | None = 0, every: bool = False) -> torch.Tensor:
         """Kernel path: the tokens ``ids (T,)`` into cache row ``row`` of ``self.cache`` after its first ``start``
-        columns, as one call of the C++ step with the prompt's tokens as rows (the same kernels and numbers as T
-        single steps); the next token's logits ``(1, V)``."""
+        columns (None: after the tokens it holds), as one call of the C++ step with the tokens as rows (the same
+        kernels and numbers as T single steps: batch invariant); the next token's logits ``(1, V)``, or with
+        ``every`` the logits after each token ``(T, V)``."""
         k, v, lengths, _ = self._arrays
-        lengths[row] = start
-        logits = torch.empty(1, self._vocab)
+        if start is not None:
+            lengths[row] = start
+        logits = torch.empty(len(ids) if every else 1, self._vocab)
         self._decoder.step(np.ascontiguousarray(ids.numpy(), dtype=np.int64), k, v, lengths[row: row + 1],
                            logits.numpy(), self._threads, row)
         return logits
@@ -460,11 +462,7 @@ class Engine:
         if not self._kernel:
             h = self.model.hidden(ids[None], cache=self.cache.rows(row))  # (1, T, C)
             return self.model.logits(h[0])  # (T, V)
-        k, v, lengths, _ = self._arrays
-        logits = torch.empty(T, self._vocab)  # every token's logits: the bits T single steps give (batch invariant)
-        self._decoder.step(np.ascontiguousarray(ids.numpy(), dtype=np.int64), k, v, lengths[row: row + 1],
-                           logits.numpy(), self._threads, row)
-        return logits
+        return self._prompt_kernel(row, ids, None, every=True)
 
     def rollback(self, row: int, n: int) -> None:
         """Forget the last ``n`` tokens of live row ``row`` (rejected drafts: their columns are overwritten next)."""

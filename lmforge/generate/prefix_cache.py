@@ -87,13 +87,12 @@ def _columns(t: torch.Tensor, row: int, start: int, end: int) -> torch.Tensor:
 @dataclass
 class PrefixStats:
     """Counts since the cache was made: lookups (``queries``) and those that reused a block (``hits``); the prompt
-    tokens looked up and those reused; blocks stored and evicted; bytes held now."""
+    tokens looked up and those reused; blocks evicted; bytes held now."""
 
     queries: int = 0
     hits: int = 0
     query_tokens: int = 0
     hit_tokens: int = 0
-    stored_blocks: int = 0
     evicted_blocks: int = 0
     bytes: int = 0
 
@@ -184,7 +183,6 @@ class PrefixCache:
                     self._next_id += 1
                     self._blocks[key] = block
                     self.stats.bytes += block.nbytes
-                    self.stats.stored_blocks += 1
                     added.append(block)
                     parent = block.id
             finally:

@@ -144,9 +144,8 @@ class Scheduler:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer (got {v!r})")
         self.rows = RowStep.of(tokenizer, engine.cfg.vocab_size)
-        self.engine, self.tokenizer = engine, tokenizer
+        self.engine = engine
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.context_length = engine.context_length
         engine.open_slots(max_batch)
         self.prefix_cache = prefix_cache
         self.speculative = bool(speculative)
@@ -165,7 +164,7 @@ class Scheduler:
     def check(self, prompt_tokens: int, max_tokens: int, what: str = "the prompt", limit: str = "max_tokens") -> None:
         """``ValueError`` unless a prompt of ``prompt_tokens`` plus ``max_tokens`` new ones fits the context
         (the message names both numbers, and the limit ``limit``)."""
-        check_context(prompt_tokens + max_tokens, self.context_length,
+        check_context(prompt_tokens + max_tokens, self.engine.context_length,
                       f"{what} ({prompt_tokens} tokens) plus {limit} ({max_tokens})")
 
     def submit(self, req: Job) -> None:
@@ -356,18 +355,15 @@ class Scheduler:
         self._release(done)
 
     def _release(self, rows: list[int]) -> None:
-        """Free engine rows ``rows`` (highest first, so the row moved into a freed one is always live)."""
+        """Free engine rows ``rows`` (highest first, so the row moved into a freed one is always live), each row's
+        tokens kept in the prefix cache first, under its request's salt."""
         for i in sorted(rows, reverse=True):
-            self._keep(i)
+            try:
+                keep_row(self.engine, self.prefix_cache, i, self._rows[i].owner.cache_salt)
+            except Exception:  # noqa: BLE001  (a cache that cannot keep a row must not end the others)
+                logger.exception("the prefix cache failed to keep a row")
             moved = self.engine.release(i)
             with self._cv:
                 if moved is not None:
                     self._rows[i] = self._rows[moved]
                 self._rows.pop()
-
-    def _keep(self, i: int) -> None:
-        """Keep engine row ``i``'s tokens in the prefix cache, under its request's salt, before it is freed."""
-        try:
-            keep_row(self.engine, self.prefix_cache, i, self._rows[i].owner.cache_salt)
-        except Exception:  # noqa: BLE001  (a cache that cannot keep a row must not end the others)
-            logger.exception("the prefix cache failed to keep a row")
