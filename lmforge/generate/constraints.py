@@ -228,10 +228,9 @@ class RowConstraint:
 
     ``grammar``'s regions open at once (``start is None``) or each time ``start`` is taken, and close when
     ``close_id`` is taken (allowed only where the grammar may end; while a region is open nothing else outside
-    the grammar is allowed). At most ``max_regions`` regions open (then ``start`` is banned). Outside regions
-    ``banned`` ids are never allowed and, after a region closed, only ``after`` ids are (None: anything not
-    banned). ``force``: ids fed before the row samples anything. ``source``: where the grammar came from (a request's
-    parameter, for messages). ``regions`` holds each closed region's ids; ``failure`` says why the grammar
+    the grammar is allowed). At most ``max_regions`` regions open (then ``start`` is banned). After a region
+    closed, only ``after`` ids are allowed outside regions (None: anything). ``force``: ids fed before the row
+    samples anything. ``source``: where the grammar came from (a request's parameter, for messages). ``regions`` holds each closed region's ids; ``failure`` says why the grammar
     failed while decoding (:meth:`apply` then raises ``ConstraintError``, which ends the row in error).
     """
 
@@ -240,7 +239,6 @@ class RowConstraint:
     close_id: int | None = None
     start: int | None = None
     max_regions: int | None = None
-    banned: Collection[int] = ()
     after: Collection[int] | None = None
     force: Sequence[int] = ()
     source: str | None = None
@@ -256,7 +254,6 @@ class RowConstraint:
         self._matcher: Any = None  # the open region's matcher, or None outside regions
         self.failure: str | None = None  # why the grammar failed while decoding (then the row ends in error)
         self._ids: list[int] = []
-        self.banned = frozenset(self.banned)
         self.after = None if self.after is None else frozenset(self.after)
         if self.start is None:
             self._open()
@@ -302,11 +299,8 @@ class RowConstraint:
                 keep[self.start] = False
             logits.masked_fill_(~keep, float("-inf"))
             return
-        ban = set(self.banned)
         if self.start is not None and self._exhausted():
-            ban.add(self.start)
-        if ban:
-            logits[list(ban)] = float("-inf")
+            logits[self.start] = float("-inf")
 
     def take(self, token: int) -> None:
         """Advance by the token the row took (sampled under :meth:`apply`'s mask, or forced)."""
