@@ -86,7 +86,8 @@ class GrammarCheck:
             if self._proc is None or self._proc.poll() is not None:
                 self._start()
             try:
-                answer = self._ask({"grammar": grammar, "probe": self.probe}, self.timeout)
+                self._write((json.dumps({"grammar": grammar, "probe": self.probe}) + "\n").encode())
+                answer = self._read(self.timeout)
             except TimeoutError:
                 self._kill()
                 return f"compiling it took over {self.timeout:g} s, this server's limit"
@@ -127,10 +128,6 @@ class GrammarCheck:
             if f is not None:
                 f.close()
         return code
-
-    def _ask(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
-        self._write((json.dumps(message) + "\n").encode())
-        return self._read(timeout)
 
     def _write(self, data: bytes) -> None:
         assert self._proc is not None and self._proc.stdin is not None
