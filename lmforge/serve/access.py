@@ -55,9 +55,6 @@ class Keys:
         self._secret = secrets.token_bytes(32)
         self._digests = [self._digest(k) for k in keys]
 
-    def __len__(self) -> int:
-        return len(self._digests)
-
     def _digest(self, token: str) -> bytes:
         return hmac.new(self._secret, token.encode("utf-8", "surrogatepass"), hashlib.sha256).digest()
 

@@ -39,6 +39,9 @@ class Strict(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
+    def check_supported(self) -> None:
+        """400 for what the schema cannot say: options lmforge does not implement, combinations that mean nothing."""
+
 
 class _Request(Strict):
     model: str
@@ -75,9 +78,6 @@ class _Request(Strict):
         if cls is CompletionRequest and data.get("response_format") not in (None, {"type": "text"}):
             raise unsupported("response_format is supported by /v1/chat/completions only; send the request there (as "
                               "messages)", "response_format")
-
-    def check_supported(self) -> None:
-        """400 for options lmforge does not implement or combinations that mean nothing."""
 
     def sampling(self) -> dict[str, Any]:
         """The :class:`~lmforge.serve.request.Sampling` fields of this request."""
@@ -190,7 +190,6 @@ class ChatCompletionRequest(_Request):
     structured_outputs: StructuredOutputs | None = None
 
     def check_supported(self) -> None:
-        super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         constrained = self.response_format is not None and self.response_format.type != "text"
@@ -311,9 +310,6 @@ class DetokenizeRequest(Strict):
 
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
-
-    def check_supported(self) -> None:
-        pass
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}

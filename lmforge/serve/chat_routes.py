@@ -52,21 +52,18 @@ class Choice:
 
     def __init__(self, job: Job) -> None:
         self.job = job
-        self.parts: list[str] = []
+        self.text = ""
         self.lps: list[Any] = []
         self.calls: list[dict[str, Any]] = []
         self.last: Update | None = None
 
     def add(self, u: Update) -> None:
         """Take ``u``; APIError 400 if the request's grammar failed (:func:`~lmforge.serve.structured.reply_end`)."""
-        self.parts.append(u.text + structured.reply_end(self.job, u))
+        self.text += u.text + structured.reply_end(self.job, u)
         self.lps.extend(u.logprobs)
         self.calls.extend(structured.parse_call(t) for t in u.regions)
         if u.finish_reason is not None:
             self.last = u
-
-    def text(self) -> str:
-        return "".join(self.parts)
 
     def finish(self) -> str:
         assert self.last is not None
@@ -94,11 +91,11 @@ async def _answer(svc: Service, request: Request, jobs: list[Job], req: Any, kin
     metrics.tokens(prompt_tokens, use["completion_tokens"])
     tb = svc.token_bytes
     if kind == "chat":
-        out = [{"message": api.chat_message(c.text(), c.calls), "finish_reason": c.finish(),
+        out = [{"message": api.chat_message(c.text, c.calls), "finish_reason": c.finish(),
                  "logprobs": api.chat_logprobs(c.lps, tb) if req.logprobs else None} for c in choices]
         return JSONResponse(api.chat_completion(rid, served.model_id, out, use))
     body = api.completion(rid, served.model_id, "", None, use)
-    body["choices"] = [{"index": k, "text": c.text(), "finish_reason": c.finish(),
+    body["choices"] = [{"index": k, "text": c.text, "finish_reason": c.finish(),
                         "logprobs": api.completion_logprobs(c.lps, tb) if req.logprobs is not None else None}
                        for k, c in enumerate(choices)]
     return JSONResponse(body)

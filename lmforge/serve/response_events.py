@@ -42,9 +42,8 @@ class ResponseBuilder:
     event is built, so the response's ``store`` is true only for a response that was stored (the first events
     echo the request's ``store``)."""
 
-    def __init__(self, rid: str, model: str, req: ResponseRequest,
-                 token_bytes: Callable[[int], bytes] = lambda t: b"",
-                 keep: Callable[["ResponseBuilder"], bool] = lambda b: False) -> None:
+    def __init__(self, rid: str, model: str, req: ResponseRequest, token_bytes: Callable[[int], bytes],
+                 keep: Callable[["ResponseBuilder"], bool]) -> None:
         self.rid, self.model, self.req, self.token_bytes, self.keep = rid, model, req, token_bytes, keep
         self.stored = req.store
         self.created = int(time.time())

@@ -16,6 +16,7 @@ conversation: the special ids of the call and its output, not ~60 byte tokens of
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -112,11 +113,15 @@ class ServedModel:
                             "use /v1/completions with a raw prompt")
         self.eot_id = tokenizer.eot_id
         self.tool_text: dict[int, str] = {}  # special id -> its text in a reply: TOOL_TEXT's markup; a call's none
+        self.chat_stops: list[int] = []
+        """Ids that end a chat reply: ``<|assistant_end|>``, ``<|user_start|>`` (a model starting the user's next
+        turn, as :class:`~lmforge.chat.session.ChatSession` stops it) and the document separator."""
         if self.chat is not None:
+            self.chat_stops = [self.chat.assistant_end_id, self.chat.ids["<|user_start|>"]] + \
+                ([self.eot_id] if self.eot_id is not None else [])
             self.tool_text = {self.chat.ids[t]: text for t, text in TOOL_TEXT.items()}
             if self.chat.has_tools:
                 self.tool_text.update({self.chat.ids[t]: "" for t in ("<|call_start|>", "<|call_end|>")})
-        self._grammars: Grammars | None = None
 
     @classmethod
     def from_run(cls, run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
@@ -154,13 +159,11 @@ class ServedModel:
         except ValueError as e:  # (the split conversation, or its tools: no message of the client's to name)
             raise error(None, str(e)) from None
 
-    @property
+    @functools.cached_property
     def grammars(self) -> Grammars:
         """The tokenizer's vocabulary for constrained decoding and its grammar cache (built on first use;
         ``ConstraintError`` without llguidance)."""
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer)
-        return self._grammars
+        return Grammars(self.tokenizer)
 
     def embed(self, inputs: list[list[int]]) -> list[list[float]]:
         """Each input's embedding: the mean over its tokens of the model's final-normed hidden state, divided by
@@ -175,13 +178,6 @@ class ServedModel:
                 v = h.mean(dim=0)
                 out.append((v / v.norm().clamp_min(1e-12)).tolist())
         return out
-
-    def chat_stops(self) -> list[int]:
-        """Ids that end a reply: ``<|assistant_end|>``, ``<|user_start|>`` (a model starting the user's next turn,
-        as :class:`~lmforge.chat.session.ChatSession` stops it) and the document separator."""
-        assert self.chat is not None
-        return [self.chat.assistant_end_id, self.chat.ids["<|user_start|>"]] + \
-            ([self.eot_id] if self.eot_id is not None else [])
 
     def chat_tool(self) -> Callable[[int], list[int] | None]:
         """A fresh calculator state machine for one reply (its ``feed`` is the scheduler's forced-token hook)."""

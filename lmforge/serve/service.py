@@ -173,7 +173,7 @@ class Service:
         prompt = served.chat_prompt(req.messages, req.tool_dicts(), req.message_error)
         limit = served.max_tokens(req.max_tokens, len(prompt), names.param("messages"), req.n,
                                   names.param("max_tokens"))
-        return [self.job(req, tenant, prompt, limit, served.chat_stops(), served.chat_tool, served.tool_text, k, c,
+        return [self.job(req, tenant, prompt, limit, served.chat_stops, served.chat_tool, served.tool_text, k, c,
                          capture=c is not None and bool(req.tools)) for k, c in enumerate(constraints)]
 
     def job(self, s: Sampling, tenant: str, prompt: list[int], limit: int, stop_ids: list[int],
