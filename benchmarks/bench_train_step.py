@@ -198,9 +198,11 @@ def _demo_step(a: argparse.Namespace):
     from lmforge.hardware import resolve_train_dtype
     from lmforge.model import TransformerLM
     from lmforge.speedrun import PRESETS, _run_config
+    from lmforge.train.allocator import retain_freed_memory
     from lmforge.train.loop import _build_optimizer
     from lmforge.train.optim import clip_grad_norm
 
+    retain_freed_memory()  # as the training loop does on the CPU (process-wide: HF's steps here get it too)
     preset = PRESETS["tiny" if a.quick else a.preset]  # --quick: a smoke run, the same recipe
     cfg = _run_config(preset, a.vocab, Path("."), Path("tokenizer.json"), torch.device("cpu"), 500, None)
     model = TransformerLM(cfg.model)

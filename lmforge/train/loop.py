@@ -42,6 +42,7 @@ from lmforge.progress import progress as progress_bar
 from lmforge.run import MARKER, check_new_or_run, run_lock
 from lmforge.run import mark as mark_run_dir
 from lmforge.tokenizer import Tokenizer, load_tokenizer
+from lmforge.train.allocator import retain_freed_memory
 from lmforge.train.batching import BatchPlan, plan_batch, warmup_rows
 from lmforge.train.config import _HARMLESS, _INCOMPATIBLE, DataConfig, OptimConfig, RunConfig
 from lmforge.train.dcp import load_dcp, read_dcp_extra, read_dcp_meta, save_dcp
@@ -400,6 +401,8 @@ def _wrap(run: _Run, pending: Any) -> None:
     """Compile and wrap for data parallelism from outside (the model code stays single-device), load what
     ``_resume`` left for the wrapped model (``pending``); start wandb."""
     tc, info = run.cfg.training, run.info
+    if info.device.type == "cpu":  # every step reuses the memory the last one freed (train/allocator.py)
+        retain_freed_memory()
     if tc.fp8:  # before the compile and the wrappers: they see the float8 projections
         check_fp8_device(info.device)
         names = convert_to_float8(run.model)
