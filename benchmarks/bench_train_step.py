@@ -25,7 +25,8 @@
 ``RECIPE``: Muon, per-group AdamW, gradient clipping; bf16 autocast where ``training.dtype: auto`` picks it), its
 time split by ``torch.profiler`` into the blocks' and head's matrix products, attention, the optimizer (Newton-Schulz
 products apart), casts, norms, the loss, the remaining ops and what no op accounts for (Python, the autograd
-engine); MFU of unprofiled steps against the matmul peak measured in the same run, beside Hugging Face's
+engine); MFU of unprofiled steps against the matmul peak measured in the same run, beside the same step under
+``training.compile`` (each block compiled; its compile time and the steps that pay it back) and Hugging Face's
 ``LlamaForCausalLM`` at the same shape in its strongest configuration here (bf16 autocast, the whole model under
 ``torch.compile``, ``torch.optim.AdamW(fused=True)``), steps interleaved.
 """
@@ -188,9 +189,10 @@ def split_profile(events, steps: int) -> dict[str, float]:
     return out
 
 
-def _demo_step(a: argparse.Namespace):
+def _demo_step(a: argparse.Namespace, compile: bool = False):
     """(model config, batch size, bf16?, step function) of the speedrun's training step at preset ``a.preset``: the
-    run config the speedrun builds (its RECIPE), the loop's own optimizer builder, loss scaling and clipping."""
+    run config the speedrun builds (its RECIPE), the loop's own optimizer builder, loss scaling and clipping;
+    ``compile``: each block compiled as ``training.compile`` does (:func:`lmforge.train.distributed.compile_blocks`)."""
     from pathlib import Path
 
     import torch
@@ -206,6 +208,10 @@ def _demo_step(a: argparse.Namespace):
     preset = PRESETS["tiny" if a.quick else a.preset]  # --quick: a smoke run, the same recipe
     cfg = _run_config(preset, a.vocab, Path("."), Path("tokenizer.json"), torch.device("cpu"), 500, None)
     model = TransformerLM(cfg.model)
+    if compile:
+        from lmforge.train.distributed import compile_blocks
+
+        compile_blocks(model)
     opt = _build_optimizer(model, cfg.optimizer)
     bf16 = resolve_train_dtype(cfg.training.dtype if a.dtype_auto else a.dtype, "cpu") == "bf16"
 
@@ -268,15 +274,21 @@ def profile_main(a: argparse.Namespace) -> None:
           f"threads {torch.get_num_threads()}")
     peaks = [matmul_peak_flops("cpu", peak_n, dt, repeats=3, max_seconds=10.0)]
     batches = _batches(a)
-    hf_step = None
+    hf_step = compiled_step = None
     if not a.no_hf:
         torch.manual_seed(0)
         _, hf_step = _build("hf", a)  # bf16 autocast, torch.compile of the whole loss (model), fused AdamW
-    times: dict[str, list[float]] = {"lmforge": [], "hf": []}
+    compile_s = None
+    if not a.no_compiled:  # training.compile's step: its first call compiles (timed: the run pays it once)
+        compiled_step = _demo_step(a, compile=True)[3]
+        t0 = time.perf_counter()
+        compiled_step(batches[0][:, :-1], batches[0][:, 1:])
+        compile_s = time.perf_counter() - t0
+    times: dict[str, list[float]] = {"lmforge": [], "lmforge-compiled": [], "hf": []}
     warm = max(a.warmup, 2)
     for i in range(warm + a.steps):
         b = batches[i % len(batches)]
-        for name, fn in (("lmforge", step), ("hf", hf_step)):
+        for name, fn in (("lmforge", step), ("lmforge-compiled", compiled_step), ("hf", hf_step)):
             if fn is None:
                 continue
             t0 = time.perf_counter()
@@ -315,12 +327,19 @@ def profile_main(a: argparse.Namespace) -> None:
     print(f"\n| impl | tokens/s (median step) | tokens/s (best step) | MFU median | MFU best (vs the measured {a.dtype} "
           "peak) |\n|---|---:|---:|---:|---:|")
     label = {"lmforge": "lmforge, the speedrun's step (Muon, eager)",
+             "lmforge-compiled": "lmforge, the same step with training.compile (each block compiled)",
              "hf": "HF Llama, bf16 autocast + torch.compile(whole model) + AdamW(fused=True)"}
     for name, ts in times.items():
         if ts:
             med, best = tokens / statistics.median(ts), tokens / min(ts)
             print(f"| {label[name]} | {med:,.0f} | {best:,.0f} | {100 * med * fpt / peak:.0f}% | "
                   f"{100 * best * fpt / peak:.0f}% |")
+    if times["lmforge-compiled"]:
+        gain = statistics.median(times["lmforge"]) - statistics.median(times["lmforge-compiled"])
+        print(f"\ntraining.compile: first step {compile_s:.1f} s (the compile), then "
+              f"{statistics.median(times['lmforge']) / statistics.median(times['lmforge-compiled']):.2f}x the eager "
+              "step (median steps); it pays for itself after " +
+              (f"{compile_s / gain:,.0f} steps" if gain > 0 else "no number of steps (it is not faster)"))
     if times["hf"]:
         print(f"\nlmforge / HF speed: {statistics.median(times['hf']) / statistics.median(times['lmforge']):.2f}x "
               f"(median steps), {min(times['hf']) / min(times['lmforge']):.2f}x (best steps); HF runs AdamW, lmforge "
@@ -354,7 +373,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="the speedrun's own step at --preset, split by torch.profiler, beside HF's strongest setup")
     ap.add_argument("--preset", default="small", help="--profile: the speedrun preset (default small: the demo's)")
-    ap.add_argument("--no-hf", action="store_true", help="--profile: lmforge alone")
+    ap.add_argument("--no-hf", action="store_true", help="--profile: without HF")
+    ap.add_argument("--no-compiled", action="store_true",
+                    help="--profile: without the training.compile variant of the speedrun's step")
     if ap.parse_known_args()[0].shape == "gpt2s":  # a preset of defaults: flags given explicitly still win
         ap.set_defaults(d_model=768, layers=12, heads=12, d_ff=2048, context=512, batch=4, vocab=32_000)
     a = ap.parse_args()
