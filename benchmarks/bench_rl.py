@@ -97,7 +97,6 @@ def bench_rollouts(base: Path, root: Path, args: argparse.Namespace) -> dict[str
     from lmforge.generate.engine import Engine
     from lmforge.rl import rollout_seed, sample_replies
     from lmforge.rl.data import read_prompts
-    from lmforge.rl.rollout import stop_ids
 
     model, tok, _ = load_model(base, device="cpu")
     fmt, gen = ChatFormat(tok), Generator(model, tok)
@@ -119,7 +118,7 @@ def bench_rollouts(base: Path, root: Path, args: argparse.Namespace) -> dict[str
         for p, ss in zip(ids, seeds):
             for s in ss:
                 turn = gen.turn(p, args.new_tokens, temperature=1.0, rng=torch.Generator().manual_seed(s),
-                                stop_ids=stop_ids(fmt), inject=ToolUse(fmt).feed)
+                                stop_ids=fmt.stop_ids, inject=ToolUse(fmt).feed)
                 list(turn)
                 out.append(turn.ids)
         return out

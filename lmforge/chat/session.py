@@ -30,7 +30,7 @@ from lmforge.generate import Generator
 from lmforge.generate.sampling import check_sampling
 from lmforge.model.cache import check_context
 from lmforge.run import require_run
-from lmforge.tokenizer import EOT, Tokenizer
+from lmforge.tokenizer import Tokenizer
 
 __all__ = ["ChatSession", "Reply", "messages_from_reply"]
 
@@ -116,8 +116,6 @@ class ChatSession:
         self.sampling: dict[str, Any] = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
         self.tools = tools
         self.rng = generator.rng(seed)  # one stream for the whole conversation: a seed repeats it
-        sp = self.fmt.ids
-        self.stop_ids = [sp["<|assistant_end|>"], sp[EOT], sp["<|user_start|>"]]
         self.system: str | None = None
         self.history: list[Message] = []
         self.set_system(system)
@@ -210,7 +208,7 @@ class ReplyStream:
     def __iter__(self) -> Iterator[str]:
         s = self.session
         tool = ToolUse(s.fmt) if s.tools else None
-        turn = s.generator.turn(self.prompt, s.max_new_tokens, rng=s.rng, stop_ids=s.stop_ids,
+        turn = s.generator.turn(self.prompt, s.max_new_tokens, rng=s.rng, stop_ids=s.fmt.stop_ids,
                                 inject=tool.feed if tool else None, **s.sampling)
         for _, piece, _ in turn:
             self.reply.text += piece

@@ -25,9 +25,8 @@ from typing import Any, Sequence
 from lmforge.chat.format import ChatFormat
 from lmforge.chat.tools import ToolUse
 from lmforge.generate.rows import Row, RowStep, token_bytes
-from lmforge.tokenizer import EOT
 
-__all__ = ["Rollout", "rollout_seed", "sample_replies", "stop_ids"]
+__all__ = ["Rollout", "rollout_seed", "sample_replies"]
 
 
 @dataclasses.dataclass
@@ -60,11 +59,6 @@ def rollout_seed(seed: int, step: int, prompt: int, sample: int) -> int:
     return int.from_bytes(h, "little") >> 1
 
 
-def stop_ids(fmt: ChatFormat) -> list[int]:
-    """The ids that end a reply, as in the chat: ``<|assistant_end|>``, the end-of-text token, ``<|user_start|>``."""
-    return [fmt.assistant_end_id, fmt.ids[EOT], fmt.ids["<|user_start|>"]]
-
-
 def sample_replies(engine: Any, prompts: Sequence[Sequence[int]], seeds: Sequence[Sequence[int]], *,
                    temperature: float, top_k: int | None, top_p: float | None, max_new_tokens: int,
                    fmt: ChatFormat, vocab_limit: int, tools: bool = True) -> list[list[Rollout]]:
@@ -78,7 +72,7 @@ def sample_replies(engine: Any, prompts: Sequence[Sequence[int]], seeds: Sequenc
         if not 0 < len(p) < ctx:
             raise ValueError(f"a prompt of {len(p)} tokens leaves no room for a reply in a context of {ctx}")
     step = RowStep(token_bytes(fmt.tokenizer)[:vocab_limit])
-    stops = set(stop_ids(fmt))
+    stops = set(fmt.stop_ids)
 
     def row(prompt: Sequence[int], seed: int) -> Row:
         tool = ToolUse(fmt) if tools else None  # its calls are counted from the row's owner

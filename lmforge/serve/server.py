@@ -113,12 +113,9 @@ class ServedModel:
                             "use /v1/completions with a raw prompt")
         self.eot_id = tokenizer.eot_id
         self.tool_text: dict[int, str] = {}  # special id -> its text in a reply: TOOL_TEXT's markup; a call's none
-        self.chat_stops: list[int] = []
-        """Ids that end a chat reply: ``<|assistant_end|>``, ``<|user_start|>`` (a model starting the user's next
-        turn, as :class:`~lmforge.chat.session.ChatSession` stops it) and the document separator."""
+        self.chat_stops: list[int] = [] if self.chat is None else self.chat.stop_ids
+        """Ids that end a chat reply (:attr:`~lmforge.chat.format.ChatFormat.stop_ids`)."""
         if self.chat is not None:
-            self.chat_stops = [self.chat.assistant_end_id, self.chat.ids["<|user_start|>"]] + \
-                ([self.eot_id] if self.eot_id is not None else [])
             self.tool_text = {self.chat.ids[t]: text for t, text in TOOL_TEXT.items()}
             if self.chat.has_tools:
                 self.tool_text.update({self.chat.ids[t]: "" for t in ("<|call_start|>", "<|call_end|>")})

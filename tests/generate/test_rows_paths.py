@@ -17,7 +17,6 @@ from lmforge.generate.prefix_cache import PrefixCache
 from lmforge.generate.scheduler import Job, Scheduler
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.rl import sample_replies
-from lmforge.rl.rollout import stop_ids
 
 N = 16
 USER = "abc abc abc abc abc abc"  # a reply that repeats it drafts
@@ -39,7 +38,7 @@ def setup(tiny_tokenizer):
 
 def test_every_path_gives_the_same_reply(setup):
     model, tok, fmt, prompt = setup
-    stops = stop_ids(fmt)
+    stops = fmt.stop_ids
     gen = Generator(model, tok)
     gen.prefix_cache = PrefixCache(1 << 20, block=4)
     want, prefilled = [], []

@@ -16,7 +16,6 @@ from lmforge.generate import Generator
 from lmforge.generate.engine import Engine
 from lmforge.rl import RolloutSource, rl_config, rollout_seed, sample_replies
 from lmforge.rl.data import read_prompts
-from lmforge.rl.rollout import stop_ids
 from lmforge.rl.source import step_prompts
 from lmforge.run import open_run
 from lmforge.tokenizer import Tokenizer
@@ -60,7 +59,7 @@ def test_replies_are_the_chats_own_tool_calls_run_and_fed_back(chat_run) -> None
     for p, group, ss in zip(prompts, groups, seeds):
         for r, seed in zip(group, ss):
             turn = gen.turn(p, SAMPLING["max_new_tokens"], temperature=1.0, rng=torch.Generator().manual_seed(seed),
-                            stop_ids=stop_ids(fmt), inject=ToolUse(fmt).feed)
+                            stop_ids=fmt.stop_ids, inject=ToolUse(fmt).feed)
             list(turn)
             assert r.ids == turn.ids and r.finish == turn.finish_reason
             forced = [t for t, s in zip(r.ids, r.sampled) if not s]
