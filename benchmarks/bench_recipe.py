@@ -80,6 +80,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "qk-norm": ("model.qk_norm=true",),
     "copy-data": ("data.copy_fraction=0.12",),  # repeats, name echoes and random-id repeats: 12% of the tokens
     "key-offset": ("model.key_offset=true",),
+    "copy-dense": ("data.copy_fraction=0.5",),  # the most the mixture writes: half of each block's tokens
+    "copy-random": ("data.copy_fraction=0.5", "data.copy_sources=[random]"),  # random-id repeats only, dense
     "recipe": (),  # the speedrun's RECIPE (settings_of fills it in): the base of recipe+... variants
     # nanochat's pretraining settings that the speedrun's recipe lacks (scripts/base_train.py, nanochat/gpt.py)
     "nc-wd0": ("optimizer.weight_decay=0.0",),
