@@ -368,6 +368,9 @@ def main() -> None:
     ap.add_argument("--shape", choices=("d512", "gpt2s"), default=None,
                     help="a preset for the shape flags: d512 (the defaults) or gpt2s (near GPT-2 small)")
     ap.add_argument("--impls", default="lmforge,hf")
+    ap.add_argument("--keep-freed", action="store_true",
+                    help="malloc keeps freed memory in this process (train.allocator.retain_freed_memory), as "
+                         "lmforge's training loop sets it on the CPU; process-wide, so both sides get it")
     ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the child-process RSS runs")
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true",
@@ -402,13 +405,18 @@ def main() -> None:
 
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.keep_freed:
+        from lmforge.train.allocator import retain_freed_memory
+
+        retain_freed_memory()
     impls = a.impls.split(",")
     cfg = _model_config(a)
     fpt = flops_per_token(cfg, a.context)
     tokens = a.batch * a.context
     print(f"shapes: d_model {a.d_model}, {a.layers} layers, {a.heads} heads, d_ff {a.d_ff}, T {a.context}, "
           f"B {a.batch}, V {a.vocab}, {a.dtype}{', compiled' if a.compile else ''}; threads {torch.get_num_threads()}; "
-          f"HF optimizer: torch.optim.AdamW({'fused=True' if a.hf_fused else 'defaults: a weaker variant'})")
+          f"HF optimizer: torch.optim.AdamW({'fused=True' if a.hf_fused else 'defaults: a weaker variant'})"
+          f"{'; malloc keeps freed memory (both sides)' if a.keep_freed else ''}")
 
     # ---- memory: each implementation alone in a child process ----------------------------------------
     mem: dict[str, dict] = {}
