@@ -83,9 +83,10 @@ def run(variant: str, a: argparse.Namespace, seed: int) -> dict[str, Any]:
         loss.backward()
         opt.step()
         if step % a.every == 0:
-            curve.append((step, round(float(loss), 4)))
-            print(f"{variant} seed {seed} step {step}: copy loss {float(loss):.3f} nats", flush=True)
-            if reached is None and float(loss) < a.below:
+            value = loss.item()
+            curve.append((step, round(value, 4)))
+            print(f"{variant} seed {seed} step {step}: copy loss {value:.3f} nats", flush=True)
+            if reached is None and value < a.below:
                 reached = step
                 if a.stop:
                     break
