@@ -60,9 +60,9 @@ CANDIDATES: dict[str, Preset] = {name: family(name) for name in
 two-layer shapes below), from 0.37M to 12.2M matmul parameters at a 4,096-token vocabulary (``d256x4`` is the
 ``small`` preset)."""
 
-TOKENS_PER_PARAM = 7.2
+TOKENS_PER_PARAM = 8.1
 """The tokens-per-parameter ratio that :func:`choose` aims at: the best ratio of the isoFLOP screen
-(``benchmarks/bench_recipe.py isoflop``; docs/benchmarks.md, "Model sizing")."""
+(``benchmarks/bench_recipe.py isoflop``, the mean of two seeds; docs/benchmarks.md, "Model sizing")."""
 
 MAX_EPOCHS = 3.0
 """The most passes over the training split a candidate may plan: below the ~4 epochs up to which repeated tokens are
