@@ -10,7 +10,8 @@ import resource, sys, torch
 from lmforge.train.allocator import retain_freed_memory
 if sys.argv[1] == "retain":
     assert retain_freed_memory()
-torch.empty(48 << 20, dtype=torch.uint8).fill_(1)  # once, so that glibc's own threshold has risen past it too
+for _ in range(5):  # the heap settles: glibc's own threshold rises past the block, and an aligned block may take a
+    torch.empty(48 << 20, dtype=torch.uint8).fill_(1)  # few fresh places before freed ones fit it (measured: <= 4)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(5):
     torch.empty(48 << 20, dtype=torch.uint8).fill_(1)  # 48 MiB: above glibc's default mmap ceiling (32 MiB)
@@ -27,4 +28,4 @@ def _faults(mode: str) -> int:
 def test_retained_memory_is_reused_without_page_faults():
     pages = (48 << 20) // 4096
     assert _faults("default") >= 4 * pages  # fresh pages for every block
-    assert _faults("retain") < 2 * pages  # at most one block faulted in, then reused
+    assert _faults("retain") < pages  # settled: every block reuses freed memory
