@@ -25,6 +25,7 @@ import torch
 from lmforge.hardware import resolve_train_dtype
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.model.transformer import flops_per_token, matmul_params_per_token
+from lmforge.train.allocator import retain_freed_memory
 from lmforge.train.loop import _build_optimizer  # the loop's own builder: the step timed is the step trained
 
 __all__ = ["Preset", "CANDIDATES", "TOKENS_PER_PARAM", "BUDGET_SHARE", "step_seconds", "params_of", "flops_of",
@@ -96,8 +97,11 @@ def step_seconds(cfg: Any, device: Any, steps: int = 4) -> float:
     tokens, in the precision the run trains in (``training.dtype``, ``auto`` resolved).
 
     The fastest of ``steps`` (after a warm-up step): what the machine does when nothing else competes
-    for it, so the planned number of steps, and with it the result, does not depend on momentary load.
+    for it, so the planned number of steps, and with it the result, does not depend on momentary load. On the CPU
+    the process keeps freed memory first, as the training loop does (:mod:`lmforge.train.allocator`).
     """
+    if device.type == "cpu":
+        retain_freed_memory()
     tc = cfg.training
     model = TransformerLM(cfg.model).to(device)
     opt = _build_optimizer(model, cfg.optimizer)

@@ -60,7 +60,6 @@ from lmforge.report import REPORT_FILE, write_speedrun_report
 from lmforge.run import read_base
 from lmforge.tokenizer import Tokenizer, train_bpe_from_iterator
 from lmforge.train import evaluate_run, load_run_config, train
-from lmforge.train.allocator import retain_freed_memory
 from lmforge import sizing
 from lmforge.sizing import Preset, plan_tokens, step_seconds
 
@@ -211,8 +210,6 @@ def _data_stats(data_dir: Path) -> dict[str, Any]:
     return out
 
 
-
-
 def _run_config(preset: Preset, vocab_size: int, data_dir: Path, tokenizer: Path, device: Any, max_steps: int,
                 peak_flops: float | None, recipe: tuple[str, ...] = RECIPE, target_bpb: float | None = None) -> Any:
     """The pretraining run's config: ``preset``'s shapes, the schedule fitted to ``max_steps``, then ``recipe``."""
@@ -245,8 +242,6 @@ def _plan(preset: Preset | None, vocab_size: int, data_dir: Path, tokenizer: Pat
     # elsewhere the matmul peak measured in the precision the run trains in (bf16 where native: auto)
     dtype = _run_config(preset or PRESETS["tiny"], vocab_size, data_dir, tokenizer, device, 10, None).training.dtype
     peak, peak_dtype = (None, None) if device.type == "cuda" else train_peak_flops(dtype, device, **quick)
-    if device.type == "cpu":  # the steps are timed as the training loop runs them (train/allocator.py)
-        retain_freed_memory()
     peak = None if peak is None else float(f"{peak:.4g}")
     info: dict[str, Any] = {"peak_flops": peak, "peak_dtype": peak_dtype}
 
