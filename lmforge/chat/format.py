@@ -259,7 +259,7 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self.ids: dict[str, int] = {t: have[t] for t in CHAT_SPECIAL_TOKENS + TOOL_SPECIAL_TOKENS if t in have}
         self.assistant_end_id = self.ids["<|assistant_end|>"]
-        self.stop_ids = [self.assistant_end_id, self.ids[EOT], self.ids["<|user_start|>"]]
+        self.stop_ids = (self.assistant_end_id, self.ids[EOT], self.ids["<|user_start|>"])
         """The ids that end a reply: ``<|assistant_end|>``, the end-of-text token and ``<|user_start|>`` (a model
         starting the user's next turn)."""
         self.has_tools = all(t in have for t in TOOL_SPECIAL_TOKENS)

@@ -113,7 +113,7 @@ class ServedModel:
                             "use /v1/completions with a raw prompt")
         self.eot_id = tokenizer.eot_id
         self.tool_text: dict[int, str] = {}  # special id -> its text in a reply: TOOL_TEXT's markup; a call's none
-        self.chat_stops: list[int] = [] if self.chat is None else self.chat.stop_ids
+        self.chat_stops: tuple[int, ...] = () if self.chat is None else self.chat.stop_ids
         """Ids that end a chat reply (:attr:`~lmforge.chat.format.ChatFormat.stop_ids`)."""
         if self.chat is not None:
             self.tool_text = {self.chat.ids[t]: text for t, text in TOOL_TEXT.items()}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -176,7 +176,7 @@ class Service:
         return [self.job(req, tenant, prompt, limit, served.chat_stops, served.chat_tool, served.tool_text, k, c,
                          capture=c is not None and bool(req.tools)) for k, c in enumerate(constraints)]
 
-    def job(self, s: Sampling, tenant: str, prompt: list[int], limit: int, stop_ids: list[int],
+    def job(self, s: Sampling, tenant: str, prompt: list[int], limit: int, stop_ids: Sequence[int],
             tool: Callable[[], Callable[[int], list[int] | None]] | None, token_text: dict[int, str] | None,
             k: int, constraint: Any = None, capture: bool = False) -> Job:
         """Choice ``k``'s scheduler job for a request of ``tenant`` sampling as ``s``; APIError 400 for a value
