@@ -39,7 +39,7 @@ def copy_batch(gen: Any, rows: int, context: int, vocab: int) -> tuple[Any, Any]
     import torch
 
     lo, hi = SPAN
-    if context < 2 * hi + hi:
+    if context < 3 * hi:
         raise ValueError(f"--context must be at least {3 * hi} (a span of {hi}, its gap and its repeat)")
     ids = torch.randint(0, vocab, (rows, context), generator=gen)
     mask = torch.zeros(rows, context - 1, dtype=torch.bool)
