@@ -33,7 +33,7 @@ without echoing the grammar or the parser's state (hundreds of KB on a large sch
 
 STACK_BYTES = 1 << 20
 """The child's compile thread stack: 1 MiB (llguidance's recursive compile overflows ~8 MiB at a chain of
-~2,500 ``$ref``s, 1 MiB at ~300; the schema limits stop far below either)."""
+~2,500 ``$ref``s or ~1,100 nested arrays, 1 MiB at ~300 / ~140; the schema limits stop far below either)."""
 
 NICE = 10
 """How much lower than the server's the scheduling priority of every grammar compile is (the child process and

@@ -1,16 +1,16 @@
 """The server's request limits: the largest ``max_tokens`` and ``cache_salt`` a request may name, and how large a
 JSON Schema (a ``response_format``, a tool's ``parameters``) may be before llguidance sees it.
 
-llguidance compiles ``$ref``s and nesting recursively: a chain of ~2,500 ``$ref``s (~1,100 nested arrays) overflows
-an 8 MiB stack and kills the process, ~300 / ~140 a 1 MiB one. :func:`check_schema` (the ``check`` the server
-hands :func:`~lmforge.generate.constraints.json_grammar`) refuses a schema over :class:`SchemaLimits` or one that
-admits no finite document (``{"$ref": "#"}``), with a ``ConstraintError`` naming the limit; the grammar layer
-then compiles what passes in a sacrificial process (:mod:`~lmforge.generate.grammar_check`).
+llguidance compiles ``$ref``s and nesting recursively: a schema deep enough overflows its stack and kills the process
+(:data:`~lmforge.generate.grammar_check.STACK_BYTES`). :func:`check_schema`, the ``check`` the server hands
+:func:`~lmforge.generate.constraints.json_grammar`, refuses one over :class:`SchemaLimits` or admitting no finite
+document.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import urllib.parse
 from dataclasses import dataclass
@@ -80,10 +80,9 @@ def check_schema(schema: dict[str, Any], limits: SchemaLimits = SchemaLimits()) 
     """``ConstraintError`` if ``schema`` is over ``limits`` or admits no finite document (a ``$ref`` cycle with
     no way out: ``{"$ref": "#"}``, a required property that is the schema itself). Iterative: a schema nested
     deeper than Python's recursion limit is refused, not a crash."""
-    nodes, pointers, index = [schema], [""], {"": 0}
-    k = 0
-    while k < len(nodes):
-        node = nodes[k]
+    nodes, pointers, index, edges = [schema], [""], {"": 0}, []
+    for k, node in enumerate(nodes):  # breadth first: nodes grows as subschemas are found
+        edges.append([])
         if isinstance(node, dict):
             props, enum = node.get("properties"), node.get("enum")
             if isinstance(props, dict) and len(props) > limits.max_properties:
@@ -94,14 +93,12 @@ def check_schema(schema: dict[str, Any], limits: SchemaLimits = SchemaLimits()) 
                                       f"this server's limit of {limits.max_enum:,}", limit="max_enum")
             for suffix, sub in subschemas(node):
                 index[pointers[k] + suffix] = len(nodes)
+                edges[k].append(len(nodes))
                 nodes.append(sub)
                 pointers.append(pointers[k] + suffix)
             if len(nodes) > limits.max_nodes:
                 raise ConstraintError(f"the JSON Schema has more subschemas than this server's limit of "
                                       f"{limits.max_nodes:,}; send a smaller one", limit="max_nodes")
-        k += 1
-    edges = [[index[pointers[i] + suffix] for suffix, _ in subschemas(n)] if isinstance(n, dict) else []
-             for i, n in enumerate(nodes)]
     targets = [local_pointer(n.get("$ref")) if isinstance(n, dict) else None for n in nodes]
     refs = [None if t is None else index.get(t) for t in targets]
     for i, r in enumerate(refs):
@@ -124,46 +121,36 @@ def check_schema(schema: dict[str, Any], limits: SchemaLimits = SchemaLimits()) 
 
 def _longest_path(edges: list[list[int]]) -> int:
     """The most nodes on a path from node 0 (an upper bound through cycles: each strongly connected group
-    counts all its members). Tarjan's algorithm, iteratively: groups come out successors first."""
+    counts all its members). Tarjan's algorithm from node 0, iteratively: groups come out successors first."""
     n = len(edges)
-    order, low, on, stack, group = [-1] * n, [0] * n, [False] * n, [], [-1] * n
+    order, low, group = [-1] * n, [0] * n, [-1] * n  # a visited node without a group is on the stack
+    counter, stack, work = itertools.count(), [0], [(0, iter(edges[0]))]
     longest: list[int] = []
-    counter = 0
-    for s in range(n):
-        if order[s] >= 0:
-            continue
-        order[s] = low[s] = counter
-        counter += 1
-        stack.append(s)
-        on[s] = True
-        work = [(s, iter(edges[s]))]
-        while work:
-            v, it = work[-1]
-            for w in it:
-                if order[w] < 0:
-                    order[w] = low[w] = counter
-                    counter += 1
-                    stack.append(w)
-                    on[w] = True
-                    work.append((w, iter(edges[w])))
-                    break
-                if on[w]:
-                    low[v] = min(low[v], order[w])
-            else:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
-                if low[v] == order[v]:
-                    members = []
-                    while True:
-                        w = stack.pop()
-                        on[w], group[w] = False, len(longest)
-                        members.append(w)
-                        if w == v:
-                            break
-                    g = len(longest)
-                    after = [longest[group[x]] for m in members for x in edges[m] if group[x] != g]
-                    longest.append(len(members) + max(after, default=0))
+    order[0] = low[0] = next(counter)
+    while work:
+        v, it = work[-1]
+        for w in it:
+            if order[w] < 0:
+                order[w] = low[w] = next(counter)
+                stack.append(w)
+                work.append((w, iter(edges[w])))
+                break
+            if group[w] < 0:
+                low[v] = min(low[v], order[w])
+        else:
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == order[v]:
+                g, members = len(longest), []
+                while True:
+                    w = stack.pop()
+                    group[w] = g
+                    members.append(w)
+                    if w == v:
+                        break
+                after = [longest[group[x]] for m in members for x in edges[m] if group[x] != g]
+                longest.append(len(members) + max(after, default=0))
     return longest[group[0]]
 
 
