@@ -1,15 +1,11 @@
 """The HTTP layer: a FastAPI app over a :class:`~lmforge.serve.server.ServedModel` (:func:`create_app`).
 
-Routes: ``GET /`` (the web chat page, static files shipped in the package), ``GET /health``, ``GET /v1/models``,
-``POST /v1/embeddings``, ``POST /tokenize``, ``POST /detokenize`` and ``GET /metrics`` (Prometheus text) here;
-``POST /v1/chat/completions`` and ``POST /v1/completions`` in :mod:`~lmforge.serve.chat_routes`; ``POST
-/v1/responses``, ``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` in
-:mod:`~lmforge.serve.response_routes`; what routes share (keys, bodies, the scheduler's jobs and their updates, a
-client that goes away cancelling its jobs) in :mod:`~lmforge.serve.service`. ``/health`` (open, as the page is)
-says the server is up and how busy it is, never what requests asked: counts of tokens, cache hits and drafts are
-on ``/metrics``, behind the key. No cross-site page can post to the API, by a simple request (bodies must come as
-``application/json``) or by DNS rebinding (the ``Host`` check, :mod:`~lmforge.serve.access`). Every error has the
-OpenAI shape ``{"error": {message, type, param, code}}``; after a 500 the keep-alive connection stays usable.
+Routes here: ``GET /`` (the web chat page, static files shipped in the package), ``GET /health``, ``GET
+/v1/models``, ``POST /v1/embeddings``, ``POST /tokenize``, ``POST /detokenize`` and ``GET /metrics`` (Prometheus
+text); the generation routes are :mod:`~lmforge.serve.chat_routes`' and :mod:`~lmforge.serve.response_routes`'.
+``/health`` (open, as the page is) says the server is up and how busy it is, never what requests asked: counts of
+tokens, cache hits and drafts are on ``/metrics``, behind the key. Every error has the OpenAI shape; after a 500
+the keep-alive connection stays usable.
 """
 
 from __future__ import annotations
@@ -36,9 +32,6 @@ from lmforge.serve.service import Service, endpoint
 
 logger = logging.getLogger("lmforge")
 
-HEALTH_LOAD = ("active", "waiting", "max_batch", "max_queue")
-"""The scheduler's load ``/health`` shows (rows decoding, requests waiting, and their limits)."""
-
 __all__ = ["create_app"]
 
 STATIC = resources.files("lmforge.serve") / "static"
@@ -51,7 +44,7 @@ def _error(e: APIError) -> JSONResponse:
 
 
 def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body: int = 1 << 20,
-               body_timeout: float = BODY_TIMEOUT_S, allowed_hosts: AllowedHosts | Sequence[str] = (),
+               body_timeout: float = BODY_TIMEOUT_S, allowed_hosts: Sequence[str] = (),
                response_store: ResponseStore | None = None) -> FastAPI:
     """The app serving ``served`` (a :class:`~lmforge.serve.server.ServedModel`); its lifespan starts and stops
     the scheduler's engine thread.
@@ -61,13 +54,12 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
     ``/health`` stay open); ``ValueError`` for one that could never match (:func:`~lmforge.serve.access.check_api_key`).
     ``max_body``: the largest request body in bytes (beyond: 413). ``body_timeout``: seconds a request body may take
     to arrive (beyond: 408, connection closed). ``allowed_hosts``: the host names a request's ``Host`` may carry
-    besides ``localhost`` and IP addresses (others: 400; ``*``: any; :class:`~lmforge.serve.access.AllowedHosts`).
-    API POST bodies must come as ``Content-Type: application/json`` (else 415), which a cross-site page cannot send
-    without the CORS preflight this server never grants. ``response_store``: where ``/v1/responses`` keeps stored
-    responses, each key's apart (default: a :class:`~lmforge.serve.response_store.ResponseStore`).
+    besides ``localhost`` and IP addresses (others: 400; :class:`~lmforge.serve.access.AllowedHosts`, which refuses
+    a malformed one). API POST bodies must come as ``Content-Type: application/json`` (else 415), which a cross-site
+    page cannot send without the CORS preflight this server never grants. ``response_store``: where
+    ``/v1/responses`` keeps stored responses (default: a :class:`~lmforge.serve.response_store.ResponseStore`).
     """
     keys = None if api_key is None else Keys([api_key] if isinstance(api_key, str) else api_key)
-    hosts = allowed_hosts if isinstance(allowed_hosts, AllowedHosts) else AllowedHosts(allowed_hosts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -79,7 +71,7 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
 
     app = FastAPI(title="lmforge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Unexpected, fail=lambda scope, e: _internal(Request(scope), e))  # (inner: added first)
-    app.add_middleware(HostCheck, hosts=hosts)
+    app.add_middleware(HostCheck, hosts=AllowedHosts(allowed_hosts))
     sched = served.scheduler
     store = response_store if response_store is not None else ResponseStore()
 
@@ -90,7 +82,6 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
 
     metrics = Metrics(counts)
     svc = Service(served, keys, metrics, store, max_body, body_timeout)
-    authorize, check_model, ok = svc.authorize, svc.check_model, svc.ok
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -125,21 +116,22 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
 
     @app.get("/health")
     async def health() -> dict[str, Any]:  # (what the page and a load balancer read: no counts of requests' contents)
-        load = sched.load()
+        load = sched.load()  # rows decoding, requests waiting, and their limits
         return {"status": "ok", "model": served.model_id, "chat": served.chat is not None, "auth": keys is not None,
-                "context_length": served.context_length, **{k: load[k] for k in HEALTH_LOAD}}
+                "context_length": served.context_length,
+                **{k: load[k] for k in ("active", "waiting", "max_batch", "max_queue")}}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        authorize(request)
-        ok(request)
+        svc.authorize(request)
+        svc.ok(request)
         return {"object": "list", "data": [_model_card(served.model_id)]}
 
     @app.get("/v1/models/{name}")
     async def model(name: str, request: Request) -> dict[str, Any]:
-        authorize(request)
-        check_model(name)
-        ok(request)
+        svc.authorize(request)
+        svc.check_model(name)
+        svc.ok(request)
         return _model_card(name)
 
     add_chat_routes(app, svc)
@@ -161,7 +153,7 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
         data = [{"object": "embedding", "index": k,
                  "embedding": _base64(v) if req.encoding_format == "base64" else v} for k, v in enumerate(vectors)]
         n = sum(map(len, inputs))
-        ok(request)
+        svc.ok(request)
         return {"object": "list", "data": data, "model": served.model_id,
                 "usage": {"prompt_tokens": n, "total_tokens": n}}
 
@@ -173,7 +165,7 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
         else:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             ids = served.chat_prompt([m.as_chat() for m in req.messages], tools)
-        ok(request)
+        svc.ok(request)
         return {"tokens": ids, "count": len(ids), "max_model_len": served.context_length}
 
     @app.post("/detokenize")
@@ -182,12 +174,12 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
         bad = [t for t in req.tokens if not 0 <= t < served.tokenizer.vocab_size]
         if bad:
             raise APIError(400, f"token id {shown(bad[0])} is out of range [0, {served.tokenizer.vocab_size})", "tokens")
-        ok(request)
+        svc.ok(request)
         return {"prompt": served.tokenizer.decode(req.tokens)}
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
-        authorize(request)
+        svc.authorize(request)
         return Response(metrics.text(), headers={"Content-Type": CONTENT_TYPE})
 
     # ---------------------------------------------------------------------------------------------

@@ -6,12 +6,9 @@ renderer, :class:`~lmforge.chat.format.ChatFormat`) and checks their limits. :fu
 (127.0.0.1 unless told otherwise), runs uvicorn on :func:`~lmforge.serve.app.create_app`, and on SIGTERM or
 Ctrl-C stops taking connections, lets the requests in flight finish, and returns.
 
-Calculator calls over the API: a chat reply shows each call and its output in the text markup
-:data:`TOOL_TEXT` (``<calculator>6*7</calculator><output>42</output>``), never as special-token text, and an
-incoming assistant message is split back at that markup into the chat format's ``tool_call`` and ``tool``
-messages (:func:`messages_from_text`). So a client that sends a reply back as it got it (the web page, the
-``openai`` client, any script keeping ``content``) gets the prompt ids ``lmforge chat`` renders for the same
-conversation: the special ids of the call and its output, not ~60 byte tokens of their names.
+Calculator calls over the API: a chat reply shows each call and its output in the text markup :data:`TOOL_TEXT`,
+and an incoming assistant message is split back at it (:func:`messages_from_text`), so a client that sends a reply
+back as it got it gets the prompt ids ``lmforge chat`` renders for the same conversation.
 """
 
 from __future__ import annotations
@@ -34,18 +31,17 @@ from lmforge.generate.constraints import Grammars
 from lmforge.generate.engine import Engine
 from lmforge.generate.prefix_cache import PrefixCache
 from lmforge.generate.scheduler import Scheduler
-from lmforge.serve.access import AllowedHosts, Keys, exposure_warning
+from lmforge.serve.access import exposure_warning
 from lmforge.serve.errors import APIError
 from lmforge.serve.response_store import ResponseStore
 from lmforge.tokenizer import Tokenizer
 
 logger = logging.getLogger("lmforge")
 
-__all__ = ["DEFAULT_PREFIX_CACHE_MB", "ServedModel", "TOOL_TEXT", "bind", "messages_from_text", "serve", "settle_heap"]
+__all__ = ["DEFAULT_PREFIX_CACHE_MB", "ServedModel", "TOOL_TEXT", "bind", "messages_from_text", "serve"]
 
 DEFAULT_PREFIX_CACHE_MB = 512
-"""The prefix cache's default budget (MiB): ~7,000 tokens of the GPT-2-small shape's float32 KV, ~26,000 of a
-d384 x 6-layer model's."""
+"""The prefix cache's default budget (MiB)."""
 
 TOOL_TEXT: dict[str, str] = {"<|python_start|>": "<calculator>", "<|python_end|>": "</calculator>",
                              "<|output_start|>": "<output>", "<|output_end|>": "</output>"}
@@ -113,8 +109,6 @@ class ServedModel:
                             "use /v1/completions with a raw prompt")
         self.eot_id = tokenizer.eot_id
         self.tool_text: dict[int, str] = {}  # special id -> its text in a reply: TOOL_TEXT's markup; a call's none
-        self.chat_stops: tuple[int, ...] = () if self.chat is None else self.chat.stop_ids
-        """Ids that end a chat reply (:attr:`~lmforge.chat.format.ChatFormat.stop_ids`)."""
         if self.chat is not None:
             self.tool_text = {self.chat.ids[t]: text for t, text in TOOL_TEXT.items()}
             if self.chat.has_tools:
@@ -144,11 +138,8 @@ class ServedModel:
             raise error(e.index if isinstance(e, ConversationError) else None, str(e)) from None
         split = []
         for m in messages:
-            if m["role"] != "assistant":
-                split.append(m)
-                continue
-            parts = messages_from_text(m["content"])
-            if m.get("tool_calls"):
+            parts = messages_from_text(m["content"]) if m["role"] == "assistant" else [m]
+            if m.get("tool_calls"):  # (only an assistant message has them: on its last part)
                 parts[-1]["tool_calls"] = m["tool_calls"]
             split += parts
         try:
@@ -198,22 +189,13 @@ class ServedModel:
         if n > self.scheduler.max_batch:
             raise APIError(400, f"n is {n} but this server decodes at most {self.scheduler.max_batch} rows together "
                                 "(--max-batch); ask for fewer choices", "n")
-        if n > 1:
-            per = self.max_tokens(asked, prompt_tokens, prompt_param, 1, param)
-            if asked is None:
-                return max(1, min(per, self.max_tokens_cap // n))
-            if n * asked > self.max_tokens_cap:
-                raise APIError(400, f"n × {param} is {n} × {asked} = {n * asked} but this server allows at most "
-                                    f"{self.max_tokens_cap} tokens per request (--max-tokens-cap); ask for fewer",
-                               "n")
-            return per
         room = self.context_length - prompt_tokens
         if room < 1:
             raise APIError(400, f"{prompt_param} has {prompt_tokens} tokens but the model's context length is "
                                 f"{self.context_length}, leaving no room for a reply; shorten it",
                            prompt_param, "context_length_exceeded")
         if asked is None:
-            return min(room, self.max_tokens_cap)
+            return max(1, min(room, self.max_tokens_cap // n))
         try:
             self.scheduler.check(prompt_tokens, asked, f"the {prompt_param}", param)
         except ValueError as e:
@@ -221,6 +203,9 @@ class ServedModel:
         if asked > self.max_tokens_cap:
             raise APIError(400, f"{param} is {asked} but this server allows at most {self.max_tokens_cap} "
                                 "(--max-tokens-cap); ask for fewer", param)
+        if n * asked > self.max_tokens_cap:
+            raise APIError(400, f"n × {param} is {n} × {asked} = {n * asked} but this server allows at most "
+                                f"{self.max_tokens_cap} tokens per request (--max-tokens-cap); ask for fewer", "n")
         return asked
 
 
@@ -243,14 +228,6 @@ def bind(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
-
-
-def settle_heap() -> None:
-    """Collect, then freeze every object alive now (the loaded model, the libraries) out of the garbage
-    collector's reach: a full collection then walks only what serving allocates, not the ~300k objects of the
-    startup, so no collection pauses the event loop for hundreds of milliseconds."""
-    gc.collect()
-    gc.freeze()
 
 
 HEADER_TIMEOUT_S = 10.0
@@ -305,18 +282,19 @@ def serve(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, api_ke
     from lmforge.serve.app import create_app
 
     keys = None if api_key is None else [api_key] if isinstance(api_key, str) else list(api_key)
-    if keys is not None:
-        Keys(keys)  # (refused before binding)
-    hosts = AllowedHosts([host, *allowed_hosts])
+    app = create_app(served, api_key=keys, max_body=max_body, allowed_hosts=[host, *allowed_hosts],
+                     response_store=response_store)  # (bad keys and hosts refused before binding)
     warning = exposure_warning(host, keys)
     if warning:
         logger.warning("%s", warning)
     sock = bind(host, port)
     url = "http://%s:%d" % ((f"[{host}]" if ":" in host else host), sock.getsockname()[1])
-    app = create_app(served, api_key=keys, max_body=max_body, allowed_hosts=hosts, response_store=response_store)
     config = uvicorn_config(app, log_level="warning", timeout_graceful_shutdown=drain_timeout, access_log=False)
     server = uvicorn.Server(config)
-    settle_heap()
+    # the startup's objects (the model, the libraries) frozen out of the collector's reach: a full collection
+    # then walks only what serving allocates, so none pauses the event loop for hundreds of milliseconds
+    gc.collect()
+    gc.freeze()
     logger.info("serving %s on %s (web chat at %s/, API at %s/v1; %s)", served.model_id, url, url, url,
                 f"{len(keys)} API key{'s' if len(keys) > 1 else ''} required" if keys else "no API key")
     if on_ready is not None:

@@ -1,11 +1,6 @@
-"""What every API route of one app shares (:class:`Service`): the served model, the keys and the tenant a request
-belongs to, its body read within bounds, the scheduler jobs of an API request and their updates.
-
-A route authorizes its request (:meth:`Service.authorize`: the tenant, or 401), reads and parses its body, builds
-its scheduler jobs (:meth:`Service.job`; :meth:`Service.chat_jobs` for the one internal chat request both OpenAI
-dialects parse into, :class:`~lmforge.serve.request.ChatRequest`: each job under its prefix-cache salt,
-:func:`cache_salt`), submits them (:meth:`Service.submit`) and reads their updates (:meth:`Service.collect`, which
-cancels them when the client goes away), their tokens' latency timed into the metrics (:class:`Timing`).
+"""What every API route of one app shares (:class:`Service`): a request's tenant (or 401), its body read within
+bounds and parsed, its scheduler jobs (each under its prefix-cache salt, :func:`cache_salt`), submitted, and their
+updates read until the end or until the client goes away (the jobs then cancelled), timed into the metrics.
 """
 
 from __future__ import annotations
@@ -173,7 +168,7 @@ class Service:
         prompt = served.chat_prompt(req.messages, req.tool_dicts(), req.message_error)
         limit = served.max_tokens(req.max_tokens, len(prompt), names.param("messages"), req.n,
                                   names.param("max_tokens"))
-        return [self.job(req, tenant, prompt, limit, served.chat_stops, served.chat_tool, served.tool_text, k, c,
+        return [self.job(req, tenant, prompt, limit, served.chat.stop_ids, served.chat_tool, served.tool_text, k, c,
                          capture=c is not None and bool(req.tools)) for k, c in enumerate(constraints)]
 
     def job(self, s: Sampling, tenant: str, prompt: list[int], limit: int, stop_ids: Sequence[int],
