@@ -1,14 +1,11 @@
 """The server's Prometheus metrics (``GET /metrics``), kept and written by ``prometheus_client``.
 
-Counters: requests by endpoint and status (every answer but a 401), prompt and generated tokens; gauges: rows
-decoding and requests waiting (read from the scheduler when scraped); the prefix cache's lookups, hits, prompt tokens
-looked up and served from it, blocks evicted, and the bytes it holds; speculative decoding's passes, drafted and
-accepted tokens (read from the scheduler too); the Responses API's stored responses and their bytes (totals over
-every API key; no label names a key or tenant); histograms: time to first token and inter-token latency (seconds),
-each observed per request from the updates the engine thread sends. Each app has its own registry (several apps in
-one process do not share counts). The ``endpoint`` label is a route's path template (``/v1/models/{name}``) or
-``other``, never a path a client wrote: the number of series is bounded whatever clients send, and the
-library escapes every label value.
+Counted as answers go out: requests by endpoint and status (every answer but a 401), prompt and generated tokens, time
+to first token and inter-token latency; read when scraped: the scheduler's load, the prefix cache's and speculative
+decoding's counts and the Responses API's stored responses (:data:`_SERIES`; totals, no label names a key or
+tenant). Each app has its own registry (several apps in one process do not share counts). The ``endpoint`` label is
+a route's path template (``/v1/models/{name}``) or ``other``, never a path a client wrote: the number of series is
+bounded whatever clients send.
 """
 
 from __future__ import annotations
@@ -27,46 +24,43 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 """The exposition format served: Prometheus text 0.0.4, which every scraper reads."""
 
 
+_G, _C = GaugeMetricFamily, CounterMetricFamily  # each series' kind
+_SERIES = (
+    ("active", _G, "lmforge_requests_running", "Requests decoding now (one cache row each)."),
+    ("waiting", _G, "lmforge_requests_waiting", "Requests queued for a free row."),
+    ("prefix_queries", _C, "lmforge_prefix_cache_queries", "Prompts looked up in the prefix cache."),
+    ("prefix_hits", _C, "lmforge_prefix_cache_hits", "Prompts that started with a cached prefix."),
+    ("prefix_query_tokens", _C, "lmforge_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_hit_tokens", _C, "lmforge_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache "
+     "(not prefilled)."),
+    ("prefix_evicted_blocks", _C, "lmforge_prefix_cache_evicted_blocks", "Blocks the prefix cache dropped (least "
+     "recently used) to stay within its budget."),
+    ("spec_passes", _C, "lmforge_speculative_passes", "Passes that checked drafted tokens."),
+    ("spec_drafted", _C, "lmforge_speculative_drafted_tokens", "Tokens drafted from a request's own context."),
+    ("spec_accepted", _C, "lmforge_speculative_accepted_tokens", "Drafted tokens kept (decoded without a step of "
+     "their own)."),
+    ("prefix_bytes", _G, "lmforge_prefix_cache_bytes", "Bytes of keys and values the prefix cache holds."),
+    ("responses_stored", _G, "lmforge_responses_stored", "Responses the Responses API holds (store: true), over "
+     "every API key."),
+    ("responses_stored_bytes", _G, "lmforge_responses_stored_bytes", "Bytes the stored responses take, as their "
+     "per-key budget counts them (--responses-store-mb), over every API key."))
+"""What a scrape reads from ``load()``: its key, the metric's kind, name and help."""
+
+
 class _Load:
-    """The scheduler's load as two gauges, read once per scrape."""
+    """The series of :data:`_SERIES`, read once per scrape."""
 
     def __init__(self, load: Callable[[], dict[str, int]]) -> None:
         self.load = load
 
     def collect(self) -> Iterator[Metric]:
         now = self.load()
-        yield GaugeMetricFamily("lmforge_requests_running", "Requests decoding now (one cache row each).",
-                                value=now["active"])
-        yield GaugeMetricFamily("lmforge_requests_waiting", "Requests queued for a free row.", value=now["waiting"])
-        for key, name, text in _COUNTS:
-            if key in now:
-                yield CounterMetricFamily(name, text, value=now[key])
-        for key, name, text in _GAUGES:
-            if key in now:
-                yield GaugeMetricFamily(name, text, value=now[key])
-
-
-_COUNTS = (("prefix_queries", "lmforge_prefix_cache_queries", "Prompts looked up in the prefix cache."),
-           ("prefix_hits", "lmforge_prefix_cache_hits", "Prompts that started with a cached prefix."),
-           ("prefix_query_tokens", "lmforge_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache."),
-           ("prefix_hit_tokens", "lmforge_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache "
-            "(not prefilled)."),
-           ("prefix_evicted_blocks", "lmforge_prefix_cache_evicted_blocks", "Blocks the prefix cache dropped (least "
-            "recently used) to stay within its budget."),
-           ("spec_passes", "lmforge_speculative_passes", "Passes that checked drafted tokens."),
-           ("spec_drafted", "lmforge_speculative_drafted_tokens", "Tokens drafted from a request's own context."),
-           ("spec_accepted", "lmforge_speculative_accepted_tokens", "Drafted tokens kept (decoded without a step of "
-            "their own)."))
-_GAUGES = (("prefix_bytes", "lmforge_prefix_cache_bytes", "Bytes of keys and values the prefix cache holds."),
-           ("responses_stored", "lmforge_responses_stored", "Responses the Responses API holds (store: true), over "
-            "every API key."),
-           ("responses_stored_bytes", "lmforge_responses_stored_bytes", "Bytes the stored responses take, as their "
-            "per-key budget counts them (--responses-store-mb), over every API key."))
+        for key, family, name, text in _SERIES:
+            yield family(name, text, value=now[key])
 
 
 class Metrics:
-    """What ``/metrics`` shows; thread-safe. ``load()`` gives the scheduler's ``{"active", "waiting", ...}`` and the
-    other counts above (``prefix_evicted_blocks``, ``responses_stored``, ``responses_stored_bytes``)."""
+    """What ``/metrics`` shows; thread-safe. ``load()`` gives every key of :data:`_SERIES`."""
 
     def __init__(self, load: Callable[[], dict[str, int]]) -> None:
         self.registry = CollectorRegistry()
