@@ -3,26 +3,15 @@
 The grammar work is llguidance's (``pip install 'lmforge[serve]'``): it compiles a JSON Schema, a regex or a Lark
 grammar and, for a parser state, computes the set of vocabulary tokens whose bytes keep the text a prefix of some
 valid document (multi-byte and partial-UTF-8 tokens included). lmforge's part is the integration:
-
-* :class:`Grammars` hands llguidance the tokenizer's vocabulary exactly, once: token ``i``'s bytes for every
-  ordinary token, the special tokens marked special (never allowed inside a grammar), and one extra id past the
-  vocabulary that stands for "the text may end here"; and it compiles each grammar once, keeping the compiled
-  matcher in an LRU cache keyed by the grammar's canonical text and bounded by bytes, so a schema sent again
-  costs a copy.
-* :class:`RowConstraint` is one row's state (a fresh matcher copied from the cache per region): outside a grammar
-  region it only bans tokens; inside one it allows what the matcher allows, and the region's ``close_id`` only
-  where the matcher accepts. :meth:`RowConstraint.apply` sets the logits of every other token to ``-inf`` in
-  place, so the row's sampler (temperature, top-p, its own seeded generator) draws from the constrained
-  distribution; :meth:`RowConstraint.take` advances the state with the token taken.
+:class:`Grammars` hands llguidance the vocabulary once and compiles each grammar once (a schema sent again costs a
+copy); :class:`RowConstraint` is one row's state, whose mask is applied to the logits in place, so the row's own
+sampler (temperature, top-p, its seeded generator) draws from the constrained distribution.
 
 Hostile grammars: :func:`json_grammar` runs the caller's ``check`` on a schema before llguidance sees it (the
 server's size and finiteness limits, :mod:`lmforge.serve.limits`); :class:`Grammars` compiles each new grammar
 first in a sacrificial process with a deadline (:mod:`~lmforge.generate.grammar_check`), so a crash or a runaway
 compile costs that process, never the server; a grammar that fails while decoding ends its row with an error,
 never a ``stop``. Errors are one bounded line (never llguidance's grammar dump).
-
-A region opens at once (``start=None``: a response format) or after a trigger token (a tool call's
-``<|call_start|>``); ``force`` lists tokens fed before the row samples (a tool call the request requires).
 
 Why llguidance (over xgrammar and outlines-core): no invalid document on lmforge's byte-level vocabularies, fast
 compiles, no dependencies, and unsupported JSON-Schema keywords refused by name, which the server turns into a 400
@@ -148,25 +137,23 @@ class Grammars:
         llg = _llg()
         self.vocab_size = tokenizer.vocab_size
         self.end = self.vocab_size  # "the text may end here"
-        special = set(tokenizer.special_tokens.values())
-        names = {i: s for s, i in tokenizer.special_tokens.items()}
-        tokens = [b"\xff" + names[i].encode() if i in special else tokenizer.decode_bytes([i])
+        names = {i: s for s, i in tokenizer.special_tokens.items()}  # the special ids
+        tokens = [b"\xff" + names[i].encode() if i in names else tokenizer.decode_bytes([i])
                   for i in range(self.vocab_size)] + [b"\xff<|end of constrained text|>"]
 
         class Vocabulary:  # what llguidance.TokenizerWrapper reads
             eos_token_id, bos_token_id = self.end, None
-            special_token_ids = sorted(special | {self.end})
+            special_token_ids = sorted([*names, self.end])
 
             def __init__(self) -> None:
                 self.tokens = tokens
 
-            def __call__(self, text: bytes | str) -> list[int]:  # only for llguidance's own helpers
+            def __call__(self, text: bytes | str) -> list[int]:  # llguidance tokenizes forced text with it
                 if isinstance(text, bytes):
                     text = text.decode("utf-8", "replace")
                 return tokenizer.encode(text, special="plain")
 
         self.tokens = tokens
-        self.special = frozenset(special)
         self.lltokenizer = llg.LLTokenizer(llg.TokenizerWrapper(Vocabulary()), n_vocab=self.vocab_size + 1)
         self.limits = llg.LLParserLimits(**LIMITS)
         self.check = GrammarCheck(tokens, Vocabulary.special_token_ids, self.end, check_timeout) if isolate else None
@@ -174,7 +161,6 @@ class Grammars:
         self._shifts = torch.arange(32, dtype=torch.int32)
         self._cache: collections.OrderedDict[str, tuple[Any, int]] = collections.OrderedDict()
         self._lock = threading.Lock()
-        # one compile at a time, on a thread of lower priority: compiles never starve the event loop of a core
         self._compiler = ThreadPoolExecutor(1, "lmforge-grammar", initializer=lower_priority, initargs=(True,))
         self.max_cache_bytes = max_cache_bytes
         self.cached_bytes = 0  # the cache's entries, as entry_bytes counts them
@@ -224,14 +210,16 @@ class Grammars:
 
 @dataclass
 class RowConstraint:
-    """One row's constraint (see the module docstring).
+    """One row's constraint: its grammar's regions and which tokens may come between them.
 
-    ``grammar``'s regions open at once (``start is None``) or each time ``start`` is taken, and close when
-    ``close_id`` is taken (allowed only where the grammar may end; while a region is open nothing else outside
-    the grammar is allowed). At most ``max_regions`` regions open (then ``start`` is banned). After a region
-    closed, only ``after`` ids are allowed outside regions (None: anything). ``force``: ids fed before the row
-    samples anything. ``source``: where the grammar came from (a request's parameter, for messages). ``regions`` holds each closed region's ids; ``failure`` says why the grammar
-    failed while decoding (:meth:`apply` then raises ``ConstraintError``, which ends the row in error).
+    ``grammar``'s regions open at once (``start is None``: a response format) or each time ``start`` is taken (a
+    tool call's ``<|call_start|>``; a fresh matcher copied from the cache each time), and close when ``close_id``
+    is taken (allowed only where the grammar may end; while a region is open nothing else outside the grammar is
+    allowed). At most ``max_regions`` regions open (then ``start`` is banned). After a region closed, only
+    ``after`` ids are allowed outside regions (None: anything). ``force``: ids fed before the row samples anything
+    (a tool call the request requires). ``source``: where the grammar came from (a request's parameter, for
+    messages). ``regions`` holds each closed region's ids; ``failure`` says why the grammar failed while decoding
+    (:meth:`apply` then raises ``ConstraintError``, which ends the row in error).
     """
 
     grammars: Grammars
@@ -286,19 +274,15 @@ class RowConstraint:
                 self.failure = (f"the {self.grammar.what} cannot be decoded here: "
                                 f"{one_line(self._matcher.get_error() or 'no token can follow')}")
                 raise ConstraintError(self.failure)
-            may_end = bool(allowed[n])
             keep = torch.zeros(V, dtype=torch.bool)
             keep[:n] = allowed[:n]
-            keep[self.close_id] = may_end
+            keep[self.close_id] = allowed[n]
             logits.masked_fill_(~keep, float("-inf"))
             return
         if self.regions and self.after is not None:
             keep = torch.zeros(V, dtype=torch.bool)
             keep[list(self.after)] = True
-            if self.start is not None and self._exhausted():
-                keep[self.start] = False
             logits.masked_fill_(~keep, float("-inf"))
-            return
         if self.start is not None and self._exhausted():
             logits[self.start] = float("-inf")
 
