@@ -68,9 +68,6 @@ class _Request(Strict):
             raise APIError(400, "stop takes up to 4 non-empty strings", "stop")
         return stops
 
-    def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
-
     @classmethod
     def refuse_unsupported(cls, data: dict[str, Any]) -> None:
         """400 naming a field of :data:`UNSUPPORTED` set (``best_of`` 1 is the default), before the schema's checks."""
@@ -413,30 +410,12 @@ def chat_message(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
     return msg
 
 
-def chat_completion(rid: str, model: str, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
-    """A ``chat.completion``: ``choices`` are ``{"message", "logprobs", "finish_reason"}`` in index order."""
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": k, **c} for k, c in enumerate(choices)], "usage": use}
-
-
-def chat_chunk(rid: str, model: str, delta: dict[str, Any], finish: str | None = None,
-               use: dict[str, int] | None = None, choices: bool = True, index: int = 0,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A ``chat.completion.chunk``: one streamed piece of choice ``index`` (no choice: the usage alone)."""
-    return _answer("chat.completion.chunk", rid, model, {"delta": delta}, finish, use, choices, index, logprobs)
-
-
-def completion(rid: str, model: str, text: str, finish: str | None, use: dict[str, int] | None = None,
-               choices: bool = True, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A ``text_completion`` object: one choice of the answer, or one streamed chunk of it."""
-    return _answer("text_completion", rid, model, {"text": text}, finish, use, choices, index, logprobs)
-
-
-def _answer(kind: str, rid: str, model: str, content: dict[str, Any], finish: str | None,
-            use: dict[str, int] | None, choices: bool, index: int, logprobs: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices":
-                           [{"index": index, **content, "logprobs": logprobs, "finish_reason": finish}]
-                           if choices else []}
+def answer(kind: str, rid: str, model: str, choices: list[dict[str, Any]], use: dict[str, int] | None = None,
+           index: int = 0) -> dict[str, Any]:
+    """A ``chat.completion``, ``chat.completion.chunk`` or ``text_completion`` (``kind``): ``choices`` (each
+    choice's fields but its ``index``; they are numbered from ``index``), then the ``usage`` when given."""
+    out: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": model,
+                           "choices": [{"index": k, **c} for k, c in enumerate(choices, index)]}
     if use is not None:
         out["usage"] = use
     return out

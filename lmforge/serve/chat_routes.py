@@ -89,16 +89,14 @@ async def _answer(svc: Service, request: Request, jobs: list[Job], req: Any, kin
     use = api.usage(prompt_tokens, sum(c.last.completion_tokens for c in choices), choices[0].last.cached_tokens)
     metrics.request(route, 200)
     metrics.tokens(prompt_tokens, use["completion_tokens"])
-    tb = svc.token_bytes
+    tb, logprobs = svc.token_bytes, req.n_logprobs() is not None
     if kind == "chat":
         out = [{"message": api.chat_message(c.text, c.calls), "finish_reason": c.finish(),
-                 "logprobs": api.chat_logprobs(c.lps, tb) if req.logprobs else None} for c in choices]
-        return JSONResponse(api.chat_completion(rid, served.model_id, out, use))
-    body = api.completion(rid, served.model_id, "", None, use)
-    body["choices"] = [{"index": k, "text": c.text, "finish_reason": c.finish(),
-                        "logprobs": api.completion_logprobs(c.lps, tb) if req.logprobs is not None else None}
-                       for k, c in enumerate(choices)]
-    return JSONResponse(body)
+                "logprobs": api.chat_logprobs(c.lps, tb) if logprobs else None} for c in choices]
+        return JSONResponse(api.answer("chat.completion", rid, served.model_id, out, use))
+    out = [{"text": c.text, "finish_reason": c.finish(),
+            "logprobs": api.completion_logprobs(c.lps, tb) if logprobs else None} for c in choices]
+    return JSONResponse(api.answer("text_completion", rid, served.model_id, out, use))
 
 
 async def _stream(svc: Service, jobs: list[Job], updates: asyncio.Queue[Any], rid: str, kind: str, req: Any,
@@ -106,26 +104,30 @@ async def _stream(svc: Service, jobs: list[Job], updates: asyncio.Queue[Any], ri
     """The server-sent events of ``jobs``' updates; jobs still running when the stream stops are cancelled."""
     metrics = svc.metrics
     model_id = svc.served.model_id
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     open_rows = set(range(len(jobs)))
     calls = [0] * len(jobs)  # tool calls sent per choice
-    total = [0] * len(jobs)
-    tb = svc.token_bytes
-    offsets = [0] * len(jobs)
+    offsets = [0] * len(jobs)  # characters sent per choice (a completion's text_offset)
+    total = 0
+    tb, logprobs = svc.token_bytes, req.n_logprobs() is not None
 
-    def chunk(k: int, text: str, lps: Sequence[Any] = (), finish: str | None = None,
-              use: dict[str, int] | None = None, choices: bool = True) -> bytes:
+    def chunk(k: int, content: dict[str, Any], lp: Any = None, finish: str | None = None,
+              use: dict[str, int] | None = None) -> bytes:
+        return api.sse(api.answer(obj, rid, model_id, [{**content, "logprobs": lp, "finish_reason": finish}], use, k))
+
+    def piece(k: int, text: str, lps: Sequence[Any] = (), finish: str | None = None,
+              use: dict[str, int] | None = None) -> bytes:
         if kind == "chat":
-            lp = api.chat_logprobs(lps, tb) if req.logprobs and lps else None
-            return api.sse(api.chat_chunk(rid, model_id, {"content": text} if text else {}, finish, use, choices,
-                                          k, lp))
-        lp = api.completion_logprobs(lps, tb, offsets[k]) if req.logprobs is not None and lps else None
+            return chunk(k, {"delta": {"content": text} if text else {}},
+                         api.chat_logprobs(lps, tb) if logprobs and lps else None, finish, use)
+        lp = api.completion_logprobs(lps, tb, offsets[k]) if logprobs and lps else None
         offsets[k] += len(text)
-        return api.sse(api.completion(rid, model_id, text, finish, use, choices, k, lp))
+        return chunk(k, {"text": text}, lp, finish, use)
 
     try:
         if kind == "chat":
             for k in range(len(jobs)):
-                yield api.sse(api.chat_chunk(rid, model_id, {"role": "assistant", "content": ""}, index=k))
+                yield chunk(k, {"delta": {"role": "assistant", "content": ""}})
         while open_rows:
             if not updates.empty():  # a burst: let the loop notice a client that left before writing again
                 await asyncio.sleep(0)  # (asyncio logs a warning for every write to a lost connection)
@@ -138,28 +140,26 @@ async def _stream(svc: Service, jobs: list[Job], updates: asyncio.Queue[Any], ri
                 yield api.sse(error_body(str(u.error), "server_error"))
                 break
             if u.text or (u.logprobs and u.finish_reason is None):
-                yield chunk(k, u.text, u.logprobs)
-            for text in u.regions:
-                call = structured.parse_call(text)
-                delta = {"tool_calls": [{"index": calls[k], **call}]}
+                yield piece(k, u.text, u.logprobs)
+            for region in u.regions:
+                yield chunk(k, {"delta": {"tool_calls": [{"index": calls[k], **structured.parse_call(region)}]}})
                 calls[k] += 1
-                yield api.sse(api.chat_chunk(rid, model_id, delta, index=k))
             if u.finish_reason is None:
                 continue
             open_rows.discard(k)
-            total[k] = u.completion_tokens
+            total += u.completion_tokens
             finish = "tool_calls" if calls[k] and u.finish_reason == "stop" else u.finish_reason
             cut = structured.reply_end(jobs[k], u)
             if cut:  # a call cut by max_tokens: what was generated, as text
-                yield chunk(k, cut)
-            yield chunk(k, "", (), finish,
+                yield piece(k, cut)
+            yield piece(k, "", (), finish,
                         api.usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens) if len(jobs) == 1 else None)
             if not open_rows:
-                use = api.usage(u.prompt_tokens, sum(total), u.cached_tokens)
                 metrics.request(route, 200)
-                metrics.tokens(u.prompt_tokens, sum(total))
-                if req.include_usage():
-                    yield chunk(k, "", (), None, use, choices=False)
+                metrics.tokens(u.prompt_tokens, total)
+                if (req.stream_options or {}).get("include_usage"):
+                    use = api.usage(u.prompt_tokens, total, u.cached_tokens)
+                    yield api.sse(api.answer(obj, rid, model_id, [], use))
         yield api.SSE_DONE
     finally:
         if open_rows:  # the client went away, a choice failed, or the server is stopping: free rows
