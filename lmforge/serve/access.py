@@ -2,10 +2,9 @@
 ``Host`` a request may name (:class:`AllowedHosts`, enforced by the middleware :class:`HostCheck`) and the warning
 for a server open beyond this machine (:func:`exposure_warning`).
 
-Tenancy: each key is one tenant. A request's tenant is a short id derived from the key it sent (a keyed hash under
-a secret drawn when the server starts: stable while it runs, and it tells nothing about the key), never the key
-itself; the server keeps a tenant's stored responses apart from every other's and salts its prefix-cache blocks
-with it. Without keys there is one tenant, :data:`PUBLIC`.
+Tenancy: each key is one tenant, whose id is a keyed hash of the key under a secret drawn when the server starts
+(stable while it runs, telling nothing about the key); it keeps the tenant's stored responses and prefix-cache
+blocks apart from every other's. Without keys there is one tenant, :data:`PUBLIC`.
 
 The ``Host`` check stops DNS rebinding: a web page on ``evil.example`` whose name the attacker re-points at
 127.0.0.1 makes the browser send its requests here, same-origin, with ``Host: evil.example``. A rebinding
@@ -35,8 +34,8 @@ PUBLIC = ""
 def check_api_key(key: str) -> None:
     """``ValueError`` unless ``key`` can be sent in an ``Authorization: Bearer KEY`` header and match: printable
     ASCII without spaces (a key with spaces or other characters could never be matched)."""
-    if not key or any(not "!" <= c <= "~" for c in key):
-        bad = next((c for c in key if not "!" <= c <= "~"), None)
+    bad = next((c for c in key if not "!" <= c <= "~"), None)
+    if not key or bad is not None:
         what = "is empty" if not key else f"holds {'a space' if bad == ' ' else repr(bad)}"
         raise ValueError(f"the API key {what}; a key must be printable ASCII without spaces (letters, digits, "
                          "punctuation), since clients send it in an HTTP header, e.g. from `openssl rand -hex 24`")
@@ -99,8 +98,8 @@ def host_name(header: str) -> str:
 
 
 class AllowedHosts:
-    """The ``Host`` names this server answers (see the module docstring): IP addresses, ``localhost`` and
-    ``names`` (the bound host, ``--allowed-hosts``); ``*`` among them allows every name."""
+    """The ``Host`` names this server answers (module docstring): IP addresses, ``localhost`` and ``names`` (the
+    bound host, ``--allowed-hosts``; ``*`` allows every name); ``ValueError`` for a malformed name."""
 
     def __init__(self, names: Iterable[str] = ()) -> None:
         names = [n.strip() for n in names]

@@ -63,8 +63,7 @@ class Metrics:
     """What ``/metrics`` shows; thread-safe. ``load()`` gives every key of :data:`_SERIES`."""
 
     def __init__(self, load: Callable[[], dict[str, int]]) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.registry = r = CollectorRegistry()
         self._requests = Counter("lmforge_requests", "Requests answered, by endpoint (route template) and HTTP "
                                  "status.", ["endpoint", "status"], registry=r)
         self._prompt = Counter("lmforge_prompt_tokens", "Prompt tokens of the requests that ran.", registry=r)

@@ -1,19 +1,14 @@
 """The Responses API's stored responses: what ``previous_response_id`` continues and ``GET /v1/responses/{id}``
 returns, kept in memory per tenant (:mod:`~lmforge.serve.access`), bounded and expiring.
 
-Each entry holds a response object (the JSON the client got), its conversation so far (chat messages: the
-inputs of every turn of the chain and the model's replies, without the ``instructions``, which are never carried
-over), so one entry alone continues its chain, and the request's own input items (``GET
-/v1/responses/{id}/input_items``). An entry is kept as compact UTF-8 JSON bytes and read back into objects on each
-use, so what it costs is its bytes plus a fixed :data:`ENTRY_OVERHEAD` (the Python objects around them), and that
-is what the budget counts: the memory held, not a size that stands in for it (parsed, the same JSON takes ~7x its
-bytes).
+Each entry holds a response object (the JSON the client got), its conversation so far (chat messages: the inputs of
+every turn of the chain and the model's replies, without the ``instructions``, which are never carried over), so one
+entry alone continues its chain, and the request's own input items. An entry is kept as compact UTF-8 JSON bytes,
+read back on each use, so the budget counts the memory held: its bytes plus :data:`ENTRY_OVERHEAD`.
 
-Every tenant has a shelf of its own: at most ``max_items`` entries and ``max_bytes`` bytes, so one tenant's
-traffic never evicts another's, and an id stored by one tenant is not found by another (the same None as an id
-never stored). A new entry drops its tenant's oldest until it fits; an entry larger than the whole budget is not
-kept (``put`` says so). An entry expires ``ttl`` seconds after it was stored. The store lives on the server's event
-loop (one thread): no locks.
+Every tenant has a shelf of its own, so one tenant's traffic never evicts another's, and an id stored by one tenant
+is not found by another (the same None as an id never stored). The store lives on the server's event loop (one
+thread): no locks.
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ from typing import Any, Callable
 __all__ = ["ENTRY_OVERHEAD", "ResponseStore", "Stored"]
 
 ENTRY_OVERHEAD = 512
-"""Bytes counted per entry besides its JSON: the three bytes objects, the entry, its id and its slot in the shelf
-(a few hundred bytes; tests/serve/test_response_store.py holds the budget against ``tracemalloc``)."""
+"""Bytes counted per entry besides its JSON: the three bytes objects, the entry, its id and its slot in the shelf."""
 
 
 def _pack(obj: Any) -> bytes:
@@ -82,9 +76,9 @@ class _Shelf:
 
 
 class ResponseStore:
-    """Stored responses by tenant and id: per tenant at most ``max_items`` of them and ``max_bytes`` in all, each
-    for ``ttl`` seconds (``clock``: the monotonic time in seconds, for tests). ``ValueError`` for a bound that is
-    not positive."""
+    """Stored responses by tenant and id: per tenant at most ``max_items`` of them and ``max_bytes`` in all (a new
+    entry drops its tenant's oldest until it fits), each for ``ttl`` seconds (``clock``: the monotonic time in
+    seconds, for tests). ``ValueError`` for a bound that is not positive."""
 
     def __init__(self, max_items: int = 1000, max_bytes: int = 64 << 20, ttl: float = 3600.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -96,14 +90,12 @@ class ResponseStore:
 
     def __len__(self) -> int:
         """Entries held, over every tenant."""
-        self._expire_all()
-        return sum(len(s.entries) for s in self._shelves.values())
+        return sum(len(s.entries) for s in self._live())
 
     @property
     def bytes(self) -> int:
         """Bytes held (as entries are counted: :attr:`Stored.size`), over every tenant."""
-        self._expire_all()
-        return sum(s.bytes for s in self._shelves.values())
+        return sum(s.bytes for s in self._live())
 
     def put(self, tenant: str, rid: str, resource: dict[str, Any], history: list[dict[str, Any]],
             inputs: list[dict[str, Any]] | None = None) -> bool:
@@ -143,9 +135,11 @@ class ResponseStore:
             shelf.expire(self.clock())
         return shelf
 
-    def _expire_all(self) -> None:
+    def _live(self) -> list[_Shelf]:
+        """Every tenant's shelf, once their expired entries and the shelves left empty are dropped."""
         now = self.clock()
         for tenant, shelf in list(self._shelves.items()):
             shelf.expire(now)
             if not shelf.entries:
                 del self._shelves[tenant]
+        return list(self._shelves.values())
