@@ -38,7 +38,9 @@ def call_schema(functions: list[Any]) -> dict[str, Any]:
         arguments = f.parameters if f.parameters is not None else {"type": "object"}
         if _local_refs(arguments):  # its "#..." references must still resolve once it sits inside the call
             name = f"lmforge_function_{k}"
-            defs[name] = _rebased(arguments, f"/$defs/{name}")
+            defs[name] = copy.deepcopy(arguments)  # (within the schema limits, so its depth is bounded)
+            for node in _local_refs(defs[name]):  # #/$defs/P -> #/$defs/NAME/$defs/P
+                node["$ref"] = f"#/$defs/{name}" + node["$ref"][1:]
             arguments = {"$ref": f"#/$defs/{name}"}
         alternatives.append({"type": "object", "properties": {"name": {"const": f.name}, "arguments": arguments},
                              "required": ["name", "arguments"], "additionalProperties": False})
@@ -56,16 +58,6 @@ def _local_refs(schema: Any) -> list[dict[str, Any]]:
                 out.append(node)
             stack += [sub for _, sub in subschemas(node)]
     return out
-
-
-def _rebased(schema: dict[str, Any], base: str) -> dict[str, Any]:
-    """A copy of ``schema`` whose local references point into it at ``base`` (a JSON pointer), where the
-    call's schema places it (``#/$defs/P`` -> ``#<base>/$defs/P``). Only called after the schema passed the
-    limits check, so its depth is bounded."""
-    schema = copy.deepcopy(schema)
-    for node in _local_refs(schema):
-        node["$ref"] = "#" + base + node["$ref"][1:]
-    return schema
 
 
 def _schema(schema: Any) -> Any:
