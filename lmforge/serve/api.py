@@ -90,6 +90,11 @@ class TextPart(Strict):
     text: str
 
 
+def joined(content: str | list[Any] | None) -> str:
+    """A message's text: a string as it is, a list of text parts joined (None: no text)."""
+    return "".join(p.text for p in content) if isinstance(content, list) else content or ""
+
+
 class CallFunction(Strict):
     name: str = Field(min_length=1, max_length=64)
     arguments: str
@@ -112,14 +117,9 @@ class ChatMessage(Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
-
     def as_chat(self) -> dict[str, Any]:
         """This message as the chat format's message (text content; tool calls and ids kept)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        out: dict[str, Any] = {"role": self.role, "content": joined(self.content)}
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:

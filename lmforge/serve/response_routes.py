@@ -31,9 +31,9 @@ def add_response_routes(app: FastAPI, svc: Service) -> None:
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
         tenant, req = await svc.read(request, responses.ResponseRequest)
-        previous = svc.stored(tenant, req.previous_response_id, "previous_response_id") \
-            if req.previous_response_id else None
-        messages, where = responses.conversation(req, previous.history if previous is not None else [])
+        history = svc.stored(tenant, req.previous_response_id, "previous_response_id").history \
+            if req.previous_response_id else []
+        messages, where = responses.conversation(req, history)
         jobs = await svc.chat_jobs(responses.chat_request(req, messages, where), tenant)
 
         def keep(b: ResponseBuilder) -> bool:

@@ -8,18 +8,9 @@ message, the client's item it came from (``input.3 (function_call_output)``, ``i
 conversation of ``previous_response_id``).
 
 The conversation: ``instructions`` (never carried to the next response), then the stored conversation of
-``previous_response_id``, then ``input`` (a string: one user message; or a list of items: messages with role
-``user``/``system``/``developer``/``assistant`` whose content is a string or ``input_text``/``output_text``
-parts, ``function_call`` items, which join the assistant message before them as its ``tool_calls``, and
-``function_call_output`` items, which become ``tool`` messages). The chat format has one system message, first:
-``instructions`` and the system/developer messages that open the conversation are joined into it; a system or
-developer message later on (OpenAI accepts one anywhere) is read as user text, joined to the user message beside
-it (or standing as a user message where one may come).
-
-Request fields have strict types (:class:`~lmforge.serve.api.Strict`) and ``metadata`` OpenAI's bounds (16 pairs,
-keys up to 64 characters, values up to 512). Fields that would change the answer and lmforge does not implement are
-refused naming them (:meth:`ResponseRequest.refuse_unsupported`); ``metadata``, ``user``, ``store`` and other
-bookkeeping fields are accepted (``metadata`` and ``user`` are echoed in the response).
+``previous_response_id``, then ``input`` (a string is one user message), as chat messages (:func:`conversation`,
+:func:`_chat_messages`). Fields that would change the answer and lmforge does not implement are refused naming them
+(:meth:`ResponseRequest.refuse_unsupported`); bookkeeping fields are accepted (``metadata`` and ``user`` echoed).
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ from pydantic import Discriminator, Field, StringConstraints, Tag, field_validat
 
 from lmforge.generate.sampling import SEED_MAX, SEED_MIN
 from lmforge.generate.scheduler import MAX_LOGPROBS
-from lmforge.serve.api import FunctionDef, JsonSchemaFormat, NamedFunction, Strict
+from lmforge.serve.api import FunctionDef, JsonSchemaFormat, NamedFunction, Strict, joined
 from lmforge.serve.errors import APIError, refuse_unsupported, shown, unsupported
 from lmforge.serve.limits import SALT_MAX, TOKENS_MAX
 from lmforge.serve.request import ChatRequest, Dialect, Format
@@ -75,9 +66,6 @@ class InputMessage(Strict):
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[TextPart]
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
 
 class FunctionCallItem(Strict):
     """A function call the model made (a previous response's ``function_call`` output item, sent back)."""
@@ -95,19 +83,11 @@ class FunctionCallOutputItem(Strict):
     call_id: str = Field(min_length=1, max_length=256)
     output: str | list[TextPart]
 
-    def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
-
-
-def _item_kind(item: Any) -> str:
-    """An input item's type (``message`` when left out)."""
-    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
-
 
 def _item_tag(item: Any) -> str:
-    """The union tag of an input item (a ``type=`` tag, which :func:`~lmforge.serve.api.parse` leaves out of the
-    parameter it names: ``input.0.content``)."""
-    return "type=" + str(_item_kind(item))
+    """The union tag of an input item: ``type=`` its type (``message`` when left out), a tag that
+    :func:`~lmforge.serve.api.parse` leaves out of the parameter it names (``input.0.content``)."""
+    return "type=" + str(item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message"))
 
 
 InputItem = Annotated[Union[Annotated[InputMessage, Tag("type=message")],
@@ -197,15 +177,16 @@ class ResponseRequest(Strict):
                               "send none, auto, required or {\"type\": \"function\", \"name\"}", "tool_choice")
         items = data.get("input")
         for k, item in enumerate(items if isinstance(items, list) else ()):
-            kind = _item_kind(item) if isinstance(item, dict) else None
+            kind = item.get("type", "message") if isinstance(item, dict) else None
             if isinstance(kind, str) and kind not in ITEM_TYPES:
                 raise unsupported(f"input.{k}: items of type {shown(kind, 40)} are not supported by lmforge serve; "
                                   f"send {', '.join(ITEM_TYPES)} items", f"input.{k}.type")
-            parts = item.get(kind == "message" and "content" or "output") if isinstance(item, dict) else None
+            key = "content" if kind == "message" else "output"
+            parts = item.get(key) if isinstance(item, dict) else None
             for j, part in enumerate(parts if isinstance(parts, list) else ()):
                 what = part.get("type") if isinstance(part, dict) else None
                 if isinstance(what, str) and what not in TEXT_PARTS:
-                    field = f"input.{k}.{'content' if kind == 'message' else 'output'}.{j}"
+                    field = f"input.{k}.{key}.{j}"
                     raise unsupported(f"{field}: content of type {shown(what, 40)} is not supported by lmforge "
                                       "serve (its models read text only); send input_text parts", f"{field}.type")
 
@@ -233,8 +214,8 @@ def input_items(req: ResponseRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for item in req.input:
         if isinstance(item, InputMessage):
-            part = {"type": "output_text", "text": item.text(), "annotations": []} if item.role == "assistant" \
-                else {"type": "input_text", "text": item.text()}
+            part = {"type": "output_text", "text": joined(item.content), "annotations": []} \
+                if item.role == "assistant" else {"type": "input_text", "text": joined(item.content)}
             out.append({"id": new_id("msg"), "type": "message", "role": item.role, "status": "completed",
                         "content": [part]})
         elif isinstance(item, FunctionCallItem):
@@ -242,7 +223,7 @@ def input_items(req: ResponseRequest) -> list[dict[str, Any]]:
                         "name": item.name, "arguments": item.arguments})
         else:
             out.append({"id": new_id("fco"), "type": "function_call_output", "status": "completed",
-                        "call_id": item.call_id, "output": item.text()})
+                        "call_id": item.call_id, "output": joined(item.output)})
     return out
 
 
@@ -280,7 +261,7 @@ def conversation(req: ResponseRequest, history: list[dict[str, Any]]) -> tuple[l
     for j, item in enumerate(req.input):
         origin = (f"input.{j}", f"input.{j} ({item.role if isinstance(item, InputMessage) else item.type})")
         if isinstance(item, InputMessage):
-            out.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
+            out.append({"role": "system" if item.role == "developer" else item.role, "content": joined(item.content)})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
@@ -289,7 +270,7 @@ def conversation(req: ResponseRequest, history: list[dict[str, Any]]) -> tuple[l
                 continue
             out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
-            out.append({"role": "tool", "content": item.text(), "tool_call_id": item.call_id})
+            out.append({"role": "tool", "content": joined(item.output), "tool_call_id": item.call_id})
         where.append(origin)
     return out, where
 
