@@ -5,8 +5,7 @@ Requests are validated by :func:`parse`, which turns any problem into an :class:
 names the field (``messages.0.role``, ``temperature``). Fields that do not change the answer (``user``,
 ``metadata``, unknown names) are accepted and ignored; those that would change it and are not supported are refused
 with a 400 naming the field (:data:`UNSUPPORTED`, ``response_format`` on completions, ``stop`` with a constrained
-reply); a value of the wrong type (``logprobs: true`` on completions, ``"stream": "yes"``) is refused, never
-coerced (:class:`Strict`).
+reply); a value of the wrong type is refused, never coerced (:class:`Strict`).
 """
 
 from __future__ import annotations

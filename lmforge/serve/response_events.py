@@ -78,14 +78,12 @@ class ResponseBuilder:
             "metadata": req.metadata or {},
         }
 
-    def text(self) -> str:
-        """The reply's text (every ``output_text`` part)."""
-        return "".join(c["text"] for item in self.output if item["type"] == "message" for c in item["content"])
-
-    def calls(self) -> list[dict[str, Any]]:
-        """The reply's function calls as chat ``tool_calls`` (ids: the ``call_id``\\ s)."""
-        return [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-                for i in self.output if i["type"] == "function_call"]
+    def reply(self) -> dict[str, Any]:
+        """The reply as a chat message: every ``output_text`` part's text, the function calls as ``tool_calls``."""
+        calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+                 for i in self.output if i["type"] == "function_call"]
+        text = "".join(c["text"] for item in self.output if item["type"] == "message" for c in item["content"])
+        return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 
     def _numbered(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for e in events:

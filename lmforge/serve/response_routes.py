@@ -37,9 +37,7 @@ def add_response_routes(app: FastAPI, svc: Service) -> None:
         jobs = await svc.chat_jobs(responses.chat_request(req, messages, where), tenant)
 
         def keep(b: ResponseBuilder) -> bool:
-            calls = b.calls()
-            reply = {"role": "assistant", "content": b.text(), **({"tool_calls": calls} if calls else {})}
-            return store.put(tenant, b.rid, b.resource(), [*messages, reply], responses.input_items(req))
+            return store.put(tenant, b.rid, b.resource(), [*messages, b.reply()], responses.input_items(req))
 
         builder = ResponseBuilder(responses.new_id("resp"), svc.served.model_id, req, svc.token_bytes, keep)
         updates, timing = svc.submit(jobs)

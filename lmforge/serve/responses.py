@@ -1,11 +1,9 @@
 """``POST /v1/responses``, the OpenAI Responses API: its request schema and the request read as a chat request.
 
-A Responses request is validated against its own schema (errors name its fields), then read as the one internal
-chat request (:func:`chat_request`, a :class:`~lmforge.serve.request.ChatRequest`), which the service runs as it
-runs a chat completion: a greedy or seeded reply is the one ``/v1/chat/completions`` gives for the same
-conversation. Errors found on that path name the Responses parameters through :data:`RESPONSES` and, for a
-message, the client's item it came from (``input.3 (function_call_output)``, ``instructions``, or the stored
-conversation of ``previous_response_id``).
+A Responses request is validated against its own schema, then read as the one internal chat request
+(:func:`chat_request`; :mod:`~lmforge.serve.request` says how its errors name the client's fields: here through
+:data:`RESPONSES` and :data:`Origins`), so a greedy or seeded reply is the one ``/v1/chat/completions`` gives for
+the same conversation.
 
 The conversation: ``instructions`` (never carried to the next response), then the stored conversation of
 ``previous_response_id``, then ``input`` (a string is one user message), as chat messages (:func:`conversation`,
