@@ -80,9 +80,9 @@ def check_schema(schema: dict[str, Any], limits: SchemaLimits = SchemaLimits()) 
     """``ConstraintError`` if ``schema`` is over ``limits`` or admits no finite document (a ``$ref`` cycle with
     no way out: ``{"$ref": "#"}``, a required property that is the schema itself). Iterative: a schema nested
     deeper than Python's recursion limit is refused, not a crash."""
-    nodes, pointers, index, edges = [schema], [""], {"": 0}, []
+    nodes, pointers, index, kids = [schema], [""], {"": 0}, []  # kids: per node, its subschemas by pointer suffix
     for k, node in enumerate(nodes):  # breadth first: nodes grows as subschemas are found
-        edges.append([])
+        kids.append({})
         if isinstance(node, dict):
             props, enum = node.get("properties"), node.get("enum")
             if isinstance(props, dict) and len(props) > limits.max_properties:
@@ -92,8 +92,7 @@ def check_schema(schema: dict[str, Any], limits: SchemaLimits = SchemaLimits()) 
                 raise ConstraintError(f"the JSON Schema's enum at #{pointers[k]} has {len(enum):,} values, over "
                                       f"this server's limit of {limits.max_enum:,}", limit="max_enum")
             for suffix, sub in subschemas(node):
-                index[pointers[k] + suffix] = len(nodes)
-                edges[k].append(len(nodes))
+                index[pointers[k] + suffix] = kids[k][suffix] = len(nodes)
                 nodes.append(sub)
                 pointers.append(pointers[k] + suffix)
             if len(nodes) > limits.max_nodes:
@@ -101,14 +100,12 @@ def check_schema(schema: dict[str, Any], limits: SchemaLimits = SchemaLimits()) 
                                       f"{limits.max_nodes:,}; send a smaller one", limit="max_nodes")
     targets = [local_pointer(n.get("$ref")) if isinstance(n, dict) else None for n in nodes]
     refs = [None if t is None else index.get(t) for t in targets]
-    for i, r in enumerate(refs):
-        if r is not None:
-            edges[i].append(r)
+    edges = [list(kid.values()) + ([] if r is None else [r]) for kid, r in zip(kids, refs)]
     depth = _longest_path(edges)
     if depth > limits.max_depth:
         raise ConstraintError(f"the JSON Schema nests {depth:,} levels deep (through $ref), over this server's "
                               f"limit of {limits.max_depth}", limit="max_depth")
-    if not _productive(nodes, pointers, index, refs):
+    if not _productive(nodes, kids, refs):
         raise ConstraintError("the JSON Schema admits no finite document (a $ref cycle with no way out like "
                               '{"$ref": "#"}, a required property that needs the schema itself, or one that is '
                               "false); give any recursion an end (an optional property, an empty array, an anyOf "
@@ -154,33 +151,16 @@ def _longest_path(edges: list[list[int]]) -> int:
     return longest[group[0]]
 
 
-def _productive(nodes: list[Any], pointers: list[str], index: dict[str, int], refs: list[int | None]) -> bool:
+def _productive(nodes: list[Any], kids: list[dict[str, int]], refs: list[int | None]) -> bool:
     """Whether the root admits a finite document: the least fixpoint of "a schema is productive when its
     ``$ref``, each ``allOf`` member, one ``anyOf``/``oneOf`` member, each required property and each item an
     array must have are" (other keywords are taken as satisfiable; llguidance judges them)."""
-    terms: list[list[list[int]]] = []  # per node: conditions, each met by any one of its ids
+    need, met = [0] * len(nodes), []
+    watch: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # id -> the conditions it meets
     for i, node in enumerate(nodes):
-        t: list[list[int]] = []
-        if node is False:
-            t.append([])
-        elif isinstance(node, dict):
-            p = pointers[i]
-            if refs[i] is not None:
-                t.append([refs[i]])
-            if isinstance(node.get("allOf"), list):
-                t += [[index[f"{p}/allOf/{j}"]] for j in range(len(node["allOf"])) if f"{p}/allOf/{j}" in index]
-            for k in ("anyOf", "oneOf"):
-                if isinstance(node.get(k), list):
-                    t.append([index[f"{p}/{k}/{j}"] for j in range(len(node[k])) if f"{p}/{k}/{j}" in index])
-            for name in node["required"] if isinstance(node.get("required"), list) else ():
-                if isinstance(name, str) and f"{p}/properties/{_escape(name)}" in index:
-                    t.append([index[f"{p}/properties/{_escape(name)}"]])
-            t += _items_terms(node, p, index)
-        terms.append(t)
-    need = [len(t) for t in terms]
-    met = [[False] * len(t) for t in terms]
-    watch: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
-    for i, t in enumerate(terms):
+        t = _conditions(node, kids[i], refs[i])
+        need[i] = len(t)
+        met.append([False] * len(t))
         for j, ids in enumerate(t):
             for x in ids:
                 watch[x].append((i, j))
@@ -199,17 +179,27 @@ def _productive(nodes: list[Any], pointers: list[str], index: dict[str, int], re
     return done[0]
 
 
-def _items_terms(node: dict[str, Any], p: str, index: dict[str, int]) -> list[list[int]]:
-    """The conditions an array schema's required items put on productivity (``minItems``, ``contains``)."""
-    t: list[list[int]] = []
-    low = node.get("minItems")
+def _conditions(node: Any, kid: dict[str, int], ref: int | None) -> list[list[int]]:
+    """What ``node`` needs to be productive (:func:`_productive`): conditions, each met by any one of its ids
+    (``kid``: its subschemas by pointer suffix; ``ref``: its ``$ref``'s node)."""
+    if not isinstance(node, dict):
+        return [[]] if node is False else []
+    t = [] if ref is None else [[ref]]
+    t += [[x] for suffix, x in kid.items() if suffix.startswith("/allOf/")]
+    for k in ("anyOf", "oneOf"):
+        if isinstance(node.get(k), list):
+            t.append([x for suffix, x in kid.items() if suffix.startswith(f"/{k}/")])
+    for name in node["required"] if isinstance(node.get("required"), list) else ():
+        if isinstance(name, str) and f"/properties/{_escape(name)}" in kid:
+            t.append([kid[f"/properties/{_escape(name)}"]])
+    low = node.get("minItems")  # the items an array must have
     prefix = "prefixItems" if isinstance(node.get("prefixItems"), list) else "items"
     n_prefix = len(node[prefix]) if isinstance(node.get(prefix), list) else 0
     if isinstance(low, int) and not isinstance(low, bool) and low > 0:
         for j in range(min(low, n_prefix + 1)):
-            at = f"{p}/{prefix}/{j}" if j < n_prefix else f"{p}/items"
-            if at in index:
-                t.append([index[at]])
-    if f"{p}/contains" in index and node.get("minContains", 1) != 0:
-        t.append([index[f"{p}/contains"]])
+            at = f"/{prefix}/{j}" if j < n_prefix else "/items"
+            if at in kid:
+                t.append([kid[at]])
+    if "/contains" in kid and node.get("minContains", 1) != 0:
+        t.append([kid["/contains"]])
     return t
