@@ -11,8 +11,10 @@ the keep-alive connection stays usable.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
+import struct
 import time
 from importlib import resources
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -215,9 +217,6 @@ class _Unexpected:
 
 def _base64(vector: list[float]) -> str:
     """An embedding as OpenAI's ``encoding_format: "base64"`` sends it: little-endian float32 bytes."""
-    import base64
-    import struct
-
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 

@@ -1,10 +1,6 @@
-"""A run loaded for serving (:class:`ServedModel`) and the process that serves it (:func:`serve`).
-
-:class:`ServedModel` holds the engine, the tokenizer and the :class:`~lmforge.generate.scheduler.Scheduler`
-that batches every request on it; it turns API requests into prompt ids (chat messages through the one chat
-renderer, :class:`~lmforge.chat.format.ChatFormat`) and checks their limits. :func:`serve` binds the socket
-(127.0.0.1 unless told otherwise), runs uvicorn on :func:`~lmforge.serve.app.create_app`, and on SIGTERM or
-Ctrl-C stops taking connections, lets the requests in flight finish, and returns.
+"""A run loaded for serving (:class:`ServedModel`: the engine and tokenizer behind the batching scheduler, API
+requests turned into prompt ids through the one chat renderer, their limits) and the process that serves it
+(:func:`serve`: 127.0.0.1 unless told otherwise, uvicorn on :func:`~lmforge.serve.app.create_app`, drain on SIGTERM).
 
 Calculator calls over the API: a chat reply shows each call and its output in the text markup :data:`TOOL_TEXT`,
 and an incoming assistant message is split back at it (:func:`messages_from_text`), so a client that sends a reply
@@ -271,12 +267,9 @@ def serve(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, api_ke
           drain_timeout: float = 300.0, allowed_hosts: Sequence[str] = (),
           response_store: ResponseStore | None = None) -> None:
     """Serve ``served`` over HTTP until SIGTERM or Ctrl-C; requests in flight finish first (up to
-    ``drain_timeout`` seconds). ``on_ready(url)`` is called once the socket listens. Requests may name in ``Host``
-    an IP address, ``localhost``, ``host`` or one of ``allowed_hosts`` (``*``: any;
-    :class:`~lmforge.serve.access.AllowedHosts`). ``api_key``: a key or several, each its own tenant
-    (:class:`~lmforge.serve.access.Keys`); ``response_store``: where the Responses API keeps stored responses
-    (default: a :class:`~lmforge.serve.response_store.ResponseStore`). ``ValueError`` for a key that could never
-    match (:func:`~lmforge.serve.access.check_api_key`) or a malformed allowed host."""
+    ``drain_timeout`` seconds). ``on_ready(url)`` is called once the socket listens. ``host`` is an allowed
+    ``Host`` name besides ``allowed_hosts``; these and the other arguments are
+    :func:`~lmforge.serve.app.create_app`'s, whose ``ValueError`` comes before the socket is bound."""
     import uvicorn  # the optional extra: pip install lmforge[serve]
 
     from lmforge.serve.app import create_app

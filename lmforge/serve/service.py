@@ -31,9 +31,8 @@ CLOSE = {"Connection": "close"}  # a slow body's 408: the connection closes, the
 
 def cache_salt(tenant: str, salt: str | None) -> str | None:
     """The prefix-cache salt of a request of ``tenant`` that sent ``salt`` (its ``cache_salt``): None for the
-    public tenant (a server without keys) without a salt, so such requests share blocks as they always did; else
-    both as one JSON array, so two tenants, or two salts of one tenant, never share a block (and no tenant and salt
-    spell another pair's salt)."""
+    public tenant (a server without keys) without a salt, so such requests share blocks; else both as one JSON
+    array, so two tenants, or two salts of one tenant, never share a block (no pair spells another's salt)."""
     if tenant == PUBLIC and salt is None:
         return None
     return json.dumps([tenant, salt], ensure_ascii=False)
