@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 __all__ = ["GrammarCheck", "LIMITS", "NICE", "STACK_BYTES", "lower_priority"]
@@ -200,20 +201,14 @@ def _main() -> None:
 
     threading.stack_size(STACK_BYTES)
     reply({"ready": True})
-    for line in stdin:
-        req = json.loads(line)
-        out: dict[str, Any] = {}
-
-        def run() -> None:
+    with ThreadPoolExecutor(1) as compiler:  # its thread has the small stack
+        for line in stdin:
+            req = json.loads(line)
             try:
-                out.update(_probe(llg, lltok, req["grammar"], int(req["probe"]), init["end"]))
+                out = compiler.submit(_probe, llg, lltok, req["grammar"], int(req["probe"]), init["end"]).result()
             except Exception as e:  # noqa: BLE001  (an API-level refusal: say it)
-                out["error"] = f"{type(e).__name__}: {e}"
-
-        t = threading.Thread(target=run)
-        t.start()
-        t.join()
-        reply({"error": one_line(str(out["error"]))} if "error" in out else {"ok": True})
+                out = {"error": f"{type(e).__name__}: {e}"}
+            reply({"error": one_line(str(out["error"]))} if "error" in out else {"ok": True})
 
 
 if __name__ == "__main__":
