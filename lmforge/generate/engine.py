@@ -1,21 +1,17 @@
 """The inference engine: a model, its one KV cache, and the C++ decode step as the fast path.
 
 ``Engine.prefill`` runs the prompts into a :class:`~lmforge.model.KVCache`; ``Engine.step`` feeds one token per
-row. On CPU with float32 weights and the C++ extension built, both are calls into the C++ decode step
-(``_core.DecodeModel.step``: the embedding, every block's RMSNorm, products on weights packed for decoding
-(:class:`~lmforge.generate.packed.PackedLinear`), RoPE with the cache write, attention over the same cache
-tensors, SwiGLU, then the final norm and the head): a step feeds one token per row, a prompt its T tokens as the
-T rows of each product (the weights read once for all of them). Its kernels are batch invariant, so a row's
-numbers are the same bits whatever else is in the batch, and a prompt's tokens get the numbers T steps would
-give them. Everywhere else prefill and steps are the model's own forward over the cache
-(``TransformerLM.hidden(idx, cache=...)``, then ``TransformerLM.logits``: the head and what the recipe applies to its
-output); tests hold the kernel path to that forward. A model with an option the C++ step does not implement
-(:func:`~lmforge.generate.packed.kernel_unsupported`) decodes through that forward.
+row. On CPU with float32 weights and the C++ extension built, both call the C++ decode step
+(``_core.DecodeModel.step``, on weights packed for decoding; what it computes:
+:data:`~lmforge.generate.packed.KERNEL_IMPLEMENTS`): a step feeds one token per row, a prompt its T tokens as the T
+rows of each product (the weights read once for all of them). Its kernels are batch invariant, so a row's numbers
+are the same bits whatever else is in the batch, and a prompt's tokens get the numbers T steps would give them.
+Everywhere else, and for a model with an option the step does not implement
+(:func:`~lmforge.generate.packed.kernel_unsupported`), prefill and steps are the model's own forward over the cache
+(``TransformerLM.hidden``, then ``TransformerLM.logits``); tests hold the kernel path to that forward.
 
-Rows join and leave between steps (continuous batching): ``Engine.open_slots`` makes an empty cache of N rows,
-``Engine.admit`` prefills one prompt into the next free row (``Engine.fork`` copies a row into the next free one),
-``Engine.release`` frees a row, and ``Engine.step`` feeds the live rows in one batched step (the drivers of
-:mod:`lmforge.generate.rows` decide who waits: the scheduler, the generator's turns, RL rollouts).
+Rows join and leave between steps (continuous batching: ``open_slots``, ``admit``, ``fork``, ``release``); the
+drivers of :mod:`lmforge.generate.rows` decide who waits.
 """
 
 from __future__ import annotations
@@ -51,31 +47,26 @@ def _serial_torch(method: _F) -> _F:
 
 
 class Engine:
-    """Prefill + one-token-per-step decoding of a ``TransformerLM`` over a preallocated KV cache.
+    """Prefill + one-token-per-step decoding of a ``TransformerLM`` over a preallocated KV cache (its rows:
+    :class:`~lmforge.model.KVCache`).
 
-    Rows are independent: row ``b`` holds its tokens in cache columns ``0 .. lengths[b]-1`` (prompts are
-    right-padded; RoPE positions are cache columns). When a row's cache is full (``context_length`` tokens)
-    and ``step`` must feed it one more token, the row slides: of its ``context_length + 1`` tokens (the new one
-    included) it drops the oldest ``window_drop``, re-runs the rest into its emptied cache row at positions from
-    0, and goes on; so a row re-prefills once per ``window_drop`` steps (default: a quarter of the context).
+    When a row's cache is full (``context_length`` tokens) and ``step`` must feed it one more token, the row
+    slides: of its ``context_length + 1`` tokens (the new one included) it drops the oldest ``window_drop``, re-runs
+    the rest into its emptied cache row at positions from 0, and goes on; so a row re-prefills once per
+    ``window_drop`` steps (default: a quarter of the context).
 
     On the kernel path the weights are packed once: a copy, and CUDA graphs replay on the weights they were
-    captured with, so build a new engine (``Generator.refresh()``) after changing the model. ``weight_dtype``
-    (kernel path only) stores them as bfloat16, float16, int8 with a scale per row or int4 with a scale per 32
-    weights (llama.cpp's Q4_0 rounding); prefill and steps then compute the model whose matrices are rounded that
-    way, and ``self.model`` becomes a copy holding them (what the reference, ``Engine(engine.model,
-    use_kernel=False)``, runs).
-    ``activations`` is the products' arithmetic (:data:`~lmforge.generate.packed.ACTIVATIONS`): ``"float32"``
-    multiplies float32 activations by the stored weights, exactly; ``"int8"`` (int8/int4 weights; their default)
-    rounds each product's input to int8 per block of 32 and sums in integers, as llama.cpp does; ``self.model``'s
-    projections then compute that arithmetic in PyTorch (:class:`~lmforge.generate.packed.Q8Linear`, the reference
-    path of the model), so the reference engine runs the same function.
+    captured with, so build a new engine (``Generator.refresh()``) after changing the model. ``weight_dtype`` (kernel
+    path only; :data:`~lmforge.generate.packed.WEIGHT_DTYPES`) stores them rounded and ``activations``
+    (:data:`~lmforge.generate.packed.ACTIVATIONS`) picks the products' arithmetic; ``self.model`` then becomes a
+    copy that computes exactly that (the rounded matrices; with int8 activations,
+    :class:`~lmforge.generate.packed.Q8Linear` projections), which the reference, ``Engine(engine.model,
+    use_kernel=False)``, runs.
     ``use_kernel=False`` forces the PyTorch path (the reference for the kernels).
     ``static_steps`` (the PyTorch path; default: on CUDA) runs each step with fixed shapes over the whole cache
     (:mod:`lmforge.generate.graphs`), replayed as a CUDA graph on a GPU: one launch per token instead of ~200.
     ``compile_steps`` (with static steps; True, or ``torch.compile`` options) compiles that step first, once per
-    batch size, so the graph replays fewer, fused kernels (opt-in: the compile takes tens of seconds; figures in
-    docs/benchmarks.md).
+    batch size, so the graph replays fewer, fused kernels (opt-in: the compile takes tens of seconds).
     """
 
     def __init__(self, model: Any, window_drop: int | None = None,
@@ -141,15 +132,10 @@ class Engine:
     # ---------------------------------------------------------------------------------------------
     def _pack(self, model: Any) -> None:
         """Pack the matrices for the kernel and build the C++ step's model (``self._decoder``): per layer
-        ``(ln1, q|k|v, out, ln2, w1|w3, w2)``, then the final norm and the head.
-
-        With rounded storage (``weight_dtype`` other than float32), ``self.model`` becomes a private copy whose
-        matrices hold the rounded values, so prefill (the model's forward) matches the kernel's steps; with int8
-        activations its projections are :class:`Q8Linear` and it runs its reference path.
-        """
+        ``(ln1, q|k|v, out, ln2, w1|w3, w2)``, then the final norm and the head; with rounded storage,
+        ``self.model`` becomes the copy the class docstring describes."""
         sd = {k: v.detach() for k, v in model.state_dict().items()}
-        rounded = self.weight_dtype != self.dtype
-        twin = copy.deepcopy(model) if rounded else None
+        twin = copy.deepcopy(model) if self.weight_dtype != self.dtype else None
         q8 = self.activations == "int8"
 
         def pack(*names: str) -> PackedLinear:
@@ -192,8 +178,8 @@ class Engine:
         """Within: PyTorch's ops on one thread, the decode kernel on PyTorch's thread count (restored after).
 
         The kernel has its own thread pool. Left multi-threaded, PyTorch's OpenMP workers spin-wait after
-        each parallel op and take the cores the kernel's threads need (measured: at batch 8 the kernel's
-        second thread did 5% of the work), while a decode step's small ops gain nothing from threads.
+        each parallel op and take the cores the kernel's threads need, while a decode step's small ops gain
+        nothing from threads.
         ``step`` enters it itself; a caller also sampling from the logits (a parallel op at batch 8 x 10k
         vocab) can hold it around both. Nests; no-op off the kernel path.
         """
@@ -220,7 +206,7 @@ class Engine:
         """An empty cache and token buffer of ``rows`` rows; on the kernel path also their numpy views. A cache
         of the same shape is emptied in place instead: with static steps zeroed (its captured graphs stay valid);
         on the kernel path only its lengths and tokens, since the kernels never read a row's keys and values past
-        its length (no fresh pages to fault in and zero: a GPT-2-small bf16 prefill went 767 -> 847 tokens/s)."""
+        its length (no fresh pages to fault in and zero)."""
         same = self.cache is not None and (self.cache.batch_size, self.cache.capacity) == (rows, capacity)
         if same and self._kernel:
             self.cache.lengths.zero_()
@@ -246,15 +232,15 @@ class Engine:
 
     def _fill(self, cache: KVCache, buf: torch.Tensor, rows: Sequence[Sequence[int]], first: int = 0,
               start: int = 0) -> torch.Tensor:
-        """Run the prompts ``rows`` into ``cache`` (its rows' token buffer ``buf``; on the kernel path they are rows
-        ``first ..`` of ``self.cache``), whose rows already hold their first ``start`` tokens (0: empty);
-        next-token logits."""
+        """Run the prompts ``rows`` into ``cache`` (their tokens into its rows' buffer ``buf``; on the kernel path
+        they are rows ``first ..`` of ``self.cache``), whose rows already hold the keys and values of their first
+        ``start`` tokens (0: none); next-token logits."""
         T = max(len(r) for r in rows)
         assert 0 <= start < min(len(r) for r in rows) and T <= cache.capacity, (start, T, cache.capacity)
         lengths = torch.tensor([len(r) for r in rows], device=self.device)  # (B,)
         buf[:, start:T] = 0  # right-padded prompts
         for b, r in enumerate(rows):
-            buf[b, start: len(r)] = torch.as_tensor(list(r[start:]), dtype=torch.long)
+            buf[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
         if self._kernel:
             return torch.cat([self._prompt_kernel(first + b, buf[b, start: len(r)], start)
                               for b, r in enumerate(rows)])
@@ -286,9 +272,8 @@ class Engine:
 
         Returns the logits of the next token of each row ``(B, V)``. ``capacity`` must not exceed the
         model's context length; rows slide (see the class docstring) only if it equals it. On the kernel path
-        a new cache is zeroed on one PyTorch thread too: after a parallel fill PyTorch's OpenMP workers spin for a
-        while on the cores the kernel's threads then need (measured: 5.5% of a d512 prefill's CPU samples, gone
-        with this; the wall time moved within the host's noise).
+        a new cache is zeroed on one PyTorch thread too (:meth:`serial_torch`: the OpenMP workers a parallel fill
+        leaves spinning would take the kernel's cores).
         """
         B, T = len(rows), max(len(r) for r in rows)
         assert 0 < T <= capacity <= self.context_length, (T, capacity, self.context_length)
@@ -328,11 +313,7 @@ class Engine:
         """
         assert self.cache is not None and self.active < self.cache.batch_size, "no free row: release one first"
         row = self.active
-        view = self.cache.rows(row)
-        view.reset()
-        if start:
-            self.tokens[row, :start] = torch.as_tensor(list(prompt[:start]), dtype=torch.long)
-        logits = self._fill(view, self.tokens[row: row + 1], [prompt], first=row, start=start)
+        logits = self._fill(self.cache.rows(row), self.tokens[row: row + 1], [prompt], first=row, start=start)
         self.active += 1
         return row, logits[0]
 
@@ -342,13 +323,11 @@ class Engine:
         length); returns that row's old index, or None when ``row`` was the last one (nothing moved)."""
         assert self.cache is not None and 0 <= row < self.active, (row, self.active)
         last = self.active - 1
-        moved = None
         if row != last:
             self._copy_row(last, row)
-            moved = last
         self.cache.lengths[last] = 0
         self.active = last
-        return moved
+        return None if row == last else last
 
     @torch.inference_mode()
     def fork(self, row: int) -> int:
@@ -360,16 +339,9 @@ class Engine:
         return self.active - 1
 
     def _copy_row(self, src: int, dst: int) -> None:
-        """Row ``dst`` becomes a copy of row ``src``: through the cache's own ``copy_row`` where it has one (every
-        per-row field it holds), else its keys and values; then the row's tokens."""
+        """Row ``dst`` becomes a copy of row ``src``: its cache row (``KVCache.copy_row``), then its tokens."""
+        self.cache.copy_row(src, dst)
         n = int(self.cache.lengths[src])
-        copy_row = getattr(self.cache, "copy_row", None)
-        if copy_row is not None:
-            copy_row(src, dst)
-        else:
-            self.cache.k[:, dst, :, :n] = self.cache.k[:, src, :, :n]
-            self.cache.v[:, dst, :, :n] = self.cache.v[:, src, :, :n]
-            self.cache.lengths[dst] = n
         self.tokens[dst, :n] = self.tokens[src, :n]
 
     def _refill(self, rows: slice, kept: torch.Tensor) -> None:
@@ -381,20 +353,6 @@ class Engine:
                 self._prompt_kernel(rows.start + b, kept[b])
         else:
             self.model.hidden(kept, cache=view)
-
-    def _slide(self, cache: KVCache, full: list[int]) -> None:
-        """Rows ``full`` of the live rows' ``cache`` (at capacity) keep their newest ``keep - 1`` tokens,
-        re-prefilled (the next token makes ``keep``)."""
-        assert cache.capacity == self.context_length, "only a full context slides"
-        keep = self.context_length + 1 - self.window_drop  # >= 1
-        groups = [slice(0, cache.batch_size)] if len(full) == cache.batch_size else [slice(b, b + 1) for b in full]
-        for rows in groups:
-            kept = self.tokens[rows, self.context_length - keep + 1:].clone()  # (b, keep - 1)
-            self.tokens[rows, : keep - 1] = kept
-            if keep > 1:
-                self._refill(rows, kept)
-            else:
-                cache.rows(rows).reset()
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row ``(B,)`` after each row's cached tokens; returns next-token logits ``(B, V)``.
@@ -427,11 +385,21 @@ class Engine:
 
     def _slide_full(self, B: int, lengths: Any) -> None:
         """Slide the rows among the live rows ``0 .. B-1`` whose cache is full (``lengths``: theirs, a tensor
-        or an array); one cheap check per step, the row list only when needed."""
+        or an array; one cheap check per step, the row list only when needed): each keeps its newest ``keep - 1``
+        tokens, re-prefilled (the next token makes ``keep``)."""
         capacity = self.cache.capacity
-        if int(lengths.max()) == capacity:
-            cache = self.cache if B == self.cache.batch_size else self.cache.rows(slice(0, B))
-            self._slide(cache, [b for b in range(B) if int(lengths[b]) == capacity])
+        if int(lengths.max()) < capacity:
+            return
+        assert capacity == self.context_length, "only a full context slides"
+        full = [b for b in range(B) if int(lengths[b]) == capacity]
+        keep = self.context_length + 1 - self.window_drop  # >= 1
+        for rows in [slice(0, B)] if len(full) == B else [slice(b, b + 1) for b in full]:
+            kept = self.tokens[rows, capacity - keep + 1:].clone()  # (b, keep - 1)
+            self.tokens[rows, : keep - 1] = kept
+            if keep > 1:
+                self._refill(rows, kept)
+            else:
+                self.cache.rows(rows).reset()
 
     def _step_kernel(self, tokens: torch.Tensor) -> torch.Tensor:
         """``step`` on CPU: one call into the C++ decode step, on the cache's own tensors (the live rows are
