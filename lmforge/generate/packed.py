@@ -93,9 +93,7 @@ def weight_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:
 def activations_of(value: str | None, weight_dtype: torch.dtype | None) -> str:
     """The arithmetic ``value`` checked against the weights it multiplies: ``"int8"`` needs int8 or int4 weights
     (16- and 32-bit weights have no integer codes to multiply). None picks the default: ``"int8"`` for int8 and int4
-    weights (llama.cpp's choice too; docs/benchmarks.md, under load: 1.2-2.3x faster decoding than float32
-    activations on the same weights, no perplexity change measurable beyond the weights' own rounding),
-    ``"float32"`` otherwise."""
+    weights (llama.cpp's choice too; the trade measured in docs/benchmarks.md), ``"float32"`` otherwise."""
     act = ("int8" if weight_dtype in _Q8_KINDS else "float32") if value is None else str(value).lower()
     if act not in ACTIVATIONS:
         raise ValueError(f"unknown activations {value!r}; use float32 (exact products on the stored weights) or int8 "
@@ -178,9 +176,7 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     private anonymous mapping; a system left at ``transparent_hugepage=madvise`` gives them only when asked).
 
     A decode step streams every packed weight once; with 4 KiB pages each 4 KiB costs a TLB miss and restarts the
-    hardware prefetcher's stream. Measured on the Zen 3 VM, one process alternating the same engine on both
-    (medians of 10-30 rounds): decode +3.5% float32 and +5.5% int8 at d512 x 4, +4.6% bfloat16 and +1-2% float32
-    at GPT-2 small. Tensors under a huge page, and systems without ``MADV_HUGEPAGE``, get a plain copy.
+    hardware prefetcher's stream. Tensors under a huge page, and systems without ``MADV_HUGEPAGE``, get a plain copy.
     """
     nbytes = t.numel() * t.element_size()
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -222,6 +218,10 @@ class PackedLinear:
                              "float32 instead")
         self.scales: torch.Tensor | None = None
         panels = -(-self.n // PANEL)
+        if dtype == torch.int8:
+            peak = w.abs().amax(1)
+            self.scales = torch.where(peak > 0, peak / 127, torch.ones_like(peak))  # (N,)
+            w = torch.round(w / self.scales[:, None]).clamp_(-127, 127)
         if dtype == INT4:
             codes, scales = quantize_q4_0(w)  # (N, 32 G), (N, G)
             groups = scales.shape[1]
@@ -237,29 +237,22 @@ class PackedLinear:
             sc = torch.zeros(panels * PANEL, groups)
             sc[: self.n] = scales
             self.scales = sc.view(panels, PANEL, groups).transpose(1, 2).contiguous()  # (P, G, 8)
-            # the kernel reads the scales as the float16 they are (exact): their bit patterns as uint16
-            self._array = self.packed.numpy()
-            self._scales = self.scales.view(-1).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
-            return
-        if dtype == torch.int8:
-            peak = w.abs().amax(1)
-            self.scales = torch.where(peak > 0, peak / 127, torch.ones_like(peak))  # (N,)
-            w = torch.round(w / self.scales[:, None]).clamp_(-127, 127)
-        if q8:  # codes zero-padded to 32 G columns; per panel byte [s, j, i] = code[j][4s + i]
+        elif q8:  # codes zero-padded to 32 G columns; per panel byte [s, j, i] = code[j][4s + i]
             kp = -(-self.k // GROUP) * GROUP
             codes = torch.zeros(panels * PANEL, kp, dtype=torch.int8)
             codes[: self.n, : self.k] = w.to(torch.int8)
             self.packed = on_huge_pages(
                 codes.view(panels, PANEL, kp // 4, 4).permute(0, 2, 1, 3).reshape(panels, kp, PANEL))
-            self._array, self._scales = self.packed.numpy(), self.scales.numpy()
-            return
-        padded = torch.zeros(panels * PANEL, self.k, dtype=dtype)
-        padded[: self.n] = w.to(dtype)
-        self.packed = on_huge_pages(padded.view(panels, PANEL, self.k).transpose(1, 2))  # (P, K, 8)
-        # what the kernel reads: float32 or int8, or the 16-bit patterns as uint16 (numpy has no bfloat16)
-        self._array = (self.packed.view(torch.int16).numpy().view(np.uint16) if dtype in (torch.bfloat16, torch.float16)
-                       else self.packed.numpy())
+        else:
+            padded = torch.zeros(panels * PANEL, self.k, dtype=dtype)
+            padded[: self.n] = w.to(dtype)
+            self.packed = on_huge_pages(padded.view(panels, PANEL, self.k).transpose(1, 2))  # (P, K, 8)
+        # what the kernel reads: 16-bit floats as their bit patterns in uint16 (numpy has no bfloat16), the rest as is
+        half = dtype in (torch.bfloat16, torch.float16)
+        self._array = self.packed.view(torch.int16).numpy().view(np.uint16) if half else self.packed.numpy()
         self._scales = None if self.scales is None else self.scales.numpy()
+        if dtype == INT4:  # its scales as the float16 they are (exact), as bit patterns too
+            self._scales = self.scales.view(-1).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
 
     def spec(self) -> tuple[np.ndarray, int, np.ndarray | None]:
         """``(packed array, kind, scales or None)``: the matrix as ``_core.DecodeModel`` takes it (arrays shared)."""
@@ -271,9 +264,7 @@ class PackedLinear:
         if self.dtype == INT4:
             codes, scales = self._int4_rows()
             return (codes[:, : self.k].float() - 8) * scales.repeat_interleave(GROUP, 1)[:, : self.k]
-        if self.kind == _Q8_KINDS[torch.int8]:
-            return self._int8_codes()[:, : self.k].float() * self.scales[:, None]
-        w = self.packed.transpose(1, 2).reshape(-1, self.k)[: self.n].float()
+        w = self._rows()[:, : self.k].float()
         return w if self.scales is None else w * self.scales[:, None]
 
     def _int4_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,8 +272,9 @@ class PackedLinear:
         codes = self.codes.transpose(1, 2).reshape(-1, self.codes.shape[1])[: self.n]
         return codes, self.scales.transpose(1, 2).reshape(-1, self.scales.shape[1])[: self.n]
 
-    def _int8_codes(self) -> torch.Tensor:
-        """int8 weights' codes ``(N, K)`` (integer layout: ``(N, 32 G)``, zero past ``K``)."""
+    def _rows(self) -> torch.Tensor:
+        """A float or int8 weight's stored values (int8: its codes) ``(N, K)``, unpacked from the panels (the integer
+        layout's: ``(N, 32 G)``, zero past ``K``)."""
         if self.kind == _Q8_KINDS[torch.int8]:
             p, kp, _ = self.packed.shape
             return self.packed.view(p, kp // 4, PANEL, 4).permute(0, 2, 1, 3).reshape(p * PANEL, kp)[: self.n]
@@ -304,7 +296,7 @@ class PackedLinear:
         if self.dtype == INT4:
             codes, scales = self._int4_rows()
             return q8_products(x, codes.to(torch.int16) - 8, block_scales=scales)
-        return q8_products(x, self._int8_codes(), row_scales=self.scales)
+        return q8_products(x, self._rows(), row_scales=self.scales)
 
 
 class Q8Linear(torch.nn.Module):
