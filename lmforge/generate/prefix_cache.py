@@ -21,10 +21,8 @@ Why the replies do not change: row ``b``'s column ``i`` holds the keys and value
 kernels' path a prompt's tokens get the bits single steps would, wherever the prompt starts
 (``tests/generate/test_prefix_cache.py`` holds replies with the cache on and off equal).
 
-Every positional tensor of the :class:`~lmforge.model.KVCache` is copied, whatever its name: each tensor field
-shaped ``(layers, rows, heads, capacity, dim)`` (``k``, ``v``) or ``(rows, capacity)`` (per-column ids). A cache
-holding other per-row state (anything that is not one entry per column) cannot be cut at a block boundary, so
-:func:`positional_fields` returns None and the scheduler runs without the prefix cache.
+Every per-column tensor of the :class:`~lmforge.model.KVCache` is copied (:func:`positional_fields`); a cache
+holding other per-row state cannot be cut at a block boundary, so it runs without the prefix cache.
 """
 
 from __future__ import annotations
@@ -67,16 +65,11 @@ def _root(salt: str | None) -> _Parent:
 def positional_fields(cache: Any) -> list[str] | None:
     """The names of ``cache``'s tensors that hold one entry per column of each row (``(L, B, H, capacity, D)`` or
     ``(B, capacity)``), or None when it holds other tensors as well (then a prefix cannot be cut out of a row)."""
-    names, other = [], []
-    for name, value in vars(cache).items():
-        if not isinstance(value, torch.Tensor) or name == "lengths":
-            continue
-        B, S = cache.batch_size, cache.capacity
-        if (value.dim() == 5 and value.shape[1] == B and value.shape[3] == S) or value.shape == (B, S):
-            names.append(name)
-        else:
-            other.append(name)
-    return None if other or not names else sorted(names)
+    B, S = cache.batch_size, cache.capacity
+    tensors = {name: t for name, t in vars(cache).items() if isinstance(t, torch.Tensor) and name != "lengths"}
+    positional = all((t.dim() == 5 and t.shape[1] == B and t.shape[3] == S) or t.shape == (B, S)
+                     for t in tensors.values())
+    return sorted(tensors) if tensors and positional else None
 
 
 def _columns(t: torch.Tensor, row: int, start: int, end: int) -> torch.Tensor:
@@ -106,12 +99,8 @@ class _Block:
 
 
 class PrefixCache:
-    """KV blocks of token prefixes under ``budget_bytes`` (module docstring). Thread-safe.
-
-    ``lookup(prompt, salt)`` gives the cached blocks a prompt starts with under ``salt``; ``restore`` copies them
-    into a cache row; ``store(tokens, cache, row, fields, salt)`` keeps the whole blocks of a row's tokens not yet kept
-    under ``salt``. A salt (:func:`check_salt`) separates tenants (module docstring); None is the shared space.
-    """
+    """KV blocks of token prefixes under ``budget_bytes``, shared by the requests of one salt (:func:`check_salt`;
+    None is the shared space; module docstring). Thread-safe."""
 
     def __init__(self, budget_bytes: int, block: int = DEFAULT_BLOCK) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
@@ -154,12 +143,10 @@ class PrefixCache:
     def restore(self, chain: Sequence[_Block], cache: Any, row: int, fields: Sequence[str]) -> int:
         """Copy ``chain``'s blocks (a :meth:`lookup`'s, so of its salt) into columns ``0 ..`` of ``cache`` row ``row``
         (its ``fields``); returns the columns written. The caller sets the row's length and tokens."""
-        n = 0
-        for b in chain:
+        for i, b in enumerate(chain):
             for name, t in zip(fields, b.tensors):
-                _columns(getattr(cache, name), row, n, n + self.block).copy_(t)
-            n += self.block
-        return n
+                _columns(getattr(cache, name), row, i * self.block, (i + 1) * self.block).copy_(t)
+        return len(chain) * self.block
 
     def store(self, tokens: Sequence[int], cache: Any, row: int, fields: Sequence[str], salt: str | None = None) -> int:
         """Keep the whole blocks of ``tokens`` (what ``cache`` row ``row`` holds in columns ``0 .. len(tokens)-1``)
@@ -175,8 +162,7 @@ class PrefixCache:
             try:
                 for start in range(len(chain) * self.block, len(tokens) - self.block + 1, self.block):
                     key = (parent, tuple(int(t) for t in tokens[start: start + self.block]))
-                    end = start + self.block
-                    kept = [_columns(getattr(cache, f), row, start, end).clone() for f in fields]
+                    kept = [_columns(getattr(cache, f), row, start, start + self.block).clone() for f in fields]
                     block = _Block(key, self._next_id, kept)
                     if block.nbytes > self.budget:
                         break
@@ -216,8 +202,7 @@ def admit_cached(engine: Any, cache: PrefixCache | None, prompt: Sequence[int],
     fields = positional_fields(engine.cache) if cache is not None and cache.budget else None
     if fields is None:
         return (*engine.admit(prompt), 0)
-    # inference tensors; PyTorch on one thread (serial_torch: its idle OpenMP workers spin on the cores the copies
-    # and the kernel need)
+    # inference tensors; PyTorch on one thread (Engine.serial_torch says why)
     with torch.inference_mode(), engine.serial_torch():
         start = cache.restore(cache.lookup(prompt, salt), engine.cache, engine.active, fields)
         row, logits = engine.admit(prompt, start)
