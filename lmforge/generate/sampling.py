@@ -30,9 +30,7 @@ def is_greedy(temperature: float) -> bool:
 
 def check_seed(seed: int | None) -> None:
     """``ValueError`` unless ``seed`` is None or an integer in ``[SEED_MIN, SEED_MAX]`` (a signed 64-bit integer)."""
-    if seed is None:
-        return
-    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX):
         raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1] (got {seed!r:.40}); any number in that "
                          "range works, the same seed repeats the same sample")
 
@@ -84,10 +82,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     """Pick the next token of each row of ``logits`` ``(B, V)``; returns ``(B,)`` int64.
 
     A temperature below :data:`MIN_TEMPERATURE` (0 included) is greedy (argmax; ties go to the lowest id).
-    Otherwise one token is drawn with ``generator`` from :func:`sampling_logits`: the logits divided by the
-    temperature, restricted to the ``top_k`` largest, then to the smallest set of tokens whose probabilities add
-    up to at least ``top_p`` (never empty: the most likely token is always kept, however small ``top_p``;
-    ``top_p = 1`` keeps every token).
+    Otherwise one token is drawn with ``generator`` from :func:`sampling_logits`'s distribution.
     """
     if is_greedy(temperature):
         if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
