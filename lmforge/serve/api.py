@@ -188,17 +188,16 @@ class ChatCompletionRequest(_Request):
     def check_supported(self) -> None:
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        constrained = self.response_format is not None and self.response_format.type != "text"
-        if constrained and self.structured_outputs is not None and not self.tools:
+        rf, so = self.response_format, self.structured_outputs
+        constrained = rf is not None and rf.type != "text"
+        if constrained and so is not None and not self.tools:
             raise APIError(400, "give response_format or structured_outputs, not both", "structured_outputs")
-        if (constrained or self.structured_outputs is not None) and self.stops() and not self.tools:
+        if (constrained or so is not None) and self.stops() and not self.tools:
             raise APIError(400, "stop cannot be combined with response_format or structured_outputs: a stop string "
                                 "would cut the document short of its format; remove stop", "stop")
-        so = self.structured_outputs
         if so is not None and (so.regex is None) == (so.choice is None):
             raise APIError(400, "structured_outputs takes one of regex or choice", "structured_outputs")
-        if self.response_format is not None and self.response_format.type == "json_schema" \
-                and self.response_format.json_schema is None:
+        if rf is not None and rf.type == "json_schema" and rf.json_schema is None:
             raise APIError(400, "response_format of type json_schema needs json_schema: {name, schema}",
                            "response_format.json_schema")
         for k, m in enumerate(self.messages):

@@ -106,6 +106,8 @@ class ResponseBuilder:
             events += self._text(text, lps)
         for region in u.regions:
             events += self._call(structured.parse_call(region))
+        if u.finish_reason in ("error", "cancelled"):
+            return self._numbered(events) + self.fail(str(u.error))
         if u.finish_reason is not None:
             events += self._end(u)
         return self._numbered(events)
@@ -158,8 +160,6 @@ class ResponseBuilder:
             _event("response.output_item.done", output_index=index, item=_copy(item))]
 
     def _end(self, u: Update) -> list[dict[str, Any]]:
-        if u.finish_reason in ("error", "cancelled"):
-            return self.fail(str(u.error), numbered=False)
         self.status = "incomplete" if u.finish_reason == "length" else "completed"
         self.completed_at = int(time.time()) if self.status == "completed" else None
         if u.finish_reason == "length":
@@ -171,12 +171,11 @@ class ResponseBuilder:
         self.stored = self.req.store and self.keep(self)
         return events + [_event(f"response.{self.status}", response=self.resource())]
 
-    def fail(self, message: str, code: str = "server_error", numbered: bool = True) -> list[dict[str, Any]]:
+    def fail(self, message: str, code: str = "server_error") -> list[dict[str, Any]]:
         """``response.failed`` (status ``failed``, ``error`` set): the reply stopped on an error."""
         self._close_message("incomplete")
         self.status, self.error, self.stored = "failed", {"code": code, "message": message}, False
-        events = [_event("response.failed", response=self.resource())]
-        return self._numbered(events) if numbered else events
+        return self._numbered([_event("response.failed", response=self.resource())])
 
 
 def _brief(lp: dict[str, Any]) -> dict[str, Any]:

@@ -57,8 +57,8 @@ def add_response_routes(app: FastAPI, svc: Service) -> None:
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         if not await svc.collect(request, jobs, updates, timing, lambda k, u: take(u)):
             return Response(status_code=499)
-        if builder.status == "failed":
-            raise APIError(500, builder.error["message"] if builder.error else "failed", type="server_error")
+        if builder.error is not None:  # (set by fail() alone, with status failed)
+            raise APIError(500, builder.error["message"], type="server_error")
         done(builder)
         return JSONResponse(builder.resource())
 
