@@ -98,12 +98,10 @@ def request_constraint(req: ChatRequest, fmt: ChatFormat, grammars: Grammars) ->
     start, close = fmt.ids["<|call_start|>"], fmt.ids["<|call_end|>"]
     if req.tool_choice == "none":
         return RowConstraint(grammars, None, start=start)
-    functions = req.tools
-    for k, f in enumerate(functions):  # each schema alone first: the error names the function that is wrong
+    for k, f in enumerate(req.tools):  # each schema alone first: the error names the function that is wrong
         if f.parameters is not None:
             _compiled(grammars, _schema, f.parameters, req.dialect.param("tool.parameters", k=k))
-    if req.tool_name is not None:
-        functions = [f for f in functions if f.name == req.tool_name]
+    functions = req.tools if req.tool_name is None else [f for f in req.tools if f.name == req.tool_name]
     g = _compiled(grammars, _schema, call_schema(functions), "tools")
     forced = req.tool_name is not None or req.tool_choice == "required"
     return RowConstraint(grammars, g, close_id=close, start=start, max_regions=None if req.parallel_tool_calls else 1,
