@@ -76,10 +76,10 @@ class StepGraphs:
             logger.warning("decoding without CUDA graphs from now on: capturing the batch-%d step failed (%s)", B,
                            str(err).splitlines()[0] if str(err) else type(err).__name__)
             self.capture = False
-            e.graph = e.out = None
-            return logits
-        e.kept = self.keep()
-        self.captured += 1
+            e.out = None
+        else:
+            e.kept = self.keep()
+            self.captured += 1
         return logits
 
     def _warm(self, e: _Entry) -> Tensor:
