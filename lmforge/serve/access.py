@@ -69,18 +69,17 @@ class Keys:
         return mine.hex()[:32]
 
 
-def _is_ip(name: str) -> bool:
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
-        ipaddress.ip_address(name)
+        return ipaddress.ip_address(name)
     except ValueError:
-        return False
-    return True
+        return None
 
 
 def exposure_warning(host: str, api_key: Any) -> str | None:
     """The warning for listening on ``host`` without a key (``api_key``: falsy when there is none), when ``host``
     is not a loopback address."""
-    if api_key or host == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback):
+    if api_key or host == "localhost" or ((ip := _ip(host)) is not None and ip.is_loopback):
         return None
     return (f"listening on {host} without an API key: anyone who can reach this address can use the model; "
             f"pass --api-key (or set {API_KEY_ENV}), or bind 127.0.0.1")
@@ -116,7 +115,7 @@ class AllowedHosts:
         if self.any or not header:
             return True
         name = host_name(header)
-        return name in self.names or _is_ip(name)
+        return name in self.names or _ip(name) is not None
 
 
 class HostCheck:

@@ -159,8 +159,7 @@ class ServedModel:
         with self.scheduler.engine_lock, torch.inference_mode():
             for ids in inputs:
                 h = model.hidden(torch.tensor([ids], device=self.scheduler.engine.device))[0].float()  # (T, C)
-                v = h.mean(dim=0)
-                out.append((v / v.norm().clamp_min(1e-12)).tolist())
+                out.append(torch.nn.functional.normalize(h.mean(dim=0), dim=0).tolist())
         return out
 
     def chat_tool(self) -> Callable[[int], list[int] | None]:
