@@ -124,11 +124,10 @@ class Grammars:
     Token ``i < vocab_size`` is its bytes (``tokenizer.decode_bytes([i])``), a special token is ``0xFF`` + its
     name (llguidance's mark for tokens no grammar text can contain), and id ``vocab_size`` (past the vocabulary,
     never sampled) is the end of the constrained text: a mask allows it where the document may end.
-    Each new grammar is compiled first in a sacrificial process (:class:`~lmforge.generate.grammar_check.
-    GrammarCheck`, ``check_timeout`` seconds at most; ``isolate=False``: no such process), so one that would
-    crash llguidance or run long is refused instead. Compiled grammars are cached by their text, least
-    recently used dropped first, within ``max_cache_bytes`` (each entry counted at :meth:`entry_bytes`). Compiles
-    run one at a time, in the check process and then on this object's own thread, both at a scheduling priority
+    Each new grammar is compiled first in the check process (module docstring; ``check_timeout`` seconds at most,
+    ``isolate=False``: none). Compiled grammars are cached by their text, least recently used dropped first,
+    within ``max_cache_bytes`` (each entry counted at :meth:`entry_bytes`). Compiles run one at a time, in the
+    check process and then on this object's own thread, both at a scheduling priority
     :data:`~lmforge.generate.grammar_check.NICE` below the caller's. Thread-safe.
     """
 
