@@ -3,8 +3,8 @@
 ``packed[p, k, j] = W[8p + j, k]``, so one product streams the weights once, sequentially, whatever the number
 of rows. The weights may be stored in float32 (exact), bfloat16 / float16 (half the bytes), as int8 codes with
 one float32 scale per output row (a quarter; ``w ~ code * max|row| / 127``) or as int4 codes with a float16 scale
-per group of 32 weights along a row (4.5 bits a weight, as llama.cpp's Q4_0), rounded exactly as Q4_0 rounds them
-(:func:`quantize_q4_0`). int4 is named by ``torch.quint4x2`` (4-bit codes, two per byte) or ``"int4"``.
+per group of 32 weights along a row (4.5 bits a weight, as llama.cpp's Q4_0, named by :data:`INT4`), rounded
+exactly as Q4_0 rounds them (:func:`quantize_q4_0`).
 
 Two arithmetics (``activations``): ``"float32"`` multiplies float32 activations by the stored weights converted to
 float32 (exactly the model whose matrices are rounded); ``"int8"`` (int8 and int4 weights only) rounds the
@@ -195,11 +195,9 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
 class PackedLinear:
     """A weight ``W (N, K)`` packed for the decode kernel; ``lin(x)`` is ``x @ W.T`` for ``x (M, K)`` float32.
 
-    ``dtype`` is the storage precision (float32, bfloat16, float16, int8 with a scale per output row:
-    ``scale[n] = max|W[n]| / 127``, codes ``round(W / scale)``, or :data:`INT4`: :func:`quantize_q4_0`); products
-    accumulate in float32. ``activations="int8"`` (int8 and int4 weights) stores the same codes and scales in the
-    integer kernels' layout and rounds ``x`` to int8 per block of 32 (:func:`q8_products`).
-    The packed copy is independent of ``W`` (later changes to ``W`` are not seen).
+    ``dtype`` is the storage and ``activations`` the arithmetic (module docstring; int8 codes are
+    ``round(W / scale)`` with ``scale[n] = max|W[n]| / 127``). The packed copy is independent of ``W`` (later
+    changes to ``W`` are not seen).
     """
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32, activations: str = "float32") -> None:
