@@ -174,14 +174,11 @@ class PrefixCache:
             finally:
                 for b in reversed(chain + added):  # the leaf first, as in lookup
                     self._blocks.move_to_end(b.key)
-                self._evict()
+                while self.stats.bytes > self.budget:  # evict the least recently used
+                    _, b = self._blocks.popitem(last=False)
+                    self.stats.bytes -= b.nbytes
+                    self.stats.evicted_blocks += 1
             return len(added)
-
-    def _evict(self) -> None:
-        while self.stats.bytes > self.budget:
-            _, b = self._blocks.popitem(last=False)
-            self.stats.bytes -= b.nbytes
-            self.stats.evicted_blocks += 1
 
     def __len__(self) -> int:
         return len(self._blocks)
