@@ -76,9 +76,8 @@ def reference_propose(tokens: Sequence[int], k: int) -> list[int]:
 
 
 def rejection_sample(probs: torch.Tensor, draft: int, gen: torch.Generator | None = None) -> int:
-    """Speculative sampling's rule for a point-mass draft (the reference): keep ``draft`` with probability
-    ``probs[draft]``, else draw from ``probs`` with ``draft`` removed, renormalised. Its output is distributed as
-    ``probs``."""
+    """Speculative sampling's rule for a point-mass draft written out (module docstring): the reference, whose
+    output is distributed as ``probs``."""
     u = float(torch.rand((), generator=gen))
     p = float(probs[draft])
     if u < p:
