@@ -87,12 +87,11 @@ class Engine:
         p = model.lm_head.weight
         self.device, self.dtype = p.device, p.dtype
         wd = weight_dtype_of(weight_dtype)
-        can = self.device.type == "cpu" and self.dtype == torch.float32 and kernel_available()
         unsupported = kernel_unsupported(cfg)
         if use_kernel and unsupported:
             raise ValueError(f"use_kernel=True: the C++ decode step does not implement this model's "
                              f"{', '.join(unsupported)}; leave use_kernel unset (the model's forward decodes it)")
-        can = can and not unsupported
+        can = self.device.type == "cpu" and self.dtype == torch.float32 and kernel_available() and not unsupported
         if use_kernel and not can:
             raise ValueError(f"use_kernel=True needs a float32 model on CPU and lmforge's C++ extension "
                              f"(this model is {self.dtype} on {self.device})")
