@@ -108,8 +108,7 @@ class ToolCall(Strict):
 
 
 class ChatMessage(Strict):
-    """A message: ``role`` and ``content`` (a string or a list of text parts); an assistant's ``tool_calls``, a
-    tool message's ``tool_call_id``."""
+    """A Chat Completions message (``content``: a string or a list of text parts)."""
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -443,9 +442,9 @@ def completion_logprobs(lps: Any, token_bytes: Any, offset: int = 0) -> dict[str
             "text_offset": offsets}
 
 
-def sse(obj: Any) -> bytes:
-    """One server-sent event: ``data: {json}`` and a blank line."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+def sse(obj: Any, event: str | None = None) -> bytes:
+    """One server-sent event: ``event: NAME`` when named, ``data: {json}`` and a blank line."""
+    return ((f"event: {event}\n" if event else "") + "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n").encode()
 
 
 SSE_DONE = b"data: [DONE]\n\n"

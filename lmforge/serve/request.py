@@ -69,10 +69,9 @@ class Format:
 
 @dataclass(kw_only=True)
 class ChatRequest(Sampling):
-    """A chat request as the service runs it (module docstring). ``messages``: chat-format messages (``role``,
-    ``content``, an assistant's ``tool_calls``, a tool message's ``tool_call_id``); ``origins``: per message, the
-    parameter it came from and the words an error names it by (None: errors name ``messages`` and keep the
-    renderer's words). ``tools``: function definitions (``name``, ``description``, ``parameters``, ``strict``);
+    """A chat request as the service runs it (module docstring). ``messages``: chat-format messages
+    (:mod:`~lmforge.chat.format`); ``origins``: per message, the parameter it came from and the words an error names
+    it by (None: errors name ``messages`` and keep the renderer's words). ``tools``: function definitions;
     ``tool_choice``: ``none``, ``auto``, ``required`` or None, ``tool_name`` the one function a choice names.
     The checks both dialects share raise :class:`~lmforge.serve.errors.APIError` in the dialect's names when
     the request is built."""

@@ -189,11 +189,6 @@ def _copy(obj: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(obj))
 
 
-def sse(event: dict[str, Any]) -> bytes:
-    """One Responses server-sent event: ``event: TYPE`` and ``data: {json}``."""
-    return (f"event: {event['type']}\ndata: " + json.dumps(event, ensure_ascii=False) + "\n\n").encode()
-
-
 async def stream(builder: ResponseBuilder, updates: "asyncio.Queue[Any]", timing: Timing,
                  take: Callable[[Update], list[Any]], cancel: Callable[[], None],
                  done: Callable[[ResponseBuilder], None]) -> AsyncIterator[bytes]:
@@ -203,7 +198,7 @@ async def stream(builder: ResponseBuilder, updates: "asyncio.Queue[Any]", timing
     finished = False
     try:
         for e in builder.start():
-            yield sse(e)
+            yield api.sse(e, e["type"])
         while not finished:
             if not updates.empty():  # a burst: let the loop notice a client that left before writing again
                 await asyncio.sleep(0)
@@ -216,7 +211,7 @@ async def stream(builder: ResponseBuilder, updates: "asyncio.Queue[Any]", timing
                 finished = True
             finished = finished or u.finish_reason is not None
             for event in events:
-                yield sse(event)
+                yield api.sse(event, event["type"])
         done(builder)
     finally:
         if not finished:
