@@ -148,41 +148,30 @@ class Generator:
     def _steps(self, prompts: list[list[int]], n_new: int, temperature: float, top_k: int | None,
                top_p: float | None, seed: int | None, stop_ids: set[int], stops: Sequence[str],
                naive: bool) -> Iterator[tuple[int, int, str]]:
-        """The prompts through the row step: ``(row, id, text)`` per token taken, ``(row, -1, tail)`` when a row's
-        stream held text back at its end.
+        """The prompts as one batch through the row step: ``(row, id, text)`` per token taken, ``(row, -1, tail)``
+        when a row's stream held text back at its end.
 
-        One prompt (not naive) decodes alone, drafting (:meth:`_decode`). Several decode as one batch: one seeded
-        generator, each row sampled in turn (on the CPU the draws of one ``(B, V)`` sample), and a row that ended
-        keeps stepping and drawing until all have, so a seed gives what it gave when they stepped in lockstep.
-        ``naive``: through :class:`_Recompute`. A row that outgrows the context slides (:class:`Engine`).
+        One seeded generator for all rows, each sampled in turn (on the CPU the draws of one ``(B, V)`` sample); a
+        row that ended keeps stepping and drawing until all have, so a seed gives what it gave when they stepped in
+        lockstep. One prompt (not naive) drafts. ``naive``: through :class:`_Recompute`. A row that outgrows the
+        context slides (:class:`Engine`).
         """
         gen = self.rng(seed)
         rows = [Row(p, n_new, temperature=temperature, top_k=top_k, top_p=top_p, gen=gen, stop_ids=stop_ids,
                     stop=stops, draft=self.speculative and len(prompts) == 1 and not naive, log=True) for p in prompts]
         longest = max(len(p) for p in prompts)
         capacity = max(min(self.cfg.context_length, longest + n_new - 1), longest)  # a full cache slides
-        if len(rows) == 1 and not naive:
-            yield from ((0, t, piece) for t, piece, _ in self._decode(rows[0], capacity, slide=True))
-            return
-        engine, steps = _Recompute(self) if naive else self.engine, self.rows
-        feed = [0] * len(rows)
-
-        def take(logits: torch.Tensor) -> Iterator[tuple[int, int, str]]:
-            for b, r in enumerate(rows):
-                if r.finish is None:
-                    steps.advance(r, logits[b])
-                    feed[b] = r.next if r.stop is None else r.stop
-                    yield from ((b, t, piece) for t, piece, _ in _taken(r))
-                else:  # an ended row draws as it did in lockstep (its tokens are dropped)
-                    feed[b] = steps.sample(r, logits[b])
-
+        engine = _Recompute(self) if naive else self.engine
         with torch.inference_mode():
             logits = engine.prefill(prompts, capacity)
-        yield from take(logits)
-        while any(r.finish is None for r in rows):
-            with torch.inference_mode(), engine.serial_torch():  # sampling too: see Engine.serial_torch
-                logits = engine.step(torch.tensor(feed, dtype=torch.long, device=self.device))
-            yield from take(logits)
+            for b, r in enumerate(rows):
+                self.rows.advance(r, logits[b])
+        while True:
+            for b, r in enumerate(rows):
+                yield from ((b, t, piece) for t, piece, _ in _taken(r))
+            if all(r.finish is not None for r in rows):
+                break
+            self.rows.step(engine, rows)  # a row that ended keeps drawing until all have
         for r in rows:
             if r.error is not None:
                 raise ValueError(r.error)
@@ -242,33 +231,6 @@ class Generator:
                   stop_ids=set(stop_ids), tool=inject, draft=self.speculative if draft is None else draft,
                   count_forced=False, log=True)
         return Turn(self, row)
-
-    # ---------------------------------------------------------------------------------------------
-    # text in, text out
-    # ---------------------------------------------------------------------------------------------
-    def _decode(self, r: Row, capacity: int, slide: bool) -> Iterator[tuple[int, str, bool]]:
-        """Decode row ``r`` alone in a cache of ``capacity`` columns through the row step, drafting if it does; yield
-        ``(id, text, forced)`` per token taken, then ``(-1, tail, False)`` if its stream held text back. ``slide``: a
-        full context slides (:meth:`generate`); else the row ends there (``"context"``), its prompt's cached prefix
-        is not prefilled and its tokens are kept in :attr:`prefix_cache` for the next turn."""
-        engine, steps, cache = self.engine, self.rows, None if slide else self.prefix_cache
-        engine.open_slots(1, capacity)
-        with torch.inference_mode():
-            _, logits, r.cached = admit_cached(engine, cache, r.prompt)
-        try:
-            steps.advance(r, logits)
-            yield from _taken(r)
-            while r.finish is None:
-                if not slide:
-                    steps.end_full(engine, [r])
-                if r.finish is None and (r.drafter is None or not steps.speculate(engine, 0, r)):
-                    steps.step(engine, [r])
-                yield from _taken(r)
-            if r.error is not None:
-                raise ValueError(r.error)
-        finally:
-            if cache is not None and engine.active:
-                keep_row(engine, cache, 0)  # this turn's prompt and reply, for the next turn
 
     def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 128, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -330,7 +292,25 @@ class Turn:
         return len(self._row.prompt) - self._row.cached
 
     def __iter__(self) -> Iterator[tuple[int, str, bool]]:
-        return self._gen._decode(self._row, self._gen.cfg.context_length, slide=False)
+        """Decode the row alone, from its prompt's longest prefix in the prefix cache, until it ends (a full context
+        ends it: ``"context"``); its prompt and reply are kept in the prefix cache for the next turn."""
+        r, engine, steps, cache = self._row, self._gen.engine, self._gen.rows, self._gen.prefix_cache
+        engine.open_slots(1, engine.context_length)
+        with torch.inference_mode():
+            _, logits, r.cached = admit_cached(engine, cache, r.prompt)
+        try:
+            steps.advance(r, logits)
+            yield from _taken(r)
+            while r.finish is None:
+                steps.end_full(engine, [r])
+                if r.finish is None:
+                    steps.step(engine, [r])
+                yield from _taken(r)
+            if r.error is not None:
+                raise ValueError(r.error)
+        finally:
+            if cache is not None and engine.active:
+                keep_row(engine, cache, 0)
 
 
 def _taken(r: Row) -> Iterator[tuple[int, str, bool]]:
@@ -363,9 +343,8 @@ class _Recompute:
                 del s[: len(s) - self.keep]
         return self._logits()
 
-    def _logits(self) -> torch.Tensor:
-        with torch.inference_mode():
-            return torch.cat([self.model(torch.tensor([s], device=self.device))[:, -1] for s in self.seqs])
+    def _logits(self) -> torch.Tensor:  # (called in inference mode)
+        return torch.cat([self.model(torch.tensor([s], device=self.device))[:, -1] for s in self.seqs])
 
     def serial_torch(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()

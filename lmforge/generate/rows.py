@@ -164,13 +164,20 @@ class RowStep:
         return cls(token_bytes(tokenizer), tokenizer.decode)
 
     def step(self, engine: Any, rows: Sequence[Row]) -> None:
-        """One batched engine step feeding row ``i`` (engine row ``i``) its next token, then each row's next token."""
+        """One engine pass for ``rows`` (row ``i`` in engine row ``i``), each then taking its next token: a row alone
+        verifies its drafts if it has any (:meth:`speculate`), else one batched step feeds every row its next token.
+        A row that already ended (a batch kept in lockstep) only draws its next feed, a plain sample."""
+        if len(rows) == 1 and self.speculate(engine, rows[0]):
+            return
         feed = torch.tensor([r.next for r in rows], dtype=torch.long, device=engine.device)
         with torch.inference_mode(), engine.serial_torch():  # sampling too: see Engine.serial_torch
             logits = engine.step(feed)
             greedy = logits[:, : self.vocab_limit].argmax(dim=-1).tolist()  # one op for every greedy row
             for i, r in enumerate(rows):
-                self.advance(r, logits[i], greedy[i])
+                if r.finish is None:
+                    self.advance(r, logits[i], greedy[i])
+                else:
+                    r.next = self.sample(r, logits[i])
 
     def end_full(self, engine: Any, rows: Sequence[Row]) -> None:
         """Rows (row ``i`` in engine row ``i``) whose cache has no room to feed their next token end with
@@ -206,20 +213,19 @@ class RowStep:
                 live.pop()
             if not live:
                 return
-            if not (len(live) == 1 and self.speculate(engine, 0, live[0])):
-                self.step(engine, live)
+            self.step(engine, live)
 
-    def speculate(self, engine: Any, index: int, r: Row) -> bool:
-        """One pass of engine row ``index`` with its next token and its drafts, if it has any; False when it
-        drafted nothing (the caller steps it plainly)."""
-        n = engine.lengths[index]
-        k = 0 if r.drafter is None or r.forced else r.policy.draft_length(r.n)
-        k = min(k, r.max_tokens - r.n - 1, engine.cache.capacity - n - 1)
+    def speculate(self, engine: Any, r: Row) -> bool:
+        """One pass of engine row 0 with row ``r``'s next token and its drafts, if it has any; False when it drafted
+        nothing (the caller steps it plainly)."""
+        if r.drafter is None or r.forced:
+            return False
+        k = min(r.policy.draft_length(r.n), r.max_tokens - r.n - 1, engine.cache.capacity - engine.lengths[0] - 1)
         drafts = r.drafter.propose(k) if k > 0 else []
         if not drafts:
             return False
         with torch.inference_mode(), engine.serial_torch():
-            logits = engine.verify(index, [r.next] + drafts)  # (1 + k, V)
+            logits = engine.verify(0, [r.next] + drafts)  # (1 + k, V)
             greedy = logits[:, : self.vocab_limit].argmax(dim=-1).tolist()
             kept = 0
             for j in range(len(drafts) + 1):
@@ -227,7 +233,7 @@ class RowStep:
                 if j == len(drafts) or r.finish is not None or r.next != drafts[j]:
                     break
                 kept += 1
-            engine.rollback(index, len(drafts) - kept)
+            engine.rollback(0, len(drafts) - kept)
         r.policy.record(r.n, len(drafts), kept)
         st = self.spec_stats
         st.passes, st.drafted, st.accepted = st.passes + 1, st.drafted + len(drafts), st.accepted + kept
@@ -242,26 +248,19 @@ class RowStep:
                 if r.logprobs is not None:
                     r.pending_lp.append(TokenLogprob(t, 0.0, ((t, 0.0),) if r.logprobs else ()))
                 self.take(r, t, False)
+            elif (t := self.sample(r, logits, argmax)) in r.stop_ids:
+                if r.logprobs is not None:
+                    r.pending_lp.pop()  # a stop id is not part of the completion
+                r.finish, r.stop, r.next = "stop", t, t
             else:
-                self.sample_and_take(r, logits, argmax)
-            if r.finish == "length":
-                if not r.count_forced:
+                self.take(r, t, True)
+            if r.finish is not None:
+                if r.finish == "length" and not r.count_forced:
                     self.drain(r)
-                r.pending += r.stream.finish()
+                r.pending += r.stream.finish()  # a held-back tail that turned out not to be a stop string
         except Exception as e:  # noqa: BLE001  (one row's failure ends that row only)
             logger.exception("a request failed")
             r.finish, r.error = "error", f"internal error: {type(e).__name__}: {e}"
-
-    def sample_and_take(self, r: Row, logits: torch.Tensor, argmax: int | None) -> None:
-        """A sampled token: a stop id ends the row; else it is taken and the row's tool sees it."""
-        t = self.sample(r, logits, argmax)
-        if t in r.stop_ids:
-            if r.logprobs is not None:
-                r.pending_lp.pop()  # a stop id is not part of the completion
-            r.finish, r.stop = "stop", t
-            r.pending += r.stream.finish()  # a held-back tail that turned out not to be a stop string
-            return
-        self.take(r, t, True)
 
     def force(self, r: Row, t: int) -> None:
         """Queue the ids the row's tool returns for its sampled token ``t`` (the tool may raise ``r.max_tokens``)."""

@@ -292,14 +292,16 @@ class Scheduler:
                 entry = [req for req in self._waiting.popleft() if not req.cancelled]
             if entry:
                 self._join(entry)
-        self._check_rows()
+        # engine row i must be _rows[i]'s: a slip ends the batch loudly (the loop drops it) rather than step a
+        # request in another's row
+        if self.engine.active != len(self._rows):
+            raise RuntimeError(f"the engine has {self.engine.active} live rows but the scheduler {len(self._rows)}")
         if not self._rows:
             return False
         self._finish_rows()
         if not self._rows:
             return True
-        if not (len(self._rows) == 1 and self.rows.speculate(self.engine, 0, self._rows[0])):
-            self.rows.step(self.engine, self._rows)
+        self.rows.step(self.engine, self._rows)
         self._finish_rows()
         return True
 
@@ -332,13 +334,6 @@ class Scheduler:
             return
         for row in rows:
             self.rows.advance(row, logits)  # its own errors end this row only
-
-    def _check_rows(self) -> None:
-        """``RuntimeError`` unless the engine has as many live rows as the scheduler (engine row ``i`` is
-        ``_rows[i]``'s only then): a slip ends the batch loudly (the loop drops it and reopens the engine) rather
-        than step a request in another's row."""
-        if self.engine.active != len(self._rows):
-            raise RuntimeError(f"the engine has {self.engine.active} live rows but the scheduler {len(self._rows)}")
 
     def _emit(self, r: Row) -> None:
         """Send the row's request an update with its pending text, log-probabilities and closed regions (then
