@@ -1,6 +1,6 @@
 """Text generation from a trained ``TransformerLM``: :class:`Generator`, the user API over the
-:class:`~lmforge.generate.engine.Engine` (the tensors: prefill, step, verify, rollback, fork; a row that fills the
-context slides) and the row step (:mod:`lmforge.generate.rows`: what each token means).
+:class:`~lmforge.generate.engine.Engine` (the tensors) and the row step (:mod:`lmforge.generate.rows`: what each
+token means).
 
 ``generate_ids`` (ids in, ids out), ``generate`` (text in, text out, optionally streamed) and :meth:`Generator.turn`
 (a chat's reply, with tool output and the prefix cache). ``naive=True`` recomputes the model's full forward at every
@@ -44,9 +44,6 @@ def load_run_model(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | N
     return model.to(dev), Tokenizer.load(run.tokenizer_path), {"checkpoint": str(run.checkpoint_path), "step": step}
 
 
-# ==================================================================================================
-# Generator: the user API
-# ==================================================================================================
 class Generator:
     """Generate text with a trained ``TransformerLM`` and its ``Tokenizer``.
 
@@ -57,17 +54,9 @@ class Generator:
     def __init__(self, model: Any, tokenizer: "Tokenizer | None" = None, device: Any = None,
                  window_drop: int | None = None, weight_dtype: torch.dtype | str | None = None,
                  activations: str | None = None) -> None:
-        """``window_drop``: tokens a row drops when its context is full (default: a quarter of the context).
-
-        ``weight_dtype`` (CPU only): store the decoder's weights as ``"bfloat16"`` or ``"float16"`` to read
-        half the bytes per token, or ``"int8"`` (a scale per output row) for a quarter: faster; the cached
-        path then matches the model with its matrices rounded that way, and ``naive=True`` still runs the
-        float32 model. Default: the model's own dtype.
-
-        ``activations`` is the products' arithmetic: ``"float32"`` multiplies by the stored weights exactly;
-        ``"int8"`` (int8/int4 weights, and their default) rounds each product's input to int8 per block of 32 and
-        sums in integers, as llama.cpp does (faster; see :class:`~lmforge.generate.engine.Engine`).
-        """
+        """``window_drop``, ``weight_dtype`` and ``activations`` are the :class:`~lmforge.generate.engine.Engine`'s
+        (a full row's slide; the weights stored rounded, CPU only, default the model's own dtype; the products'
+        arithmetic): the cached path then matches the model rounded that way, ``naive=True`` runs it as given."""
         if device is not None:
             model = model.to(resolve_device(device) if isinstance(device, str) else device)
         self.model = model.eval()
@@ -80,16 +69,13 @@ class Generator:
         self.prefix_cache: PrefixCache | None = None
         """Set to keep the KV of each :meth:`turn`'s prompt and reply for the next (a chat re-sends its history)."""
         self.speculative = True
-        """:meth:`turn` and one prompt's :meth:`generate` draft unless told otherwise (:mod:`~lmforge.generate.speculative`)."""
+        """:meth:`turn` and one prompt's :meth:`generate` draft unless False (:mod:`~lmforge.generate.speculative`)."""
 
     @classmethod
     def from_run(cls, run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
                  device: str = "auto", weight_dtype: torch.dtype | str | None = None,
                  activations: str | None = None) -> "Generator":
-        """Load model + tokenizer from a run directory (``config.yaml``, ``tokenizer.json``, checkpoints).
-
-        Uses ``checkpoint`` if given (a file, or ``"best"`` for ``checkpoints/best.safetensors``), else the
-        newest step checkpoint that verifies (a corrupt newest one is skipped with a warning).
+        """Load model + tokenizer from a run directory (``checkpoint``: see :func:`lmforge.run.open_run`).
         ``weight_dtype`` and ``activations`` as in the constructor; packed weights (anything but float32) run on
         the CPU decode kernels only, so with them ``device="auto"`` means the CPU, also where a GPU is.
         """
@@ -113,9 +99,6 @@ class Generator:
         ``ValueError`` for a seed outside a signed 64-bit integer (:func:`~lmforge.generate.sampling.check_seed`)."""
         return seeded(seed, self.device)
 
-    # ---------------------------------------------------------------------------------------------
-    # ids in, ids out
-    # ---------------------------------------------------------------------------------------------
     def _check_prompts(self, rows: list[list[int]], max_new_tokens: int, overflow: str, temperature: float,
                        top_k: int | None, top_p: float | None, seed: int | None = None) -> int:
         """Validate token rows and sampling; returns how many new tokens to generate (with ``overflow="stop"``: how
@@ -182,16 +165,12 @@ class Generator:
                      stream: bool = False, overflow: str = "slide") -> Any:
         """Generate token ids after one prompt (a list of ids) or several (a list of lists).
 
-        Returns the new ids (a list, or a list of lists), without the prompt and without the stop token
-        that ended a row. ``stop_ids`` defaults to the tokenizer's ``EOT``. ``stream=True``
-        returns an iterator instead: of ids for one prompt, of ``(row, id)`` pairs for several.
-        ``naive=True`` recomputes the model's full forward at every step (slow; the test oracle).
-
-        Past the context length (``overflow="slide"``, the default) a row keeps generating: when its
-        context is full it drops its oldest ``window_drop`` tokens (a quarter of the context unless the
-        Generator was built with another value), recomputes the cache of the rest, and goes on, so the
-        model always sees the most recent tokens at positions from 0. ``overflow="stop"`` ends generation
-        when the context is full instead (with a warning). A prompt longer than the context is an error.
+        Returns the new ids (a list, or a list of lists), without the prompt and without the stop token that ended a
+        row. ``stop_ids`` defaults to the tokenizer's ``EOT``. ``stream=True`` returns an iterator instead: of ids for
+        one prompt, of ``(row, id)`` pairs for several. ``naive=True``: the oracle (module docstring).
+        Past the context length (``overflow="slide"``, the default) a row slides (:class:`Engine`: it drops its
+        oldest ``window_drop`` tokens and goes on); ``overflow="stop"`` ends generation when the context is full
+        instead (with a warning). A prompt longer than the context is an error.
         """
         if hasattr(prompt_ids, "tolist"):  # a tensor or an array (a float one is refused below, not truncated)
             prompt_ids = prompt_ids.tolist()
@@ -238,10 +217,10 @@ class Generator:
                  overflow: str = "slide") -> Any:
         """Continue one prompt (``str``) or several (``list[str]``, batched) and return the new text.
 
-        Generation of a row ends at ``EOT``, at the first of the ``stop`` strings (which is not
-        returned, even when it spans several tokens), or after ``max_new_tokens`` tokens. Past the context
-        length the oldest tokens are dropped a block at a time (``overflow``: see :meth:`generate_ids`). ``stream=True`` returns an iterator of text pieces
-        (for several prompts: ``(row, piece)`` pairs); a piece never ends inside a UTF-8 character.
+        Generation of a row ends at ``EOT``, at the first of the ``stop`` strings (which is not returned, even when it
+        spans several tokens), or after ``max_new_tokens`` tokens; past the context length it slides (``overflow``:
+        see :meth:`generate_ids`). ``stream=True`` returns an iterator of text pieces (for several prompts:
+        ``(row, piece)`` pairs); a piece never ends inside a UTF-8 character.
         """
         if self.tokenizer is None:
             raise ValueError("this Generator has no tokenizer; use generate_ids, or pass tokenizer=")
@@ -278,10 +257,7 @@ class Turn:
 
     def __init__(self, gen: Generator, row: Row) -> None:
         self._gen, self._row = gen, row
-
-    @property
-    def ids(self) -> list[int]:
-        return self._row.ids
+        self.ids = row.ids  # the row's own list, filled as it decodes
 
     @property
     def finish_reason(self) -> str | None:

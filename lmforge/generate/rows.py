@@ -15,10 +15,9 @@ from the logits the engine gave it:
 * the row ends at ``max_tokens`` (counting forced tokens, or with ``count_forced=False`` sampled ones only: then
   the tool's output that follows the last sampled token still belongs to the reply);
 * drafting (:meth:`RowStep.speculate`): a row alone feeds prompt-lookup drafts with its next token in one
-  ``Engine.verify`` pass and takes each position's token through the same path, keeping drafts while they are what
-  it took, then rolls back the rest (:mod:`lmforge.generate.speculative`): the same tokens, fewer passes.
-  Constrained, tool and log-probability rows draft too; a pass stops at the first token that is not the draft or
-  that ends the row (a forced token is checked like any other).
+  ``Engine.verify`` pass and takes each position's token through the same path, up to the first that is not the
+  draft or that ends the row (a forced token is checked like any other), then rolls back the rest
+  (:mod:`lmforge.generate.speculative`): the same tokens, fewer passes. Every kind of row drafts.
 
 A row's ``emit`` (if set) is called with the row whenever a taken token adds text or closes a captured region and
 the row goes on; the driver reads ``pending``/``pending_lp``/``regions`` and clears them.
@@ -62,8 +61,9 @@ class TextStream:
         self.held = ""
         self.done = False
 
-    def _emit(self, text: str) -> str:
-        text = self.held + text
+    def feed(self, data: bytes) -> str:
+        """Text that is final after appending ``data`` (possibly empty)."""
+        text = self.held + self.decoder.decode(data)
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         if hits:
             self.done, self.held = True, ""
@@ -76,10 +76,6 @@ class TextStream:
                     break
         self.held = text[len(text) - keep:]
         return text[: len(text) - keep]
-
-    def feed(self, data: bytes) -> str:
-        """Text that is final after appending ``data`` (possibly empty)."""
-        return self._emit(self.decoder.decode(data))
 
     def finish(self) -> str:
         """Flush at the end of generation (a dangling partial character becomes U+FFFD)."""

@@ -9,11 +9,9 @@ requests (:class:`Job`). One iteration (:meth:`Scheduler.run_once`):
    into the rows of the requests queued with it (:meth:`Scheduler.submit_many`: several samples of one prompt).
    Anything that fails while a request joins ends that request alone (``finish_reason="error"``) and frees every
    engine row it took: the engine's live rows are always the scheduler's, checked at each step;
-3. one batched step feeds every live row its next token, and the row layer (:mod:`lmforge.generate.rows`, shared
-   with the other drivers) takes each row's next one: forced tool ids (part of the completion, counted in
-   ``max_tokens``), a ``constraint``'s mask and ``capture_regions`` (their text in ``Update.regions``), the row's
-   own sampling and seeded ``torch.Generator`` (a request's output does not depend on the others), ``logprobs``,
-   stop ids and strings. A row decoding alone drafts (``speculative``; a request's ``speculative=False`` opts out);
+3. one pass of the row step (:meth:`RowStep.step <lmforge.generate.rows.RowStep.step>`) takes each live row's next
+   token, with its own sampling and seeded ``torch.Generator`` (a request's output does not depend on the others);
+   forced tool ids count in ``max_tokens``. A row alone drafts (a request's ``speculative=False`` opts out);
 4. rows that ended free their slots at once.
 
 Text goes out through each request's ``emit``, called on the engine thread with an :class:`Update`: text as it is
@@ -60,7 +58,8 @@ class Update:
     (``max_tokens`` generated), ``"cancelled"`` (the scheduler stopped before it finished) or ``"error"``;
     ``error`` says why in either case. ``completion_tokens`` counts generated tokens so far (a stop id is not
     counted); ``prompt_tokens`` is the prompt's length, ``cached_tokens`` how many of them came from the prefix
-    cache instead of being prefilled.
+    cache instead of being prefilled; ``logprobs`` and ``regions`` (a ``capture_regions`` constraint's closed regions'
+    text): the row's since the last update.
     """
 
     text: str

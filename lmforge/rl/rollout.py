@@ -1,19 +1,15 @@
-"""Rollouts: K sampled replies per prompt through the one generation engine, tool calls run as the chat runs them.
+"""Rollouts: K sampled replies per prompt through the row step, tool calls run as the chat runs them.
 
-:func:`sample_replies` decodes a batch of prompts, ``K`` rows each, on an :class:`~lmforge.generate.engine.Engine`
-through the row step (:meth:`RowStep.run <lmforge.generate.rows.RowStep.run>`: each prompt prefilled once, its row
-forked into its other ``K - 1``, one batched step per token, rows leaving as they end). Each row samples with its own
-seeded ``torch.Generator`` (:func:`rollout_seed`), as the server's scheduler does per request, so a reply is a
-function of its prompt, its seed, the weights and the batch it is decoded in. A calculator call is run by one
-:class:`~lmforge.chat.tools.ToolUse` per row, exactly as :class:`~lmforge.chat.session.ChatSession` runs it: each
-sampled id is fed to it, the output ids it returns are fed to the model one per step before sampling goes on, and
-they belong to the reply but are not sampled (RL masks them out of the loss). A reply ends at a stop id
-(``<|assistant_end|>``, end of text, ``<|user_start|>``: the chat's), after ``max_new_tokens`` sampled ids, or when
-the next ids would not fit the context (no sliding).
+:func:`sample_replies` decodes a batch of prompts, ``K`` rows each, through :meth:`RowStep.run
+<lmforge.generate.rows.RowStep.run>` (each prompt prefilled once, its row forked into its other ``K - 1``). Each row
+samples with its own seeded ``torch.Generator`` (:func:`rollout_seed`), so a reply is a function of its prompt, its
+seed, the weights and the batch it is decoded in. A calculator call is run by one :class:`~lmforge.chat.tools.ToolUse`
+per row, as :class:`~lmforge.chat.session.ChatSession` runs it: its output ids belong to the reply but are not
+sampled (RL masks them out of the loss). A reply ends at a stop id (``ChatFormat.stop_ids``), after
+``max_new_tokens`` sampled ids, or when the next ids would not fit the context (no sliding).
 
-The engine packs a copy of the weights for its decode kernel when it is built, so a new :class:`Engine` is
-made from the model after every optimizer step (:class:`~lmforge.rl.source.RolloutSource`); packing a 5M
-parameter model takes milliseconds (``benchmarks/bench_rl.py``).
+The engine packs a copy of the weights when it is built, so a new :class:`Engine` is made from the model after
+every optimizer step (:class:`~lmforge.rl.source.RolloutSource`; ``benchmarks/bench_rl.py`` times the packing).
 """
 
 from __future__ import annotations
@@ -72,12 +68,11 @@ def sample_replies(engine: Any, prompts: Sequence[Sequence[int]], seeds: Sequenc
         if not 0 < len(p) < ctx:
             raise ValueError(f"a prompt of {len(p)} tokens leaves no room for a reply in a context of {ctx}")
     step = RowStep(token_bytes(fmt.tokenizer)[:vocab_limit])
-    stops = set(fmt.stop_ids)
 
     def row(prompt: Sequence[int], seed: int) -> Row:
         tool = ToolUse(fmt) if tools else None  # its calls are counted from the row's owner
         return Row(list(prompt), max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                   device=engine.device, stop_ids=stops, tool=tool.feed if tool else None, count_forced=False,
+                   device=engine.device, stop_ids=fmt.stop_ids, tool=tool.feed if tool else None, count_forced=False,
                    owner=tool)
 
     groups = [[row(p, s) for s in ss] for p, ss in zip(prompts, seeds)]
