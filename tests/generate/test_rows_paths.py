@@ -79,3 +79,38 @@ def test_every_path_gives_the_same_reply(setup):
     ids = gen.generate_ids(prompt, budget, temperature=0.0, stop_ids=[fmt.assistant_end_id, tok.eot_id])
     assert fmt.ids["<|python_start|>"] not in ids  # no calculator call: the generator's reply is the chat's
     assert evals["replies"] == [reply_text(fmt, ids)] * 2 and evals["ended"] == [len(ids) < budget] * 2
+
+
+def _lockstep(model: TransformerLM, prompts: list[list[int]], n: int, seed: int, stop: int, **sampling) -> list:
+    """The reference for several prompts: every row steps and draws at every step, all from one ``(B, V)`` sample of
+    one seeded generator, over the model's full forward; a row's reply is its tokens before its first stop id."""
+    from lmforge.generate.sampling import sample_next
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs, out, done = [list(p) for p in prompts], [[] for _ in prompts], [False] * len(prompts)
+    for _ in range(n):
+        with torch.no_grad():
+            logits = torch.cat([model(torch.tensor([s]))[:, -1] for s in seqs])
+        for b, t in enumerate(sample_next(logits, generator=gen, **sampling).tolist()):
+            seqs[b].append(t)
+            done[b] = done[b] or t == stop
+            if not done[b]:
+                out[b].append(t)
+        if all(done):
+            break
+    return out
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=20, top_p=0.9)])
+def test_several_prompts_draw_in_lockstep(setup, sampling):
+    """A row that ended keeps drawing, so each seed gives the replies of the lockstep loop (a row ending changes
+    nothing for the others); cached, kernel and naive paths alike."""
+    model, tok, _, prompt = setup
+    prompts = [prompt, prompt[:5], tok.encode("abc abc")]
+    gen = Generator(model, tok)
+    free = gen.generate_ids(prompts, N, seed=3, stop_ids=[], **sampling)
+    stop = free[0][2]  # the first row ends early on its third token
+    want = _lockstep(model, prompts, N, 3, stop, **sampling)
+    assert want[0] == free[0][:2] and any(len(w) > 3 for w in want[1:])
+    for naive in (False, True):
+        assert gen.generate_ids(prompts, N, seed=3, stop_ids=[stop], naive=naive, **sampling) == want
