@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -33,18 +32,6 @@ from lmforge.model import KVCache, cached_projections
 from lmforge.model.lora import has_lora, merged_copy
 
 __all__ = ["Engine"]
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _serial_torch(method: _F) -> _F:
-    """Run an engine method inside :meth:`Engine.serial_torch` (see there)."""
-    @functools.wraps(method)
-    def wrapper(self: "Engine", *args: Any, **kwargs: Any) -> Any:
-        with self.serial_torch():
-            return method(self, *args, **kwargs)
-    return wrapper  # type: ignore[return-value]
-
 
 class Engine:
     """Prefill + one-token-per-step decoding of a ``TransformerLM`` over a preallocated KV cache (its rows:
@@ -249,7 +236,6 @@ class Engine:
         cache.lengths.copy_(lengths)  # the pads are forgotten: their columns are overwritten next
         return logits
 
-    @_serial_torch
     def _prompt_kernel(self, row: int, ids: torch.Tensor, start: int | None = 0, every: bool = False) -> torch.Tensor:
         """Kernel path: the tokens ``ids (T,)`` into cache row ``row`` of ``self.cache`` after its first ``start``
         columns (None: after the tokens it holds), as one call of the C++ step with the tokens as rows (the same
@@ -259,26 +245,25 @@ class Engine:
         if start is not None:
             lengths[row] = start
         logits = torch.empty(len(ids) if every else 1, self._vocab)
-        self._decoder.step(np.ascontiguousarray(ids.numpy(), dtype=np.int64), k, v, lengths[row: row + 1],
-                           logits.numpy(), self._threads, row)
+        with self.serial_torch():
+            self._decoder.step(np.ascontiguousarray(ids.numpy(), dtype=np.int64), k, v, lengths[row: row + 1],
+                               logits.numpy(), self._threads, row)
         return logits
 
     @torch.inference_mode()
-    @_serial_torch
     def prefill(self, rows: Sequence[Sequence[int]], capacity: int) -> torch.Tensor:
         """Start a generation: a cache of ``capacity`` columns (the last one reused if it has this shape), run
-        the prompts ``rows``.
+        the prompts ``rows``; returns the logits of the next token of each row ``(B, V)``.
 
-        Returns the logits of the next token of each row ``(B, V)``. ``capacity`` must not exceed the
-        model's context length; rows slide (see the class docstring) only if it equals it. On the kernel path
-        a new cache is zeroed on one PyTorch thread too (:meth:`serial_torch`: the OpenMP workers a parallel fill
-        leaves spinning would take the kernel's cores).
+        ``capacity`` must not exceed the model's context length; rows slide (class docstring) only if it equals
+        it. A new cache is zeroed inside :meth:`serial_torch` too (its reason holds for a parallel fill).
         """
         B, T = len(rows), max(len(r) for r in rows)
         assert 0 < T <= capacity <= self.context_length, (T, capacity, self.context_length)
-        self._new_cache(B, capacity)
-        self.active = B
-        return self._fill(self.cache, self.tokens, rows)
+        with self.serial_torch():
+            self._new_cache(B, capacity)
+            self.active = B
+            return self._fill(self.cache, self.tokens, rows)
 
     # ---------------------------------------------------------------------------------------------
     # Continuous batching: rows join and leave between steps
@@ -362,18 +347,17 @@ class Engine:
         B = tokens.shape[0]
         assert 0 < B <= self.cache.batch_size, (B, self.cache.batch_size)
         if self._kernel and self._threads is not None:
-            # inside serial_torch, where the decode loops of Generator, the scheduler and RL run: the kernel step
-            # makes no autograd graph, so it needs neither wrapper below (~30 us a token, measured)
+            # inside serial_torch (the decode loops): the kernel step makes no autograd graph, so skip _step's wrappers
             return self._step_kernel(tokens)
         return self._step(tokens)
 
     @torch.inference_mode()
-    @_serial_torch
     def _step(self, tokens: torch.Tensor) -> torch.Tensor:
         """:meth:`step` in inference mode with PyTorch on one thread (the kernel's pool on its thread count)."""
         B = tokens.shape[0]
         if self._kernel:
-            return self._step_kernel(tokens)
+            with self.serial_torch():
+                return self._step_kernel(tokens)
         lengths = self.cache.lengths[:B]  # the live rows'
         self._slide_full(B, lengths)
         self.tokens[torch.arange(B, device=self.device), lengths] = tokens
@@ -417,7 +401,6 @@ class Engine:
     # Speculative decoding: several tokens of one row in one pass, and taking back the rejected ones
     # ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    @_serial_torch
     def verify(self, row: int, tokens: Sequence[int]) -> torch.Tensor:
         """Feed ``tokens (T,)`` to live row ``row`` after its cached tokens; returns the logits after each
         ``(T, V)``. The row must have room for them (no sliding here); :meth:`rollback` takes back the tail."""
