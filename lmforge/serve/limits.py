@@ -98,8 +98,7 @@ def check_schema(schema: dict[str, Any], limits: SchemaLimits = SchemaLimits()) 
             if len(nodes) > limits.max_nodes:
                 raise ConstraintError(f"the JSON Schema has more subschemas than this server's limit of "
                                       f"{limits.max_nodes:,}; send a smaller one", limit="max_nodes")
-    targets = [local_pointer(n.get("$ref")) if isinstance(n, dict) else None for n in nodes]
-    refs = [None if t is None else index.get(t) for t in targets]
+    refs = [index.get(local_pointer(n.get("$ref"))) if isinstance(n, dict) else None for n in nodes]  # (no None key)
     edges = [list(kid.values()) + ([] if r is None else [r]) for kid, r in zip(kids, refs)]
     depth = _longest_path(edges)
     if depth > limits.max_depth:
@@ -155,12 +154,11 @@ def _productive(nodes: list[Any], kids: list[dict[str, int]], refs: list[int | N
     """Whether the root admits a finite document: the least fixpoint of "a schema is productive when its
     ``$ref``, each ``allOf`` member, one ``anyOf``/``oneOf`` member, each required property and each item an
     array must have are" (other keywords are taken as satisfiable; llguidance judges them)."""
-    need, met = [0] * len(nodes), []
+    need, met = [], set()  # per node, its conditions not met yet; the (node, condition) pairs met
     watch: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # id -> the conditions it meets
     for i, node in enumerate(nodes):
         t = _conditions(node, kids[i], refs[i])
-        need[i] = len(t)
-        met.append([False] * len(t))
+        need.append(len(t))
         for j, ids in enumerate(t):
             for x in ids:
                 watch[x].append((i, j))
@@ -171,8 +169,8 @@ def _productive(nodes: list[Any], kids: list[dict[str, int]], refs: list[int | N
             continue
         done[x] = True
         for i, j in watch[x]:
-            if not met[i][j]:
-                met[i][j] = True
+            if (i, j) not in met:
+                met.add((i, j))
                 need[i] -= 1
                 if need[i] == 0:
                     todo.append(i)

@@ -47,32 +47,27 @@ _SERIES = (
 """What a scrape reads from ``load()``: its key, the metric's kind, name and help."""
 
 
-class _Load:
-    """The series of :data:`_SERIES`, read once per scrape."""
-
-    def __init__(self, load: Callable[[], dict[str, int]]) -> None:
-        self.load = load
-
-    def collect(self) -> Iterator[Metric]:
-        now = self.load()
-        for key, family, name, text in _SERIES:
-            yield family(name, text, value=now[key])
-
-
 class Metrics:
     """What ``/metrics`` shows; thread-safe. ``load()`` gives every key of :data:`_SERIES`."""
 
     def __init__(self, load: Callable[[], dict[str, int]]) -> None:
+        self.load = load
         self.registry = r = CollectorRegistry()
         self._requests = Counter("lmforge_requests", "Requests answered, by endpoint (route template) and HTTP "
                                  "status.", ["endpoint", "status"], registry=r)
         self._prompt = Counter("lmforge_prompt_tokens", "Prompt tokens of the requests that ran.", registry=r)
         self._generated = Counter("lmforge_generation_tokens", "Tokens generated.", registry=r)
-        r.register(_Load(load))
+        r.register(self)  # its collect() reads load() at each scrape
         self._ttft = Histogram("lmforge_time_to_first_token_seconds", "From submission to the first generated "
                                "token.", buckets=TTFT_BUCKETS, registry=r)
         self._itl = Histogram("lmforge_inter_token_latency_seconds", "Time between consecutive generated tokens.",
                               buckets=ITL_BUCKETS, registry=r)
+
+    def collect(self) -> Iterator[Metric]:
+        """The series of :data:`_SERIES`, read once per scrape (the registry calls it)."""
+        now = self.load()
+        for key, family, name, text in _SERIES:
+            yield family(name, text, value=now[key])
 
     def request(self, endpoint: str, status: int) -> None:
         """Count one answer; ``endpoint`` must be a route template or ``other`` (never a client's path)."""

@@ -68,11 +68,8 @@ class _Shelf:
         self.bytes -= self.entries.pop(rid).size
 
     def expire(self, now: float) -> None:
-        while self.entries:
-            rid, first = next(iter(self.entries.items()))
-            if first.expires > now:
-                break
-            self.drop(rid)
+        while self.entries and next(iter(self.entries.values())).expires <= now:
+            self.drop(next(iter(self.entries)))
 
 
 class ResponseStore:
@@ -125,21 +122,18 @@ class ResponseStore:
         if shelf is None or rid not in shelf.entries:
             return False
         shelf.drop(rid)
-        if not shelf.entries:
-            del self._shelves[tenant]
         return True
 
     def _shelf(self, tenant: str) -> _Shelf | None:
+        """``tenant``'s shelf once its expired entries are dropped; None (and the shelf dropped) if it holds none."""
         shelf = self._shelves.get(tenant)
         if shelf is not None:
             shelf.expire(self.clock())
+            if not shelf.entries:
+                del self._shelves[tenant]
+                return None
         return shelf
 
     def _live(self) -> list[_Shelf]:
-        """Every tenant's shelf, once their expired entries and the shelves left empty are dropped."""
-        now = self.clock()
-        for tenant, shelf in list(self._shelves.items()):
-            shelf.expire(now)
-            if not shelf.entries:
-                del self._shelves[tenant]
-        return list(self._shelves.values())
+        """Every tenant's shelf that holds entries (:meth:`_shelf`)."""
+        return [shelf for tenant in list(self._shelves) if (shelf := self._shelf(tenant)) is not None]

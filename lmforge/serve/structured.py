@@ -83,11 +83,9 @@ def request_constraint(req: ChatRequest, fmt: ChatFormat, grammars: Grammars) ->
     """The row constraint of a chat request (None: unconstrained); APIError 400 naming the parameter (and the
     JSON-Schema keyword) for a schema, regex or choice list that cannot be used."""
     end, out = fmt.assistant_end_id, req.format
-    if out is not None and out.kind == "json_object":
-        return RowConstraint(grammars, json_grammar({"type": "object"}), close_id=end, max_regions=1,
-                             source=out.field)
     if out is not None:
-        g = _compiled(grammars, _GRAMMARS[out.kind], out.value, out.param)
+        g = (json_grammar({"type": "object"}) if out.kind == "json_object"
+             else _compiled(grammars, _GRAMMARS[out.kind], out.value, out.param))
         return RowConstraint(grammars, g, close_id=end, max_regions=1,
                              source=out.param if out.kind == "json_schema" else out.field)
     if not req.tools:
