@@ -1,10 +1,7 @@
-"""Text generation from a trained ``TransformerLM``: :class:`Generator`, the user API over the
-:class:`~lmforge.generate.engine.Engine` (the tensors) and the row step (:mod:`lmforge.generate.rows`: what each
-token means).
-
-``generate_ids`` (ids in, ids out), ``generate`` (text in, text out, optionally streamed) and :meth:`Generator.turn`
-(a chat's reply, with tool output and the prefix cache). ``naive=True`` recomputes the model's full forward at every
-step (no cache): the oracle the cached path is tested against (greedy tokens must be identical).
+"""Text generation from a trained ``TransformerLM``: :class:`Generator` (ids, text, a chat's turn), the user API over
+the :class:`~lmforge.generate.engine.Engine` (the tensors) and the row step (:mod:`lmforge.generate.rows`: what each
+token means). ``naive=True`` recomputes the model's full forward at every step (no cache): the oracle the cached path
+is tested against (greedy tokens must be identical).
 """
 
 from __future__ import annotations
@@ -79,8 +76,7 @@ class Generator:
         ``weight_dtype`` and ``activations`` as in the constructor; packed weights (anything but float32) run on
         the CPU decode kernels only, so with them ``device="auto"`` means the CPU, also where a GPU is.
         """
-        wd = weight_dtype_of(weight_dtype)
-        if device == "auto" and wd is not None and wd != torch.float32:
+        if device == "auto" and weight_dtype_of(weight_dtype) not in (None, torch.float32):
             device = "cpu"
         model, tokenizer, info = load_run_model(run_dir, checkpoint, device)
         logger.info("loaded %s (step %d) on %s", info["checkpoint"], info["step"], next(model.parameters()).device)
@@ -129,18 +125,17 @@ class Generator:
         return max_new_tokens
 
     def _steps(self, prompts: list[list[int]], n_new: int, temperature: float, top_k: int | None,
-               top_p: float | None, seed: int | None, stop_ids: set[int], stops: Sequence[str],
+               top_p: float | None, seed: int | None, stop_ids: Sequence[int] | None, stops: Sequence[str],
                naive: bool) -> Iterator[tuple[int, int, str]]:
         """The prompts as one batch through the row step: ``(row, id, text)`` per token taken, ``(row, -1, tail)``
-        when a row's stream held text back at its end.
-
-        One seeded generator for all rows, each sampled in turn (on the CPU the draws of one ``(B, V)`` sample); a
-        row that ended keeps stepping and drawing until all have, so a seed gives what it gave when they stepped in
-        lockstep. One prompt (not naive) drafts. ``naive``: through :class:`_Recompute`. A row that outgrows the
-        context slides (:class:`Engine`).
-        """
+        when a row's stream held text back at its end. ``stop_ids`` None: the tokenizer's ``EOT``. The rows share one
+        seeded generator and step in lockstep until all have ended (:meth:`RowStep.step`), so a seed's draws do not
+        depend on when a row ends. One prompt (not naive) drafts; ``naive``: through :class:`_Recompute`."""
+        if stop_ids is None:
+            eot = getattr(self.tokenizer, "eot_id", None)
+            stop_ids = [] if eot is None else [eot]
         gen = self.rng(seed)
-        rows = [Row(p, n_new, temperature=temperature, top_k=top_k, top_p=top_p, gen=gen, stop_ids=stop_ids,
+        rows = [Row(p, n_new, temperature=temperature, top_k=top_k, top_p=top_p, gen=gen, stop_ids=set(stop_ids),
                     stop=stops, draft=self.speculative and len(prompts) == 1 and not naive, log=True) for p in prompts]
         longest = max(len(p) for p in prompts)
         capacity = max(min(self.cfg.context_length, longest + n_new - 1), longest)  # a full cache slides
@@ -154,7 +149,7 @@ class Generator:
                 yield from ((b, t, piece) for t, piece, _ in _taken(r))
             if all(r.finish is not None for r in rows):
                 break
-            self.rows.step(engine, rows)  # a row that ended keeps drawing until all have
+            self.rows.step(engine, rows)
         for r in rows:
             if r.error is not None:
                 raise ValueError(r.error)
@@ -177,10 +172,7 @@ class Generator:
         single = len(prompt_ids) > 0 and not isinstance(prompt_ids[0], (list, tuple))
         rows = [list(prompt_ids)] if single else [list(r) for r in prompt_ids]
         n_new = self._check_prompts(rows, max_new_tokens, overflow, temperature, top_k, top_p, seed)
-        if stop_ids is None:
-            eot = getattr(self.tokenizer, "eot_id", None)
-            stop_ids = [] if eot is None else [eot]
-        it = ((b, t) for b, t, _ in self._steps(rows, n_new, temperature, top_k, top_p, seed, set(stop_ids), (), naive)
+        it = ((b, t) for b, t, _ in self._steps(rows, n_new, temperature, top_k, top_p, seed, stop_ids, (), naive)
               if t >= 0)
         if stream:
             return (t for _, t in it) if single else it
@@ -232,9 +224,7 @@ class Generator:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         rows = [self.tokenizer.encode(t) for t in texts]
         n_new = self._check_prompts(rows, max_new_tokens, overflow, temperature, top_k, top_p, seed)
-        eot = getattr(self.tokenizer, "eot_id", None)
-        stop_ids = set() if eot is None else {eot}
-        it = ((b, piece) for b, _, piece in self._steps(rows, n_new, temperature, top_k, top_p, seed, stop_ids, stops,
+        it = ((b, piece) for b, _, piece in self._steps(rows, n_new, temperature, top_k, top_p, seed, None, stops,
                                                          naive) if piece)
         if stream:
             return (p for _, p in it) if single else it
@@ -268,8 +258,7 @@ class Turn:
         return len(self._row.prompt) - self._row.cached
 
     def __iter__(self) -> Iterator[tuple[int, str, bool]]:
-        """Decode the row alone, from its prompt's longest prefix in the prefix cache, until it ends (a full context
-        ends it: ``"context"``); its prompt and reply are kept in the prefix cache for the next turn."""
+        """Decode the row alone to its end (:meth:`Generator.turn`); its prompt and reply stay in the prefix cache."""
         r, engine, steps, cache = self._row, self._gen.engine, self._gen.rows, self._gen.prefix_cache
         engine.open_slots(1, engine.context_length)
         with torch.inference_mode():
