@@ -276,18 +276,14 @@ class RowStep:
         """The row's next token from ``logits (V,)`` under its constraint and sampling parameters (and, when it asks
         for log-probabilities, the token's added to its pending ones)."""
         greedy = is_greedy(r.temperature)
-        if r.constraint is None and r.logprobs is None:
-            if greedy and argmax is not None:
-                return argmax  # == sample_next at temperature 0
-            return int(sample_next(logits[None, : self.vocab_limit], r.temperature, r.top_k, r.top_p, r.gen)[0])
-        row = logits[None, : self.vocab_limit].float().clone()  # (1, V)
+        if greedy and argmax is not None and r.constraint is None and r.logprobs is None:
+            return argmax  # == sample_next at temperature 0
+        row = logits[None, : self.vocab_limit].float()  # (1, V)
         if r.constraint is not None:
+            row = row.clone()  # the mask is this row's (a group's rows share their prefill's logits)
             r.constraint.apply(row[0])
-        if greedy:
-            t, dist = int(sample_next(row, 0.0)[0]), row
-        else:
-            dist = sampling_logits(row, r.temperature, r.top_k, r.top_p)
-            t = int(torch.multinomial(torch.softmax(dist, dim=-1), 1, generator=r.gen)[0, 0])  # == sample_next
+        dist = row if greedy else sampling_logits(row, r.temperature, r.top_k, r.top_p)  # what the token is drawn from
+        t = int(sample_next(dist, 0.0 if greedy else 1.0, generator=r.gen)[0])  # (dist is tempered and cut already)
         if r.logprobs is not None:
             lp = torch.log_softmax(dist[0], dim=-1)
             top: tuple[tuple[int, float], ...] = ()
