@@ -29,14 +29,14 @@ import atexit
 import collections
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Collection, Mapping, Sequence
 
 import torch
 
 from lmforge.generate.constraints import RowConstraint
 from lmforge.generate.engine import Engine
-from lmforge.generate.prefix_cache import PrefixCache, admit_cached, check_salt, keep_row
+from lmforge.generate.prefix_cache import PrefixCache, PrefixStats, admit_cached, check_salt, keep_row
 from lmforge.generate.rows import Row, RowStep, TokenLogprob
 from lmforge.generate.sampling import check_sampling, check_seed
 from lmforge.model.cache import check_context
@@ -157,9 +157,7 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
 
-    # ---------------------------------------------------------------------------------------------
-    # Any thread
-    # ---------------------------------------------------------------------------------------------
+    # Called from any thread
     def check(self, prompt_tokens: int, max_tokens: int, what: str = "the prompt", limit: str = "max_tokens") -> None:
         """``ValueError`` unless a prompt of ``prompt_tokens`` plus ``max_tokens`` new ones fits the context
         (the message names both numbers, and the limit ``limit``)."""
@@ -212,15 +210,13 @@ class Scheduler:
 
     def load(self) -> dict[str, int]:
         """``{"active", "waiting", "max_batch", "max_queue"}`` right now (``waiting``: queued requests), the prefix
-        cache's counts (``prefix_queries``, ``prefix_hits``, ``prefix_query_tokens``, ``prefix_hit_tokens``,
-        ``prefix_bytes``) and speculative decoding's (``spec_passes``, ``spec_drafted``, ``spec_accepted``)."""
+        cache's :class:`~lmforge.generate.prefix_cache.PrefixStats` (each ``prefix_`` + its field; 0 without a cache)
+        and speculative decoding's (``spec_passes``, ``spec_drafted``, ``spec_accepted``)."""
         with self._cv:
             now = {"active": len(self._rows), "waiting": sum(len(e) for e in self._waiting),
                    "max_batch": self.max_batch, "max_queue": self.max_queue}
-        p = self.prefix_cache.stats if self.prefix_cache is not None else None
-        for name in ("queries", "hits", "query_tokens", "hit_tokens", "bytes"):
-            now["prefix_" + name] = getattr(p, name) if p is not None else 0
-        return now | self.rows.spec_stats.as_dict()
+        stats = self.prefix_cache.stats if self.prefix_cache is not None else PrefixStats()
+        return now | {"prefix_" + name: n for name, n in asdict(stats).items()} | self.rows.spec_stats.as_dict()
 
     def start(self) -> None:
         """Run the loop in a daemon thread until :meth:`stop`, called at the latest when the interpreter exits:
@@ -243,9 +239,7 @@ class Scheduler:
             self._thread = None
         self._drop_all("cancelled", "the request was cancelled: the server is stopping")
 
-    # ---------------------------------------------------------------------------------------------
-    # The engine thread
-    # ---------------------------------------------------------------------------------------------
+    # On the engine thread
     def _loop(self) -> None:
         while True:
             with self._cv:
