@@ -126,15 +126,13 @@ class HostCheck:
         self.app, self.hosts = app, hosts
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
-            if not self.hosts.allows(host):
-                body = json.dumps(error_body(
-                    f"Host {shown(host, 100)} is not allowed: this server answers requests addressed to localhost, an IP "
-                    "address or its --host (a guard against DNS rebinding); start it with --allowed-hosts NAME to "
-                    "allow a name, or '*' behind a proxy that checks it", param="Host", code="invalid_host")).encode()
-                await send({"type": "http.response.start", "status": 400, "headers": [
-                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
-                return
-        await self.app(scope, receive, send)
+        host = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"host"), None)
+        if scope["type"] != "http" or self.hosts.allows(host):
+            return await self.app(scope, receive, send)
+        body = json.dumps(error_body(
+            f"Host {shown(host, 100)} is not allowed: this server answers requests addressed to localhost, an IP "
+            "address or its --host (a guard against DNS rebinding); start it with --allowed-hosts NAME to "
+            "allow a name, or '*' behind a proxy that checks it", param="Host", code="invalid_host")).encode()
+        await send({"type": "http.response.start", "status": 400, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
