@@ -1,11 +1,10 @@
 """The server's Prometheus metrics (``GET /metrics``), kept and written by ``prometheus_client``.
 
 Counted as answers go out: requests by endpoint and status (every answer but a 401), prompt and generated tokens, time
-to first token and inter-token latency; read when scraped: the scheduler's load, the prefix cache's and speculative
-decoding's counts and the Responses API's stored responses (:data:`_SERIES`; totals, no label names a key or
-tenant). Each app has its own registry (several apps in one process do not share counts). The ``endpoint`` label is
-a route's path template (``/v1/models/{name}``) or ``other``, never a path a client wrote: the number of series is
-bounded whatever clients send.
+to first token and inter-token latency; read when scraped: :data:`_SERIES` (totals: no label names a key or tenant).
+Each app has its own registry (several apps in one process do not share counts). The ``endpoint`` label is a route's
+path template (``/v1/models/{name}``) or ``other``, never a path a client wrote: the number of series is bounded
+whatever clients send.
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ class Metrics:
         self._ttft.observe(seconds)
 
     def between_tokens(self, seconds: float, tokens: int) -> None:
-        """``tokens`` more tokens arrived ``seconds`` after the previous ones: ``tokens`` observations of the mean gap."""
+        """``tokens`` more tokens came ``seconds`` after the previous ones: ``tokens`` observations of the mean gap."""
         for _ in range(tokens):
             self._itl.observe(seconds / tokens)
 

@@ -1,10 +1,7 @@
 """A run loaded for serving (:class:`ServedModel`: the engine and tokenizer behind the batching scheduler, API
 requests turned into prompt ids through the one chat renderer, their limits) and the process that serves it
 (:func:`serve`: 127.0.0.1 unless told otherwise, uvicorn on :func:`~lmforge.serve.app.create_app`, drain on SIGTERM).
-
-Calculator calls over the API: a chat reply shows each call and its output in the text markup :data:`TOOL_TEXT`,
-and an incoming assistant message is split back at it (:func:`messages_from_text`), so a client that sends a reply
-back as it got it gets the prompt ids ``lmforge chat`` renders for the same conversation.
+A chat reply shows calculator calls in the :data:`TOOL_TEXT` markup, read back by :func:`messages_from_text`.
 """
 
 from __future__ import annotations
@@ -19,6 +16,8 @@ import socket
 import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+import torch
 
 from lmforge.chat.format import ChatFormat, ConversationError, Message, check_conversation
 from lmforge.chat.tools import ToolUse
@@ -47,10 +46,11 @@ _TOOL_CALL = re.compile("{}(.*?){}{}(.*?){}".format(*map(re.escape, TOOL_TEXT.va
 
 
 def messages_from_text(content: str) -> list[Message]:
-    """An assistant message's text split at each calculator call shown in the :data:`TOOL_TEXT` markup:
-    ``assistant`` text with ``tool_call``, the ``tool`` output, ..., then the ``assistant`` text after the last
-    call (possibly empty: the model may end its turn right after the output). Text without the markup is one
-    assistant message; a call with a blank expression (the chat format has none) stays text.
+    """An assistant message's text split at each calculator call shown in the :data:`TOOL_TEXT` markup, so a reply
+    sent back as it came renders the prompt ids ``lmforge chat`` renders: ``assistant`` text with ``tool_call``,
+    the ``tool`` output, ..., then the ``assistant`` text after the last call (possibly empty: the model may end
+    its turn right after the output). Text without the markup is one assistant message; a call with a blank
+    expression (the chat format has none) stays text.
 
     >>> messages_from_text("Let me see. <calculator>6*7</calculator><output>42</output>It is 42.")
     ... # doctest: +NORMALIZE_WHITESPACE
@@ -72,13 +72,11 @@ def messages_from_text(content: str) -> list[Message]:
 class ServedModel:
     """An engine and tokenizer behind the API, under the model id ``model_id``.
 
-    ``max_batch`` requests decode together, ``max_queue`` more may wait (beyond: 429);
-    ``max_tokens_cap`` bounds a request's ``max_tokens`` (default: the context length).
-    ``prefix_cache_mb`` (0: off) keeps the KV of prompts and replies across requests
-    (:class:`~lmforge.generate.prefix_cache.PrefixCache`), so a conversation's next turn or a shared system prompt
-    is prefilled once; ``speculative`` lets a request decoding alone draft its next tokens from its context.
-    Chat endpoints need the chat special tokens in the tokenizer (``chat`` is None without them,
-    ``no_chat`` says why).
+    ``max_batch`` requests decode together, ``max_queue`` more may wait (beyond: 429); ``max_tokens_cap`` bounds a
+    request's ``max_tokens`` (default: the context length); ``prefix_cache_mb`` (0: off) budgets a
+    :class:`~lmforge.generate.prefix_cache.PrefixCache` across requests; ``speculative`` lets a request decoding
+    alone draft its next tokens from its context. Chat endpoints need the chat special tokens in the tokenizer
+    (``chat`` is None without them, ``no_chat`` says why).
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_id: str, max_batch: int = 8,
@@ -152,8 +150,6 @@ class ServedModel:
     def embed(self, inputs: list[list[int]]) -> list[list[float]]:
         """Each input's embedding: the mean over its tokens of the model's final-normed hidden state, divided by
         its L2 norm (computed between the scheduler's steps, under its ``engine_lock``)."""
-        import torch
-
         model = self.scheduler.engine.model
         out = []
         with self.scheduler.engine_lock, torch.inference_mode():
