@@ -137,25 +137,22 @@ class Grammars:
         self.vocab_size = tokenizer.vocab_size
         self.end = self.vocab_size  # "the text may end here"
         names = {i: s for s, i in tokenizer.special_tokens.items()}  # the special ids
-        tokens = [b"\xff" + names[i].encode() if i in names else tokenizer.decode_bytes([i])
-                  for i in range(self.vocab_size)] + [b"\xff<|end of constrained text|>"]
+        self.tokens = [b"\xff" + names[i].encode() if i in names else tokenizer.decode_bytes([i])
+                       for i in range(self.vocab_size)] + [b"\xff<|end of constrained text|>"]
 
         class Vocabulary:  # what llguidance.TokenizerWrapper reads
-            eos_token_id, bos_token_id = self.end, None
+            eos_token_id, bos_token_id, tokens = self.end, None, self.tokens
             special_token_ids = sorted([*names, self.end])
-
-            def __init__(self) -> None:
-                self.tokens = tokens
 
             def __call__(self, text: bytes | str) -> list[int]:  # llguidance tokenizes forced text with it
                 if isinstance(text, bytes):
                     text = text.decode("utf-8", "replace")
                 return tokenizer.encode(text, special="plain")
 
-        self.tokens = tokens
         self.lltokenizer = llg.LLTokenizer(llg.TokenizerWrapper(Vocabulary()), n_vocab=self.vocab_size + 1)
         self.limits = llg.LLParserLimits(**LIMITS)
-        self.check = GrammarCheck(tokens, Vocabulary.special_token_ids, self.end, check_timeout) if isolate else None
+        self.check = (GrammarCheck(self.tokens, Vocabulary.special_token_ids, self.end, check_timeout) if isolate
+                      else None)
         self.words = (self.vocab_size + 1 + 31) // 32  # int32 words of a bitmask
         self._shifts = torch.arange(32, dtype=torch.int32)
         self._cache: collections.OrderedDict[str, tuple[Any, int]] = collections.OrderedDict()
@@ -290,13 +287,12 @@ class RowConstraint:
         if self._matcher is None:
             if token == self.start and not self._exhausted():
                 self._open()
-            return
-        if token == self.close_id:
+        elif token == self.close_id:
             self.regions.append(self._ids)
             self._matcher = None
-            return
-        if not self._matcher.consume_token(token):  # the grammar over a parser limit (or an engine bug)
+        elif not self._matcher.consume_token(token):  # the grammar over a parser limit (or an engine bug)
             self.failure = (f"the {self.grammar.what} cannot be decoded here (token {token}): "
                             f"{one_line(self._matcher.get_error())}")
             raise ConstraintError(self.failure)
-        self._ids.append(token)
+        else:
+            self._ids.append(token)

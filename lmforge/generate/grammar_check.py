@@ -179,21 +179,18 @@ def _main() -> None:
     lower_priority()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     init = json.loads(stdin.readline())
-    tokens = [bytes.fromhex(h) for h in init["tokens"]]
-    single = {t[0]: i for i, t in enumerate(tokens) if len(t) == 1 and i not in set(init["special"])}
+    vocab = [bytes.fromhex(h) for h in init["tokens"]]
+    single = {t[0]: i for i, t in enumerate(vocab) if len(t) == 1 and i not in set(init["special"])}
 
     class Vocabulary:  # what llguidance.TokenizerWrapper reads
-        eos_token_id, bos_token_id = init["end"], None
+        eos_token_id, bos_token_id, tokens = init["end"], None, vocab
         special_token_ids = sorted(set(init["special"]))
-
-        def __init__(self) -> None:
-            self.tokens = tokens
 
         def __call__(self, text: bytes | str) -> list[int]:  # only for llguidance's helpers: byte tokens
             data = text.encode() if isinstance(text, str) else text
             return [single[b] for b in data if b in single]
 
-    lltok = llg.LLTokenizer(llg.TokenizerWrapper(Vocabulary()), n_vocab=len(tokens))
+    lltok = llg.LLTokenizer(llg.TokenizerWrapper(Vocabulary()), n_vocab=len(vocab))
 
     def reply(obj: dict[str, Any]) -> None:
         stdout.write((json.dumps(obj) + "\n").encode())
