@@ -7,7 +7,6 @@ JSON object (its choices built by :class:`Choice` as the updates arrive) or, wit
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
@@ -18,7 +17,7 @@ from lmforge.serve import api, structured
 from lmforge.serve.api import ChatCompletionRequest, CompletionRequest
 from lmforge.serve.errors import APIError, error_body
 from lmforge.serve.request import Sampling
-from lmforge.serve.service import Service, Timing, endpoint
+from lmforge.serve.service import Service, Updates, endpoint
 
 __all__ = ["Choice", "add_chat_routes", "completion_jobs"]
 
@@ -73,14 +72,14 @@ class Choice:
 async def _answer(svc: Service, request: Request, jobs: list[Job], req: Any, kind: str) -> Response:
     """The answer to ``req`` (``kind`` ``chat`` or ``text``) from ``jobs``: one JSON object, or a stream."""
     served, metrics = svc.served, svc.metrics
-    updates, timing = svc.submit(jobs)
+    updates = svc.submit(jobs)
     rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
     route = endpoint(request)
     if req.stream:
-        return StreamingResponse(_stream(svc, jobs, updates, rid, kind, req, timing, route),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(_stream(svc, updates, rid, kind, req, route), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
     choices = [Choice(job) for job in jobs]
-    if not await svc.collect(request, jobs, updates, timing, lambda k, u: choices[k].add(u)):
+    if not await svc.collect(request, updates, lambda k, u: choices[k].add(u)):
         return Response(status_code=499)
     for c in choices:
         if c.last.finish_reason in ("error", "cancelled"):
@@ -99,13 +98,10 @@ async def _answer(svc: Service, request: Request, jobs: list[Job], req: Any, kin
     return JSONResponse(api.answer("text_completion", rid, served.model_id, out, use))
 
 
-async def _stream(svc: Service, jobs: list[Job], updates: asyncio.Queue[Any], rid: str, kind: str, req: Any,
-                  timing: Timing, route: str) -> AsyncIterator[bytes]:
-    """The server-sent events of ``jobs``' updates; jobs still running when the stream stops are cancelled."""
-    metrics = svc.metrics
-    model_id = svc.served.model_id
+async def _stream(svc: Service, updates: Updates, rid: str, kind: str, req: Any, route: str) -> AsyncIterator[bytes]:
+    """The server-sent events of ``updates``; jobs still running when the stream stops are cancelled."""
+    metrics, model_id, jobs = svc.metrics, svc.served.model_id, updates.jobs
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    open_rows = set(range(len(jobs)))
     calls = [0] * len(jobs)  # tool calls sent per choice
     offsets = [0] * len(jobs)  # characters sent per choice (a completion's text_offset)
     total = 0
@@ -128,14 +124,11 @@ async def _stream(svc: Service, jobs: list[Job], updates: asyncio.Queue[Any], ri
         if kind == "chat":
             for k in range(len(jobs)):
                 yield chunk(k, {"delta": {"role": "assistant", "content": ""}})
-        while open_rows:
-            if not updates.empty():  # a burst: let the loop notice a client that left before writing again
-                await asyncio.sleep(0)  # (asyncio logs a warning for every write to a lost connection)
-            got = await updates.get()
+        while updates.running:
+            got = await updates.next()
             assert got is not None  # (only the non-streaming watcher sends None)
             k, u = got
-            timing.update(k, u)
-            if u.finish_reason in ("error", "cancelled"):  # (k stays open: every job is cancelled below)
+            if u.finish_reason in ("error", "cancelled"):  # (the others are cancelled below)
                 metrics.request(route, 500)
                 yield api.sse(error_body(str(u.error), "server_error"))
                 break
@@ -146,7 +139,6 @@ async def _stream(svc: Service, jobs: list[Job], updates: asyncio.Queue[Any], ri
                 calls[k] += 1
             if u.finish_reason is None:
                 continue
-            open_rows.discard(k)
             total += u.completion_tokens
             finish = "tool_calls" if calls[k] and u.finish_reason == "stop" else u.finish_reason
             cut = structured.reply_end(jobs[k], u)
@@ -154,15 +146,13 @@ async def _stream(svc: Service, jobs: list[Job], updates: asyncio.Queue[Any], ri
                 yield piece(k, cut)
             yield piece(k, "", (), finish,
                         api.usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens) if len(jobs) == 1 else None)
-            if not open_rows:
+            if not updates.running:
                 metrics.request(route, 200)
                 metrics.tokens(u.prompt_tokens, total)
                 if (req.stream_options or {}).get("include_usage"):
                     use = api.usage(u.prompt_tokens, total, u.cached_tokens)
                     yield api.sse(api.answer(obj, rid, model_id, [], use))
         yield api.SSE_DONE
-    finally:
-        if open_rows:  # the client went away, a choice failed, or the server is stopping: free rows
-            for job in jobs:
-                svc.sched.cancel(job)
+    finally:  # the client went away, a choice failed, or the server is stopping: free rows
+        updates.close()
 

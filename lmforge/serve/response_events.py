@@ -17,7 +17,6 @@ with ``error``) and the ``usage``. The stream's events, each numbered by ``seque
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any, AsyncIterator, Callable
@@ -26,7 +25,7 @@ from lmforge.generate.scheduler import Update
 from lmforge.serve import api, structured
 from lmforge.serve.errors import APIError
 from lmforge.serve.responses import ResponseRequest, new_id
-from lmforge.serve.service import Timing
+from lmforge.serve.service import Updates
 
 __all__ = ["ResponseBuilder", "stream"]
 
@@ -189,30 +188,23 @@ def _copy(obj: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(obj))
 
 
-async def stream(builder: ResponseBuilder, updates: "asyncio.Queue[Any]", timing: Timing,
-                 take: Callable[[Update], list[Any]], cancel: Callable[[], None],
+async def stream(builder: ResponseBuilder, updates: Updates, take: Callable[[Update], list[Any]],
                  done: Callable[[ResponseBuilder], None]) -> AsyncIterator[bytes]:
-    """The server-sent events of one response (its updates timed by ``timing``): ``take(u)`` turns each update
-    into events (and may raise the request's own APIError, sent as ``response.failed``); ``done(builder)`` runs
-    once the response ended (any status); ``cancel()`` frees the request's row if the stream stops first."""
-    finished = False
+    """The server-sent events of one response: ``take(u)`` turns each update into events (and may raise the
+    request's own APIError, sent as ``response.failed``); ``done(builder)`` runs once the response ended (any
+    status); the request's job is cancelled if the stream stops first."""
     try:
         for e in builder.start():
             yield api.sse(e, e["type"])
-        while not finished:
-            if not updates.empty():  # a burst: let the loop notice a client that left before writing again
-                await asyncio.sleep(0)
-            k, u = await updates.get()
-            timing.update(k, u)
+        while updates.running:
+            got = await updates.next()
+            assert got is not None  # (only the non-streaming watcher sends None)
             try:
-                events = take(u)
-            except APIError as e:  # (the request's grammar failed while decoding: its error, as the event)
+                events = take(got[1])
+            except APIError as e:  # (the request's grammar failed while decoding, ending it: its error, as the event)
                 events = builder.fail(e.message, e.code or "invalid_request_error")
-                finished = True
-            finished = finished or u.finish_reason is not None
             for event in events:
                 yield api.sse(event, event["type"])
         done(builder)
     finally:
-        if not finished:
-            cancel()
+        updates.close()

@@ -40,7 +40,7 @@ def add_response_routes(app: FastAPI, svc: Service) -> None:
             return store.put(tenant, b.rid, b.resource(), [*messages, b.reply()], responses.input_items(req))
 
         builder = ResponseBuilder(responses.new_id("resp"), svc.served.model_id, req, svc.token_bytes, keep)
-        updates, timing = svc.submit(jobs)
+        updates = svc.submit(jobs)
         route, job = endpoint(request), jobs[0]
 
         def take(u: Update) -> list[Any]:
@@ -53,9 +53,9 @@ def add_response_routes(app: FastAPI, svc: Service) -> None:
                 metrics.tokens(b.usage["input_tokens"], b.usage["output_tokens"])
 
         if req.stream:
-            events = response_events.stream(builder, updates, timing, take, lambda: svc.sched.cancel(job), done)
+            events = response_events.stream(builder, updates, take, done)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        if not await svc.collect(request, jobs, updates, timing, lambda k, u: take(u)):
+        if not await svc.collect(request, updates, lambda k, u: take(u)):
             return Response(status_code=499)
         if builder.error is not None:  # (set by fail() alone, with status failed)
             raise APIError(500, builder.error["message"], type="server_error")

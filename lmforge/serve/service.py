@@ -23,7 +23,7 @@ from lmforge.serve.metrics import Metrics
 from lmforge.serve.request import ChatRequest, Sampling
 from lmforge.serve.response_store import ResponseStore, Stored
 
-__all__ = ["RETRY_AFTER_S", "Service", "Timing", "cache_salt", "endpoint"]
+__all__ = ["RETRY_AFTER_S", "Service", "Updates", "cache_salt", "endpoint"]
 
 RETRY_AFTER_S = 1
 CLOSE = {"Connection": "close"}  # a slow body's 408: the connection closes, the rest is never read
@@ -48,23 +48,40 @@ def _noop(update: Update) -> None:
     """Placeholder ``emit`` until the request is bound to its event loop."""
 
 
-class Timing:
-    """Time to first token and inter-token latency of one request's choices, into ``metrics``."""
+class Updates:
+    """The updates of one request's ``jobs`` as they reach the event loop, ``(k, update)`` for job ``k``, each timed
+    into ``metrics`` (time to first token and inter-token latency); :meth:`close` cancels the jobs still running."""
 
-    def __init__(self, metrics: Metrics, n: int) -> None:
-        self.metrics, self.t0 = metrics, time.perf_counter()
-        self.seen = [0] * n
-        self.at = [self.t0] * n
+    def __init__(self, sched: Any, metrics: Metrics, jobs: list[Job]) -> None:
+        self.sched, self.metrics, self.jobs, self.t0 = sched, metrics, jobs, time.perf_counter()
+        self.queue: asyncio.Queue[tuple[int, Update] | None] = asyncio.Queue()  # None: the client went away
+        self.running = set(range(len(jobs)))
+        self.seen = [0] * len(jobs)
+        self.at = [self.t0] * len(jobs)
 
-    def update(self, k: int, u: Update) -> None:
-        now, new = time.perf_counter(), u.completion_tokens - self.seen[k]
-        if new <= 0:
-            return
-        if self.seen[k] == 0:
-            self.metrics.first_token(now - self.t0)
-            new -= 1
-        self.metrics.between_tokens(now - self.at[k], new)
-        self.seen[k], self.at[k] = u.completion_tokens, now
+    async def next(self) -> tuple[int, Update] | None:
+        """The next update, timed; after a burst, a turn of the loop first, so that a stream notices a client that
+        left before it writes again (asyncio logs a warning for every write to a lost connection)."""
+        if not self.queue.empty():
+            await asyncio.sleep(0)
+        got = await self.queue.get()
+        if got is not None:
+            k, u = got
+            now, new = time.perf_counter(), u.completion_tokens - self.seen[k]
+            if new > 0:
+                if self.seen[k] == 0:
+                    self.metrics.first_token(now - self.t0)
+                    new -= 1
+                self.metrics.between_tokens(now - self.at[k], new)
+                self.seen[k], self.at[k] = u.completion_tokens, now
+            if u.finish_reason is not None:
+                self.running.discard(k)
+        return got
+
+    def close(self) -> None:
+        """Cancel the jobs still running: their reader stopped first."""
+        for k in self.running:
+            self.sched.cancel(self.jobs[k])
 
 
 class Service:
@@ -183,13 +200,12 @@ class Service:
         except ValueError as e:  # a value the schema let through but the engine refuses
             raise APIError(400, str(e)) from None
 
-    def submit(self, jobs: list[Job]) -> tuple["asyncio.Queue[tuple[int, Update] | None]", Timing]:
-        """Hand ``jobs`` to the scheduler: the queue their updates arrive on (``(k, update)``; None: the client
-        went away) and their timing; APIError 400/429/503 if the scheduler refuses them."""
-        loop = asyncio.get_running_loop()
-        updates: asyncio.Queue[tuple[int, Update] | None] = asyncio.Queue()
+    def submit(self, jobs: list[Job]) -> Updates:
+        """Hand ``jobs`` to the scheduler; their updates arrive on the :class:`Updates` returned. APIError
+        400/429/503 if the scheduler refuses them."""
+        loop, updates = asyncio.get_running_loop(), Updates(self.sched, self.metrics, jobs)
         for k, job in enumerate(jobs):
-            job.emit = (lambda k: lambda u: loop.call_soon_threadsafe(updates.put_nowait, (k, u)))(k)
+            job.emit = (lambda k: lambda u: loop.call_soon_threadsafe(updates.queue.put_nowait, (k, u)))(k)
         try:
             self.sched.submit_many(jobs)
         except ValueError as e:
@@ -199,38 +215,31 @@ class Service:
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except RuntimeError as e:  # stopping
             raise APIError(503, f"the server is shutting down ({e})", type="server_error") from None
-        return updates, Timing(self.metrics, len(jobs))
+        return updates
 
-    async def collect(self, request: Request, jobs: list[Job], updates: asyncio.Queue[Any], timing: Timing,
-                      take: Callable[[int, Update], Any]) -> bool:
-        """Feed each update of ``jobs`` to ``take(k, update)`` until all have ended; False if the client went
-        away first (its jobs cancelled). Jobs still running when ``take`` raises are cancelled."""
-        running = set(range(len(jobs)))
-        watcher = asyncio.create_task(self._watch(request, jobs, updates))
+    async def collect(self, request: Request, updates: Updates, take: Callable[[int, Update], Any]) -> bool:
+        """Feed each update to ``take(k, update)`` until every job has ended; False if the client went away first
+        (its jobs cancelled). Jobs still running when ``take`` raises are cancelled."""
+        watcher = asyncio.create_task(_watch(request, updates))
         try:
-            while running:
-                got = await updates.get()
+            while updates.running:
+                got = await updates.next()
                 if got is None:  # cancelled by the watcher
                     return False
-                k, u = got
-                timing.update(k, u)
-                take(k, u)
-                if u.finish_reason is not None:
-                    running.discard(k)
+                take(*got)
         finally:
             watcher.cancel()
-            for k in running:
-                self.sched.cancel(jobs[k])
+            updates.close()
         return True
 
-    async def _watch(self, request: Request, jobs: list[Job], updates: asyncio.Queue[Any]) -> None:
-        """Cancel ``jobs`` as soon as their client disconnects (the body is read: the next message the server
-        gives is the disconnect), however busy their rows are; then wake the request's reader."""
-        try:
-            while (await request.receive())["type"] != "http.disconnect":
-                await asyncio.sleep(0.05)  # (a server that answers anything else: look again, without spinning)
-        except Exception:  # noqa: BLE001  (the connection broke while waiting: gone as well)
-            pass
-        for job in jobs:
-            self.sched.cancel(job)
-        updates.put_nowait(None)
+
+async def _watch(request: Request, updates: Updates) -> None:
+    """Cancel a plain request's jobs as soon as its client disconnects (the body is read: the next message the
+    server gives is the disconnect), however busy their rows are; then wake the request's reader."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(0.05)  # (a server that answers anything else: look again, without spinning)
+    except Exception:  # noqa: BLE001  (the connection broke while waiting: gone as well)
+        pass
+    updates.close()
+    updates.queue.put_nowait(None)
