@@ -1,11 +1,7 @@
-"""The OpenAI API's shapes: the Chat Completions and completions request schemas (pydantic) and the builders of
-their answers (objects, chunks, log-probabilities, usage).
-
-Requests are validated by :func:`parse`, which turns any problem into an :class:`APIError` (400) whose ``param``
-names the field (``messages.0.role``, ``temperature``). Fields that do not change the answer (``user``,
-``metadata``, unknown names) are accepted and ignored; those that would change it and are not supported are refused
-with a 400 naming the field (:data:`UNSUPPORTED`, ``response_format`` on completions, ``stop`` with a constrained
-reply); a value of the wrong type is refused, never coerced (:class:`Strict`).
+"""The OpenAI API's request schemas (pydantic, :class:`Strict`) and the builders of their answers (objects, chunks,
+log-probabilities, usage). :func:`parse` validates a request: any problem is an :class:`APIError` (400) naming the
+field. Fields that do not change the answer (``user``, ``metadata``, unknown names) are ignored; those that would and
+are not implemented are refused (:data:`UNSUPPORTED`, each schema's ``check_supported``).
 """
 
 from __future__ import annotations
@@ -14,6 +10,7 @@ import json
 import re
 import time
 import uuid
+from itertools import accumulate
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -204,7 +201,8 @@ class ChatCompletionRequest(_Request):
                 raise APIError(400, f"messages.{k}: a tool message needs tool_call_id, the id of the call it "
                                     "answers", f"messages.{k}.tool_call_id")
             if m.tool_calls is not None and m.role != "assistant":
-                raise APIError(400, f"messages.{k}: only assistant messages have tool_calls", f"messages.{k}.tool_calls")
+                raise APIError(400, f"messages.{k}: only assistant messages have tool_calls",
+                               f"messages.{k}.tool_calls")
 
     def chat_request(self) -> ChatRequest:
         """This request as the service runs it (the checks both dialects share raise here)."""
@@ -279,9 +277,7 @@ class EmbeddingRequest(Strict):
 
     def items(self) -> list[str | list[int]]:
         """The inputs, each a text or a list of token ids (one list of ints is one input, as OpenAI reads it)."""
-        if not isinstance(self.input, list):
-            return [self.input]
-        if self.input and all(isinstance(x, int) for x in self.input):
+        if not isinstance(self.input, list) or self.input and all(isinstance(x, int) for x in self.input):
             return [self.input]  # type: ignore[list-item]
         return list(self.input)  # type: ignore[arg-type]
 
@@ -333,15 +329,12 @@ def _unencodable(data: Any) -> str | None:
     stack: list[tuple[Any, str]] = [(data, "")]
     while stack:
         node, path = stack.pop()
-        bad = None
         if isinstance(node, dict):
-            bad = next((k for k in node if not is_unicode(k)), None)
             stack += [(v, f"{path}.{k}" if path else k) for k, v in reversed(node.items())]
+            stack += [(k, path) for k in reversed(node)]  # (read first; a key at fault names its dict)
         elif isinstance(node, list):
             stack += [(v, f"{path}.{i}") for i, v in reversed(list(enumerate(node)))]
         elif isinstance(node, str) and not is_unicode(node):
-            bad = node
-        if bad is not None:
             field = _SCHEMA_FIELD.match(path)  # (a schema is one field: its inner keys are not named)
             return shown(field.group() if field else re.sub(r"(\.\d+)+$", "", path), 100, quote=False) or "body"
     return None
@@ -432,14 +425,10 @@ def chat_logprobs(lps: Any, token_bytes: Any) -> dict[str, Any]:
 
 def completion_logprobs(lps: Any, token_bytes: Any, offset: int = 0) -> dict[str, Any]:
     """The completions endpoint's ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``."""
-    tokens, offsets = [], []
-    for x in lps:
-        offsets.append(offset)
-        tokens.append(token_bytes(x.token).decode("utf-8", "replace"))
-        offset += len(tokens[-1])
+    tokens = [token_bytes(x.token).decode("utf-8", "replace") for x in lps]
     return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
             "top_logprobs": [{token_bytes(t).decode("utf-8", "replace"): v for t, v in x.top} for x in lps],
-            "text_offset": offsets}
+            "text_offset": list(accumulate(map(len, tokens), initial=offset))[:-1]}
 
 
 def sse(obj: Any, event: str | None = None) -> bytes:
