@@ -1,14 +1,9 @@
-"""``POST /v1/responses``, the OpenAI Responses API: its request schema and the request read as a chat request.
-
-A Responses request is validated against its own schema, then read as the one internal chat request
-(:func:`chat_request`; :mod:`~lmforge.serve.request` says how its errors name the client's fields: here through
-:data:`RESPONSES` and :data:`Origins`), so a greedy or seeded reply is the one ``/v1/chat/completions`` gives for
-the same conversation.
-
-The conversation: ``instructions`` (never carried to the next response), then the stored conversation of
-``previous_response_id``, then ``input`` (a string is one user message), as chat messages (:func:`conversation`,
-:func:`_chat_messages`). Fields that would change the answer and lmforge does not implement are refused naming them
-(:meth:`ResponseRequest.refuse_unsupported`); bookkeeping fields are accepted (``metadata`` and ``user`` echoed).
+"""``POST /v1/responses``, the OpenAI Responses API: its request schema, read as the one internal chat request
+(:func:`chat_request`; its errors name the client's fields through :data:`RESPONSES` and :data:`Origins`), so a
+greedy or seeded reply is the one ``/v1/chat/completions`` gives for the same conversation: ``instructions`` (never
+carried to the next response), the stored conversation of ``previous_response_id``, then ``input``
+(:func:`conversation`, :func:`_chat_messages`). Bookkeeping fields are accepted (``metadata`` and ``user`` echoed);
+those that would change the answer and are not implemented are refused (:meth:`ResponseRequest.refuse_unsupported`).
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ __all__ = ["RESPONSES", "ResponseRequest", "UNSUPPORTED", "conversation", "input
 RESPONSES = Dialect({"messages": "input", "max_tokens": "max_output_tokens", "tool.parameters": "tools.{k}.parameters"})
 """The Responses API's names of the internal request's fields (the others are its own)."""
 
-TEXT_PARTS = ("input_text", "output_text")
 LOGPROBS = "message.output_text.logprobs"
 """The one ``include`` value served: each output token's log-probability (and ``top_logprobs`` alternatives)."""
 ITEM_TYPES = ("message", "function_call", "function_call_output")
@@ -183,7 +177,7 @@ class ResponseRequest(Strict):
             parts = item.get(key) if isinstance(item, dict) else None
             for j, part in enumerate(parts if isinstance(parts, list) else ()):
                 what = part.get("type") if isinstance(part, dict) else None
-                if isinstance(what, str) and what not in TEXT_PARTS:
+                if isinstance(what, str) and what not in ("input_text", "output_text"):
                     field = f"input.{k}.{key}.{j}"
                     raise unsupported(f"{field}: content of type {shown(what, 40)} is not supported by lmforge "
                                       "serve (its models read text only); send input_text parts", f"{field}.type")
@@ -257,7 +251,6 @@ def conversation(req: ResponseRequest, history: list[dict[str, Any]]) -> tuple[l
     where = [("previous_response_id", f"message {k} of the conversation of previous_response_id")
              for k in range(len(history))]
     for j, item in enumerate(req.input):
-        origin = (f"input.{j}", f"input.{j} ({item.role if isinstance(item, InputMessage) else item.type})")
         if isinstance(item, InputMessage):
             out.append({"role": "system" if item.role == "developer" else item.role, "content": joined(item.content)})
         elif isinstance(item, FunctionCallItem):
@@ -269,7 +262,7 @@ def conversation(req: ResponseRequest, history: list[dict[str, Any]]) -> tuple[l
             out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
             out.append({"role": "tool", "content": joined(item.output), "tool_call_id": item.call_id})
-        where.append(origin)
+        where.append((f"input.{j}", f"input.{j} ({item.role if isinstance(item, InputMessage) else item.type})"))
     return out, where
 
 
@@ -278,9 +271,7 @@ def _chat_messages(req: ResponseRequest, messages: list[dict[str, Any]],
     """``messages`` (:func:`conversation`) as the chat format takes them: ``instructions`` and the opening
     system messages joined into one system message, first; a later system (developer) message read as user text,
     joined to the user message before it, else to the one after it, else standing as a user message."""
-    lead = 0
-    while lead < len(messages) and messages[lead]["role"] == "system":
-        lead += 1
+    lead = next((k for k, m in enumerate(messages) if m["role"] != "system"), len(messages))
     system = ([req.instructions] if req.instructions else []) + [m["content"] for m in messages[:lead]]
     out = [{"role": "system", "content": "\n\n".join(system)}] if system else []
     origins = [("instructions", "instructions") if req.instructions else where[0]] if system else []
@@ -304,14 +295,13 @@ def chat_request(req: ResponseRequest, messages: list[dict[str, Any]], where: Or
     400 in the Responses names when the two dialects' shared checks refuse it."""
     chat_messages, origins = _chat_messages(req, messages, where)
     fmt = req.text.format if req.text is not None else None
-    choice = req.tool_choice
+    choice, named = req.tool_choice, isinstance(req.tool_choice, FunctionChoice)
     return ChatRequest(
         max_tokens=req.max_output_tokens, temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, speculative=req.speculative,
         cache_salt=req.cache_salt, logprobs=(req.top_logprobs or 0) if req.logprobs() else None,
         messages=chat_messages, dialect=RESPONSES, origins=origins, tools=req.tools or None,
-        tool_choice=choice if isinstance(choice, str) or choice is None else None,
-        tool_name=None if isinstance(choice, str) or choice is None else choice.name,
+        tool_choice=None if named else choice, tool_name=choice.name if named else None,
         parallel_tool_calls=req.parallel_tool_calls,
         format=None if fmt is None or fmt.type == "text" else
         Format("json_schema", fmt.schema_, "text.format", "text.format.schema") if fmt.type == "json_schema" else
