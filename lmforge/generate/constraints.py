@@ -1,16 +1,13 @@
 """Constrained decoding: which tokens a row may sample next, from a JSON Schema, a regular expression or a choice list.
 
-The grammar work is llguidance's (``pip install 'lmforge[serve]'``): it compiles a JSON Schema, a regex or a Lark
-grammar and, for a parser state, computes the set of vocabulary tokens whose bytes keep the text a prefix of some
-valid document (multi-byte and partial-UTF-8 tokens included). lmforge's part is the integration:
-:class:`Grammars` hands llguidance the vocabulary once and compiles each grammar once (a schema sent again costs a
-copy); :class:`RowConstraint` is one row's state, whose mask is applied to the logits in place, so the row's own
-sampler (temperature, top-p, its seeded generator) draws from the constrained distribution.
+The grammar work is llguidance's (``pip install 'lmforge[serve]'``): for a parser state it computes the vocabulary
+tokens whose bytes keep the text a prefix of some valid document (multi-byte and partial-UTF-8 tokens included).
+lmforge's part is the integration: :class:`Grammars` (the vocabulary, compiled grammars) and :class:`RowConstraint`
+(one row's mask, applied to its logits in place, so the row's own sampler draws from the constrained distribution).
 
 Hostile grammars: :func:`json_grammar` runs the caller's ``check`` on a schema before llguidance sees it (the
-server's size and finiteness limits, :mod:`lmforge.serve.limits`); :class:`Grammars` compiles each new grammar
-first in a sacrificial process with a deadline (:mod:`~lmforge.generate.grammar_check`), so a crash or a runaway
-compile costs that process, never the server; a grammar that fails while decoding ends its row with an error,
+server's limits, :mod:`lmforge.serve.limits`); :class:`Grammars` compiles each new grammar first in a sacrificial
+process (:mod:`~lmforge.generate.grammar_check`); a grammar that fails while decoding ends its row with an error,
 never a ``stop``. Errors are one bounded line (never llguidance's grammar dump).
 
 Why llguidance (over xgrammar and outlines-core): no invalid document on lmforge's byte-level vocabularies, fast
@@ -178,10 +175,8 @@ class Grammars:
             if hit is not None:
                 self._cache.move_to_end(grammar.text)
                 return hit[0]
-        if self.check is not None:
-            err = self.check.check(grammar.text)
-            if err is not None:
-                raise _refusal(grammar, err)
+        if self.check is not None and (err := self.check.check(grammar.text)) is not None:
+            raise _refusal(grammar, err)
         m = self._compiler.submit(_llg().LLMatcher, self.lltokenizer, grammar.text, log_level=0,
                                   limits=self.limits).result()
         if m.is_error():

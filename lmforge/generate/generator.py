@@ -91,8 +91,7 @@ class Generator:
                              activations=self.engine.activations)
 
     def rng(self, seed: int | None = None) -> torch.Generator:
-        """A random generator on the model's device: seeded with ``seed``, or from fresh entropy when None.
-        ``ValueError`` for a seed outside a signed 64-bit integer (:func:`~lmforge.generate.sampling.check_seed`)."""
+        """A random generator on the model's device, as :func:`~lmforge.generate.sampling.seeded` makes them."""
         return seeded(seed, self.device)
 
     def _check_prompts(self, rows: list[list[int]], max_new_tokens: int, overflow: str, temperature: float,
