@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from lmforge._native import available, core
 from lmforge.model.transformer import options_beyond
@@ -70,10 +71,8 @@ RMSNorm, RoPE, grouped-query attention, SwiGLU, the raw head's logits). Any othe
 
 
 def kernel_unsupported(cfg: Any) -> list[str]:
-    """The fields of model config ``cfg`` that the C++ decode step does not implement, as ``model.<name>=<value>``
-    (empty: it decodes this model exactly as the model's forward does): every field off its default that is
-    neither in :data:`KERNEL_IMPLEMENTS` nor one that leaves the forward unchanged. The engine decodes such a model
-    through its forward instead."""
+    """The fields of model config ``cfg`` off their default that the C++ decode step does not implement (those it
+    does: :data:`KERNEL_IMPLEMENTS`), as ``model.<name>=<value>``; empty: the step computes this model's forward."""
     return [f"model.{name}={value!r}" for name, value, _ in options_beyond(cfg, KERNEL_IMPLEMENTS)]
 
 
@@ -104,6 +103,11 @@ def activations_of(value: str | None, weight_dtype: torch.dtype | None) -> str:
     return act
 
 
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """The rows of ``x (M, K)`` in float32, zero-padded to ``32 G`` and cut into blocks: ``(M, G, 32)``."""
+    return F.pad(x.float(), (0, -x.shape[1] % GROUP)).unflatten(1, (-1, GROUP))
+
+
 def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, d)``: ``x (M, K)`` float32 rounded to int8 per block of 32 along a row, as llama.cpp's
     ``quantize_row_q8_0`` (its AVX2 build) rounds activations, with the scale kept in float32.
@@ -112,11 +116,7 @@ def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``amax`` is 0), ``code = round_half_even(x * id)`` in [-127, 127], so ``x ~ d * code``. A block holding a
     non-finite value gets ``d = nan`` and codes 0. Returns codes ``(M, 32 G)`` int8 and ``d (M, G)`` float32.
     """
-    m, k = x.shape
-    groups = -(-k // GROUP)
-    blocks = torch.zeros(m, groups * GROUP, dtype=torch.float32)
-    blocks[:, :k] = x
-    blocks = blocks.view(m, groups, GROUP)
+    blocks = _blocks(x)  # (M, G, 32)
     bad = ~blocks.isfinite().all(2)  # (M, G)
     amax = blocks.abs().amax(2)
     # 127 / amax as one correctly rounded division, like the kernel: ``127.0 / amax`` would be
@@ -125,7 +125,7 @@ def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = torch.where(bad, torch.full_like(amax, float("nan")), amax / 127.0)
     safe = torch.where(bad[..., None], torch.zeros_like(blocks), blocks)
     codes = torch.round(safe * inv[..., None]).clamp_(-127, 127).to(torch.int8)
-    return codes.view(m, groups * GROUP), d
+    return codes.flatten(1), d
 
 
 def q8_products(x: torch.Tensor, codes: torch.Tensor, row_scales: torch.Tensor | None = None,
@@ -159,16 +159,12 @@ def quantize_q4_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the weight is then ``float16(d) * (code - 8)``. Returns codes ``(N, 32 G)`` uint8 and scales ``(N, G)`` float32
     (the float16 values). ``tests/generate/test_decoder.py`` holds it to the ``gguf`` package's Q4_0.
     """
-    n, k = w.shape
-    groups = -(-k // GROUP)
-    blocks = torch.zeros(n, groups * GROUP, dtype=torch.float32)
-    blocks[:, :k] = w
-    blocks = blocks.view(n, groups, GROUP)
+    blocks = _blocks(w)  # (N, G, 32)
     peak = blocks.gather(2, blocks.abs().argmax(2, keepdim=True))  # (N, G, 1): signed, first of equals
     d = peak / -8
     inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
     codes = torch.trunc(blocks * inv + 8.5).clamp_(0, 15).to(torch.uint8)
-    return codes.view(n, groups * GROUP), d[..., 0].to(torch.float16).float()
+    return codes.flatten(1), d[..., 0].to(torch.float16).float()
 
 
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
@@ -216,6 +212,7 @@ class PackedLinear:
                              "float32 instead")
         self.scales: torch.Tensor | None = None
         panels = -(-self.n // PANEL)
+        to_panels = (0, 0, 0, panels * PANEL - self.n)  # F.pad's widths: rows up to whole panels
         if dtype == torch.int8:
             peak = w.abs().amax(1)
             self.scales = torch.where(peak > 0, peak / 127, torch.ones_like(peak))  # (N,)
@@ -223,8 +220,7 @@ class PackedLinear:
         if dtype == INT4:
             codes, scales = quantize_q4_0(w)  # (N, 32 G), (N, G)
             groups = scales.shape[1]
-            pad = torch.full((panels * PANEL, groups * GROUP), 8, dtype=torch.uint8)  # code 8: weight 0
-            pad[: self.n] = codes
+            pad = F.pad(codes, to_panels, value=8)  # code 8: weight 0
             self.codes = pad.view(panels, PANEL, groups * GROUP).transpose(1, 2)  # (P, 32 G, 8)
             if q8:  # per panel and block, byte [v, j, i] = code[j][4v + i] | code[j][16 + 4v + i] << 4
                 c = pad.view(panels, PANEL, groups, 2, 4, 4)  # (P, j, G, half, v, i)
@@ -232,18 +228,14 @@ class PackedLinear:
                     panels, 16 * groups, PANEL))  # (P, G, v, j, i) as (P, 16 G, 8)
             else:
                 self.packed = on_huge_pages(self.codes[:, 0::2] | (self.codes[:, 1::2] << 4))  # (P, 16 G, 8)
-            sc = torch.zeros(panels * PANEL, groups)
-            sc[: self.n] = scales
-            self.scales = sc.view(panels, PANEL, groups).transpose(1, 2).contiguous()  # (P, G, 8)
+            self.scales = F.pad(scales, to_panels).view(panels, PANEL, groups).transpose(1, 2).contiguous()  # (P, G, 8)
         elif q8:  # codes zero-padded to 32 G columns; per panel byte [s, j, i] = code[j][4s + i]
-            kp = -(-self.k // GROUP) * GROUP
-            codes = torch.zeros(panels * PANEL, kp, dtype=torch.int8)
-            codes[: self.n, : self.k] = w.to(torch.int8)
+            codes = F.pad(w.to(torch.int8), (0, -self.k % GROUP, 0, panels * PANEL - self.n))
+            kp = codes.shape[1]
             self.packed = on_huge_pages(
                 codes.view(panels, PANEL, kp // 4, 4).permute(0, 2, 1, 3).reshape(panels, kp, PANEL))
         else:
-            padded = torch.zeros(panels * PANEL, self.k, dtype=dtype)
-            padded[: self.n] = w.to(dtype)
+            padded = F.pad(w.to(dtype), to_panels)
             self.packed = on_huge_pages(padded.view(panels, PANEL, self.k).transpose(1, 2))  # (P, K, 8)
         # what the kernel reads: 16-bit floats as their bit patterns in uint16 (numpy has no bfloat16), the rest as is
         half = dtype in (torch.bfloat16, torch.float16)
