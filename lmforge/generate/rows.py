@@ -258,15 +258,6 @@ class RowStep:
             logger.exception("a request failed")
             r.finish, r.error = "error", f"internal error: {type(e).__name__}: {e}"
 
-    def force(self, r: Row, t: int) -> None:
-        """Queue the ids the row's tool returns for its sampled token ``t`` (the tool may raise ``r.max_tokens``)."""
-        extra = r.tool(t) if r.tool is not None else None
-        if extra:
-            for x in extra:
-                if not 0 <= int(x) < self.vocab_limit:
-                    raise ValueError(f"the tool forced token id {x}, out of range [0, {self.vocab_limit})")
-            r.forced.extend(int(x) for x in extra)
-
     def drain(self, r: Row) -> None:
         """Take the row's remaining forced tokens without feeding them (it ends: they are its reply's tail)."""
         while r.forced and not r.stream.done:
@@ -310,17 +301,19 @@ class RowStep:
             captured = r.capture_regions and (was or c.in_region)
             if captured and was and not c.in_region:  # a region closed
                 r.regions.append(self.decode(c.regions[-1]))
-        piece = ""
-        if captured:
-            if r.pending_lp and r.pending_lp[-1].token == t:
-                r.pending_lp.pop()  # a captured token is not text: no log-probability either
-        else:
-            piece = r.stream.feed(r.shown.get(t, self.bytes[t]) if r.shown else self.bytes[t])
-            r.pending += piece
+        if captured and r.pending_lp and r.pending_lp[-1].token == t:
+            r.pending_lp.pop()  # a captured token is not text: no log-probability either
+        piece = "" if captured else r.stream.feed(r.shown.get(t, self.bytes[t]))
+        r.pending += piece
         if r.log is not None:
             r.log.append((t, piece, not sampled))
-        if sampled and not r.stream.done and (r.n < r.max_tokens or not r.count_forced):
-            self.force(r, t)  # with count_forced=False the tool's output after the last sampled token is kept
+        if r.tool is not None and sampled and not r.stream.done and (r.n < r.max_tokens or not r.count_forced):
+            # the tool may raise r.max_tokens; with count_forced=False its output after the last sampled token is kept
+            extra = r.tool(t) or ()
+            bad = [x for x in extra if not 0 <= int(x) < self.vocab_limit]
+            if bad:
+                raise ValueError(f"the tool forced token id {bad[0]}, out of range [0, {self.vocab_limit})")
+            r.forced.extend(int(x) for x in extra)
         if r.stream.done:
             r.finish = "stop"
         elif r.n >= r.max_tokens and (sampled or r.count_forced):
