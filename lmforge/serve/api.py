@@ -360,11 +360,9 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
         if loc and loc[-1] == "[key]":  # (a dict's key at fault: name the dict, not the key a client wrote)
             loc = loc[:-2]
         for x in loc:  # field names and indices; stop at pydantic's union tags ("str", "list[str]")
-            if isinstance(x, str) and x.startswith("type="):  # (a tagged union's member: named by its "type")
-                continue
             if isinstance(x, int) or (x.isidentifier() and x not in _TYPE_TAGS):
                 parts.append(str(x))
-            else:
+            elif not x.startswith("type="):  # (a tagged union's member, "type=message", is named by its "type")
                 break
         param = shown(".".join(parts), 100, quote=False) or None  # (a dict's keys are a client's text)
         got = "" if err["type"] == "missing" else f" (got {shown(err.get('input'))})"
