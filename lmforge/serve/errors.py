@@ -29,7 +29,7 @@ def shown(value: Any, limit: int = 60, quote: bool = True) -> str:
 
 
 class APIError(Exception):
-    """An error answered in the OpenAI shape: HTTP ``status`` and ``{"error": {message, type, param, code}}``."""
+    """An error answered with HTTP ``status`` and the OpenAI error object (:func:`error_body`)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
@@ -54,8 +54,7 @@ def unsupported(message: str, param: str) -> APIError:
 
 
 def refuse_unsupported(data: dict[str, Any], messages: dict[str, str], neutral: tuple[Any, ...]) -> None:
-    """:func:`unsupported` with ``messages[name]`` for the first field ``name`` that ``data`` sets to a value not in
-    ``neutral``."""
+    """:func:`unsupported` (``messages[name]``) for the first field ``name`` ``data`` sets to a non-neutral value."""
     for name, message in messages.items():
         if data.get(name) not in neutral:
             raise unsupported(message, name)

@@ -1,13 +1,10 @@
 """One chat request, whichever OpenAI dialect it came in: :class:`ChatRequest`, run by the service.
 
-Chat Completions (:mod:`~lmforge.serve.api`) and the Responses API (:mod:`~lmforge.serve.responses`) each
-validate their own schema, so a schema error names the client's own field, and then build a ChatRequest: the
-conversation as chat-format messages, the sampling (:class:`Sampling`, shared with completions), the tools, the
-output format. The prompt, the constraint, the limits and the sampled tokens are then one path for both. A fault
-found on that path (a message the chat renderer refuses, a schema the grammar compiler refuses, a prompt over the
-context) names what the client sent through what its front end gave at construction: the :class:`Dialect`
-(internal field -> the dialect's parameter) and, per message, ``origins`` (the parameter it came from and how an
-error names it: ``input.3``, ``input.3 (function_call_output)``).
+Chat Completions (:mod:`~lmforge.serve.api`) and the Responses API (:mod:`~lmforge.serve.responses`) each validate
+their own schema, so a schema error names the client's own field, then build a ChatRequest: from there the prompt,
+the constraint, the limits and the sampled tokens are one path for both. A fault found on that path (a message the
+chat renderer refuses, a schema the grammar compiler refuses, a prompt over the context) names what the client sent
+through what its front end gave: the :class:`Dialect` and the messages' ``origins``.
 """
 
 from __future__ import annotations
@@ -108,9 +105,7 @@ class ChatRequest(Sampling):
         """The tools as the chat format renders them (``{"type": "function", "function": {...}}``)."""
         if not self.tools:
             return None
-        return [{"type": "function", "function": f.model_dump(include={"name", "description", "parameters",
-                                                                       "strict"}, exclude_none=True)}
-                for f in self.tools]
+        return [{"type": "function", "function": f.model_dump(exclude={"type"}, exclude_none=True)} for f in self.tools]
 
     def message_error(self, k: int | None, text: str) -> APIError:
         """The 400 for a fault the chat renderer found: ``text`` says why, naming message ``k`` of
