@@ -182,24 +182,21 @@ class Generator:
 
     def turn(self, prompt_ids: Sequence[int], max_new_tokens: int = 256, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, rng: torch.Generator | None = None,
-             stop_ids: Sequence[int] = (), inject: Callable[[int], Sequence[int] | None] | None = None,
-             draft: bool | None = None) -> "Turn":
+             stop_ids: Sequence[int] = (), inject: Callable[[int], Sequence[int] | None] | None = None) -> "Turn":
         """One streamed reply to ``prompt_ids`` with forced tokens: a :class:`Turn` to iterate.
 
         Each sampled id is passed to ``inject`` (if given); when it returns ids, they are fed to the model
         after the sampled one, one step each, before sampling goes on (a tool's output). The reply ends at a
         ``stop_ids`` token (not yielded), after ``max_new_tokens`` sampled tokens, or when the context is full
-        (no sliding: a chat drops whole turns instead). ``rng``: the random generator (default: fresh entropy).
-        ``draft``: decode with prompt-lookup drafts (the same tokens, fewer passes; default :attr:`speculative`).
-        The prompt's longest prefix held by :attr:`prefix_cache` is not prefilled again.
+        (no sliding: a chat drops whole turns instead). ``rng``: the random generator (default: fresh entropy). It
+        drafts as :attr:`speculative` says; the prompt's longest prefix held by :attr:`prefix_cache` is not prefilled.
         """
         rows = [list(prompt_ids)]
         self._check_prompts(rows, max_new_tokens, "slide", temperature, top_k, top_p)  # (a turn never slides)
         if self.tokenizer is None:
             raise ValueError("this Generator has no tokenizer; pass tokenizer= to stream text")
         row = Row(rows[0], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, gen=rng or self.rng(),
-                  stop_ids=set(stop_ids), tool=inject, draft=self.speculative if draft is None else draft,
-                  count_forced=False, log=True)
+                  stop_ids=set(stop_ids), tool=inject, draft=self.speculative, count_forced=False, log=True)
         return Turn(self, row)
 
     def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 128, temperature: float = 1.0,
