@@ -123,9 +123,8 @@ class Grammars:
     never sampled) is the end of the constrained text: a mask allows it where the document may end.
     Each new grammar is compiled first in the check process (module docstring; ``check_timeout`` seconds at most,
     ``isolate=False``: none). Compiled grammars are cached by their text, least recently used dropped first,
-    within ``max_cache_bytes`` (each entry counted at :meth:`entry_bytes`). Compiles run one at a time, in the
-    check process and then on this object's own thread, both at a scheduling priority
-    :data:`~lmforge.generate.grammar_check.NICE` below the caller's. Thread-safe.
+    within ``max_cache_bytes`` (each entry counted at :meth:`entry_bytes`). Compiles run one at a time, at the
+    lower priority :data:`~lmforge.generate.grammar_check.NICE` gives them. Thread-safe.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_cache_bytes: int = 256 << 20, check_timeout: float = 10.0,
