@@ -122,7 +122,7 @@ class Row:
         self.gen = gen if gen is not None else seeded(seed, device)
         self.stream = TextStream(list(stop))
         self.shown = {int(t): text.encode() for t, text in (token_text or {}).items()}  # ids shown as other text
-        self.forced: collections.deque[int] = collections.deque()
+        self.forced: collections.deque[int] = collections.deque(constraint.force if constraint is not None else ())
         self.ids: list[int] = []  # every taken id
         self.sampled: list[bool] = []  # per id: sampled (True) or forced
         self.stop: int | None = None  # the stop id that ended the row
@@ -134,8 +134,6 @@ class Row:
         self.regions: list[str] = []  # captured regions closed since the last emit
         self.finish: str | None = None
         self.error: str | None = None
-        if constraint is not None:
-            self.forced.extend(constraint.force)
 
 
 class RowStep:
@@ -223,12 +221,10 @@ class RowStep:
         with torch.inference_mode(), engine.serial_torch():
             logits = engine.verify(0, [r.next] + drafts)  # (1 + k, V)
             greedy = logits[:, : self.vocab_limit].argmax(dim=-1).tolist()
-            kept = 0
-            for j in range(len(drafts) + 1):
-                self.advance(r, logits[j], greedy[j])
-                if j == len(drafts) or r.finish is not None or r.next != drafts[j]:
+            for kept in range(len(drafts) + 1):  # the drafts before the position where taking stops are kept
+                self.advance(r, logits[kept], greedy[kept])
+                if kept == len(drafts) or r.finish is not None or r.next != drafts[kept]:
                     break
-                kept += 1
             engine.rollback(0, len(drafts) - kept)
         r.policy.record(r.n, len(drafts), kept)
         st = self.spec_stats
