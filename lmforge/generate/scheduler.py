@@ -6,9 +6,8 @@ requests (:class:`Job`). One iteration (:meth:`Scheduler.run_once`):
 1. rows whose request was cancelled (a client that disconnected) leave, freeing their slots (a cancelled
    request that was still waiting has already left the queue: :meth:`Scheduler.cancel` removes it at once);
 2. waiting requests join while slots are free: a prompt is prefilled once into its row and copied (``Engine.fork``)
-   into the rows of the requests queued with it (:meth:`Scheduler.submit_many`: several samples of one prompt).
-   Anything that fails while a request joins ends that request alone (``finish_reason="error"``) and frees every
-   engine row it took: the engine's live rows are always the scheduler's, checked at each step;
+   into the rows of the requests queued with it (:meth:`Scheduler.submit_many`: several samples of one prompt),
+   all or nothing: requests that fail to join end alone (``finish_reason="error"``), freeing every row they took;
 3. one pass of the row step (:meth:`RowStep.step <lmforge.generate.rows.RowStep.step>`) takes each live row's next
    token, with its own sampling and seeded ``torch.Generator`` (a request's output does not depend on the others);
    forced tool ids count in ``max_tokens``. A row alone drafts (a request's ``speculative=False`` opts out);
@@ -20,8 +19,7 @@ runs the loop in its own thread, so a server's event loop never waits on the mod
 
 Prefix cache (``prefix_cache``, a :class:`~lmforge.generate.prefix_cache.PrefixCache`): a joining prompt's longest
 cached prefix of whole blocks is copied into its row and only the rest is prefilled; a row's prompt and reply are
-kept when it leaves. All of it under the request's ``cache_salt``: requests share blocks only with requests of the
-same salt (None: the shared, unsalted space), so a tenant's salt keeps others from learning its prompts.
+kept when it leaves. All of it under the request's ``cache_salt`` (the prefix cache's tenancy).
 """
 from __future__ import annotations
 
@@ -179,10 +177,9 @@ class Scheduler:
         reqs = list(reqs)
         if not reqs or len(reqs) > self.max_batch:
             raise ValueError(f"{len(reqs)} requests cannot join together: between 1 and max_batch={self.max_batch}")
-        if any(r.prompt != reqs[0].prompt for r in reqs[1:]):
-            raise ValueError("requests that join together must have the same prompt")
-        if any(r.cache_salt != reqs[0].cache_salt for r in reqs[1:]):
-            raise ValueError("requests that join together must have the same cache_salt")
+        for name in ("prompt", "cache_salt"):
+            if any(getattr(r, name) != getattr(reqs[0], name) for r in reqs[1:]):
+                raise ValueError(f"requests that join together must have the same {name}")
         for req in reqs:
             self.check(len(req.prompt), req.max_tokens)
         bad = [t for t in reqs[0].prompt if not 0 <= t < self.rows.vocab_limit]
