@@ -7,9 +7,6 @@ seed, the weights and the batch it is decoded in. A calculator call is run by on
 per row, as :class:`~lmforge.chat.session.ChatSession` runs it: its output ids belong to the reply but are not
 sampled (RL masks them out of the loss). A reply ends at a stop id (``ChatFormat.stop_ids``), after
 ``max_new_tokens`` sampled ids, or when the next ids would not fit the context (no sliding).
-
-The engine packs a copy of the weights when it is built, so a new :class:`Engine` is made from the model after
-every optimizer step (:class:`~lmforge.rl.source.RolloutSource`; ``benchmarks/bench_rl.py`` times the packing).
 """
 
 from __future__ import annotations
@@ -67,7 +64,6 @@ def sample_replies(engine: Any, prompts: Sequence[Sequence[int]], seeds: Sequenc
     for p in prompts:
         if not 0 < len(p) < ctx:
             raise ValueError(f"a prompt of {len(p)} tokens leaves no room for a reply in a context of {ctx}")
-    step = RowStep(token_bytes(fmt.tokenizer)[:vocab_limit])
 
     def row(prompt: Sequence[int], seed: int) -> Row:
         tool = ToolUse(fmt) if tools else None  # its calls are counted from the row's owner
@@ -76,7 +72,7 @@ def sample_replies(engine: Any, prompts: Sequence[Sequence[int]], seeds: Sequenc
                    owner=tool)
 
     groups = [[row(p, s) for s in ss] for p, ss in zip(prompts, seeds)]
-    step.run(engine, groups)  # each prompt prefilled once, its row copied into its other K - 1
+    RowStep(token_bytes(fmt.tokenizer)[:vocab_limit]).run(engine, groups)
     return [[_rollout(r) for r in g] for g in groups]
 
 
