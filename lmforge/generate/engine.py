@@ -48,10 +48,8 @@ class Engine:
     (:data:`~lmforge.generate.packed.ACTIVATIONS`) picks the products' arithmetic; ``self.model`` then becomes a
     copy that computes exactly that (the rounded matrices; with int8 activations,
     :class:`~lmforge.generate.packed.Q8Linear` projections), which the reference, ``Engine(engine.model,
-    use_kernel=False)``, runs.
-    ``use_kernel=False`` forces the PyTorch path (the reference for the kernels).
-    ``static_steps`` (the PyTorch path; default: on CUDA) runs each step with fixed shapes over the whole cache
-    (:mod:`lmforge.generate.graphs`), replayed as a CUDA graph on a GPU: one launch per token instead of ~200.
+    use_kernel=False)``, runs. ``use_kernel=False`` forces the PyTorch path; ``static_steps`` (that path; default:
+    on CUDA) runs its steps with fixed shapes, as CUDA graphs on a GPU (:mod:`lmforge.generate.graphs`).
     ``compile_steps`` (with static steps; True, or ``torch.compile`` options) compiles that step first, once per
     batch size, so the graph replays fewer, fused kernels (opt-in: the compile takes tens of seconds).
     """
@@ -63,9 +61,8 @@ class Engine:
         model = unwrap_model(model)
         if has_lora(model):  # the kernels pack plain weights: decode a merged copy (the same logits)
             model = merged_copy(model)
-        cfg = model.cfg
-        self.cfg = cfg
-        self.context_length = int(cfg.context_length)
+        self.cfg = model.cfg
+        self.context_length = int(self.cfg.context_length)
         if window_drop is None:
             window_drop = max(1, self.context_length // 4)
         if isinstance(window_drop, bool) or not isinstance(window_drop, int) or not 1 <= window_drop <= self.context_length:
@@ -73,8 +70,8 @@ class Engine:
         self.window_drop = window_drop
         p = model.lm_head.weight
         self.device, self.dtype = p.device, p.dtype
-        wd = weight_dtype_of(weight_dtype)
-        unsupported = kernel_unsupported(cfg)
+        self.weight_dtype = weight_dtype_of(weight_dtype) or self.dtype
+        unsupported = kernel_unsupported(self.cfg)
         if use_kernel and unsupported:
             raise ValueError(f"use_kernel=True: the C++ decode step does not implement this model's "
                              f"{', '.join(unsupported)}; leave use_kernel unset (the model's forward decodes it)")
@@ -83,16 +80,15 @@ class Engine:
             raise ValueError(f"use_kernel=True needs a float32 model on CPU and lmforge's C++ extension "
                              f"(this model is {self.dtype} on {self.device})")
         self._kernel = can if use_kernel is None else bool(use_kernel)
-        self.activations = activations_of(activations, wd or self.dtype)  # the settings' own conflicts first
-        if wd == INT4 and not self._kernel:
+        self.activations = activations_of(activations, self.weight_dtype)  # the settings' own conflicts first
+        if self.weight_dtype == INT4 and not self._kernel:
             raise ValueError(f"int4 weights run on the CPU decode kernel only (a float32 model on CPU with lmforge's "
                              f"C++ extension); this model is {self.dtype} on {self.device.type}, and int4 has no "
                              f"path there yet: decode on CPU (--device cpu)")
-        if wd is not None and wd != self.dtype and not self._kernel:
-            raise ValueError(f"weight_dtype={wd} needs the CPU decode kernel (a float32 model on CPU with lmforge's "
-                             f"C++ extension built); this model is {self.dtype} on {self.device}: leave it unset, or "
-                             f"decode on CPU (--device cpu)")
-        self.weight_dtype = wd or self.dtype
+        if self.weight_dtype != self.dtype and not self._kernel:
+            raise ValueError(f"weight_dtype={self.weight_dtype} needs the CPU decode kernel (a float32 model on CPU "
+                             f"with lmforge's C++ extension built); this model is {self.dtype} on {self.device}: leave "
+                             f"it unset, or decode on CPU (--device cpu)")
         self.model = model
         self._decoder: Any = None  # the C++ step's model (kernel path)
         self._arrays: tuple[np.ndarray, ...] = ()  # numpy views of cache.k, .v, .lengths and tokens (kernel path)
