@@ -18,8 +18,7 @@ touches its chain leaf first, so a parent is always more recent than its childre
 
 Why the replies do not change: row ``b``'s column ``i`` holds the keys and values of token ``i`` given tokens
 ``0 .. i`` (RoPE positions are columns), which is what the stored block holds for the same tokens; on the CPU
-kernels' path a prompt's tokens get the bits single steps would, wherever the prompt starts
-(``tests/generate/test_prefix_cache.py`` holds replies with the cache on and off equal).
+kernels' path a prompt's tokens get the bits single steps would (:mod:`~lmforge.generate.engine`), wherever it starts.
 
 Every per-column tensor of the :class:`~lmforge.model.KVCache` is copied (:func:`positional_fields`); a cache
 holding other per-row state cannot be cut at a block boundary, so it runs without the prefix cache.
@@ -153,9 +152,7 @@ class PrefixCache:
         not already kept under ``salt``, evicting the least recently used beyond the budget; returns blocks added.
         A failure part way (a copy out of memory) leaves the blocks added before it, within the budget."""
         root = _root(salt)
-        if self.budget == 0:
-            return 0
-        with self._lock:
+        with self._lock:  # a budget of 0 keeps nothing: no block fits in it
             chain = self._chain(tokens, len(tokens), root)
             parent = chain[-1].id if chain else root
             added: list[_Block] = []
