@@ -86,8 +86,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     """
     if is_greedy(temperature):
         if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
-            # numpy's argmax: the same ids (the first maximum; a NaN counts as the maximum), in a fifth of the
-            # time of torch's on a decode step's few rows (microseconds that every generated token pays)
+            # numpy's argmax: the same ids (the first maximum; a NaN counts as the maximum), faster on a step's rows
             return torch.from_numpy(logits.numpy().argmax(-1))
         return logits.argmax(dim=-1)
     probs = torch.softmax(sampling_logits(logits, temperature, top_k, top_p), dim=-1)
