@@ -79,10 +79,8 @@ class TextStream:
 
     def finish(self) -> str:
         """Flush at the end of generation (a dangling partial character becomes U+FFFD)."""
-        if self.done:
-            return ""
-        self.done = True
-        text, self.held = self.held + self.decoder.decode(b"", final=True), ""
+        text = "" if self.done else self.held + self.decoder.decode(b"", final=True)
+        self.done, self.held = True, ""
         return text
 
 
@@ -176,9 +174,8 @@ class RowStep:
     def end_full(self, engine: Any, rows: Sequence[Row]) -> None:
         """Rows (row ``i`` in engine row ``i``) whose cache has no room to feed their next token end with
         ``finish="context"`` (the tokens a tool still forces belong to the reply: they are taken, not fed)."""
-        capacity = engine.cache.capacity
         for i, r in enumerate(rows):
-            if r.finish is None and engine.lengths[i] >= capacity:
+            if r.finish is None and engine.lengths[i] >= engine.cache.capacity:
                 self.drain(r)
                 r.finish = "context"
                 r.pending += r.stream.finish()
@@ -186,8 +183,7 @@ class RowStep:
     def run(self, engine: Any, groups: Sequence[Sequence[Row]]) -> None:
         """Decode ``groups`` of rows to their ends as one batch on ``engine``, a cache row each: a group's rows share
         its first row's prompt, prefilled once (``Engine.admit``) and copied (``Engine.fork``) into the others; then
-        one batched step per token (a row alone drafts, if it does), each row leaving as it ends (a stop, its
-        ``max_tokens``, or a full context: :meth:`end_full`; no sliding)."""
+        one :meth:`step` per token, each row leaving as it ends (a stop, ``max_tokens``, a full context: no sliding)."""
         engine.open_slots(max(1, sum(map(len, groups))), engine.context_length)
         live: list[Row] = []  # live[b] decodes in engine row b
         with torch.inference_mode():
