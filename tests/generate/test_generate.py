@@ -15,7 +15,7 @@ import torch
 from conftest import torch_threads
 from lmforge.generate.engine import Engine
 from lmforge.generate.generator import Generator
-from lmforge.generate.rows import TextStream
+from lmforge.generate.rows import Row, RowStep, TextStream
 from lmforge.generate.packed import kernel_available
 from lmforge.generate.sampling import check_sampling, sample_next
 from lmforge.model import ModelConfig, TransformerLM
@@ -241,6 +241,23 @@ def test_text_stream_stop_string_split_across_feeds():
     assert "E" not in pieces[0][-1:]  # the possible start of "END" was held back
     ts = TextStream(["END"])
     assert ts.feed(b"the E") == "the " and ts.finish() == "E"  # never completed: flushed at the end
+
+
+def test_text_stream_flushes_a_cut_character_once():
+    ts = TextStream(["END"])
+    assert ts.feed(b"ok E\xe6\x97") == "ok "  # "E" may start the stop string; the character is incomplete
+    assert ts.finish() == "E\ufffd" and ts.done and ts.finish() == ""
+    ts = TextStream(["END"])
+    assert ts.feed(b"aEND\xe6") == "a" and ts.finish() == ""  # after a stop string nothing more is text
+
+
+def test_a_tool_forcing_an_id_outside_the_vocabulary_ends_its_row_only():
+    steps = RowStep([b"a", b"b", b"c"])
+    bad, good = (Row([0], 5, temperature=0.0, tool=lambda t: [t + 1, 3]), Row([0], 5, temperature=0.0))
+    for r in (bad, good):
+        steps.advance(r, torch.tensor([0.0, 1.0, 0.0]))
+    assert bad.finish == "error" and "forced token id 3, out of range [0, 3)" in bad.error and not bad.forced
+    assert good.finish is None and good.ids == [1]
 
 
 def test_generate_text_stop_strings_and_streaming(tiny_tokenizer):
