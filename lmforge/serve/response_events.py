@@ -21,7 +21,7 @@ import json
 import time
 from typing import Any, AsyncIterator, Callable
 
-from lmforge.generate.scheduler import Update
+from lmforge.generate.scheduler import Job, Update
 from lmforge.serve import api, structured
 from lmforge.serve.errors import APIError
 from lmforge.serve.responses import ResponseRequest, new_id
@@ -35,15 +35,15 @@ def _event(kind: str, **fields: Any) -> dict[str, Any]:
 
 
 class ResponseBuilder:
-    """The response to ``req`` (id ``rid``, served as ``model``), item by item as its updates come.
+    """The response to ``req`` (id ``rid``, served as ``model``), item by item as the updates of its ``job`` come.
 
     ``keep(builder)`` stores a finished response (``req.store``) and says whether it did; it runs before the last
     event is built, so the response's ``store`` is true only for a response that was stored (the first events
     echo the request's ``store``)."""
 
-    def __init__(self, rid: str, model: str, req: ResponseRequest, token_bytes: Callable[[int], bytes],
+    def __init__(self, rid: str, model: str, req: ResponseRequest, job: Job, token_bytes: Callable[[int], bytes],
                  keep: Callable[["ResponseBuilder"], bool]) -> None:
-        self.rid, self.model, self.req, self.token_bytes, self.keep = rid, model, req, token_bytes, keep
+        self.rid, self.model, self.req, self.job, self.token_bytes, self.keep = rid, model, req, job, token_bytes, keep
         self.stored = req.store
         self.created = int(time.time())
         self.completed_at: int | None = None
@@ -96,10 +96,10 @@ class ResponseBuilder:
         return self._numbered([_event("response.created", response=self.resource()),
                                _event("response.in_progress", response=self.resource())])
 
-    def add(self, u: Update, tail: str = "") -> list[dict[str, Any]]:
-        """The events of update ``u`` (``tail``: text after its own, a call ``max_output_tokens`` cut short)."""
+    def add(self, u: Update) -> list[dict[str, Any]]:
+        """The events of update ``u`` (its reply's end as :func:`~lmforge.serve.structured.reply_end` gives it)."""
+        text = u.text + structured.reply_end(self.job, u)
         events: list[dict[str, Any]] = []
-        text = u.text + tail
         lps = api.chat_logprobs(u.logprobs, self.token_bytes)["content"] if self.req.logprobs() else []
         if text or lps:
             events += self._text(text, lps)
@@ -188,11 +188,10 @@ def _copy(obj: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(obj))
 
 
-async def stream(builder: ResponseBuilder, updates: Updates, take: Callable[[Update], list[Any]],
+async def stream(builder: ResponseBuilder, updates: Updates,
                  done: Callable[[ResponseBuilder], None]) -> AsyncIterator[bytes]:
-    """The server-sent events of one response: ``take(u)`` turns each update into events (and may raise the
-    request's own APIError, sent as ``response.failed``); ``done(builder)`` runs once the response ended (any
-    status); the request's job is cancelled if the stream stops first."""
+    """The server-sent events of one response (an APIError of its reply's end sent as ``response.failed``);
+    ``done(builder)`` runs once the response ended (any status); the job is cancelled if the stream stops first."""
     try:
         for e in builder.start():
             yield api.sse(e, e["type"])
@@ -200,7 +199,7 @@ async def stream(builder: ResponseBuilder, updates: Updates, take: Callable[[Upd
             got = await updates.next()
             assert got is not None  # (only the non-streaming watcher sends None)
             try:
-                events = take(got[1])
+                events = builder.add(got[1])
             except APIError as e:  # (the request's grammar failed while decoding, ending it: its error, as the event)
                 events = builder.fail(e.message, e.code or "invalid_request_error")
             for event in events:

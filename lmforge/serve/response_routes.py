@@ -15,8 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lmforge.generate.scheduler import Update
-from lmforge.serve import response_events, responses, structured
+from lmforge.serve import response_events, responses
 from lmforge.serve.errors import APIError
 from lmforge.serve.response_events import ResponseBuilder
 from lmforge.serve.service import Service, endpoint
@@ -39,12 +38,8 @@ def add_response_routes(app: FastAPI, svc: Service) -> None:
         def keep(b: ResponseBuilder) -> bool:
             return store.put(tenant, b.rid, b.resource(), [*messages, b.reply()], responses.input_items(req))
 
-        builder = ResponseBuilder(responses.new_id("resp"), svc.served.model_id, req, svc.token_bytes, keep)
-        updates = svc.submit(jobs)
-        route, job = endpoint(request), jobs[0]
-
-        def take(u: Update) -> list[Any]:
-            return builder.add(u, structured.reply_end(job, u))
+        builder = ResponseBuilder(responses.new_id("resp"), svc.served.model_id, req, jobs[0], svc.token_bytes, keep)
+        updates, route = svc.submit(jobs), endpoint(request)
 
         def done(b: ResponseBuilder) -> None:
             failed = b.error["code"] if b.error is not None else None
@@ -53,9 +48,9 @@ def add_response_routes(app: FastAPI, svc: Service) -> None:
                 metrics.tokens(b.usage["input_tokens"], b.usage["output_tokens"])
 
         if req.stream:
-            events = response_events.stream(builder, updates, take, done)
+            events = response_events.stream(builder, updates, done)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        if not await svc.collect(request, updates, lambda k, u: take(u)):
+        if not await svc.collect(request, updates, lambda k, u: builder.add(u)):
             return Response(status_code=499)
         if builder.error is not None:  # (set by fail() alone, with status failed)
             raise APIError(500, builder.error["message"], type="server_error")
