@@ -71,13 +71,11 @@ class Choice:
 
 async def _answer(svc: Service, request: Request, jobs: list[Job], req: Any, kind: str) -> Response:
     """The answer to ``req`` (``kind`` ``chat`` or ``text``) from ``jobs``: one JSON object, or a stream."""
-    served, metrics = svc.served, svc.metrics
     updates = svc.submit(jobs)
-    rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
-    route = endpoint(request)
+    rid, model_id = api.new_id("chatcmpl" if kind == "chat" else "cmpl"), svc.served.model_id
     if req.stream:
-        return StreamingResponse(_stream(svc, updates, rid, kind, req, route), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(_stream(svc, updates, rid, kind, req, endpoint(request)),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     choices = [Choice(job) for job in jobs]
     if not await svc.collect(request, updates, lambda k, u: choices[k].add(u)):
         return Response(status_code=499)
@@ -86,16 +84,16 @@ async def _answer(svc: Service, request: Request, jobs: list[Job], req: Any, kin
             raise APIError(500, str(c.last.error), type="server_error")
     prompt_tokens = choices[0].last.prompt_tokens
     use = api.usage(prompt_tokens, sum(c.last.completion_tokens for c in choices), choices[0].last.cached_tokens)
-    metrics.request(route, 200)
-    metrics.tokens(prompt_tokens, use["completion_tokens"])
+    svc.ok(request)
+    svc.metrics.tokens(prompt_tokens, use["completion_tokens"])
     tb, logprobs = svc.token_bytes, req.n_logprobs() is not None
     if kind == "chat":
         out = [{"message": api.chat_message(c.text, c.calls), "finish_reason": c.finish(),
                 "logprobs": api.chat_logprobs(c.lps, tb) if logprobs else None} for c in choices]
-        return JSONResponse(api.answer("chat.completion", rid, served.model_id, out, use))
+        return JSONResponse(api.answer("chat.completion", rid, model_id, out, use))
     out = [{"text": c.text, "finish_reason": c.finish(),
             "logprobs": api.completion_logprobs(c.lps, tb) if logprobs else None} for c in choices]
-    return JSONResponse(api.answer("text_completion", rid, served.model_id, out, use))
+    return JSONResponse(api.answer("text_completion", rid, model_id, out, use))
 
 
 async def _stream(svc: Service, updates: Updates, rid: str, kind: str, req: Any, route: str) -> AsyncIterator[bytes]:

@@ -26,7 +26,6 @@ from lmforge.serve.response_store import ResponseStore, Stored
 __all__ = ["RETRY_AFTER_S", "Service", "Updates", "cache_salt", "endpoint"]
 
 RETRY_AFTER_S = 1
-CLOSE = {"Connection": "close"}  # a slow body's 408: the connection closes, the rest is never read
 
 
 def cache_salt(tenant: str, salt: str | None) -> str | None:
@@ -130,8 +129,8 @@ class Service:
                                        code="request_too_large")
                     chunks.append(chunk)
         except TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} s ({size} bytes "
-                                "came); send it at once", code="request_timeout", headers=CLOSE) from None
+            raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} s ({size} bytes came); "
+                                "send it at once", code="request_timeout", headers={"Connection": "close"}) from None
         return b"".join(chunks)
 
     async def read(self, request: Request, cls: type[BaseModel]) -> tuple[str, Any]:
