@@ -109,14 +109,13 @@ async def _stream(svc: Service, updates: Updates, rid: str, kind: str, req: Any,
               use: dict[str, int] | None = None) -> bytes:
         return api.sse(api.answer(obj, rid, model_id, [{**content, "logprobs": lp, "finish_reason": finish}], use, k))
 
-    def piece(k: int, text: str, lps: Sequence[Any] = (), finish: str | None = None,
-              use: dict[str, int] | None = None) -> bytes:
+    def piece(k: int, text: str, lps: Sequence[Any] = ()) -> bytes:
         if kind == "chat":
             return chunk(k, {"delta": {"content": text} if text else {}},
-                         api.chat_logprobs(lps, tb) if logprobs and lps else None, finish, use)
+                         api.chat_logprobs(lps, tb) if logprobs and lps else None)
         lp = api.completion_logprobs(lps, tb, offsets[k]) if logprobs and lps else None
         offsets[k] += len(text)
-        return chunk(k, {"text": text}, lp, finish, use)
+        return chunk(k, {"text": text}, lp)
 
     try:
         if kind == "chat":
@@ -142,7 +141,7 @@ async def _stream(svc: Service, updates: Updates, rid: str, kind: str, req: Any,
             cut = structured.reply_end(jobs[k], u)
             if cut:  # a call cut by max_tokens: what was generated, as text
                 yield piece(k, cut)
-            yield piece(k, "", (), finish,
+            yield chunk(k, {"delta": {}} if kind == "chat" else {"text": ""}, None, finish,
                         api.usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens) if len(jobs) == 1 else None)
             if not updates.running:
                 metrics.request(route, 200)

@@ -50,7 +50,6 @@ class ResponseBuilder:
         self.output: list[dict[str, Any]] = []
         self.status = "in_progress"
         self.usage: dict[str, Any] | None = None
-        self.incomplete: dict[str, str] | None = None
         self.error: dict[str, Any] | None = None
         self.sequence = 0
         self._message: dict[str, Any] | None = None  # the message item open for text, if any
@@ -62,9 +61,10 @@ class ResponseBuilder:
         fmt = req.text.format if req.text is not None and req.text.format is not None else None
         return {
             "id": self.rid, "object": "response", "created_at": self.created, "status": self.status,
-            "completed_at": self.completed_at,
-            "error": self.error, "incomplete_details": self.incomplete, "instructions": req.instructions,
-            "max_output_tokens": req.max_output_tokens, "model": self.model, "output": self.output,
+            "completed_at": self.completed_at, "error": self.error,
+            "incomplete_details": {"reason": "max_output_tokens"} if self.status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
+            "output": self.output,
             "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p,
@@ -161,8 +161,6 @@ class ResponseBuilder:
     def _end(self, u: Update) -> list[dict[str, Any]]:
         self.status = "incomplete" if u.finish_reason == "length" else "completed"
         self.completed_at = int(time.time()) if self.status == "completed" else None
-        if u.finish_reason == "length":
-            self.incomplete = {"reason": "max_output_tokens"}
         self.usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
                       "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": u.prompt_tokens + u.completion_tokens}
