@@ -54,11 +54,9 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
     ``api_key``: a key, or several (one per tenant, :class:`~lmforge.serve.access.Keys`), required as
     ``Authorization: Bearer KEY`` on ``/v1/*``, ``/tokenize``, ``/detokenize`` and ``/metrics`` (the page and
     ``/health`` stay open); ``ValueError`` for one that could never match (:func:`~lmforge.serve.access.check_api_key`).
-    ``max_body``: the largest request body in bytes (beyond: 413). ``body_timeout``: seconds a request body may take
-    to arrive (beyond: 408, connection closed). ``allowed_hosts``: the host names a request's ``Host`` may carry
-    besides ``localhost`` and IP addresses (others: 400; :class:`~lmforge.serve.access.AllowedHosts`, which refuses
-    a malformed one). API POST bodies must come as ``Content-Type: application/json`` (else 415), which a cross-site
-    page cannot send without the CORS preflight this server never grants. ``response_store``: where
+    ``max_body`` and ``body_timeout``: a request body's bounds (:meth:`~lmforge.serve.service.Service.body`).
+    ``allowed_hosts``: the host names a request's ``Host`` may carry besides ``localhost`` and IP addresses (others:
+    400; :class:`~lmforge.serve.access.AllowedHosts`, which refuses a malformed one). ``response_store``: where
     ``/v1/responses`` keeps stored responses (default: a :class:`~lmforge.serve.response_store.ResponseStore`).
     """
     keys = None if api_key is None else Keys([api_key] if isinstance(api_key, str) else api_key)

@@ -37,9 +37,9 @@ def _event(kind: str, **fields: Any) -> dict[str, Any]:
 class ResponseBuilder:
     """The response to ``req`` (id ``rid``, served as ``model``), item by item as the updates of its ``job`` come.
 
-    ``keep(builder)`` stores a finished response (``req.store``) and says whether it did; it runs before the last
-    event is built, so the response's ``store`` is true only for a response that was stored (the first events
-    echo the request's ``store``)."""
+    ``keep(builder)`` stores a response that completed or was cut by ``max_output_tokens`` (with ``req.store``) and
+    says whether it did (not over its tenant's budget); it runs before the last event is built, so the response's
+    ``store`` is true only for a response that was stored (the first events echo the request's ``store``)."""
 
     def __init__(self, rid: str, model: str, req: ResponseRequest, job: Job, token_bytes: Callable[[int], bytes],
                  keep: Callable[["ResponseBuilder"], bool]) -> None:

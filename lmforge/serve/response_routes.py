@@ -2,10 +2,8 @@
 :mod:`~lmforge.serve.responses`; events and objects by :mod:`~lmforge.serve.response_events`), ``GET`` and
 ``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``.
 
-A stored response is found only by the tenant (API key) that created it (:mod:`~lmforge.serve.response_store`),
-on every route and as ``previous_response_id``. It is stored when it ends (completed or cut by
-``max_output_tokens``) unless the request asked not to or the entry alone is over its tenant's budget
-(``--responses-store-mb``); its ``store`` says which.
+A stored response (:mod:`~lmforge.serve.response_store`; which are stored: ``ResponseBuilder``'s ``keep``) is found
+only by the tenant (API key) that created it, on every route and as ``previous_response_id``.
 """
 
 from __future__ import annotations

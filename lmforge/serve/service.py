@@ -109,8 +109,9 @@ class Service:
         self.metrics.request(endpoint(request), 200)
 
     async def body(self, request: Request) -> bytes:
-        """The request's JSON body: 415 unless sent as JSON, 413 over ``max_body``, 408 if it takes longer than
-        ``body_timeout`` to arrive (the connection then closes)."""
+        """The request's JSON body: 415 unless sent as ``Content-Type: application/json`` (which a cross-site page
+        cannot send without the CORS preflight this server never grants), 413 over ``max_body`` bytes, 408 if it
+        takes longer than ``body_timeout`` seconds to arrive (the connection then closes)."""
         kind = request.headers.get("content-type", "")
         if kind.partition(";")[0].strip().lower() != "application/json":
             raise APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json' (this "
@@ -134,8 +135,7 @@ class Service:
         return b"".join(chunks)
 
     async def read(self, request: Request, cls: type[BaseModel]) -> tuple[str, Any]:
-        """The request's tenant (:meth:`authorize`) and its body parsed as ``cls``
-        (:func:`~lmforge.serve.api.parse`), the ``model`` it names checked (:meth:`check_model`) when it names one."""
+        """The request's tenant and its body parsed as ``cls``, the ``model`` it names checked if it names one."""
         tenant = self.authorize(request)
         req = parse(cls, await self.body(request))
         if req.model is not None:
