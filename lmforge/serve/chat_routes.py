@@ -27,7 +27,7 @@ def completion_jobs(svc: Service, req: CompletionRequest, tenant: str) -> list[J
     served = svc.served
     prompt = served.text_prompt(req.text())
     limit = served.max_tokens(req.limit(), len(prompt), "prompt", req.n)
-    stops = [] if served.eot_id is None else [served.eot_id]
+    stops = [] if served.tokenizer.eot_id is None else [served.tokenizer.eot_id]
     s = Sampling(**req.sampling())
     return [svc.job(s, tenant, prompt, limit, stops, None, None, k) for k in range(req.n)]
 

@@ -112,22 +112,20 @@ class ResponseBuilder:
         return self._numbered(events)
 
     def _text(self, text: str, lps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        events = []
-        if self._message is None:
-            self._message = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
-                             "content": []}
-            self.output.append(self._message)
+        events, m = [], self._message
+        if m is None:  # (an open message is the last item: a call closes it)
+            m = self._message = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+                                 "content": []}
+            self.output.append(m)
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            events += [_event("response.output_item.added", output_index=len(self.output) - 1,
-                              item=_copy(self._message)),
-                       _event("response.content_part.added", item_id=self._message["id"],
-                              output_index=len(self.output) - 1, content_index=0, part=_copy(part))]
-            self._message["content"].append(part)
-        self._message["content"][0]["text"] += text
-        self._message["content"][0]["logprobs"] += lps
-        return events + [_event("response.output_text.delta", item_id=self._message["id"],
-                                output_index=len(self.output) - 1, content_index=0, delta=text,
-                                logprobs=[_brief(x) for x in lps])]
+            events += [_event("response.output_item.added", output_index=len(self.output) - 1, item=_copy(m)),
+                       _event("response.content_part.added", item_id=m["id"], output_index=len(self.output) - 1,
+                              content_index=0, part=_copy(part))]
+            m["content"].append(part)
+        m["content"][0]["text"] += text
+        m["content"][0]["logprobs"] += lps
+        return events + [_event("response.output_text.delta", item_id=m["id"], output_index=len(self.output) - 1,
+                                content_index=0, delta=text, logprobs=[_brief(x) for x in lps])]
 
     def _close_message(self, status: str) -> list[dict[str, Any]]:
         m, self._message = self._message, None
