@@ -65,7 +65,8 @@ class Engine:
         self.context_length = int(self.cfg.context_length)
         if window_drop is None:
             window_drop = max(1, self.context_length // 4)
-        if isinstance(window_drop, bool) or not isinstance(window_drop, int) or not 1 <= window_drop <= self.context_length:
+        if isinstance(window_drop, bool) or not isinstance(window_drop, int) \
+                or not 1 <= window_drop <= self.context_length:
             raise ValueError(f"window_drop must be an integer in [1, {self.context_length}] (got {window_drop!r})")
         self.window_drop = window_drop
         p = model.lm_head.weight

@@ -76,9 +76,7 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
     store = response_store if response_store is not None else ResponseStore()
 
     def counts() -> dict[str, int]:  # (read on this event loop, when /metrics is scraped: the store's thread)
-        cache = sched.prefix_cache
-        return sched.load() | {"prefix_evicted_blocks": cache.stats.evicted_blocks if cache is not None else 0,
-                               "responses_stored": len(store), "responses_stored_bytes": store.bytes}
+        return sched.load() | {"responses_stored": len(store), "responses_stored_bytes": store.bytes}
 
     metrics = Metrics(counts)
     svc = Service(served, keys, metrics, store, max_body, body_timeout)
@@ -171,9 +169,10 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         _, req = await svc.read(request, api.DetokenizeRequest)
-        bad = [t for t in req.tokens if not 0 <= t < served.tokenizer.vocab_size]
+        n = served.tokenizer.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < n]
         if bad:
-            raise APIError(400, f"token id {shown(bad[0])} is out of range [0, {served.tokenizer.vocab_size})", "tokens")
+            raise APIError(400, f"token id {shown(bad[0])} is out of range [0, {n})", "tokens")
         svc.ok(request)
         return {"prompt": served.tokenizer.decode(req.tokens)}
 

@@ -101,7 +101,6 @@ class ServedModel:
         except ValueError as e:
             self.no_chat = (f"model {model_id!r} has no chat format ({e}); fine-tune it for chat (lmforge sft), or "
                             "use /v1/completions with a raw prompt")
-        self.eot_id = tokenizer.eot_id
         self.tool_text: dict[int, str] = {}  # special id -> its text in a reply: TOOL_TEXT's markup; a call's none
         if self.chat is not None:
             self.tool_text = {self.chat.ids[t]: text for t, text in TOOL_TEXT.items()}
