@@ -138,13 +138,11 @@ def _longest_path(edges: list[list[int]]) -> int:
             if work:
                 low[work[-1][0]] = min(low[work[-1][0]], low[v])
             if low[v] == order[v]:
-                g, members = len(longest), []
-                while True:
-                    w = stack.pop()
+                g, members = len(longest), [stack.pop()]
+                while members[-1] != v:
+                    members.append(stack.pop())
+                for w in members:
                     group[w] = g
-                    members.append(w)
-                    if w == v:
-                        break
                 after = [longest[group[x]] for m in members for x in edges[m] if group[x] != g]
                 longest.append(len(members) + max(after, default=0))
     return longest[group[0]]
@@ -164,9 +162,7 @@ def _productive(nodes: list[Any], kids: list[dict[str, int]], refs: list[int | N
                 watch[x].append((i, j))
     done, todo = [False] * len(nodes), [i for i in range(len(nodes)) if need[i] == 0]
     while todo:
-        x = todo.pop()
-        if done[x]:
-            continue
+        x = todo.pop()  # (each node comes once: when its last condition is met, or at the start with none)
         done[x] = True
         for i, j in watch[x]:
             if (i, j) not in met:
