@@ -31,8 +31,7 @@ def _pack(obj: Any) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Stored:
-    """One stored response as JSON bytes: its ``resource`` (the response object), its ``history`` (chat messages,
-    the reply included), its ``inputs`` (the request's input items, with ids); when it expires."""
+    """One stored response (module docstring) as JSON bytes, and when it expires."""
 
     resource_json: bytes
     history_json: bytes
@@ -103,8 +102,7 @@ class ResponseStore:
         entry = Stored(_pack(resource), _pack(history), _pack(inputs or []), self.clock() + self.ttl)
         if entry.size > self.max_bytes:
             return False
-        shelf = self._shelves.setdefault(tenant, _Shelf())
-        shelf.expire(self.clock())
+        shelf = self._shelves.setdefault(tenant, _Shelf())  # (delete dropped its expired entries)
         while shelf.entries and (len(shelf.entries) >= self.max_items or shelf.bytes + entry.size > self.max_bytes):
             shelf.drop(next(iter(shelf.entries)))
         shelf.entries[rid] = entry
