@@ -50,12 +50,10 @@ class _Request(Strict):
     stream_options: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1, le=128)
     speculative: bool = True
-    """lmforge's extension: false turns prompt-lookup drafting off for this request (the reply is the same token for
-    token either way; only its speed differs)."""
+    """lmforge's extension: false turns prompt-lookup drafting off for this request (the same reply either way)."""
     cache_salt: str | None = Field(default=None, min_length=1, max_length=SALT_MAX)
     """vLLM's extension: the prefix cache's blocks are shared only among requests of one API key with the same salt
-    (none: the key's shared space), so another salt neither reuses this request's prompt nor learns it from
-    ``cached_tokens`` or the time to the first token."""
+    (none: the key's shared space; what that hides: :mod:`~lmforge.generate.prefix_cache`'s tenancy)."""
 
     def stops(self) -> list[str]:
         """The stop strings (at most 4, non-empty), as a list."""
@@ -376,9 +374,7 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
     return req
 
 
-# --------------------------------------------------------------------------------------------------
 # Answers (objects, chunks, usage, log-probabilities)
-# --------------------------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -392,21 +388,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 def chat_message(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
     """An assistant message: its text (None when it only calls functions) and its ``tool_calls``."""
-    msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
-    if calls:
-        msg["tool_calls"] = calls
-    return msg
+    return {"role": "assistant", "content": text if text or not calls else None,
+            **({"tool_calls": calls} if calls else {})}
 
 
 def answer(kind: str, rid: str, model: str, choices: list[dict[str, Any]], use: dict[str, int] | None = None,
            index: int = 0) -> dict[str, Any]:
     """A ``chat.completion``, ``chat.completion.chunk`` or ``text_completion`` (``kind``): ``choices`` (each
     choice's fields but its ``index``; they are numbered from ``index``), then the ``usage`` when given."""
-    out: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": model,
-                           "choices": [{"index": k, **c} for k, c in enumerate(choices, index)]}
-    if use is not None:
-        out["usage"] = use
-    return out
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model,
+            "choices": [{"index": k, **c} for k, c in enumerate(choices, index)],
+            **({"usage": use} if use is not None else {})}
 
 
 def chat_logprobs(lps: Any, token_bytes: Any) -> dict[str, Any]:

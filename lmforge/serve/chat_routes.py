@@ -1,8 +1,7 @@
-"""The generation routes of the Chat Completions dialect: ``POST /v1/chat/completions`` (the request parsed into the
-one internal chat request, :class:`~lmforge.serve.request.ChatRequest`, and run by
-:meth:`~lmforge.serve.service.Service.chat_jobs`) and ``POST /v1/completions`` (a raw prompt). Each answers as one
-JSON object (its choices built by :class:`Choice` as the updates arrive) or, with ``stream``, as server-sent events
-(``data: {chunk}`` lines, then ``data: [DONE]``); a client that goes away cancels its jobs.
+"""The generation routes of the Chat Completions dialect: ``POST /v1/chat/completions`` (parsed into the one internal
+chat request, run by :meth:`~lmforge.serve.service.Service.chat_jobs`) and ``POST /v1/completions`` (a raw prompt).
+Each answers as one JSON object (its choices built by :class:`Choice`) or, with ``stream``, as server-sent events
+(``data: {chunk}`` lines, then ``data: [DONE]``).
 """
 
 from __future__ import annotations

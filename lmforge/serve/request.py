@@ -47,9 +47,7 @@ class Sampling:
     def seed_of(self, k: int) -> int | None:
         """Choice ``k``'s seed: ``seed`` for the first (so ``n=1`` and choice 0 agree), then ``seed + k`` wrapped
         into the signed 64-bit range (distinct samples, each reproducible)."""
-        if self.seed is None:
-            return None
-        return (self.seed + k - SEED_MIN) % 2 ** 64 + SEED_MIN
+        return None if self.seed is None else (self.seed + k - SEED_MIN) % 2 ** 64 + SEED_MIN
 
 
 @dataclass(frozen=True)
@@ -103,9 +101,8 @@ class ChatRequest(Sampling):
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as the chat format renders them (``{"type": "function", "function": {...}}``)."""
-        if not self.tools:
-            return None
-        return [{"type": "function", "function": f.model_dump(exclude={"type"}, exclude_none=True)} for f in self.tools]
+        return [{"type": "function", "function": f.model_dump(exclude={"type"}, exclude_none=True)}
+                for f in self.tools] if self.tools else None
 
     def message_error(self, k: int | None, text: str) -> APIError:
         """The 400 for a fault the chat renderer found: ``text`` says why, naming message ``k`` of
