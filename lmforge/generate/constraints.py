@@ -231,14 +231,13 @@ class RowConstraint:
         self._initial = None if self.grammar is None else self.grammars.compile(self.grammar)
         self._matcher: Any = None  # the open region's matcher, or None outside regions
         self.failure: str | None = None  # why the grammar failed while decoding (then the row ends in error)
-        self._ids: list[int] = []
         self.after = None if self.after is None else frozenset(self.after)
         if self.start is None:
             self._open()
 
     def _open(self) -> None:
         self._matcher = self._initial.deep_copy()
-        self._ids = []
+        self._ids: list[int] = []  # the open region's ids (read only while one is open)
 
     def partial_text(self) -> str:
         """The text taken so far in the open region ("" outside regions): what a row cut short had generated."""
