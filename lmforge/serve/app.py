@@ -3,9 +3,8 @@
 Routes here: ``GET /`` (the web chat page, static files shipped in the package), ``GET /health``, ``GET
 /v1/models``, ``POST /v1/embeddings``, ``POST /tokenize``, ``POST /detokenize`` and ``GET /metrics`` (Prometheus
 text); the generation routes are :mod:`~lmforge.serve.chat_routes`' and :mod:`~lmforge.serve.response_routes`'.
-``/health`` (open, as the page is) says the server is up and how busy it is, never what requests asked: counts of
-tokens, cache hits and drafts are on ``/metrics``, behind the key. Every error has the OpenAI shape; after a 500
-the keep-alive connection stays usable.
+``/health`` says the server is up and how busy it is, never what requests asked (counts of tokens, cache hits and
+drafts are on ``/metrics``, behind the key). Every error has the OpenAI shape (a 500: :class:`_Unexpected`).
 """
 
 from __future__ import annotations
@@ -113,7 +112,7 @@ def create_app(served: Any, api_key: str | Sequence[str] | None = None, max_body
             return FileResponse(path, media_type=_STATIC_TYPES[name], headers={"Cache-Control": "no-cache"})
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:  # (what the page and a load balancer read: no counts of requests' contents)
+    async def health() -> dict[str, Any]:  # (what the page and a load balancer read)
         load = sched.load()  # rows decoding, requests waiting, and their limits
         return {"status": "ok", "model": served.model_id, "chat": served.chat is not None, "auth": keys is not None,
                 "context_length": served.context_length,

@@ -72,11 +72,10 @@ def messages_from_text(content: str) -> list[Message]:
 class ServedModel:
     """An engine and tokenizer behind the API, under the model id ``model_id``.
 
-    ``max_batch`` requests decode together, ``max_queue`` more may wait (beyond: 429); ``max_tokens_cap`` bounds a
-    request's ``max_tokens`` (default: the context length); ``prefix_cache_mb`` (0: off) budgets a
-    :class:`~lmforge.generate.prefix_cache.PrefixCache` across requests; ``speculative`` lets a request decoding
-    alone draft its next tokens from its context. Chat endpoints need the chat special tokens in the tokenizer
-    (``chat`` is None without them, ``no_chat`` says why).
+    ``max_batch``, ``max_queue`` (beyond: 429) and ``speculative`` are the :class:`Scheduler`'s; ``max_tokens_cap``
+    bounds a request's ``max_tokens`` (default: the context length); ``prefix_cache_mb`` (0: off) budgets a
+    :class:`PrefixCache` across requests. Chat endpoints need the chat special tokens in the tokenizer (``chat`` is
+    None without them, ``no_chat`` says why).
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_id: str, max_batch: int = 8,
@@ -271,8 +270,7 @@ def serve(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, api_ke
     keys = None if api_key is None else [api_key] if isinstance(api_key, str) else list(api_key)
     app = create_app(served, api_key=keys, max_body=max_body, allowed_hosts=[host, *allowed_hosts],
                      response_store=response_store)  # (bad keys and hosts refused before binding)
-    warning = exposure_warning(host, keys)
-    if warning:
+    if (warning := exposure_warning(host, keys)) is not None:
         logger.warning("%s", warning)
     sock = bind(host, port)
     url = "http://%s:%d" % ((f"[{host}]" if ":" in host else host), sock.getsockname()[1])
