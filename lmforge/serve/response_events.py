@@ -58,7 +58,7 @@ class ResponseBuilder:
     def resource(self) -> dict[str, Any]:
         """The ``response`` object as it stands."""
         req = self.req
-        fmt = req.text.format if req.text is not None and req.text.format is not None else None
+        fmt = req.text.format if req.text is not None else None
         return {
             "id": self.rid, "object": "response", "created_at": self.created, "status": self.status,
             "completed_at": self.completed_at, "error": self.error,
@@ -99,10 +99,8 @@ class ResponseBuilder:
     def add(self, u: Update) -> list[dict[str, Any]]:
         """The events of update ``u`` (its reply's end as :func:`~lmforge.serve.structured.reply_end` gives it)."""
         text = u.text + structured.reply_end(self.job, u)
-        events: list[dict[str, Any]] = []
         lps = api.chat_logprobs(u.logprobs, self.token_bytes)["content"] if self.req.logprobs() else []
-        if text or lps:
-            events += self._text(text, lps)
+        events = self._text(text, lps) if text or lps else []
         for region in u.regions:
             events += self._call(structured.parse_call(region))
         if u.finish_reason in ("error", "cancelled"):
@@ -142,9 +140,8 @@ class ResponseBuilder:
 
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         events = self._close_message("completed")
-        fn = call["function"]
         item = {"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": call["id"],
-                "name": fn["name"], "arguments": fn["arguments"]}
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
         self.output.append(item)
         index = len(self.output) - 1
         return events + [
