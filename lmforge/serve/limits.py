@@ -51,10 +51,7 @@ _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSch
 
 def subschemas(node: dict[str, Any]) -> list[tuple[str, Any]]:
     """``node``'s subschemas as (JSON-pointer suffix, schema) pairs."""
-    out: list[tuple[str, Any]] = []
-    for k in _ONE:
-        if isinstance(node.get(k), (dict, bool)):
-            out.append((f"/{k}", node[k]))
+    out: list[tuple[str, Any]] = [(f"/{k}", node[k]) for k in _ONE if isinstance(node.get(k), (dict, bool))]
     for k in _LIST:
         if isinstance(node.get(k), list):
             out += [(f"/{k}/{i}", v) for i, v in enumerate(node[k]) if isinstance(v, (dict, bool))]
