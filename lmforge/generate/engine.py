@@ -97,7 +97,7 @@ class Engine:
         if self._kernel:
             self._pack(model)
         self.cache: KVCache | None = None
-        self.tokens: torch.Tensor | None = None  # (B, capacity): each row's tokens, as in its cache
+        self.tokens: torch.Tensor | None = None  # (B, capacity): each row's tokens, the cache's token_ids
         self.active = 0  # live rows (0 .. active-1); all of them after prefill
         self._threads: int | None = None  # the kernel's threads inside serial_torch
         static = self.device.type == "cuda" and not self._kernel if static_steps is None else bool(static_steps)
@@ -186,7 +186,7 @@ class Engine:
         return [] if self.cache is None else self.cache.lengths.tolist()
 
     def _new_cache(self, rows: int, capacity: int) -> None:
-        """An empty cache and token buffer of ``rows`` rows; on the kernel path also their numpy views. A cache
+        """An empty cache of ``rows`` rows (``tokens``: its token ids); on the kernel path also its numpy views. A cache
         of the same shape is emptied in place instead: with static steps zeroed (its captured graphs stay valid);
         on the kernel path only its lengths and tokens, since the kernels never read a row's keys and values past
         its length (no fresh pages to fault in and zero)."""
@@ -202,7 +202,7 @@ class Engine:
                 return
             self._graphs.reset()
         self.cache = KVCache.for_model(self.model, rows, capacity)
-        self.tokens = torch.zeros(rows, capacity, dtype=torch.long, device=self.device)
+        self.tokens = self.cache.token_ids
         if self._kernel:  # the step's bookkeeping in numpy: a few microseconds less per token than in torch ops
             self._arrays = (self.cache.k.numpy(), self.cache.v.numpy(), self.cache.lengths.numpy(), self.tokens.numpy())
 
@@ -213,23 +213,22 @@ class Engine:
         h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
         return self.model.logits(h)  # (B, V)
 
-    def _fill(self, cache: KVCache, buf: torch.Tensor, rows: Sequence[Sequence[int]], first: int = 0,
-              start: int = 0) -> torch.Tensor:
-        """Run the prompts ``rows`` into ``cache`` (their tokens into its rows' buffer ``buf``; on the kernel path
-        they are rows ``first ..`` of ``self.cache``), whose rows already hold the keys and values of their first
-        ``start`` tokens (0: none); next-token logits."""
+    def _fill(self, cache: KVCache, rows: Sequence[Sequence[int]], first: int = 0, start: int = 0) -> torch.Tensor:
+        """Run the prompts ``rows`` into ``cache`` (on the kernel path they are rows ``first ..`` of ``self.cache``),
+        whose rows already hold the keys and values of their first ``start`` tokens (0: none); next-token logits."""
         T = max(len(r) for r in rows)
         assert 0 <= start < min(len(r) for r in rows) and T <= cache.capacity, (start, T, cache.capacity)
         lengths = torch.tensor([len(r) for r in rows], device=self.device)  # (B,)
-        buf[:, start:T] = 0  # right-padded prompts
+        ids = cache.token_ids
+        ids[:, start:T] = 0  # right-padded prompts
         for b, r in enumerate(rows):
-            buf[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+            ids[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
         if self._kernel:
-            return torch.cat([self._prompt_kernel(first + b, buf[b, start: len(r)], start)
+            return torch.cat([self._prompt_kernel(first + b, ids[b, start: len(r)], start)
                               for b, r in enumerate(rows)])
         # Right padding: a row's real tokens never see its pads under causal attention (pads come after).
         cache.lengths.fill_(start)
-        logits = self._run(buf[:, start:T], cache, None if bool((lengths == T).all()) else lengths - 1 - start)
+        logits = self._run(ids[:, start:T], cache, None if bool((lengths == T).all()) else lengths - 1 - start)
         cache.lengths.copy_(lengths)  # the pads are forgotten: their columns are overwritten next
         return logits
 
@@ -260,7 +259,7 @@ class Engine:
         with self.serial_torch():
             self._new_cache(B, capacity)
             self.active = B
-            return self._fill(self.cache, self.tokens, rows)
+            return self._fill(self.cache, rows)
 
     # ---------------------------------------------------------------------------------------------
     # Continuous batching: rows join and leave between steps
@@ -294,7 +293,7 @@ class Engine:
         """
         assert self.cache is not None and self.active < self.cache.batch_size, "no free row: release one first"
         row = self.active
-        logits = self._fill(self.cache.rows(row), self.tokens[row: row + 1], [prompt], first=row, start=start)
+        logits = self._fill(self.cache.rows(row), [prompt], first=row, start=start)
         self.active += 1
         return row, logits[0]
 
@@ -305,7 +304,7 @@ class Engine:
         assert self.cache is not None and 0 <= row < self.active, (row, self.active)
         last = self.active - 1
         if row != last:
-            self._copy_row(last, row)
+            self.cache.copy_row(last, row)
         self.cache.lengths[last] = 0
         self.active = last
         return None if row == last else last
@@ -315,15 +314,9 @@ class Engine:
         """Copy live row ``row`` (cache columns, tokens, length) into the next free row and return that row:
         several samples of one prompt share its prefill."""
         assert self.cache is not None and 0 <= row < self.active < self.cache.batch_size, (row, self.active)
-        self._copy_row(row, self.active)
+        self.cache.copy_row(row, self.active)
         self.active += 1
         return self.active - 1
-
-    def _copy_row(self, src: int, dst: int) -> None:
-        """Row ``dst`` becomes a copy of row ``src``: its cache row (``KVCache.copy_row``), then its tokens."""
-        self.cache.copy_row(src, dst)
-        n = int(self.cache.lengths[src])
-        self.tokens[dst, :n] = self.tokens[src, :n]
 
     def _refill(self, rows: slice, kept: torch.Tensor) -> None:
         """Empty the cache rows ``rows`` and run ``kept (b, n)`` into them (a sliding row's re-prefill)."""
