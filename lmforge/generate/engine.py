@@ -191,15 +191,12 @@ class Engine:
         on the kernel path only its lengths and tokens, since the kernels never read a row's keys and values past
         its length (no fresh pages to fault in and zero)."""
         same = self.cache is not None and (self.cache.batch_size, self.cache.capacity) == (rows, capacity)
-        if same and self._kernel:
-            self.cache.lengths.zero_()
-            self.tokens.zero_()
+        if same and (self._kernel or self._graphs is not None):
+            kv = () if self._kernel else (self.cache.k, self.cache.v)
+            for t in (*kv, self.cache.lengths, self.tokens):
+                t.zero_()
             return
         if self._graphs is not None:
-            if same:
-                for t in (self.cache.k, self.cache.v, self.cache.lengths, self.tokens):
-                    t.zero_()
-                return
             self._graphs.reset()
         self.cache = KVCache.for_model(self.model, rows, capacity)
         self.tokens = self.cache.token_ids
