@@ -289,10 +289,9 @@ class Scheduler:
         if not self._rows:
             return False
         self._finish_rows()
-        if not self._rows:
-            return True
-        self.rows.step(self.engine, self._rows)
-        self._finish_rows()
+        if self._rows:
+            self.rows.step(self.engine, self._rows)
+            self._finish_rows()
         return True
 
     def _join(self, entry: list[Job]) -> None:
