@@ -78,12 +78,9 @@ def kernel_unsupported(cfg: Any) -> list[str]:
 
 def weight_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:
     """``None``, a ``torch.dtype`` or a name (``"bf16"``, ``"float16"``, ...) as a dtype the kernel reads."""
-    if value is None or isinstance(value, torch.dtype):
-        dtype = value
-    else:
-        dtype = WEIGHT_DTYPES.get(str(value).lower())
-        if dtype is None:
-            raise ValueError(f"unknown weight dtype {value!r}; use one of float32, bfloat16, float16, int8, int4")
+    dtype = value if value is None or isinstance(value, torch.dtype) else WEIGHT_DTYPES.get(str(value).lower())
+    if dtype is None and value is not None:
+        raise ValueError(f"unknown weight dtype {value!r}; use one of float32, bfloat16, float16, int8, int4")
     if dtype is not None and dtype not in _KINDS:
         raise ValueError(f"weights can be stored as float32, bfloat16, float16, int8 or int4 for decoding, not {dtype}")
     return dtype
