@@ -112,7 +112,6 @@ class Engine:
         self._graphs = (StepGraphs(run, self.device.type == "cuda", lambda: cached_projections(self.model))
                         if static else None)
 
-    # ---------------------------------------------------------------------------------------------
     def _pack(self, model: Any) -> None:
         """Pack the matrices for the kernel and build the C++ step's model (``self._decoder``): per layer
         ``(ln1, q|k|v, out, ln2, w1|w3, w2)``, then the final norm and the head; with rounded storage,
@@ -203,7 +202,6 @@ class Engine:
         if self._kernel:  # the step's bookkeeping in numpy: a few microseconds less per token than in torch ops
             self._arrays = (self.cache.k.numpy(), self.cache.v.numpy(), self.cache.lengths.numpy(), self.tokens.numpy())
 
-    # ---------------------------------------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, cache: KVCache, last: torch.Tensor | None) -> torch.Tensor:
         """The model's forward over ``cache``; logits ``(B, V)`` at column ``last[b]`` of each row (None: the last)."""
         h = self.model.hidden(tokens, cache=cache)  # (B, T, C)
@@ -258,9 +256,7 @@ class Engine:
             self.active = B
             return self._fill(self.cache, rows)
 
-    # ---------------------------------------------------------------------------------------------
     # Continuous batching: rows join and leave between steps
-    # ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def open_slots(self, n_slots: int, capacity: int | None = None) -> None:
         """Start serving: an empty cache of ``n_slots`` rows of ``capacity`` columns (default: the context).
@@ -384,9 +380,7 @@ class Engine:
         self._decoder.step(ids, k, v, lengths, logits.numpy(), self._threads)
         return logits
 
-    # ---------------------------------------------------------------------------------------------
     # Speculative decoding: several tokens of one row in one pass, and taking back the rejected ones
-    # ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def verify(self, row: int, tokens: Sequence[int]) -> torch.Tensor:
         """Feed ``tokens (T,)`` to live row ``row`` after its cached tokens; returns the logits after each

@@ -19,9 +19,6 @@ touches its chain leaf first, so a parent is always more recent than its childre
 Why the replies do not change: row ``b``'s column ``i`` holds the keys and values of token ``i`` given tokens
 ``0 .. i`` (RoPE positions are columns), which is what the stored block holds for the same tokens; on the CPU
 kernels' path a prompt's tokens get the bits single steps would (:mod:`~lmforge.generate.engine`), wherever it starts.
-
-Every per-column tensor of the :class:`~lmforge.model.KVCache` is copied (:func:`positional_fields`); a cache
-holding other per-row state cannot be cut at a block boundary, so it runs without the prefix cache.
 """
 
 from __future__ import annotations
