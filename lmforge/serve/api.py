@@ -53,7 +53,8 @@ class _Request(Strict):
     """lmforge's extension: false turns prompt-lookup drafting off for this request (the same reply either way)."""
     cache_salt: str | None = Field(default=None, min_length=1, max_length=SALT_MAX)
     """vLLM's extension: the prefix cache's blocks are shared only among requests of one API key with the same salt
-    (none: the key's shared space; what that hides: :mod:`~lmforge.generate.prefix_cache`'s tenancy)."""
+    (none: the key's shared space), so another salt neither reuses this request's prompt nor learns it from
+    ``cached_tokens`` or the time to the first token."""
 
     def stops(self) -> list[str]:
         """The stop strings (at most 4, non-empty), as a list."""
@@ -388,17 +389,21 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 def chat_message(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
     """An assistant message: its text (None when it only calls functions) and its ``tool_calls``."""
-    return {"role": "assistant", "content": text if text or not calls else None,
-            **({"tool_calls": calls} if calls else {})}
+    msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
 
 
 def answer(kind: str, rid: str, model: str, choices: list[dict[str, Any]], use: dict[str, int] | None = None,
            index: int = 0) -> dict[str, Any]:
     """A ``chat.completion``, ``chat.completion.chunk`` or ``text_completion`` (``kind``): ``choices`` (each
     choice's fields but its ``index``; they are numbered from ``index``), then the ``usage`` when given."""
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model,
-            "choices": [{"index": k, **c} for k, c in enumerate(choices, index)],
-            **({"usage": use} if use is not None else {})}
+    out: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": model,
+                           "choices": [{"index": k, **c} for k, c in enumerate(choices, index)]}
+    if use is not None:
+        out["usage"] = use
+    return out
 
 
 def chat_logprobs(lps: Any, token_bytes: Any) -> dict[str, Any]:

@@ -101,8 +101,9 @@ class ChatRequest(Sampling):
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as the chat format renders them (``{"type": "function", "function": {...}}``)."""
-        return [{"type": "function", "function": f.model_dump(exclude={"type"}, exclude_none=True)}
-                for f in self.tools] if self.tools else None
+        if not self.tools:
+            return None
+        return [{"type": "function", "function": f.model_dump(exclude={"type"}, exclude_none=True)} for f in self.tools]
 
     def message_error(self, k: int | None, text: str) -> APIError:
         """The 400 for a fault the chat renderer found: ``text`` says why, naming message ``k`` of
