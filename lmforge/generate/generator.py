@@ -171,6 +171,7 @@ class Generator:
         single = len(prompt_ids) > 0 and not isinstance(prompt_ids[0], (list, tuple))
         rows = [list(prompt_ids)] if single else [list(r) for r in prompt_ids]
         n_new = self._check_prompts(rows, max_new_tokens, overflow, temperature, top_k, top_p, seed)
+        stop_ids = None if stop_ids is None else list(stop_ids)  # read now, not when a stream starts
         it = ((b, t) for b, t, _ in self._steps(rows, n_new, temperature, top_k, top_p, seed, stop_ids, (), naive)
               if t >= 0)
         if stream:
