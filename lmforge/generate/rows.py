@@ -34,7 +34,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 
 from lmforge.generate.constraints import RowConstraint
-from lmforge.generate.sampling import is_greedy, sample_next, sampling_logits, seeded
+from lmforge.generate.sampling import draw, is_greedy, sample_next, sampling_logits, seeded
 from lmforge.generate.speculative import DraftPolicy, NgramDrafter, SpecStats
 
 logger = logging.getLogger("lmforge")
@@ -266,7 +266,7 @@ class RowStep:
             row = row.clone()  # the mask is this row's (a group's rows share their prefill's logits)
             r.constraint.apply(row[0])
         dist = row if greedy else sampling_logits(row, r.temperature, r.top_k, r.top_p)  # what the token is drawn from
-        t = int(sample_next(dist, 0.0 if greedy else 1.0, generator=r.gen)[0])  # (dist is tempered and cut already)
+        t = int(sample_next(dist, 0.0)[0] if greedy else draw(dist, r.gen)[0])
         if r.logprobs is not None:
             lp = torch.log_softmax(dist[0], dim=-1)
             top: tuple[tuple[int, float], ...] = ()

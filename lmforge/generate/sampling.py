@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MIN_TEMPERATURE", "SEED_MAX", "SEED_MIN", "check_sampling", "check_seed", "is_greedy", "sample_next",
-           "sampling_logits", "seeded"]
+__all__ = ["MIN_TEMPERATURE", "SEED_MAX", "SEED_MIN", "check_sampling", "check_seed", "draw", "is_greedy",
+           "sample_next", "sampling_logits", "seeded"]
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy: dividing float32 logits by a smaller one overflows to inf (1e-40 gives
@@ -89,5 +89,10 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
             # numpy's argmax: the same ids (the first maximum; a NaN counts as the maximum), faster on a step's rows
             return torch.from_numpy(logits.numpy().argmax(-1))
         return logits.argmax(dim=-1)
-    probs = torch.softmax(sampling_logits(logits, temperature, top_k, top_p), dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(sampling_logits(logits, temperature, top_k, top_p), generator)
+
+
+def draw(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``logits`` ``(B, V)``, drawn with ``generator`` from their softmax as they are (a
+    distribution :func:`sampling_logits` has already tempered and cut); returns ``(B,)`` int64."""
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
